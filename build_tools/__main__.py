@@ -1,0 +1,108 @@
+"""python -m build_tools {build,list}: compile the kernel catalogue ahead of time (no GPU needed).
+
+  python -m build_tools build --arch sm90a,sm100a [--only PATTERN] [--head-dim 64] [--out DIR] [-j N]
+  python -m build_tools list  --arch sm90a [--only PATTERN] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from build_tools.build import REPO, BuildError, build, build_fingerprint, common_hash, is_up_to_date, load_manifest
+from build_tools.build import variant_fingerprint
+from kernels_src.catalogue import CatalogueError, variants
+from kernels_src.spec import ARCHS
+
+DEFAULT_OUT = REPO / "artifacts"
+
+
+def _csv(kind):
+    def parse(text: str):
+        items = [t for t in text.replace(";", ",").split(",") if t]
+        try:
+            return [kind(t) for t in items]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m build_tools", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="verb", required=True)
+    for verb in ("build", "list"):
+        s = sub.add_parser(verb)
+        s.add_argument("--arch", type=_csv(str), default=list(ARCHS),
+                       help=f"comma-separated archs (default: {','.join(ARCHS)})")
+        s.add_argument("--only", action="append", default=None, metavar="PATTERN",
+                       help="glob over variant names; repeatable (default: all)")
+        s.add_argument("--head-dim", type=_csv(int), default=None, help="head dims to build, e.g. 64,128")
+        s.add_argument("--block-size", type=_csv(int), default=None, help="key block sizes, e.g. 64,128")
+        s.add_argument("--dtype", type=_csv(str), default=None, help="dtypes, e.g. bf16")
+        s.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"artifact root (default: {DEFAULT_OUT})")
+    b = sub.choices["build"]
+    b.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
+    b.add_argument("--force", action="store_true", help="rebuild even when the fingerprint is unchanged")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    return p
+
+
+def _select(args):
+    return variants(args.arch, only=args.only, head_dims=args.head_dim, block_sizes=args.block_size,
+                    dtypes=args.dtype)
+
+
+def cmd_list(args) -> int:
+    specs = _select(args)
+    fp = build_fingerprint()
+    common = common_hash()
+    manifests = {a: load_manifest(args.out / a, a, fp) for a in args.arch}
+    for s in specs:
+        entry = manifests[s.arch].variants.get(s.name)
+        state = ("up-to-date" if is_up_to_date(entry, variant_fingerprint(s, fp["cutlass_dsl"], common),
+                                               args.out / s.arch)
+                 else "stale" if entry else "not built")
+        print(f"{s.name:<60} {state}")
+    print(f"{len(specs)} variants; artifacts in {args.out}")
+    return 0
+
+
+def cmd_build(args) -> int:
+    specs = _select(args)
+    if not specs:
+        print("no variant matches the selection; `python -m build_tools list` shows the catalogue", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    outcomes = build(specs, args.out, jobs=args.jobs, force=args.force, progress=not args.no_progress)
+    wall = time.perf_counter() - t0
+    failed = [o for o in outcomes if o.status == "failed"]
+    for o in sorted(outcomes, key=lambda o: o.name):
+        extra = f"{o.seconds:6.1f} s" if o.status == "built" else ""
+        print(f"{o.status:<10} {o.name:<60} {extra}")
+        if o.detail:
+            print(f"           {o.detail}")
+    built = sum(o.status == "built" for o in outcomes)
+    print(f"{built} built, {len(outcomes) - built - len(failed)} up to date, {len(failed)} failed "
+          f"in {wall:.1f} s wall ({args.jobs} jobs); artifacts in {args.out}")
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    for a in args.arch:
+        if a not in ARCHS:
+            print(f"error: --arch {a!r} is not supported; supported: {', '.join(ARCHS)}", file=sys.stderr)
+            return 2
+    try:
+        return {"build": cmd_build, "list": cmd_list}[args.verb](args)
+    except (CatalogueError, BuildError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

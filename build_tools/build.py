@@ -1,0 +1,198 @@
+"""Compile build specs to cubins, check them, and record them in artifacts/<arch>/manifest.json.
+
+Each variant compiles in its own worker process (CuTeDSL keeps global state and honours some settings only at
+import). The parent process does every check and every write, so a crash in a worker cannot leave a half
+written cubin or manifest behind: files are written to a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import importlib.metadata
+import json
+import multiprocessing
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from build_tools import cubin as cubin_facts
+from build_tools import ptx as ptx_facts
+from flash_msa_rt.manifest import Manifest, ManifestError, VariantEntry, param_layout, source_hash
+from kernels_src.spec import BuildSpec, Compiled
+
+REPO = Path(__file__).resolve().parent.parent
+KERNELS_SRC = REPO / "kernels_src"
+CUTLASS_DIST = "nvidia-cutlass-dsl"
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def toolchain_version() -> str:
+    try:
+        return importlib.metadata.version(CUTLASS_DIST)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise BuildError(f"{CUTLASS_DIST} is not installed; it is the build stage's compiler "
+                         f"(pip install the version pinned in pyproject.toml)") from e
+
+
+def build_fingerprint() -> dict[str, str]:
+    """The manifest-level fingerprint: exact CuTeDSL version + hash of all kernel sources."""
+    return {"cutlass_dsl": toolchain_version(), "kernels_src_sha256": source_hash(KERNELS_SRC)}
+
+
+def variant_fingerprint(spec: BuildSpec, toolchain: str, common: str) -> str:
+    """What decides a variant's cubin: toolchain, shared build code, its family's sources, its spec."""
+    family = KERNELS_SRC / spec.op
+    spec_json = json.dumps(spec.entry().to_json(), sort_keys=True)
+    return ";".join([
+        f"cutlass_dsl={toolchain}",
+        f"common={common[:16]}",
+        f"src:kernels_src/{spec.op}={source_hash(family)[:16]}",
+        f"spec={hashlib.sha256(spec_json.encode()).hexdigest()[:16]}",
+    ])
+
+
+def common_hash() -> str:
+    """Files every variant depends on: kernels_src's top-level modules and the manifest schema."""
+    h = hashlib.sha256()
+    for p in sorted(KERNELS_SRC.glob("*.py")) + [REPO / "flash_msa_rt" / "manifest.py"]:
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+@dataclass
+class Outcome:
+    name: str
+    arch: str
+    status: str  # "built", "up-to-date", "failed"
+    seconds: float = 0.0
+    detail: str = ""
+
+
+def _compile_in_worker(spec: BuildSpec) -> tuple[Compiled, float]:
+    t0 = time.perf_counter()
+    compiled = spec.compile()
+    return compiled, time.perf_counter() - t0
+
+
+def check_compiled(spec: BuildSpec, compiled: Compiled) -> dict:
+    """Everything the build can verify without a GPU; returns the manifest fields only the build knows."""
+    entry = ptx_facts.single_entry(compiled.ptx)
+    declared = param_layout(spec.params)
+    if entry.params != declared:
+        raise BuildError(
+            f"{spec.name}: PTX params (size, align) {entry.params} differ from the declared ABI {declared} "
+            f"({[p.name for p in spec.params]})")
+    infos = cubin_facts.kernels(compiled.cubin)
+    matching = [k for k in infos if k.name == entry.name]
+    if len(infos) != 1 or not matching:
+        raise BuildError(f"{spec.name}: cubin holds kernels {[k.name for k in infos]}, expected only {entry.name}")
+    info = matching[0]
+    if info.param_sizes and info.param_sizes != [s for s, _ in declared]:
+        raise BuildError(f"{spec.name}: cubin KPARAM_INFO sizes {info.param_sizes} differ from the declared ABI")
+    if spec.hot and info.frame_bytes:
+        raise BuildError(f"{spec.name}: hot kernel uses {info.frame_bytes} bytes of local memory per thread "
+                         f"(register spills or local arrays); fix the kernel or its register budget")
+    if compiled.smem_bytes is not None and compiled.smem_bytes != spec.smem_bytes:
+        raise BuildError(f"{spec.name}: the compiled host code asks for {compiled.smem_bytes} bytes of dynamic "
+                         f"shared memory, the spec declares {spec.smem_bytes}")
+    return {"entry": entry.name, "registers": info.registers, "local_bytes": info.frame_bytes}
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_manifest(arch_dir: Path, arch: str, fingerprint: dict[str, str]) -> Manifest:
+    """The existing manifest of arch_dir, or an empty one; entries from another toolchain are dropped."""
+    path = arch_dir / "manifest.json"
+    variants: dict[str, VariantEntry] = {}
+    if path.exists():
+        try:
+            old = Manifest.load(path)
+            if old.arch == arch:
+                tag = f"cutlass_dsl={fingerprint['cutlass_dsl']};"
+                variants = {n: v for n, v in old.variants.items() if v.fingerprint.startswith(tag)}
+        except ManifestError:
+            variants = {}  # unreadable: rebuild everything it described
+    return Manifest(arch=arch, fingerprint=dict(fingerprint), variants=variants)
+
+
+def is_up_to_date(entry: VariantEntry | None, fingerprint: str, arch_dir: Path) -> bool:
+    if entry is None or entry.fingerprint != fingerprint:
+        return False
+    path = arch_dir / entry.cubin
+    return path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == entry.sha256
+
+
+def build(specs: list[BuildSpec], out: Path, jobs: int = 1, force: bool = False, progress: bool = True,
+          keep_ptx: bool = True) -> list[Outcome]:
+    """Build specs into out/<arch>/; returns one outcome per spec. Raises nothing for a failed variant:
+    callers decide (the CLI exits non-zero and lists them)."""
+    fingerprint = build_fingerprint()
+    common = common_hash()
+    arches = sorted({s.arch for s in specs})
+    manifests = {a: load_manifest(out / a, a, fingerprint) for a in arches}
+    outcomes: list[Outcome] = []
+    todo: list[tuple[BuildSpec, str]] = []
+    for spec in specs:
+        fp = variant_fingerprint(spec, fingerprint["cutlass_dsl"], common)
+        if not force and is_up_to_date(manifests[spec.arch].variants.get(spec.name), fp, out / spec.arch):
+            outcomes.append(Outcome(spec.name, spec.arch, "up-to-date"))
+        else:
+            todo.append((spec, fp))
+
+    bar = _progress(len(todo), progress)
+    # spawn, not fork: each worker imports CuTeDSL fresh; one task per worker keeps CuTeDSL state per variant.
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx, max_tasks_per_child=1) as pool:
+        futures = {pool.submit(_compile_in_worker, spec): (spec, fp) for spec, fp in todo}
+        for fut in cf.as_completed(futures):
+            spec, fp = futures[fut]
+            try:
+                compiled, seconds = fut.result()
+                facts = check_compiled(spec, compiled)
+                arch_dir = out / spec.arch
+                cubin_name = f"{spec.name}.cubin"
+                _atomic_write(arch_dir / cubin_name, compiled.cubin)
+                if keep_ptx:  # for people reading the code generation; never installed into a wheel
+                    _atomic_write(arch_dir / "ptx" / f"{spec.name}.ptx", compiled.ptx.encode())
+                manifests[spec.arch].variants[spec.name] = spec.entry(
+                    cubin=cubin_name, sha256=hashlib.sha256(compiled.cubin).hexdigest(), fingerprint=fp, **facts)
+                _atomic_write(arch_dir / "manifest.json", manifests[spec.arch].dumps().encode())
+                outcomes.append(Outcome(spec.name, spec.arch, "built", seconds))
+            except Exception as e:  # noqa: BLE001 - reported per variant, the build goes on
+                outcomes.append(Outcome(spec.name, spec.arch, "failed", detail=f"{type(e).__name__}: {e}"))
+            bar.update(1)
+            bar.set_postfix_str(spec.name[-40:])
+    bar.close()
+    for arch, manifest in manifests.items():  # also refreshes the top-level fingerprint when all were current
+        _atomic_write(out / arch / "manifest.json", manifest.dumps().encode())
+    return outcomes
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is a build requirement; this keeps a stripped environment working
+        tqdm = None
+    if tqdm is None or not enabled:
+        class _Silent:
+            def update(self, n): pass
+            def set_postfix_str(self, s): pass
+            def close(self): pass
+        return _Silent()
+    return tqdm(total=total, unit="variant", desc="compiling", dynamic_ncols=True)

@@ -1,0 +1,152 @@
+"""Load compiled variants lazily and launch them on torch's current stream.
+
+    kernel = get_kernel("block_scores", {"dtype": "bf16", "head_dim": 128, ...}, device)
+    kernel(q_proxy=q, k_proxy=k, scores=out, scale=0.088, group=8)
+
+Nothing here synchronises the host with the device, so launches can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from flash_msa_rt import artifacts, driver
+from flash_msa_rt.arch import arch_for_capability
+from flash_msa_rt.errors import LaunchError, NoGPUError
+from flash_msa_rt.grid import compile_rule
+from flash_msa_rt.manifest import ScalarParam, TensorParam, TmaParam, VariantEntry
+from flash_msa_rt.params import Packed, Plan, layout_signature, pointer_signature
+
+# Packed param buffers kept per kernel: enough for the distinct activations of a training step's layers.
+POINTER_CACHE_SIZE = 256
+PLAN_CACHE_SIZE = 64
+
+
+class Kernel:
+    """One variant on one device: its function handle and every cached launch signature."""
+
+    def __init__(self, entry: VariantEntry, device_index: int, arch_dir):
+        self.entry = entry
+        self.device_index = device_index
+        self._grid_rules = [compile_rule(r) for r in entry.grid]
+        self._arg_names = tuple(dict.fromkeys(
+            [p.name for p in entry.params if isinstance(p, (TensorParam, ScalarParam))]
+            + [p.tensor for p in entry.params if isinstance(p, TmaParam)]))
+        scalars = {p.name for p in entry.params if isinstance(p, ScalarParam)}
+        self._tensor_names = tuple(n for n in self._arg_names if n not in scalars)
+        self._plans: OrderedDict[tuple, Plan] = OrderedDict()
+        self._packed: OrderedDict[tuple, Packed] = OrderedDict()
+        image = artifacts.cubin_bytes(entry, arch_dir)
+        with _bound_device(device_index):
+            self._library = driver.load_library(image)
+            self._func = driver.get_function(self._library, entry.entry)
+            self._check_params()
+            if entry.smem_bytes:
+                driver.set_dynamic_smem(self._func, entry.smem_bytes)
+            if tuple(entry.cluster) != (1, 1, 1):
+                driver.allow_non_portable_cluster(self._func)
+
+    def _check_params(self) -> None:
+        want = [p.size for p in self.entry.params]
+        got = driver.param_sizes(self._func, len(want))
+        if got != want or driver.param_count_exceeds(self._func, len(want)):
+            raise LaunchError(f"{self.entry.name}: the loaded kernel's params {got} do not match the manifest's "
+                              f"ABI {want}; the artifact is inconsistent, rebuild it")
+
+    def __call__(self, stream: int | None = None, **args: Any) -> None:
+        """Launch with named tensors and scalars on the current torch stream (or `stream`, a CUstream int)."""
+        missing = [n for n in self._arg_names if n not in args]
+        if missing:
+            raise TypeError(f"{self.entry.op}: missing arguments {missing}; this kernel takes {list(self._arg_names)}")
+        layout = layout_signature(self._arg_names, args)
+        key = (layout, pointer_signature(self._tensor_names, args))
+        packed = self._packed.get(key)
+        if packed is None:
+            packed = self._prepare(layout, key, args)
+        else:
+            self._packed.move_to_end(key)
+        cfg = packed.config
+        cfg.hStream = stream if stream is not None else current_stream(self.device_index)
+        driver.launch(cfg, self._func, packed.address)
+
+    def _prepare(self, layout: tuple, key: tuple, args: dict[str, Any]) -> Packed:
+        for n in self._tensor_names:
+            dev = args[n].device if hasattr(args[n], "device") else None
+            if dev is not None and (dev.type != "cuda" or dev.index != self.device_index):
+                raise ValueError(f"{self.entry.op}: argument {n} is on {dev}; this launch runs on "
+                                 f"cuda:{self.device_index} (all tensors must share one device)")
+        plan = self._plans.get(layout)
+        if plan is None:
+            plan = Plan(self.entry, args, self._grid_rules, self.entry.op)
+            self._plans[layout] = plan
+            if len(self._plans) > PLAN_CACHE_SIZE:
+                self._plans.popitem(last=False)
+        packed = Packed(plan, args, driver.encode_tiled)
+        packed.config = driver.launch_config(plan.grid, self.entry.block, self.entry.smem_bytes, self.entry.cluster)
+        self._packed[key] = packed
+        if len(self._packed) > POINTER_CACHE_SIZE:
+            self._packed.popitem(last=False)
+        return packed
+
+
+def current_stream(device_index: int) -> int:
+    """torch's current stream on the device, as the CUstream handle the driver takes."""
+    import torch
+
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+@contextlib.contextmanager
+def _bound_device(device_index: int):
+    """The device current for torch and its primary context current for the driver (cuda-python)."""
+    import torch
+
+    with torch.cuda.device(device_index):
+        torch.cuda.current_stream()  # initialises torch's context on this device
+        driver.ensure_context(device_index)
+        yield
+
+
+_kernels: dict[tuple[str, int], Kernel] = {}
+_by_request: dict[tuple, Kernel] = {}
+_lock = threading.Lock()
+
+
+def device_arch(device_index: int) -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NoGPUError("no CUDA device is available (torch.cuda.is_available() is False); flash-msa kernels "
+                         "run on NVIDIA GPUs of compute capability 9.0 (sm90a) or 10.0 (sm100a)")
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return arch_for_capability(major, minor, torch.cuda.get_device_name(device_index))
+
+
+def get_kernel(op: str, config: dict[str, Any], device) -> Kernel:
+    """The loaded kernel for (op, config) on the device of `device` (a torch.device or index)."""
+    index = device if isinstance(device, int) else (device.index if device.index is not None else _current())
+    request = (op, tuple(config.items()), index)
+    kernel = _by_request.get(request)
+    if kernel is not None:  # the hot path: one dict lookup per call
+        return kernel
+    arch = device_arch(index)
+    entry, arch_dir = artifacts.find_variant(op, config, arch)
+    key = (entry.name, index)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        with _lock:
+            kernel = _kernels.get(key)
+            if kernel is None:
+                kernel = Kernel(entry, index, arch_dir)
+                _kernels[key] = kernel
+    _by_request[request] = kernel
+    return kernel
+
+
+def _current() -> int:
+    import torch
+
+    return torch.cuda.current_device()

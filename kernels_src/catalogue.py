@@ -1,0 +1,62 @@
+"""The kernel catalogue: every op family and the variant matrix build_tools compiles.
+
+Enumerating the catalogue never imports cutlass; only compiling a variant does.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+from typing import Iterable, Sequence
+
+from kernels_src.spec import ARCHS, BuildSpec
+
+# One module per op family. Each provides: configs(**choices) -> list of configs (the default set when a
+# choice is None), can_implement(config, arch) -> (ok, reason), build_spec(config, arch) -> BuildSpec.
+FAMILIES: tuple[str, ...] = ("kernels_src.block_scores",)
+
+
+class CatalogueError(ValueError):
+    pass
+
+
+def families():
+    return [importlib.import_module(m) for m in FAMILIES]
+
+
+def variants(
+    archs: Sequence[str] = ARCHS,
+    *,
+    only: Iterable[str] | None = None,
+    head_dims: Sequence[int] | None = None,
+    block_sizes: Sequence[int] | None = None,
+    dtypes: Sequence[str] | None = None,
+) -> list[BuildSpec]:
+    """The build specs for archs, restricted by --only glob patterns and explicit config choices.
+
+    Config choices widen or narrow the default matrix; a choice that no family can implement is an error that
+    says why, rather than an empty build.
+    """
+    for arch in archs:
+        if arch not in ARCHS:
+            raise CatalogueError(f"arch {arch!r} is not supported; supported: {', '.join(ARCHS)}")
+    patterns = list(only or [])
+    specs, refusals = [], []
+    for fam in families():
+        for cfg in fam.configs(head_dims=head_dims, block_sizes=block_sizes, dtypes=dtypes):
+            for arch in archs:
+                ok, reason = fam.can_implement(cfg, arch)
+                if not ok:
+                    refusals.append(f"{fam.__name__.rsplit('.', 1)[-1]} {cfg} on {arch}: {reason}")
+                    continue
+                spec = fam.build_spec(cfg, arch)
+                if patterns and not any(fnmatch.fnmatchcase(spec.name, p) for p in patterns):
+                    continue
+                specs.append(spec)
+    if not specs and (head_dims or block_sizes or dtypes):
+        raise CatalogueError("no variant can implement the requested config:\n  " + "\n  ".join(refusals))
+    names = [s.name for s in specs]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        raise CatalogueError(f"variant names are not unique: {sorted(dupes)}")
+    return sorted(specs, key=lambda s: s.name)

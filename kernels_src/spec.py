@@ -1,0 +1,73 @@
+"""Build specs: what build_tools needs to compile one variant and describe it in the manifest.
+
+A kernel family (one op) provides, in a module that does NOT import cutlass at import time:
+  - a frozen config dataclass whose fields are every codegen choice, and whose `variant_name(arch)` spells all
+    of them (changing any field changes the name);
+  - `can_implement(config, arch) -> (ok, reason)`;
+  - `build_spec(config, arch) -> BuildSpec`: the param ABI, grid rule, block, cluster, shared memory, and the
+    dotted path of the function that compiles it (imported only inside a build worker, where cutlass is).
+
+The compile function has the signature `compile(config, arch) -> Compiled` and runs with no GPU present.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from flash_msa_rt.manifest import Param, VariantEntry
+
+ARCHS = ("sm90a", "sm100a")
+
+# What CuTeDSL's --gpu-arch option calls each of our arch names.
+GPU_ARCH_OPTION = {"sm90a": "sm_90a", "sm100a": "sm_100a"}
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The output of one cute.compile: SASS for the target plus the PTX it came from (for ABI checks)."""
+
+    cubin: bytes
+    ptx: str
+    smem_bytes: int | None = None  # dynamic shared memory read back from the lowered host code, if found
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    name: str
+    op: str
+    arch: str
+    config: dict[str, Any]
+    params: tuple[Param, ...]
+    grid: tuple[str, str, str]
+    block: tuple[int, int, int]
+    compile_fn: str  # "package.module:function", imported in the build worker only
+    cluster: tuple[int, int, int] = (1, 1, 1)
+    smem_bytes: int = 0
+    hot: bool = True  # a hot kernel must not use local memory (spills fail the build)
+    config_obj: Any = field(default=None, compare=False, repr=False)
+
+    def entry(self, **built: Any) -> VariantEntry:
+        """The manifest entry, with the fields only the build knows (cubin, sha256, entry, registers...)."""
+        return VariantEntry(
+            name=self.name,
+            op=self.op,
+            arch=self.arch,
+            config=dict(self.config),
+            params=self.params,
+            grid=self.grid,
+            block=self.block,
+            cluster=self.cluster,
+            smem_bytes=self.smem_bytes,
+            **built,
+        )
+
+    def compile(self) -> Compiled:
+        module, _, func = self.compile_fn.partition(":")
+        fn: Callable[[Any, str], Compiled] = getattr(importlib.import_module(module), func)
+        return fn(self.config_obj, self.arch)
+
+
+def dtype_tag(dtype: str) -> str:
+    return {"bf16": "bf16", "f16": "f16"}[dtype]
