@@ -61,8 +61,11 @@ class Kernel:
         missing = [n for n in self._arg_names if n not in args]
         if missing:
             raise TypeError(f"{self.entry.op}: missing arguments {missing}; this kernel takes {list(self._arg_names)}")
-        layout = layout_signature(self._arg_names, args)
-        key = (layout, pointer_signature(self._tensor_names, args))
+        try:
+            layout = layout_signature(self._arg_names, args)
+            key = (layout, pointer_signature(self._tensor_names, args))
+        except (AttributeError, TypeError):  # not a tensor where one belongs: let validation say which
+            layout = key = None
         packed = self._packed.get(key)
         if packed is None:
             packed = self._prepare(layout, key, args)

@@ -1,0 +1,141 @@
+"""Proxy block scores: stage 1 of MSA selection (see shared/design/msa-semantics.md, "Selection").
+
+scores[b, p, i, j] = max over keys t of block j with t <= i of scale * <q_proxy[b, i, p], k_proxy[b, t, p // group]>,
+-inf for j > i // Bs. One CTA per (query tile, proxy head, batch); TMA loads, warp-level mma.sync math, so the same
+source compiles for sm90a and sm100a (wgmma / tcgen05 variants come later).
+
+This module does not import cutlass: the catalogue enumerates it on machines without the DSL. The kernel and its
+compile function live in kernels_src.block_scores.kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flash_msa_rt.manifest import ScalarParam, TensorParam, TmaCoordParam, TmaParam, variant_name
+from kernels_src.spec import ARCHS, BuildSpec
+
+OP = "block_scores"
+
+DTYPES = ("bf16",)
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (64, 128)
+TILE_MS = (128,)
+
+# TMA with 128-byte swizzle moves at most 128 bytes of the innermost dim per box row: 64 bf16 elements.
+SWIZZLE_BYTES = 128
+SWIZZLE_ELEMS = 64
+
+_ELEM_BYTES = {"bf16": 2}
+_MAX_SMEM = {"sm90a": 227 * 1024, "sm100a": 227 * 1024}  # opt-in dynamic shared memory per CTA
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every codegen choice of one variant, in naming order."""
+
+    dtype: str = "bf16"
+    head_dim: int = 128  # Dp, static in the cubin
+    block_size: int = 128  # Bs, the key block
+    tile_m: int = 128  # query rows per CTA
+    threads: int = 128  # 4 warps, each owns tile_m / 4 query rows and all Bs keys of a block
+    stages: int = 2  # K-block buffers in shared memory (TMA double buffering)
+
+    def variant_name(self, arch: str) -> str:
+        return variant_name(OP, dataclasses.asdict(self), arch)
+
+    @property
+    def warps(self) -> int:
+        return self.threads // 32
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: mbarriers, then sQ and the staged sK, each 1024-aligned (128B-swizzle atoms).
+
+        Mirrors the SharedStorage struct of the kernel; compile() checks the two agree.
+        """
+        e = _ELEM_BYTES[self.dtype]
+        barriers = _align((1 + self.stages) * 8, 1024)
+        s_q = _align(self.tile_m * self.head_dim * e, 1024)
+        s_k = _align(self.stages * self.block_size * self.head_dim * e, 1024)
+        return barriers + s_q + s_k
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
+    """The variant matrix; the default set (every choice None) is bf16, Dp in (128, 64), Bs 128."""
+    dts = tuple(dtypes) if dtypes else ("bf16",)
+    dps = tuple(head_dims) if head_dims else (128, 64)
+    bss = tuple(block_sizes) if block_sizes else (128,)
+    return [Config(dtype=dt, head_dim=dp, block_size=bs) for dt in dts for dp in dps for bs in bss]
+
+
+def can_implement(config: Config, arch: str) -> tuple[bool, str]:
+    c = config
+    if arch not in ARCHS:
+        return False, f"arch {arch!r} not in {ARCHS}"
+    if c.dtype not in DTYPES:
+        return False, f"dtype {c.dtype!r} not supported; supported: {DTYPES}"
+    if c.head_dim not in HEAD_DIMS:
+        return False, f"head_dim (Dp) {c.head_dim} not supported; supported: {HEAD_DIMS}"
+    if c.block_size not in BLOCK_SIZES:
+        return False, f"block_size (Bs) {c.block_size} not supported; supported: {BLOCK_SIZES}"
+    if c.tile_m not in TILE_MS:
+        return False, f"tile_m {c.tile_m} not supported; supported: {TILE_MS}"
+    if c.tile_m % c.block_size != 0:
+        return False, f"tile_m {c.tile_m} must be a multiple of block_size {c.block_size} (tiles start on block edges)"
+    if c.threads != 128:
+        return False, f"threads {c.threads} not supported; supported: 128 (4 warps x 32 rows: each lane of a quad stores one row)"
+    if c.stages not in (2, 3):
+        return False, f"stages {c.stages} not supported; supported: 2, 3"
+    if c.smem_bytes() > _MAX_SMEM[arch]:
+        return False, f"needs {c.smem_bytes()} bytes of shared memory, {arch} allows {_MAX_SMEM[arch]}"
+    return True, ""
+
+
+def params(config: Config) -> tuple:
+    """The kernel param ABI, in the order of the PTX .param list (the @cute.kernel argument order)."""
+    c = config
+    dp = c.head_dim
+    q_proxy = TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", dp), ("i64", "i64", "i64", 1), align=16)
+    k_proxy = TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", dp), ("i64", "i64", "i64", 1), align=16)
+    scores = TensorParam("scores", "f32", ("B", "Hp", "S", "NB"), ("i64", "i64", "i64", 1), align=4)
+    # The descriptor CuTeDSL builds for a (1, rows, 1, Dp) box over (B, S, H, Dp): its TMA basis is
+    # (64, rows, 1, 1):(1@3, 1@1, 1@0, 1@2), i.e. dims Dp, S, B, H innermost first, 64-wide Dp boxes (128B swizzle),
+    # Dp / 64 copies per tile. compile() reads the basis back from the atom and checks it equals this.
+    tma_q = TmaParam("tma_q", "q_proxy", dims=(3, 1, 0, 2), box=(SWIZZLE_ELEMS, c.tile_m, 1, 1), swizzle=SWIZZLE_BYTES)
+    tma_k = TmaParam("tma_k", "k_proxy", dims=(3, 1, 0, 2), box=(SWIZZLE_ELEMS, c.block_size, 1, 1), swizzle=SWIZZLE_BYTES)
+    return (
+        q_proxy,
+        k_proxy,
+        scores,
+        ScalarParam("scale", "f32"),
+        ScalarParam("group", "i32"),
+        tma_q,
+        TmaCoordParam("tma_q_coord", "q_proxy", dynamic_modes=3),  # (B, S, Hp) in tensor mode order
+        tma_k,
+        TmaCoordParam("tma_k_coord", "k_proxy", dynamic_modes=3),  # (B, S, Hpk)
+    )
+
+
+def build_spec(config: Config, arch: str) -> BuildSpec:
+    ok, reason = can_implement(config, arch)
+    if not ok:
+        raise ValueError(f"{OP}: cannot implement {config} on {arch}: {reason}")
+    return BuildSpec(
+        name=config.variant_name(arch),
+        op=OP,
+        arch=arch,
+        config=dataclasses.asdict(config),
+        config_obj=config,
+        params=params(config),
+        # x fastest: the query tiles of one (head, batch) run side by side and share that head's k_proxy in L2.
+        grid=(f"ceil_div(S, {config.tile_m})", "Hp", "B"),
+        block=(config.threads, 1, 1),
+        compile_fn="kernels_src.block_scores.kernel:compile",
+        smem_bytes=config.smem_bytes(),
+        hot=True,
+    )

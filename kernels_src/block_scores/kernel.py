@@ -1,0 +1,343 @@
+"""Proxy block scores kernel (CuTeDSL): TMA loads + warp-level mma.sync, one source for sm90a and sm100a.
+
+Per CTA: one (query tile of tile_m rows, proxy head p, batch b).
+  1. warp 0 TMA-loads the Q tile once and the first `stages` K blocks of proxy key head p // group;
+  2. for each key block j the tile's rows can see: S = Q K_j^T (fp32) with ldmatrix + mma.sync 16x8x16,
+     causal mask on blocks that straddle the diagonal, row max, times scale, one store per (row, block);
+     the freed K buffer is refilled with block j + stages while the row maxes are reduced and stored;
+  3. every later block of the tile's rows gets -inf.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+from kernels_src.block_scores import SWIZZLE_ELEMS, Config, params
+from kernels_src.spec import GPU_ARCH_OPTION, Compiled
+
+_DTYPES = {"bf16": cutlass.BFloat16}
+
+
+class ProxyBlockScores:
+    def __init__(self, config: Config):
+        self.cfg = config
+        self.dtype = _DTYPES[config.dtype]
+        self.head_dim = config.head_dim
+        self.block_size = config.block_size
+        self.tile_m = config.tile_m
+        self.threads = config.threads
+        self.stages = config.stages
+        self.k_steps = config.head_dim // 16  # mma.sync K is 16
+        # Filled at trace time, read back by compile() to check the spec (descriptor basis, shared memory).
+        self.traced: dict = {}
+
+    # ------------------------------------------------------------------ host side (traced once per compile)
+
+    def _smem_layouts(self):
+        """K-major, 128B-swizzled smem for a (rows, Dp) tile: what TMA writes and what ldmatrix reads.
+
+        The swizzle atom is 8 rows x 64 bf16 (128 bytes); Dp = 128 is two atoms side by side, so TMA boxes are
+        64 elements wide and each tile takes Dp / 64 copies. Conflict-free ldmatrix comes from the same swizzle.
+        """
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        s_q = cute.tile_to_shape(atom, (self.tile_m, self.head_dim), (0, 1))
+        s_k = cute.tile_to_shape(atom, (self.block_size, self.head_dim, self.stages), (0, 1, 2))
+        return s_q, s_k
+
+    @staticmethod
+    def _as_bshd(layout: cute.ComposedLayout) -> cute.ComposedLayout:
+        """View a (rows, Dp[, stage]) smem layout as (1, rows, 1, Dp[, stage]) to match the (B, S, H, Dp) tensors.
+
+        TMA atoms are built over the user's 4-mode tensors as they are, so that the coordinate tensor CuTeDSL
+        passes beside each descriptor holds (B, S, H) in the tensor's own mode order. The unit modes cost nothing.
+        """
+        o = layout.outer
+        shape = (1, o.shape[0], 1, o.shape[1]) + tuple(o.shape[2:])
+        stride = (0, o.stride[0], 0, o.stride[1]) + tuple(o.stride[2:])
+        return cute.make_composed_layout(layout.inner, 0, cute.make_layout(shape, stride=stride))
+
+    @cute.jit
+    def __call__(
+        self,
+        q_proxy: cute.Tensor,  # (B, S, Hp, Dp)
+        k_proxy: cute.Tensor,  # (B, S, Hpk, Dp)
+        scores: cute.Tensor,  # (B, Hp, S, NB) f32
+        scale: cutlass.Float32,
+        group: cutlass.Int32,  # Hp // Hpk
+        stream: cuda.CUstream,
+    ):
+        s_q, s_k = self._smem_layouts()
+        s_q4, s_k4 = self._as_bshd(s_q), self._as_bshd(s_k)
+
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), q_proxy, s_q4, (1, self.tile_m, 1, self.head_dim)
+        )
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), k_proxy, s_k4, (1, self.block_size, 1, self.head_dim)
+        )
+        self.traced["tma_q"] = str(tma_atom_q._trait.value.type)
+        self.traced["tma_k"] = str(tma_atom_k._trait.value.type)
+
+        # Warps tile M only: each warp owns tile_m / warps rows against all Bs keys of a block, so a row's maxima
+        # need just a quad shuffle. N = 16 per step lets one ldmatrix.x4 feed two n8 MMAs.
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)),
+            (self.threads // 32, 1, 1),
+            permutation_mnk=(self.threads // 32 * 16, 16, 16),
+        )
+
+        @cute.struct
+        class SharedStorage:
+            q_full: cute.struct.MemRange[cutlass.Int64, 1]
+            k_full: cute.struct.MemRange[cutlass.Int64, self.stages]
+            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_q)], 1024]
+            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_k)], 1024]
+
+        smem_bytes = SharedStorage.size_in_bytes()
+        self.traced["smem_bytes"] = smem_bytes
+
+        self.kernel(
+            q_proxy, k_proxy, scores, scale, group,
+            tma_atom_q, tma_q, tma_atom_k, tma_k,
+            s_q, s_k, tiled_mma, SharedStorage,
+        ).launch(
+            grid=(cute.ceil_div(q_proxy.shape[1], self.tile_m), q_proxy.shape[2], q_proxy.shape[0]),
+            block=(self.threads, 1, 1),
+            smem=smem_bytes,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ device side
+
+    @cute.kernel
+    def kernel(
+        self,
+        q_proxy: cute.Tensor,
+        k_proxy: cute.Tensor,
+        scores: cute.Tensor,
+        scale: cutlass.Float32,
+        group: cutlass.Int32,
+        tma_atom_q: cute.CopyAtom,
+        tma_q: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        tma_k: cute.Tensor,
+        s_q_layout: cute.ComposedLayout,
+        s_k_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_rev, p, b = cute.arch.block_idx()
+        n_tiles, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+
+        # Causal work grows with the tile index: launch the longest tiles first so they do not form the tail.
+        m_block = n_tiles - 1 - tile_rev
+        m0 = m_block * self.tile_m
+        seqlen = q_proxy.shape[1]
+        n_blocks_total = scores.shape[3]
+        rows_valid = cutlass.min(self.tile_m, seqlen - m0)
+        # Key blocks the tile's last valid row can see; all later blocks are -inf for every row of the tile.
+        n_blocks = cute.ceil_div(m0 + rows_valid, self.block_size)
+        # Blocks from here on hold keys t > m0 for some rows: they straddle the diagonal and need the mask.
+        first_masked = (m0 + 1) // self.block_size
+        pk = p // group
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        q_full = storage.q_full.data_ptr()
+        k_full = storage.k_full.data_ptr()
+        s_q_tma = storage.s_q.get_tensor(self._as_bshd(s_q_layout).outer, swizzle=s_q_layout.inner)
+        s_k_tma = storage.s_k.get_tensor(self._as_bshd(s_k_layout).outer, swizzle=s_k_layout.inner)
+        s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)  # (tile_m, Dp)
+        s_k = storage.s_k.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)  # (Bs, Dp, stages)
+
+        # TMA views: this CTA's Q tile, and all key blocks of (b, pk).
+        g_q = cute.local_tile(tma_q, (1, self.tile_m, 1, self.head_dim), (b, m_block, p, 0))
+        t_q_s, t_q_g = cpasync.tma_partition(
+            tma_atom_q, 0, cute.make_layout(1), cute.group_modes(s_q_tma, 0, 4), cute.group_modes(g_q, 0, 4)
+        )
+        g_k = cute.local_tile(tma_k, (1, self.block_size, 1, self.head_dim), (b, None, pk, 0))
+        t_k_s, t_k_g = cpasync.tma_partition(
+            tma_atom_k, 0, cute.make_layout(1), cute.group_modes(s_k_tma, 0, 4), cute.group_modes(g_k, 0, 4)
+        )
+        q_bytes = self.tile_m * self.head_dim * self.dtype.width // 8  # what one full tile's TMA copies deliver
+        k_bytes = self.block_size * self.head_dim * self.dtype.width // 8
+
+        if tidx == 0:
+            cute.arch.mbarrier_init(q_full, 1)
+            for s in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(k_full + s, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # The TMA copy elects one lane itself, so the whole of warp 0 issues it.
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
+            cute.copy(tma_atom_q, t_q_g, t_q_s, tma_bar_ptr=q_full)
+            for s in cutlass.range_constexpr(self.stages):
+                if s < n_blocks:
+                    self.load_k_block(tma_atom_k, t_k_g, t_k_s, k_full, k_bytes, s, s)
+
+        # Shared -> register copies for the MMA operands (ldmatrix from the swizzled tiles).
+        thr_mma = tiled_mma.get_slice(tidx)
+        t_rq = thr_mma.make_fragment_A(thr_mma.partition_A(s_q))
+        t_rk = thr_mma.make_fragment_B(thr_mma.partition_B(s_k[None, None, 0]))
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        copy_q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
+        copy_k = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
+        t_sq = copy_q.partition_S(s_q)
+        t_rq_view = copy_q.retile(t_rq)
+        t_sk = copy_k.partition_S(s_k)  # (CPY, CPY_N, CPY_K, stages)
+        t_rk_view = copy_k.retile(t_rk)
+
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
+        acc_mn = self._mn_view(acc)
+        # (row, key) coordinates inside one (tile_m, Bs) score tile, in the accumulator's layout.
+        coord_mn = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
+        quad_lane = tidx % 4
+
+        cute.arch.mbarrier_wait(q_full, 0)
+        for j in cutlass.range(n_blocks, unroll=1):
+            stage = j % self.stages
+            cute.arch.mbarrier_wait(k_full + stage, (j // self.stages) % 2)
+
+            acc.fill(0.0)
+            cute.copy(copy_q, t_sq[None, None, 0], t_rq_view[None, None, 0])
+            cute.copy(copy_k, t_sk[None, None, 0, stage], t_rk_view[None, None, 0])
+            for k in cutlass.range_constexpr(self.k_steps):
+                if cutlass.const_expr(k + 1 < self.k_steps):
+                    cute.copy(copy_q, t_sq[None, None, k + 1], t_rq_view[None, None, k + 1])
+                    cute.copy(copy_k, t_sk[None, None, k + 1, stage], t_rk_view[None, None, k + 1])
+                cute.gemm(tiled_mma, acc, t_rq[None, None, k], t_rk[None, None, k], acc)
+
+            # Every warp has read K buffer `stage`: refill it with block j + stages while maxima are reduced.
+            cute.arch.sync_threads()
+            if warp_idx == 0:
+                if j + self.stages < n_blocks:
+                    self.load_k_block(tma_atom_k, t_k_g, t_k_s, k_full, k_bytes, j + self.stages, stage)
+
+            if j >= first_masked:
+                self.mask_causal(acc_mn, coord_mn, m0, j * self.block_size)
+            self.store_row_max(acc_mn, coord_mn, scores, scale, b, p, m0, j, seqlen, quad_lane)
+
+        self.fill_neg_inf(scores, b, p, m0, rows_valid, n_blocks, n_blocks_total, tidx)
+
+    @cute.jit
+    def load_k_block(self, tma_atom_k, t_k_g, t_k_s, k_full, k_bytes, block, stage):
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(k_full + stage, k_bytes)
+        cute.copy(tma_atom_k, t_k_g[None, block], t_k_s[None, stage], tma_bar_ptr=k_full + stage)
+
+    @cute.jit
+    def mask_causal(self, acc_mn: cute.Tensor, coord_mn: cute.Tensor, m0: cutlass.Int32, t0: cutlass.Int32):
+        """Keys t > i do not count: -inf. Also covers keys t >= S of a partial last block (t > i for all i < S)."""
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            key_limit = m0 + coord_mn[r, 0][0] - t0  # last visible key column of this row
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                if coord_mn[0, c][1] > key_limit:
+                    acc_mn[r, c] = -cutlass.Float32.inf
+
+    @cute.jit
+    def store_row_max(self, acc_mn, coord_mn, scores, scale, b, p, m0, j, seqlen, quad_lane):
+        """Row max over the block's keys; a row is spread over a quad of lanes, lane q of the quad stores rows
+        r with r % 4 == q, so all 32 lanes store."""
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            row_max = acc_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
+            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
+            i = m0 + coord_mn[r, 0][0]
+            if quad_lane == r % 4:
+                if i < seqlen:
+                    scores[b, p, i, j] = row_max * scale  # scale > 0 commutes with max; -inf stays -inf
+
+    @cute.jit
+    def fill_neg_inf(self, scores, b, p, m0, rows_valid, n_blocks, n_blocks_total, tidx):
+        """Blocks after the last one the tile's rows can see: -inf, row-major over the tile so stores coalesce."""
+        width = n_blocks_total - n_blocks
+        if width > 0:
+            for e in cutlass.range(tidx, rows_valid * width, self.threads, unroll=1):
+                r = e // width
+                scores[b, p, m0 + r, n_blocks + e - r * width] = -cutlass.Float32.inf
+
+    @staticmethod
+    def _mn_view(t: cute.Tensor) -> cute.Tensor:
+        """((2, 2), MMA_M, MMA_N) accumulator -> ((2, MMA_M), (2, MMA_N)) rows x columns of one thread."""
+        lay = t.layout
+        mn = cute.make_layout(
+            ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
+            stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
+        )
+        return cute.make_tensor(t.iterator, mn)
+
+
+# ---------------------------------------------------------------------- ahead-of-time compile
+
+
+def _fake_args(config: Config):
+    """Fake tensors whose dynamic modes and strides are exactly the params declared in the build spec."""
+    dt = _DTYPES[config.dtype]
+    dp = config.head_dim
+
+    def i64():
+        return cute.sym_int64()
+
+    batch, seqlen, hp, hpk, nb = (cute.sym_int() for _ in range(5))
+    q = make_fake_tensor(dt, (batch, seqlen, hp, dp), (i64(), i64(), i64(), 1), assumed_align=16)
+    # Own symbols per tensor: nothing in the cubin assumes two tensors agree; the runtime checks B and S match.
+    k = make_fake_tensor(dt, (cute.sym_int(), cute.sym_int(), hpk, dp), (i64(), i64(), i64(), 1), assumed_align=16)
+    s = make_fake_tensor(
+        cutlass.Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int(), nb), (i64(), i64(), i64(), 1), assumed_align=4
+    )
+    return q, k, s, cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream()
+
+
+def _check_traced(config: Config, traced: dict) -> None:
+    """The descriptor basis and shared memory CuTeDSL chose must be what the build spec declares."""
+    decl = {p.name: p for p in params(config)}
+    for name in ("tma_q", "tma_k"):
+        m = re.search(r'tma_gbasis = <"\(([^)]*)\):\(([^)]*)\)">', traced[name])
+        if not m:
+            raise RuntimeError(f"{name}: no tma_gbasis in {traced[name]!r}")
+        box = tuple(int(x) for x in m.group(1).split(","))
+        dims = tuple(int(x.split("@")[1]) for x in m.group(2).split(","))
+        unit = all(x.split("@")[0] == "1" for x in m.group(2).split(","))
+        want = decl[name]
+        if (dims, box) != (want.dims, want.box) or not unit:
+            raise RuntimeError(f"{name}: CuTeDSL built basis {m.group(0)}, spec declares dims {want.dims} box {want.box}")
+        if "BF16" not in traced[name] and config.dtype == "bf16":
+            raise RuntimeError(f"{name}: unexpected TMA format in {traced[name]!r}")
+    if traced["smem_bytes"] != config.smem_bytes():
+        raise RuntimeError(f"shared memory: kernel {traced['smem_bytes']} bytes, spec {config.smem_bytes()}")
+    assert SWIZZLE_ELEMS == 64
+
+
+def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
+    """Compile one variant for arch with no GPU present; returns SASS, PTX and the dynamic shared memory.
+
+    PTX and cubin are kept through cute.compile's own --keep-ptx / --keep-cubin / --dump-dir options (no
+    environment variables; keeping artifacts also turns CuTeDSL's compile cache off, so they are always fresh).
+    """
+    kernel = ProxyBlockScores(config)
+    with tempfile.TemporaryDirectory(prefix="block_scores_") as dump:
+        options = f"--gpu-arch {GPU_ARCH_OPTION[arch]} --keep-ptx --keep-cubin --dump-dir {dump}"
+        compiled = cute.compile(kernel, *_fake_args(config), options=options)
+        ptx, cubin = compiled.__ptx__, compiled.__cubin__
+        if not ptx or not cubin:  # fall back to the dump files
+            files = {p.suffix: p for p in Path(dump).iterdir()}
+            ptx = ptx or files[".ptx"].read_text()
+            cubin = cubin or files[".cubin"].read_bytes()
+    if isinstance(cubin, str):
+        cubin = cubin.encode("latin-1")
+    _check_traced(config, kernel.traced)
+    return Compiled(cubin=bytes(cubin), ptx=ptx, smem_bytes=kernel.traced["smem_bytes"])

@@ -1,0 +1,112 @@
+"""proxy_block_scores on the GPU against the pure-PyTorch reference (fresh random inputs, poisoned output)."""
+
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [  # B, S, Hp, Hpk, Dp: odd lengths, partial tiles, GQA groups, both head dims
+    (1, 1, 1, 1, 128),
+    (1, 127, 2, 1, 128),
+    (2, 129, 4, 2, 64),
+    (1, 1000, 8, 1, 128),
+    (2, 2049, 4, 4, 128),
+    (1, 4173, 2, 1, 64),
+]
+
+
+def make_inputs(B, S, Hp, Hpk, Dp, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, S, Hp, Dp, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(B, S, Hpk, Dp, device="cuda", generator=g).to(torch.bfloat16)
+    return q, k
+
+
+def check_against_reference(scores, q, k, block_size, scale):
+    from flash_msa_rt.reference import proxy_block_scores as reference
+
+    ref64 = reference(q.double(), k.double(), block_size, scale).double()
+    ref32 = reference(q.float(), k.float(), block_size, scale).double()
+    assert scores.dtype == torch.float32
+    assert not torch.isnan(scores).any(), "unwritten (poisoned) or NaN elements"
+    masked = torch.isinf(ref64)
+    assert torch.equal(torch.isinf(scores) & (scores < 0), masked), "-inf pattern differs from the causal mask"
+    # Tolerance: a small multiple of the error of the same fp32 computation (another summation order), plus a
+    # floor at fp32 resolution of the largest score.
+    err32 = (ref32 - ref64)[~masked].abs().max().item() if (~masked).any() else 0.0
+    scale_mag = ref64[~masked].abs().max().item() if (~masked).any() else 1.0
+    tol = 4 * err32 + 8 * 2.0**-24 * q.shape[-1] * scale_mag
+    err = (scores.double() - ref64)[~masked].abs().max().item() if (~masked).any() else 0.0
+    assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_Hp{}_Hpk{}_D{}".format(*s))
+def test_matches_reference(shape):
+    from flash_msa_rt import proxy_block_scores
+
+    B, S, Hp, Hpk, Dp = shape
+    q, k = make_inputs(*shape, seed=hash(shape) % 1000)
+    scale = Dp ** -0.5
+    out = torch.full((B, Hp, S, -(-S // 128)), float("nan"), device="cuda")
+    scores = proxy_block_scores(q, k, 128, scale, out=out)
+    assert scores is out
+    check_against_reference(scores, q, k, 128, scale)
+
+
+def test_strided_slices_of_a_fused_projection():
+    from flash_msa_rt import proxy_block_scores
+
+    B, S, Hp, Hpk, Dp = 2, 777, 4, 1, 128
+    fused = torch.randn(B, S, (Hp + Hpk) * Dp + 64, device="cuda").to(torch.bfloat16)
+    q = fused[..., : Hp * Dp].view(B, S, Hp, Dp)
+    k = fused[..., Hp * Dp: (Hp + Hpk) * Dp].view(B, S, Hpk, Dp)
+    assert not q.is_contiguous()
+    check_against_reference(proxy_block_scores(q, k, 128, 0.1), q, k, 128, 0.1)
+
+
+def test_other_stream_and_cuda_graph():
+    from flash_msa_rt import proxy_block_scores
+
+    q, k = make_inputs(1, 1500, 4, 1, 128, seed=7)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        on_side = proxy_block_scores(q, k)
+    torch.cuda.current_stream().wait_stream(side)
+    check_against_reference(on_side, q, k, 128, 128 ** -0.5)
+
+    out = torch.empty_like(on_side)
+    proxy_block_scores(q, k, out=out)  # warm: load the kernel, validate, encode outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        proxy_block_scores(q, k, out=out)
+    q2, k2 = make_inputs(1, 1500, 4, 1, 128, seed=8)
+    q.copy_(q2)
+    k.copy_(k2)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_against_reference(out, q2, k2, 128, 128 ** -0.5)
+
+
+def test_bad_inputs_are_named():
+    from flash_msa_rt import proxy_block_scores
+
+    q, k = make_inputs(1, 256, 2, 1, 128, seed=1)
+    with pytest.raises(TypeError, match="q_proxy has dtype torch.float16"):
+        proxy_block_scores(q.half(), k.half())
+    with pytest.raises(NotImplementedError, match="head_dim 96"):
+        proxy_block_scores(q[..., :96], k[..., :96])
+    with pytest.raises(ValueError, match="proxy heads 2 must be a multiple of proxy key heads 3"):
+        proxy_block_scores(q, torch.cat([k, k, k], dim=2))
+    flat = torch.randn(256 * 2 * 128 + 1, device="cuda").to(torch.bfloat16)
+    misaligned = flat[1:].view(1, 256, 2, 128)
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        proxy_block_scores(misaligned, k)
+
+
+def test_runtime_never_imported_cutlass():
+    import flash_msa_rt  # noqa: F401
+
+    assert not [m for m in sys.modules if m.split(".")[0] in ("cutlass", "kernels_src", "build_tools")]
