@@ -76,8 +76,8 @@ class ProxyBlockScores:
         group: cutlass.Int32,  # Hp // Hpk
         stream: cuda.CUstream,
     ):
-        s_q, s_k = self._smem_layouts()
-        s_q4, s_k4 = self._as_bshd(s_q), self._as_bshd(s_k)
+        s_q_layout, s_k_layout = self._smem_layouts()
+        s_q4, s_k4 = self._as_bshd(s_q_layout), self._as_bshd(s_k_layout)
 
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), q_proxy, s_q4, (1, self.tile_m, 1, self.head_dim)
@@ -100,8 +100,8 @@ class ProxyBlockScores:
         class SharedStorage:
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
             k_full: cute.struct.MemRange[cutlass.Int64, self.stages]
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_q)], 1024]
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_k)], 1024]
+            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_q_layout)], 1024]
+            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_k_layout)], 1024]
 
         smem_bytes = SharedStorage.size_in_bytes()
         self.traced["smem_bytes"] = smem_bytes
@@ -109,7 +109,7 @@ class ProxyBlockScores:
         self.kernel(
             q_proxy, k_proxy, scores, scale, group,
             tma_atom_q, tma_q, tma_atom_k, tma_k,
-            s_q, s_k, tiled_mma, SharedStorage,
+            s_q_layout, s_k_layout, tiled_mma, SharedStorage,
         ).launch(
             grid=(cute.ceil_div(q_proxy.shape[1], self.tile_m), q_proxy.shape[2], q_proxy.shape[0]),
             block=(self.threads, 1, 1),
