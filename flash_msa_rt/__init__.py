@@ -1,16 +1,20 @@
 """flash-msa runtime: ahead-of-time compiled MSA kernels, loaded through cuda-python and bound to torch.
 
-Importing this package never imports cutlass or compiles anything; kernels load lazily on first use.
+Importing this package never imports cutlass or compiles anything, and imports torch only when an op is
+first touched (the build stage reads flash_msa_rt.manifest in an environment without torch); kernels load
+lazily on first use.
 """
 
 from flash_msa_rt.errors import (ArtifactError, FlashMsaError, LaunchError, MissingVariantError, NoGPUError,
                                  UnsupportedArchError)
-from flash_msa_rt.ops.block_scores import proxy_block_scores
 
 __version__ = "0.1.0"
 
+# Public ops, imported on first access: name -> module.
+_OPS = {"proxy_block_scores": "flash_msa_rt.ops.block_scores"}
+
 __all__ = [
-    "proxy_block_scores",
+    *_OPS,
     "FlashMsaError",
     "ArtifactError",
     "LaunchError",
@@ -19,3 +23,13 @@ __all__ = [
     "UnsupportedArchError",
     "__version__",
 ]
+
+
+def __getattr__(name):
+    if name in _OPS:
+        import importlib
+
+        value = getattr(importlib.import_module(_OPS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'flash_msa_rt' has no attribute {name!r}")
