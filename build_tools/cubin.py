@@ -1,8 +1,8 @@
 """Facts read from a cubin (an ELF file): per-kernel registers, stack frame, parameter info.
 
-Read directly from the ELF so the build needs no CUDA toolkit: the register count sits in the top byte of the
-.text.<kernel> section's sh_info, and .nv.info.<kernel> holds attribute records (format byte, attribute byte,
-then a payload whose width the format gives).
+Read directly from the ELF so the build needs no CUDA toolkit: the global .nv.info section holds per-kernel
+records (register count, stack frame) keyed by the kernel's symbol index, and .nv.info.<kernel> holds the
+kernel's own records (KPARAM_INFO: each param's ordinal, offset and size).
 """
 
 from __future__ import annotations
@@ -56,48 +56,74 @@ def _sections(data: bytes) -> dict[str, tuple[int, int, int, int]]:
 
 
 def _attributes(blob: bytes):
+    """(attribute, value or payload) records. Every record starts with 4 bytes: format, attribute, u16; for a
+    sized value the u16 is the payload length and the payload follows, otherwise the u16 is the value."""
     pos = 0
-    while pos + 2 <= len(blob):
-        fmt, attr = blob[pos], blob[pos + 1]
-        pos += 2
-        if fmt == EIFMT_NVAL:
-            yield attr, b""
-        elif fmt == EIFMT_BVAL:
-            yield attr, blob[pos:pos + 1]
-            pos += 1
-        elif fmt == EIFMT_HVAL:
-            yield attr, blob[pos:pos + 2]
-            pos += 2
-        elif fmt == EIFMT_SVAL:
-            size, = struct.unpack_from("<H", blob, pos)
-            yield attr, blob[pos + 2:pos + 2 + size]
-            pos += 2 + size
+    while pos + 4 <= len(blob):
+        fmt, attr, half = blob[pos], blob[pos + 1], struct.unpack_from("<H", blob, pos + 2)[0]
+        pos += 4
+        if fmt == EIFMT_SVAL:
+            yield attr, blob[pos:pos + half]
+            pos += half
+        elif fmt in (EIFMT_NVAL, EIFMT_BVAL, EIFMT_HVAL):
+            yield attr, half
         else:
-            raise CubinError(f".nv.info record with unknown format {fmt:#x}")
+            raise CubinError(f".nv.info record with unknown format {fmt:#x} at byte {pos - 4}")
+
+
+def _symbols(data: bytes, secs) -> dict[int, str]:
+    """symbol index -> name, from .symtab / .strtab."""
+    if ".symtab" not in secs or ".strtab" not in secs:
+        return {}
+    off, size, _, _ = secs[".symtab"]
+    str_off = secs[".strtab"][0]
+    out = {}
+    for i in range(size // 24):
+        st_name, = struct.unpack_from("<I", data, off + 24 * i)
+        end = data.index(b"\0", str_off + st_name)
+        out[i] = data[str_off + st_name:end].decode()
+    return out
+
+
+def _per_symbol(payload: bytes) -> tuple[int, int]:
+    """Global .nv.info records name their kernel by symbol index: (symbol, value)."""
+    return struct.unpack_from("<II", payload, 0)
 
 
 def kernels(data: bytes) -> list[KernelInfo]:
     secs = _sections(data)
+    symbols = _symbols(data, secs)
+    # Per-kernel facts in the global .nv.info, keyed by the kernel's symbol name.
+    regs: dict[str, int] = {}
+    frame: dict[str, int] = {}
+    max_stack: dict[str, int] = {}
+    if ".nv.info" in secs:
+        off, size, _, _ = secs[".nv.info"]
+        for attr, payload in _attributes(data[off:off + size]):
+            if not isinstance(payload, bytes) or len(payload) < 8:
+                continue
+            sym, value = _per_symbol(payload)
+            name = symbols.get(sym, f"#{sym}")
+            if attr == EIATTR_REGCOUNT:
+                regs[name] = value
+            elif attr == EIATTR_FRAME_SIZE:
+                frame[name] = value
+            elif attr == EIATTR_MAX_STACK_SIZE:
+                max_stack[name] = value
     out = []
-    for sec, (off, size, info, _t) in secs.items():
+    for sec in secs:
         if not sec.startswith(".text."):
             continue
         name = sec[len(".text."):]
-        registers = info >> 24
-        frame = max_stack = 0
         params: dict[int, int] = {}
         if f".nv.info.{name}" in secs:
             ioff, isize, _, _ = secs[f".nv.info.{name}"]
             for attr, payload in _attributes(data[ioff:ioff + isize]):
-                if attr == EIATTR_FRAME_SIZE and len(payload) >= 8:
-                    frame = struct.unpack_from("<I", payload, 4)[0]
-                elif attr == EIATTR_MAX_STACK_SIZE and len(payload) >= 8:
-                    max_stack = struct.unpack_from("<I", payload, 4)[0]
-                elif attr == EIATTR_REGCOUNT and len(payload) >= 8:
-                    registers = struct.unpack_from("<I", payload, 4)[0]
-                elif attr == EIATTR_KPARAM_INFO and len(payload) >= 12:
-                    ordinal, _offset, flags = struct.unpack_from("<HHI", payload, 4)
+                if attr == EIATTR_KPARAM_INFO and isinstance(payload, bytes) and len(payload) >= 12:
+                    # index u32, ordinal u16, offset u16, then flags: size in bytes in bits 18..31.
+                    _index, ordinal, _offset, flags = struct.unpack_from("<IHHI", payload, 0)
                     params[ordinal] = (flags >> 18) & 0x3FFF
         shared = secs.get(f".nv.shared.{name}", (0, 0, 0, 0))[1]
-        out.append(KernelInfo(name, registers, frame, max_stack, shared, [params[i] for i in sorted(params)]))
+        out.append(KernelInfo(name, regs.get(name, 0), frame.get(name, 0), max_stack.get(name, 0), shared,
+                              [params[i] for i in sorted(params)]))
     return out

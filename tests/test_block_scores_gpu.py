@@ -122,3 +122,17 @@ def test_runtime_never_imported_cutlass():
                        cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("LOADED:"), r.stdout
+
+
+def test_build_time_facts_match_the_loaded_kernel():
+    """Registers and local memory read from the cubin at build time equal what the driver reports."""
+    from flash_msa_rt import driver
+    from flash_msa_rt.loader import get_kernel
+    from flash_msa_rt.ops.block_scores import kernel_config
+
+    kernel = get_kernel("block_scores", kernel_config("bf16", 128, 128), torch.device("cuda", 0))
+    d = driver.cu()
+    attr = d.CUfunction_attribute
+    regs = driver.check(d.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, kernel._func), "regs")
+    local = driver.check(d.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel._func), "local")
+    assert (regs, local) == (kernel.entry.registers, kernel.entry.local_bytes)
