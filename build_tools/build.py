@@ -75,6 +75,9 @@ class Outcome:
 
 
 def _compile_in_worker(spec: BuildSpec) -> tuple[Compiled, float]:
+    # Incremental builds are ours (fingerprints); CuTeDSL's own disk cache would only make a "full build"
+    # partly a cache read. Set before cutlass is first imported in this fresh worker.
+    os.environ.setdefault("CUTE_DSL_NO_CACHE", "1")
     t0 = time.perf_counter()
     compiled = spec.compile()
     return compiled, time.perf_counter() - t0
