@@ -13,7 +13,6 @@ status=0
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -m flash_msa_rt info; } \
   2>&1 | tee "$out/env.log"
 python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" || status=1
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 # Out-of-bounds accesses and races show here before they show as flaky numbers.
 if command -v compute-sanitizer >/dev/null; then

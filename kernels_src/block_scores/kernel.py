@@ -10,7 +10,6 @@ Per CTA: one (query tile of tile_m rows, proxy head p, batch b).
 
 from __future__ import annotations
 
-import os
 import re
 import tempfile
 from pathlib import Path
@@ -22,7 +21,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
-from kernels_src.block_scores import SWIZZLE_ELEMS, Config, params
+from kernels_src.block_scores import SWIZZLE_BYTES, Config, params
 from kernels_src.spec import GPU_ARCH_OPTION, Compiled
 
 _DTYPES = {"bf16": cutlass.BFloat16}
@@ -85,6 +84,8 @@ class ProxyBlockScores:
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), k_proxy, s_k4, (1, self.block_size, 1, self.head_dim)
         )
+        # The atoms' MLIR types spell the descriptor CuTeDSL will encode (tma_gbasis); compile() checks them.
+        self.traced["swizzle"] = str(s_q_layout.inner)
         self.traced["tma_q"] = str(tma_atom_q._trait.value.type)
         self.traced["tma_k"] = str(tma_atom_k._trait.value.type)
 
@@ -153,7 +154,7 @@ class ProxyBlockScores:
         first_masked = (m0 + 1) // self.block_size
         pk = p // group
 
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         q_full = storage.q_full.data_ptr()
         k_full = storage.k_full.data_ptr()
         s_q_tma = storage.s_q.get_tensor(self._as_bshd(s_q_layout).outer, swizzle=s_q_layout.inner)
@@ -317,9 +318,10 @@ def _check_traced(config: Config, traced: dict) -> None:
             raise RuntimeError(f"{name}: CuTeDSL built basis {m.group(0)}, spec declares dims {want.dims} box {want.box}")
         if "BF16" not in traced[name] and config.dtype == "bf16":
             raise RuntimeError(f"{name}: unexpected TMA format in {traced[name]!r}")
+    if traced["swizzle"] != "S<3,4,3>":  # 128B swizzle in CuTeDSL's byte-address spelling
+        raise RuntimeError(f"smem swizzle {traced['swizzle']}, the spec declares {SWIZZLE_BYTES}B (S<3,4,3>)")
     if traced["smem_bytes"] != config.smem_bytes():
         raise RuntimeError(f"shared memory: kernel {traced['smem_bytes']} bytes, spec {config.smem_bytes()}")
-    assert SWIZZLE_ELEMS == 64
 
 
 def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
