@@ -18,8 +18,12 @@ SUPPORTED_BLOCK_SIZES = (128,)
 
 
 def kernel_config(dtype: str, head_dim: int, block_size: int) -> dict:
-    """The variant this op launches for a problem; fields in the order the build names them."""
-    return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size}
+    """The variant this op launches for a problem; fields in the order the build names them.
+
+    One tile configuration for now (128 query rows, 4 warps, 2 K stages): the only one built by default.
+    """
+    return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "tile_m": 128, "threads": 128,
+            "stages": 2}
 
 
 def _check_inputs(q_proxy, k_proxy, block_size, scale):

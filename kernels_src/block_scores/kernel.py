@@ -149,7 +149,8 @@ class ProxyBlockScores:
         n_blocks_total = scores.shape[3]
         rows_valid = cutlass.min(self.tile_m, seqlen - m0)
         # Key blocks the tile's last valid row can see; all later blocks are -inf for every row of the tile.
-        n_blocks = cute.ceil_div(m0 + rows_valid, self.block_size)
+        # (Clamped to NB only so that a wrong NB can never make the kernel store past a row of scores.)
+        n_blocks = cutlass.min(cute.ceil_div(m0 + rows_valid, self.block_size), n_blocks_total)
         # Blocks from here on hold keys t > m0 for some rows: they straddle the diagonal and need the mask.
         first_masked = (m0 + 1) // self.block_size
         pk = p // group
@@ -286,21 +287,25 @@ class ProxyBlockScores:
 
 
 def _fake_args(config: Config):
-    """Fake tensors whose dynamic modes and strides are exactly the params declared in the build spec."""
+    """Fake arguments whose dynamic extents and strides are exactly the params the build spec declares.
+
+    Every tensor gets its own symbols: nothing in the cubin assumes that B or S agree across tensors (the runtime
+    binds the spec's symbols by name and checks). Strides are plain i64: the kernel never does address math with the
+    q/k strides (TMA does), and cuTensorMapEncodeTiled itself rejects strides that are not 16-byte multiples.
+    """
     dt = _DTYPES[config.dtype]
     dp = config.head_dim
 
-    def i64():
-        return cute.sym_int64()
+    def dims(n):
+        return tuple(cute.sym_int() for _ in range(n))
 
-    batch, seqlen, hp, hpk, nb = (cute.sym_int() for _ in range(5))
-    q = make_fake_tensor(dt, (batch, seqlen, hp, dp), (i64(), i64(), i64(), 1), assumed_align=16)
-    # Own symbols per tensor: nothing in the cubin assumes two tensors agree; the runtime checks B and S match.
-    k = make_fake_tensor(dt, (cute.sym_int(), cute.sym_int(), hpk, dp), (i64(), i64(), i64(), 1), assumed_align=16)
-    s = make_fake_tensor(
-        cutlass.Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int(), nb), (i64(), i64(), i64(), 1), assumed_align=4
-    )
-    return q, k, s, cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream()
+    def strides():
+        return (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1)
+
+    q = make_fake_tensor(dt, (*dims(3), dp), strides(), assumed_align=16)  # (B, S, Hp, Dp)
+    k = make_fake_tensor(dt, (*dims(3), dp), strides(), assumed_align=16)  # (B, S, Hpk, Dp)
+    scores = make_fake_tensor(cutlass.Float32, dims(4), strides(), assumed_align=4)  # (B, Hp, S, NB)
+    return q, k, scores, cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream()
 
 
 def _check_traced(config: Config, traced: dict) -> None:
