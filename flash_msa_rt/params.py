@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ from flash_msa_rt.manifest import (DTYPES, SCALAR_TYPES, ScalarParam, TensorPara
                                    VariantEntry, ZerosParam)
 
 INT32_MAX = 2**31 - 1
+DESCRIPTOR_CACHE_SIZE = 512  # encoded TMA descriptors kept per plan
 # Largest global dimension and stride cuTensorMapEncodeTiled accepts.
 TMA_MAX_DIM, TMA_MAX_STRIDE = 2**32, 2**40
 
@@ -185,6 +187,12 @@ class Plan:
                 pass  # already zero
         self.tensor_slots = [s for s in self.slots if isinstance(s.param, TensorParam)]
         self.tma_slots = [s for s in self.slots if isinstance(s.param, TmaParam)]
+        self.descriptors: OrderedDict[tuple[int, int], bytes] = OrderedDict()  # (slot offset, pointer) -> bytes
+
+    def remember_descriptor(self, key: tuple[int, int], data: bytes) -> None:
+        self.descriptors[key] = data
+        if len(self.descriptors) > DESCRIPTOR_CACHE_SIZE:
+            self.descriptors.popitem(last=False)
 
 
 def _tensor_blob(p: TensorParam, t, ptr: int) -> bytes:
@@ -210,11 +218,18 @@ class Packed:
             ctypes.c_uint64.from_address(base + s.offset).value = args[s.param.name].data_ptr()
         for s in plan.tma_slots:
             p, t = s.param, args[s.param.tensor]
+            # A descriptor depends on the plan's layout and this tensor's pointer only: when just another
+            # argument moved (a fresh output, say), the encoded bytes are reused rather than re-encoded.
+            known = plan.descriptors.get((s.offset, t.data_ptr()))
+            if known is not None:
+                ctypes.memmove(base + s.offset, known, 128)
+                continue
             esize, code = DTYPES[dtype_name(t.dtype)]
             span = (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * esize
             encode_tma(base + s.offset, code, t.data_ptr(), [t.shape[m] for m in p.dims],
                        [t.stride(m) * esize for m in p.dims[1:]], list(p.box), p.swizzle, p.l2_promotion,
                        p.oob_fill, span)
+            plan.remember_descriptor((s.offset, t.data_ptr()), ctypes.string_at(base + s.offset, 128))
         self._raw = raw
         self._pointers = (ctypes.c_void_p * len(plan.slots))(*[base + s.offset for s in plan.slots])
         self.address = ctypes.addressof(self._pointers)

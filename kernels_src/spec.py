@@ -16,7 +16,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from flash_msa_rt.manifest import Param, VariantEntry
+from flash_msa_rt.manifest import Param, TensorParam, VariantEntry
 
 ARCHS = ("sm90a", "sm100a")
 
@@ -71,3 +71,22 @@ class BuildSpec:
 
 def dtype_tag(dtype: str) -> str:
     return {"bf16": "bf16", "f16": "f16"}[dtype]
+
+
+def fake_tensor(param: TensorParam):
+    """The CuTeDSL fake tensor a TensorParam declares: the compile sees exactly the runtime's ABI.
+
+    Every symbolic extent becomes its own int32 sym_int (with the declared divisibility), so the cubin assumes
+    nothing about two tensors sharing a size: the runtime binds symbols by name and checks equality itself.
+    Dynamic strides become sym_ints of their declared width; static entries stay static.
+    """
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    elem = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32, "i32": cutlass.Int32,
+            "i64": cutlass.Int64, "u8": cutlass.Uint8}[param.dtype]
+    shape = tuple(s if isinstance(s, int) else cute.sym_int(divisibility=param.divisibility.get(s, 1))
+                  for s in param.shape)
+    stride = tuple(s if isinstance(s, int) else cute.sym_int(64 if s == "i64" else 32) for s in param.stride)
+    return make_fake_tensor(elem, shape, stride, assumed_align=param.align)

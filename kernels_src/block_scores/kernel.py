@@ -19,10 +19,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+from cutlass.cute.runtime import make_fake_stream
 
 from kernels_src.block_scores import SWIZZLE_BYTES, Config, params
-from kernels_src.spec import GPU_ARCH_OPTION, Compiled
+from kernels_src.spec import GPU_ARCH_OPTION, Compiled, fake_tensor
 
 _DTYPES = {"bf16": cutlass.BFloat16}
 
@@ -287,25 +287,14 @@ class ProxyBlockScores:
 
 
 def _fake_args(config: Config):
-    """Fake arguments whose dynamic extents and strides are exactly the params the build spec declares.
+    """Fake arguments built from the declared tensor params, so the compile sees exactly the runtime's ABI.
 
-    Every tensor gets its own symbols: nothing in the cubin assumes that B or S agree across tensors (the runtime
-    binds the spec's symbols by name and checks). Strides are plain i64: the kernel never does address math with the
-    q/k strides (TMA does), and cuTensorMapEncodeTiled itself rejects strides that are not 16-byte multiples.
+    Strides are plain i64: the kernel never does address math with the q/k strides (TMA does), and
+    cuTensorMapEncodeTiled itself rejects strides that are not 16-byte multiples.
     """
-    dt = _DTYPES[config.dtype]
-    dp = config.head_dim
-
-    def dims(n):
-        return tuple(cute.sym_int() for _ in range(n))
-
-    def strides():
-        return (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1)
-
-    q = make_fake_tensor(dt, (*dims(3), dp), strides(), assumed_align=16)  # (B, S, Hp, Dp)
-    k = make_fake_tensor(dt, (*dims(3), dp), strides(), assumed_align=16)  # (B, S, Hpk, Dp)
-    scores = make_fake_tensor(cutlass.Float32, dims(4), strides(), assumed_align=4)  # (B, Hp, S, NB)
-    return q, k, scores, cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream()
+    decl = {p.name: p for p in params(config)}
+    tensors = (fake_tensor(decl[name]) for name in ("q_proxy", "k_proxy", "scores"))
+    return (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
 
 
 def _check_traced(config: Config, traced: dict) -> None:
