@@ -14,7 +14,7 @@ from flash_msa_rt.loader import get_kernel
 
 SUPPORTED_DTYPES = {torch.bfloat16: "bf16"}
 SUPPORTED_HEAD_DIMS = (64, 128)
-SUPPORTED_BLOCK_SIZES = (128,)
+SUPPORTED_BLOCK_SIZES = (64, 128)  # 128 ships in the wheel; 64: python -m build_tools build --block-size 64
 
 
 def kernel_config(dtype: str, head_dim: int, block_size: int) -> dict:
@@ -80,6 +80,8 @@ def proxy_block_scores(q_proxy: torch.Tensor, k_proxy: torch.Tensor, block_size:
                              f"{(B, Hp, S, nb)} on {q_proxy.device}, got "
                              f"{getattr(out, 'shape', type(out).__name__)}")
         scores = out
+    if scores.numel() == 0:  # an empty batch, sequence or head set: nothing to launch
+        return scores
     kernel = get_kernel("block_scores", kernel_config(SUPPORTED_DTYPES[q_proxy.dtype], Dp, block_size),
                         q_proxy.device)
     kernel(q_proxy=q_proxy, k_proxy=k_proxy, scores=scores, scale=float(scale), group=Hp // Hpk)
