@@ -15,7 +15,7 @@ from pathlib import Path
 from build_tools.build import REPO, BuildError, build, build_fingerprint, common_hash, is_up_to_date, load_manifest
 from build_tools.build import variant_fingerprint
 from kernels_src.catalogue import CatalogueError, variants
-from kernels_src.spec import ARCHS
+from kernels_src.spec import ARCHS, DEFAULT_ARCHS
 
 DEFAULT_OUT = REPO / "artifacts"
 
@@ -36,8 +36,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True)
     for verb in ("build", "list"):
         s = sub.add_parser(verb)
-        s.add_argument("--arch", type=_csv(str), default=list(ARCHS),
-                       help=f"comma-separated archs (default: {','.join(ARCHS)})")
+        s.add_argument("--arch", type=_csv(str), default=list(DEFAULT_ARCHS),
+                       help=f"comma-separated archs of {','.join(ARCHS)} (default: {','.join(DEFAULT_ARCHS)})")
         s.add_argument("--only", action="append", default=None, metavar="PATTERN",
                        help="glob over variant names; repeatable (default: all)")
         s.add_argument("--head-dim", type=_csv(int), default=None, help="head dims to build, e.g. 64,128")

@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-DEFAULT_ARCHS = "sm90a;sm100a"
+DEFAULT_ARCHS = "sm90a;sm100a"  # CMakeLists.txt holds the same default
 
 
 def archs_from_env() -> list[str]:

@@ -123,9 +123,9 @@ def device_arch(device_index: int) -> str:
 
     if not torch.cuda.is_available():
         raise NoGPUError("no CUDA device is available (torch.cuda.is_available() is False); flash-msa kernels "
-                         "run on NVIDIA GPUs of compute capability 9.0 (sm90a) or 10.0 (sm100a)")
+                         "run on NVIDIA GPUs of compute capability 9.0 (sm90a) or 10.x (sm100a / sm100f)")
     major, minor = torch.cuda.get_device_capability(device_index)
-    return arch_for_capability(major, minor, torch.cuda.get_device_name(device_index))
+    return arch_for_capability(major, minor, artifacts.carried_archs(), torch.cuda.get_device_name(device_index))
 
 
 def get_kernel(op: str, config: dict[str, Any], device) -> Kernel:

@@ -9,7 +9,7 @@ import fnmatch
 import importlib
 from typing import Iterable, Sequence
 
-from kernels_src.spec import ARCHS, BuildSpec
+from kernels_src.spec import ARCHS, DEFAULT_ARCHS, BuildSpec
 
 # One module per op family. Each provides: configs(**choices) -> list of configs (the default set when a
 # choice is None), can_implement(config, arch) -> (ok, reason), build_spec(config, arch) -> BuildSpec.
@@ -25,7 +25,7 @@ def families():
 
 
 def variants(
-    archs: Sequence[str] = ARCHS,
+    archs: Sequence[str] = DEFAULT_ARCHS,
     *,
     only: Iterable[str] | None = None,
     head_dims: Sequence[int] | None = None,

@@ -18,10 +18,13 @@ from typing import Any, Callable
 
 from flash_msa_rt.manifest import Param, TensorParam, VariantEntry
 
-ARCHS = ("sm90a", "sm100a")
+# sm90a runs on compute capability 9.0 only and sm100a on 10.0 only (arch-specific targets). sm100f is the
+# Blackwell family target (10.x, e.g. B300's 10.3): buildable on request, not in the default set.
+ARCHS = ("sm90a", "sm100a", "sm100f")
+DEFAULT_ARCHS = ("sm90a", "sm100a")
 
 # What CuTeDSL's --gpu-arch option calls each of our arch names.
-GPU_ARCH_OPTION = {"sm90a": "sm_90a", "sm100a": "sm_100a"}
+GPU_ARCH_OPTION = {"sm90a": "sm_90a", "sm100a": "sm_100a", "sm100f": "sm_100f"}
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,15 @@ from flash_msa_rt.manifest import Manifest, param_layout  # noqa: E402
 from kernels_src.catalogue import variants  # noqa: E402
 from kernels_src.spec import Compiled  # noqa: E402
 
-# The smallest useful set: one variant per arch (the sm100a one proves the Blackwell side of the build).
+# The smallest useful set: one variant per arch (sm100a and sm100f prove the Blackwell side of the build).
 ONLY = ["block_scores_bf16_d64_b128_*"]
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("artifacts")
-    specs = variants(("sm90a", "sm100a"), only=ONLY)
-    assert {s.arch for s in specs} == {"sm90a", "sm100a"}
+    specs = variants(("sm90a", "sm100a", "sm100f"), only=ONLY)
+    assert {s.arch for s in specs} == {"sm90a", "sm100a", "sm100f"}
     outcomes = build(specs, out, jobs=2, progress=False)
     failed = [o for o in outcomes if o.status != "built"]
     assert not failed, failed
@@ -33,7 +33,7 @@ def built(tmp_path_factory):
 
 def test_manifest_describes_every_cubin(built):
     out, specs = built
-    for arch in ("sm90a", "sm100a"):
+    for arch in ("sm90a", "sm100a", "sm100f"):
         raw = json.loads((out / arch / "manifest.json").read_text())
         m = Manifest.from_json(raw)
         assert m.fingerprint["cutlass_dsl"] == importlib.metadata.version("nvidia-cutlass-dsl")
@@ -54,7 +54,7 @@ def test_ptx_and_cubin_agree_with_the_declared_abi(built):
         ptx = (out / s.arch / "ptx" / f"{s.name}.ptx").read_text()
         entry = ptx_facts.single_entry(ptx)
         assert entry.params == param_layout(s.params)
-        target = {"sm90a": ".target sm_90a", "sm100a": ".target sm_100a"}[s.arch]
+        target = {"sm90a": ".target sm_90a", "sm100a": ".target sm_100a", "sm100f": ".target sm_100f"}[s.arch]
         assert target in ptx
         (k,) = cubin_facts.kernels((out / s.arch / f"{s.name}.cubin").read_bytes())
         assert k.name == entry.name

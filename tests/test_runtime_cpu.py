@@ -66,10 +66,13 @@ def toy_args(B=2, S=1000, H=4, NB=8, **kw):
 def test_arch_mapping():
     assert arch_for_capability(9, 0) == "sm90a"
     assert arch_for_capability(10, 0) == "sm100a"
-    with pytest.raises(UnsupportedArchError, match=r"8\.0.*sm90a"):
-        arch_for_capability(8, 0, "A100")
-    with pytest.raises(UnsupportedArchError, match="sm_100f"):
-        arch_for_capability(10, 3)
+    assert arch_for_capability(10, 0, carried=["sm100f"]) == "sm100f"  # the family build also runs on 10.0
+    assert arch_for_capability(10, 0, carried=["sm100a", "sm100f"]) == "sm100a"  # exact target preferred
+    assert arch_for_capability(10, 3, carried=["sm100a"]) == "sm100f"  # sm_100a SASS does not run on 10.3
+    with pytest.raises(UnsupportedArchError, match=r"A100 has compute capability 8\.0.*sm90a"):
+        arch_for_capability(8, 0, device_name="A100")
+    with pytest.raises(UnsupportedArchError, match="12.0"):
+        arch_for_capability(12, 0)
 
 
 def test_no_gpu_is_a_clear_error(monkeypatch):

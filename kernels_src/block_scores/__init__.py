@@ -28,7 +28,7 @@ SWIZZLE_BYTES = 128
 SWIZZLE_ELEMS = 64
 
 _ELEM_BYTES = {"bf16": 2}
-_MAX_SMEM = {"sm90a": 227 * 1024, "sm100a": 227 * 1024}  # opt-in dynamic shared memory per CTA
+_MAX_SMEM = {"sm90a": 227 * 1024, "sm100a": 227 * 1024, "sm100f": 227 * 1024}  # opt-in dynamic shared memory per CTA
 
 
 @dataclass(frozen=True)
