@@ -159,3 +159,28 @@ def test_build_time_facts_match_the_loaded_kernel():
     regs = driver.check(d.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, kernel._func), "regs")
     local = driver.check(d.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel._func), "local")
     assert (regs, local) == (kernel.entry.registers, kernel.entry.local_bytes)
+
+
+def test_first_call_inside_graph_capture():
+    """A fresh process whose very first launch is captured: loading the cubin, validating and encoding TMA
+    descriptors must all be legal during stream capture (a training step captured without an eager warm-up)."""
+    code = (
+        "import torch, flash_msa_rt\\n"
+        "from flash_msa_rt.reference import proxy_block_scores as ref\\n"
+        "q = torch.randn(1, 300, 2, 128, device='cuda').to(torch.bfloat16)\\n"
+        "k = torch.randn(1, 300, 1, 128, device='cuda').to(torch.bfloat16)\\n"
+        "out = torch.empty(1, 2, 300, 3, device='cuda')\\n"
+        "g = torch.cuda.CUDAGraph()\\n"
+        "with torch.cuda.graph(g):\\n"
+        "    flash_msa_rt.proxy_block_scores(q, k, 128, 0.1, out=out)\\n"
+        "out.fill_(float('nan')); g.replay(); torch.cuda.synchronize()\\n"
+        "r = ref(q, k, 128, 0.1)\\n"
+        "fin = torch.isfinite(r)\\n"
+        "assert torch.equal(torch.isfinite(out), fin)\\n"
+        "print('MAXERR', (out[fin] - r[fin]).abs().max().item())\\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    err = float(r.stdout.split("MAXERR")[1])
+    assert err < 1e-3, r.stdout
