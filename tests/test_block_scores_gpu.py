@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -164,21 +165,23 @@ def test_build_time_facts_match_the_loaded_kernel():
 def test_first_call_inside_graph_capture():
     """A fresh process whose very first launch is captured: loading the cubin, validating and encoding TMA
     descriptors must all be legal during stream capture (a training step captured without an eager warm-up)."""
-    code = (
-        "import torch, flash_msa_rt\\n"
-        "from flash_msa_rt.reference import proxy_block_scores as ref\\n"
-        "q = torch.randn(1, 300, 2, 128, device='cuda').to(torch.bfloat16)\\n"
-        "k = torch.randn(1, 300, 1, 128, device='cuda').to(torch.bfloat16)\\n"
-        "out = torch.empty(1, 2, 300, 3, device='cuda')\\n"
-        "g = torch.cuda.CUDAGraph()\\n"
-        "with torch.cuda.graph(g):\\n"
-        "    flash_msa_rt.proxy_block_scores(q, k, 128, 0.1, out=out)\\n"
-        "out.fill_(float('nan')); g.replay(); torch.cuda.synchronize()\\n"
-        "r = ref(q, k, 128, 0.1)\\n"
-        "fin = torch.isfinite(r)\\n"
-        "assert torch.equal(torch.isfinite(out), fin)\\n"
-        "print('MAXERR', (out[fin] - r[fin]).abs().max().item())\\n"
-    )
+    code = textwrap.dedent("""
+        import torch, flash_msa_rt
+        from flash_msa_rt.reference import proxy_block_scores as ref
+        q = torch.randn(1, 300, 2, 128, device="cuda").to(torch.bfloat16)
+        k = torch.randn(1, 300, 1, 128, device="cuda").to(torch.bfloat16)
+        out = torch.empty(1, 2, 300, 3, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            flash_msa_rt.proxy_block_scores(q, k, 128, 0.1, out=out)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        r = ref(q, k, 128, 0.1)
+        fin = torch.isfinite(r)
+        assert torch.equal(torch.isfinite(out), fin)
+        print("MAXERR", (out[fin] - r[fin]).abs().max().item())
+    """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 0, r.stderr[-3000:]
