@@ -41,7 +41,13 @@ class Kernel:
         self._packed: OrderedDict[tuple, Packed] = OrderedDict()
         image = artifacts.cubin_bytes(entry, arch_dir)
         with _bound_device(device_index):
-            self._library = driver.load_library(image)
+            try:
+                self._library = driver.load_library(image)
+            except LaunchError as e:
+                raise LaunchError(
+                    f"{entry.name}: the driver (CUDA {_version_text(driver.driver_version())}) could not load the "
+                    f"cubin ({e}). The artifacts are SASS built by nvidia-cutlass-dsl's CUDA 13 toolchain: they need "
+                    f"a CUDA 13 driver (R580 or newer) and a GPU of arch {entry.arch}") from e
             self._func = driver.get_function(self._library, entry.entry)
             self._check_params()
             if entry.smem_bytes:
@@ -93,6 +99,10 @@ class Kernel:
         if len(self._packed) > POINTER_CACHE_SIZE:
             self._packed.popitem(last=False)
         return packed
+
+
+def _version_text(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
 
 
 def current_stream(device_index: int) -> int:

@@ -240,3 +240,15 @@ def test_descriptors_are_reused_when_only_another_argument_moves(toy):
         k(**dict(args, out=FakeCudaTensor((2, 4, 1000, 8), torch.float32, address=0x7D00000000 + i * 4096)))
     assert len(fake.encodes) == 1 and len(fake.launches) == 4
     assert {l["params"][0] for l in fake.launches} == {b"\xab" * 128}
+
+
+def test_unloadable_cubin_names_the_driver_requirement(toy, monkeypatch):
+    from flash_msa_rt import driver
+
+    def refuse(image):
+        raise LaunchError("cuLibraryLoadData failed: CUDA_ERROR_UNSUPPORTED_PTX_VERSION (...)")
+
+    monkeypatch.setattr(driver, "load_library", refuse)
+    monkeypatch.setattr(driver, "driver_version", lambda: 12080)
+    with pytest.raises(LaunchError, match=r"driver \(CUDA 12.8\) could not load.*CUDA 13 driver \(R580"):
+        loader.get_kernel(OP, CONFIG, torch.device("cuda", 0))
