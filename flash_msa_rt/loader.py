@@ -18,7 +18,7 @@ from flash_msa_rt.arch import arch_for_capability
 from flash_msa_rt.errors import LaunchError, NoGPUError
 from flash_msa_rt.grid import compile_rule
 from flash_msa_rt.manifest import ScalarParam, TensorParam, TmaParam, VariantEntry
-from flash_msa_rt.params import Packed, Plan, layout_signature, pointer_signature
+from flash_msa_rt.params import Packed, Plan, launch_signature
 
 # Packed param buffers kept per kernel: enough for the distinct activations of a training step's layers.
 POINTER_CACHE_SIZE = 256
@@ -64,40 +64,43 @@ class Kernel:
 
     def __call__(self, stream: int | None = None, **args: Any) -> None:
         """Launch with named tensors and scalars on the current torch stream (or `stream`, a CUstream int)."""
-        missing = [n for n in self._arg_names if n not in args]
-        if missing:
-            raise TypeError(f"{self.entry.op}: missing arguments {missing}; this kernel takes {list(self._arg_names)}")
         try:
-            layout = layout_signature(self._arg_names, args)
-            key = (layout, pointer_signature(self._tensor_names, args))
-        except (AttributeError, TypeError):  # not a tensor where one belongs: let validation say which
-            layout = key = None
-        packed = self._packed.get(key)
+            key = launch_signature(self._arg_names, args)
+            packed = self._packed.get(key)
+        except KeyError:
+            missing = [n for n in self._arg_names if n not in args]
+            raise TypeError(f"{self.entry.op}: missing arguments {missing}; this kernel takes "
+                            f"{list(self._arg_names)}") from None
+        except (AttributeError, TypeError):  # not a tensor where one belongs, or unhashable: validation says which
+            key = packed = None
         if packed is None:
-            packed = self._prepare(layout, key, args)
+            packed = self._prepare(key, args)
         else:
             self._packed.move_to_end(key)
         cfg = packed.config
         cfg.hStream = stream if stream is not None else current_stream(self.device_index)
         driver.launch(cfg, self._func, packed.address)
 
-    def _prepare(self, layout: tuple, key: tuple, args: dict[str, Any]) -> Packed:
+    def _prepare(self, key: tuple | None, args: dict[str, Any]) -> Packed:
         for n in self._tensor_names:
             dev = args[n].device if hasattr(args[n], "device") else None
             if dev is not None and (dev.type != "cuda" or dev.index != self.device_index):
                 raise ValueError(f"{self.entry.op}: argument {n} is on {dev}; this launch runs on "
                                  f"cuda:{self.device_index} (all tensors must share one device)")
-        plan = self._plans.get(layout)
+        layout = key[0] if key is not None else None
+        plan = self._plans.get(layout) if layout is not None else None
         if plan is None:
             plan = Plan(self.entry, args, self._grid_rules, self.entry.op)
-            self._plans[layout] = plan
-            if len(self._plans) > PLAN_CACHE_SIZE:
-                self._plans.popitem(last=False)
+            if layout is not None:
+                self._plans[layout] = plan
+                if len(self._plans) > PLAN_CACHE_SIZE:
+                    self._plans.popitem(last=False)
         packed = Packed(plan, args, driver.encode_tiled)
         packed.config = driver.launch_config(plan.grid, self.entry.block, self.entry.smem_bytes, self.entry.cluster)
-        self._packed[key] = packed
-        if len(self._packed) > POINTER_CACHE_SIZE:
-            self._packed.popitem(last=False)
+        if key is not None:  # arguments that cannot be keyed are launched, never cached
+            self._packed[key] = packed
+            if len(self._packed) > POINTER_CACHE_SIZE:
+                self._packed.popitem(last=False)
         return packed
 
 

@@ -236,17 +236,20 @@ class Packed:
         self.config = None  # the driver's CUlaunchConfig, made by the loader
 
 
-def layout_signature(names: tuple[str, ...], args: dict[str, Any]) -> tuple:
-    """Everything a Plan depends on: per tensor dtype, shape, stride, device and pointer alignment class."""
-    sig = []
+def launch_signature(names: tuple[str, ...], args: dict[str, Any]) -> tuple[tuple, tuple]:
+    """(layout, pointers) of one launch, reading each tensor once.
+
+    layout is everything a Plan depends on (per tensor dtype, shape, stride, device, pointer alignment class;
+    per scalar its type and value); pointers are the tensors' data pointers, the rest of a Packed's key.
+    Raises KeyError for a missing argument.
+    """
+    layout, pointers = [], []
     for n in names:
         v = args[n]
         if hasattr(v, "data_ptr"):
-            sig.append((v.dtype, v.shape, v.stride(), v.device, v.data_ptr() & 127))
+            ptr = v.data_ptr()
+            layout.append((v.dtype, v.shape, v.stride(), v.device, ptr & 127))
+            pointers.append(ptr)
         else:
-            sig.append((type(v), v))
-    return tuple(sig)
-
-
-def pointer_signature(tensor_names: tuple[str, ...], args: dict[str, Any]) -> tuple:
-    return tuple(args[n].data_ptr() for n in tensor_names)
+            layout.append((type(v), v))
+    return tuple(layout), tuple(pointers)

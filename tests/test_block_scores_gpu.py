@@ -186,4 +186,6 @@ def test_first_call_inside_graph_capture():
                        cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 0, r.stderr[-3000:]
     err = float(r.stdout.split("MAXERR")[1])
+    # This test is about capture; numerics are held to the fp32-derived tolerance in test_matches_reference.
+    # Scores here are O(5), so 1e-3 still catches any wrong or missing tile.
     assert err < 1e-3, r.stdout
