@@ -1,14 +1,14 @@
-"""Pure-PyTorch references for the MSA kernels (shared/design/msa-semantics.md). Torch only, no cutlass.
+"""Reference proxy block scores c_p(i, j) (shared/design/msa-semantics.md, "Selection"). Torch only, no cutlass.
 
-They are slow on purpose and meant for tests: every score is computed in float32 (or the dtype asked for) from
-the inputs upcast, in an order unrelated to the kernels'.
+Slow on purpose and meant for tests: every score is computed in float32 (or the dtype asked for) from the inputs
+upcast, in an order unrelated to the kernels'.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
+
+from flash_msa_rt.reference.numerics import _ieee_fp32_matmul
 
 # Rows of scores materialised at once: a query chunk costs B * Hp * rows * keys floats.
 _CHUNK_ELEMS = 1 << 25
@@ -49,17 +49,30 @@ def proxy_block_scores(
     with _ieee_fp32_matmul():
         for i0 in range(0, S, rows):
             i1 = min(S, i0 + rows)
-            nb = -(-i1 // Bs)  # blocks any row of the chunk can see
-            t1 = min(S, nb * Bs)
-            s = torch.matmul(q[:, :, :, i0:i1], kt[..., :t1]) * scale  # (B, Hpk, G, rows, t1)
-            i = torch.arange(i0, i1, device=s.device).view(-1, 1)
-            t = torch.arange(0, t1, device=s.device).view(1, -1)
-            s = s.masked_fill(t > i, float("-inf"))
-            if t1 < nb * Bs:  # partial last block: pad with -inf keys (never visible: t >= S > i)
-                s = torch.nn.functional.pad(s, (0, nb * Bs - t1), value=float("-inf"))
-            s = s.reshape(B, Hp, i1 - i0, nb, Bs).amax(dim=-1)
-            out[:, :, i0:i1, :nb] = s.to(torch.float32)
+            s = block_scores_of_rows(q, kt, i0, i1, Bs, scale)
+            out[:, :, i0:i1, :s.shape[-1]] = s.to(torch.float32)
     return out
+
+
+def block_scores_of_rows(q: torch.Tensor, kt: torch.Tensor, i0: int, i1: int, block_size: int,
+                         scale: float) -> torch.Tensor:
+    """Block scores of query rows [i0, i1): (B, Hp, rows, nb) in q's dtype, nb = blocks those rows can see.
+
+    q: (B, Hpk, G, S, Dp) proxy queries grouped by key head; kt: (B, Hpk, 1, Dp, S) proxy keys transposed.
+    Only the causal prefix [0, nb * Bs) is scored, so the cost is rows * keys, never S * S.
+    """
+    B, Hpk, G = q.shape[:3]
+    S = kt.shape[-1]
+    Bs = block_size
+    nb = -(-i1 // Bs)  # blocks any row of the chunk can see
+    t1 = min(S, nb * Bs)
+    s = torch.matmul(q[:, :, :, i0:i1], kt[..., :t1]) * scale  # (B, Hpk, G, rows, t1)
+    i = torch.arange(i0, i1, device=s.device).view(-1, 1)
+    t = torch.arange(0, t1, device=s.device).view(1, -1)
+    s = s.masked_fill(t > i, float("-inf"))
+    if t1 < nb * Bs:  # partial last block: pad with -inf keys (never visible: t >= S > i)
+        s = torch.nn.functional.pad(s, (0, nb * Bs - t1), value=float("-inf"))
+    return s.reshape(B, Hpk * G, i1 - i0, nb, Bs).amax(dim=-1)
 
 
 def _check(q_proxy, k_proxy, block_size, scale) -> None:
@@ -81,23 +94,3 @@ def _check(q_proxy, k_proxy, block_size, scale) -> None:
         raise ValueError(f"proxy_block_scores: block_size must be a positive int, got {block_size!r}")
     if not float(scale) > 0:
         raise ValueError(f"proxy_block_scores: scale must be > 0, got {scale!r}")
-
-
-@contextlib.contextmanager
-def _ieee_fp32_matmul():
-    """A float32 reference must not silently run its matmuls in TF32 on the GPU."""
-    m = torch.backends.cuda.matmul
-    if hasattr(m, "fp32_precision"):
-        old = m.fp32_precision
-        m.fp32_precision = "ieee"
-        try:
-            yield
-        finally:
-            m.fp32_precision = old
-    else:
-        old = m.allow_tf32
-        m.allow_tf32 = False
-        try:
-            yield
-        finally:
-            m.allow_tf32 = old
