@@ -11,7 +11,12 @@ from flash_msa_rt.errors import (ArtifactError, FlashMsaError, LaunchError, Miss
 __version__ = "0.1.0"
 
 # Public ops, imported on first access: name -> module.
-_OPS = {"proxy_block_scores": "flash_msa_rt.ops.block_scores"}
+_OPS = {
+    "proxy_block_scores": "flash_msa_rt.ops.block_scores",
+    **{name: "flash_msa_rt.api" for name in (
+        "flash_msa_func", "flash_msa_warmup_func", "flash_msa_func_warmup", "flash_msa_varlen_func",
+        "flash_msa_warmup_varlen_func", "block_sparse_attention", "select_blocks")},
+}
 
 __all__ = [
     *_OPS,

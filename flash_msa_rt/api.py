@@ -1,0 +1,202 @@
+"""Public MSA API with the published flash-msa 0.1.1 signatures: switching is one import.
+
+    from flash_msa_rt import flash_msa_func, flash_msa_warmup_func
+    out, kl_loss = flash_msa_func(q_proxy, k_proxy, q, k, v, top_k=2048)      # (B, heads, S, D) inputs
+    loss = lm_loss(out) + 0.1 * kl_loss                                       # kl_loss trains the proxy only
+
+Inputs are (B, heads, S, D) ("bhsd", the default) or (B, S, heads, D) (layout="bshd"); the runtime works in
+(B, S, heads, D) and takes the other layout as a free transposed view. Semantics: shared/design/msa-semantics.md.
+The fixed-length path never synchronises the host with the device; the varlen paths (cu_seqlens, document_list,
+the *_varlen_func entry points) read the offsets once on the host to validate them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash_msa_rt.ops import layout as _layout
+from flash_msa_rt.ops import library as _ops
+from flash_msa_rt.ops import validation as _v
+
+__all__ = ["flash_msa_func", "flash_msa_warmup_func", "flash_msa_func_warmup", "flash_msa_varlen_func",
+           "flash_msa_warmup_varlen_func", "block_sparse_attention", "select_blocks"]
+
+_MSA_NAMES = ("q_proxy", "k_proxy", "q", "k", "v")
+
+
+def flash_msa_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, document_list=None, *, cu_seqlens=None,
+                   kl_metric=None, layout="bhsd", block_size=128):
+    """MiniMax Sparse Attention: proxy top-K block selection, sparse causal attention and the proxy KL loss.
+
+    q_proxy (B, Hp, S, Dp), k_proxy (B, Hpk, S, Dp), q (B, H, S, D), k and v (B, Hk, S, D) for layout="bhsd";
+    (B, S, heads, D) each for layout="bshd". One dtype for all five (bfloat16, float16, float32; float64 on the
+    reference), one device, unit-stride head dims, H % Hk == 0, Hp % Hpk == 0, H % Hp == 0.
+
+    top_k: selected tokens per query, a positive multiple of block_size; K = top_k // block_size blocks, the
+    query's own block included (K above the number of blocks is fine: the extra slots stay empty).
+    scale: softmax scale of proxy and main scores, default D ** -0.5.
+    document_list: optional (B, S) integer document ids; each maximal run of one id in a row is an independent
+    sequence. Converting it to offsets synchronises the host with the device.
+    cu_seqlens: optional int32 offsets over the flattened B * S tokens (0, ..., B * S, non-decreasing, containing
+    every multiple of S); each segment is an independent sequence (causal within it, blocks aligned to its start).
+    Validating it synchronises. At most one of document_list and cu_seqlens.
+    kl_metric: optional 0-dim float32 tensor on q's device that receives the KL value (published compatibility).
+
+    Returns (out (B, S, H * D) in q's dtype, kl_loss): kl_loss is a 0-dim float32 tensor holding the true KL,
+    mean over (b, p, i) of KL(tau || pi); its gradient reaches q_proxy and k_proxy only.
+    """
+    return _msa("flash_msa_func", True, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_seqlens,
+                kl_metric, layout, block_size)
+
+
+def flash_msa_warmup_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, document_list=None, *, cu_seqlens=None,
+                          kl_metric=None, layout="bhsd", block_size=128):
+    """Warmup mode of flash_msa_func: dense causal main attention, the proxy trained by the KL over every causal key.
+
+    Same arguments and returns as flash_msa_func. top_k and block_size are validated for compatibility and
+    otherwise unused (no selection happens in warmup).
+    """
+    return _msa("flash_msa_warmup_func", False, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_seqlens,
+                kl_metric, layout, block_size)
+
+
+flash_msa_func_warmup = flash_msa_warmup_func  # the published alias
+
+
+def flash_msa_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale=None, *, block_size=128,
+                          kl_metric=None):
+    """flash_msa_func over packed sequences, FlashAttention varlen style.
+
+    q_proxy (total, Hp, Dp), k_proxy (total, Hpk, Dp), q (total, H, D), k and v (total, Hk, D); cu_seqlens int32
+    (num_seqs + 1,) from 0 to total, non-decreasing (empty sequences allowed); max_seqlen >= the longest sequence.
+    Validating cu_seqlens synchronises the host with the device. Returns (out (total, H, D), kl_loss), kl_loss the
+    sum of per-row KL over (p, token) divided by Hp * total.
+    """
+    return _msa_varlen("flash_msa_varlen_func", True, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k,
+                       scale, block_size, kl_metric)
+
+
+def flash_msa_warmup_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale=None, *,
+                                 block_size=128, kl_metric=None):
+    """Warmup mode of flash_msa_varlen_func (dense causal per sequence; top_k validated, unused)."""
+    return _msa_varlen("flash_msa_warmup_varlen_func", False, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen,
+                       top_k, scale, block_size, kl_metric)
+
+
+def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *, layout="bhsd", return_lse=False):
+    """Causal attention of each query over the key blocks listed for it (NSA / FSA selected attention).
+
+    q (B, H, S, D), k and v (B, Hk, S, D) ("bhsd"; (B, S, heads, D) for "bshd"); block_indices int32
+    (B, Hi, S, K) in either layout, -1 for empty slots, index head i serving query heads [i * H / Hi, (i + 1) * H / Hi).
+    Duplicate indices count once; a row with no allowed key gets out = 0 and lse = -inf; indices outside
+    [0, ceil(S / block_size)) raise. Returns out in q's layout and dtype, and with return_lse also lse (B, H, S)
+    float32 (not differentiable).
+    """
+    fn = "block_sparse_attention"
+    _v.check_layout(fn, layout)
+    dims_text = _v.LAYOUTS[layout]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _v.check_tensor(fn, name, t, 4, dims_text)
+    _v.check_same_dtype_device(fn, {"q": q, "k": k, "v": v})
+    q, k, v = (_layout.to_bshd(t, layout) for t in (q, k, v))
+    B, S, H, D = q.shape
+    for name, t in (("k", k), ("v", v)):
+        for i, what in ((0, "batch"), (1, "seqlen"), (3, "head_dim")):
+            if t.shape[i] != q.shape[i]:
+                raise ValueError(f"{fn}: {name} has {what} {t.shape[i]} but q has {what} {q.shape[i]}")
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"{fn}: v has {v.shape[2]} heads but k has {k.shape[2]}; k and v must have the same heads")
+    if S < 1 or H < 1 or D < 1 or k.shape[2] < 1:
+        raise ValueError(f"{fn}: q and k must have positive seqlen, heads and head_dim, got q {tuple(q.shape)} and "
+                         f"k {tuple(k.shape)} as (batch, seqlen, heads, head_dim)")
+    if H % k.shape[2]:
+        raise ValueError(f"{fn}: q has {H} heads, not a multiple of the {k.shape[2]} heads of k and v")
+    block_size = _v.check_block_size(fn, block_size)
+    _v.check_block_indices(fn, block_indices, B, S, H, q.device)
+    scale = _v.resolve_scale(fn, scale, D)
+    out, lse = _ops.block_sparse_forward(q, k, v, block_indices, block_size, scale)
+    out = _layout.from_bshd(out, layout)
+    return (out, lse) if return_lse else out
+
+
+def select_blocks(q_proxy, k_proxy, top_k, scale=None, *, layout="bhsd", block_size=128):
+    """The blocks MSA selects: int32 (B, Hp, S, K), K = top_k // block_size, ascending per row with -1 last.
+
+    q_proxy (B, Hp, S, Dp), k_proxy (B, Hpk, S, Dp) ("bhsd"; "bshd" as flash_msa_func). scale defaults to
+    Dp ** -0.5; the selection does not depend on it (top-K of scaled scores) except through rounding. No gradient.
+    """
+    fn = "select_blocks"
+    _v.check_layout(fn, layout)
+    for name, t in (("q_proxy", q_proxy), ("k_proxy", k_proxy)):
+        _v.check_tensor(fn, name, t, 4, _v.LAYOUTS[layout])
+    _v.check_same_dtype_device(fn, {"q_proxy": q_proxy, "k_proxy": k_proxy})
+    q_proxy, k_proxy = _layout.to_bshd(q_proxy, layout), _layout.to_bshd(k_proxy, layout)
+    # The proxy pair stands in for the main tensors too: the checks of flash_msa_func then name the proxy ones.
+    _v.check_msa_dims(fn, q_proxy, k_proxy, q_proxy, k_proxy, k_proxy)
+    block_size = _v.check_block_size(fn, block_size)
+    K = _v.check_top_k(fn, top_k, block_size)
+    scale = _v.resolve_scale(fn, scale, q_proxy.shape[-1])
+    return _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), K, block_size, scale)
+
+
+# --- shared bodies -------------------------------------------------------------------------------------------------
+
+def _check_five(fn, tensors, ndim, dims_text):
+    for name, t in zip(_MSA_NAMES, tensors):
+        _v.check_tensor(fn, name, t, ndim, dims_text)
+    _v.check_same_dtype_device(fn, dict(zip(_MSA_NAMES, tensors)))
+
+
+def _msa(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_seqlens, kl_metric, layout,
+         block_size):
+    _v.check_layout(fn, layout)
+    _check_five(fn, (q_proxy, k_proxy, q, k, v), 4, _v.LAYOUTS[layout])
+    q_proxy, k_proxy, q, k, v = (_layout.to_bshd(t, layout) for t in (q_proxy, k_proxy, q, k, v))
+    dims = _v.check_msa_dims(fn, q_proxy, k_proxy, q, k, v)
+    block_size = _v.check_block_size(fn, block_size)
+    K = _v.check_top_k(fn, top_k, block_size)
+    scale = _v.resolve_scale(fn, scale, dims.D)
+    device = q.device
+    _v.check_kl_metric(fn, kl_metric, device)
+    if document_list is not None and cu_seqlens is not None:
+        raise ValueError(f"{fn}: pass document_list or cu_seqlens, not both")
+    if document_list is not None:
+        _v.check_document_list(fn, document_list, dims.B, dims.S, device)
+        cu_seqlens = _layout.cu_seqlens_from_document_list(document_list)
+    elif cu_seqlens is not None:
+        _v.check_cu_seqlens(fn, cu_seqlens, device)
+        _v.check_cu_seqlens_values(fn, cu_seqlens, dims.B * dims.S, row_len=dims.S)
+    if cu_seqlens is not None:  # batch rows become consecutive packed sequences of one row
+        q_proxy, k_proxy, q, k, v = (_layout.flatten_batch(t) for t in (q_proxy, k_proxy, q, k, v))
+    out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric)
+    return out.reshape(dims.B, dims.S, dims.H * dims.D), kl_loss
+
+
+def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale, block_size, kl_metric):
+    _check_five(fn, (q_proxy, k_proxy, q, k, v), 3, "(total_tokens, heads, head_dim)")
+    q_proxy, k_proxy, q, k, v = (t.unsqueeze(0) for t in (q_proxy, k_proxy, q, k, v))
+    dims = _v.check_msa_dims(fn, q_proxy, k_proxy, q, k, v, seq_dim_name="total_tokens")
+    block_size = _v.check_block_size(fn, block_size)
+    K = _v.check_top_k(fn, top_k, block_size)
+    scale = _v.resolve_scale(fn, scale, dims.D)
+    _v.check_kl_metric(fn, kl_metric, q.device)
+    _v.check_cu_seqlens(fn, cu_seqlens, q.device)
+    longest = _v.check_cu_seqlens_values(fn, cu_seqlens, dims.S)
+    _v.check_max_seqlen(fn, max_seqlen, longest)
+    out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric)
+    return out[0], kl_loss
+
+
+def _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric):
+    """The ops on (B, S, heads, D) views; kl_loss = mean of kl_rows, formed here so its upstream gradient reaches the
+    backward as a device tensor (no host read of the loss coefficient)."""
+    if sparse:
+        block_indices = _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, cu_seqlens)
+        out, _, _, kl_rows = _ops.msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale,
+                                              cu_seqlens)
+    else:
+        out, _, _, kl_rows = _ops.warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens)
+    kl_loss = kl_rows.sum() / max(kl_rows.numel(), 1)
+    if kl_metric is not None:
+        kl_metric.copy_(kl_loss.detach())
+    return out, kl_loss

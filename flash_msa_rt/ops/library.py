@@ -1,0 +1,227 @@
+"""The MSA ops as torch.library custom ops (namespace flash_msa): fake impls for tracing, autograd formulas.
+
+Every op takes (B, S, heads, D) tensors of any strides with a unit-stride head dim and returns fresh contiguous
+tensors; with cu_seqlens (int32 (num_seqs + 1,)) B must be 1 and dim 1 holds the packed sequences. The real
+implementations come from flash_msa_rt.ops.dispatch (a kernel backend where one is registered, else the
+reference). Custom ops make the calls opaque to torch.compile (fullgraph works) and give one registration for
+autograd, fake tensors and export.
+
+Autograd: the differentiable outputs are `out` (to q, k, v) and `kl_rows` (to q_proxy, k_proxy only: tau is
+detached); lse and lse_proxy are saved for the backward and marked non-differentiable. Gradients that do not arrive
+are passed to the backward op as None instead of materialised zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from flash_msa_rt.ops import dispatch
+
+NAMESPACE = "flash_msa"
+
+
+def _fresh(*tensors: Tensor):
+    """Contiguous outputs, as the fake impls promise (a backend may hand back views of its own buffers)."""
+    out = tuple(t.contiguous() for t in tensors)
+    return out if len(out) > 1 else out[0]
+
+
+def _like(*tensors: Tensor):
+    """Fake outputs shaped, typed and placed like the inputs, contiguous."""
+    return tuple(t.new_empty(t.shape) for t in tensors)
+
+
+def _msa_config(q_proxy: Tensor, q: Tensor, k: Tensor, block_size: int | None, cu_seqlens) -> dict:
+    return {"head_dim": q.shape[-1], "proxy_head_dim": q_proxy.shape[-1], "block_size": block_size,
+            "group": q.shape[2] // q_proxy.shape[2], "kv_group": q.shape[2] // k.shape[2],
+            "varlen": cu_seqlens is not None}
+
+
+def _impl(op: str, like: Tensor, config: dict):
+    return dispatch.implementation(op, like.device, like.dtype, **config)
+
+
+# --- selection ---------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::select_blocks", mutates_args=())
+def select_blocks(q_proxy: Tensor, k_proxy: Tensor, top_k_blocks: int, block_size: int, scale: float,
+                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """int32 (B, Hp, S, K) selected key blocks per (b, p, i), -1 for empty slots. Not differentiable."""
+    config = {"proxy_head_dim": q_proxy.shape[-1], "block_size": block_size, "top_k_blocks": top_k_blocks,
+              "varlen": cu_seqlens is not None}
+    return _fresh(_impl("select_blocks", q_proxy, config)(q_proxy, k_proxy, top_k_blocks, block_size, scale,
+                                                          cu_seqlens))
+
+
+@select_blocks.register_fake
+def _(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None):
+    B, S, Hp, _ = q_proxy.shape
+    return q_proxy.new_empty((B, Hp, S, top_k_blocks), dtype=torch.int32)
+
+
+# --- MSA: sparse main attention + proxy KL -----------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::msa_forward", mutates_args=())
+def msa_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor,
+                block_size: int, scale: float,
+                cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out (B, S, H, D) q.dtype, lse (B, H, S) f32, lse_proxy (B, Hp, S) f32, kl_rows (B, Hp, S) f32)."""
+    impl = _impl("msa_forward", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens))
+    return _fresh(*impl(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens))
+
+
+def _msa_outputs_fake(q_proxy, q):
+    B, S, H, _ = q.shape
+    Hp = q_proxy.shape[2]
+    f32 = torch.float32
+    return (q.new_empty(q.shape), q.new_empty((B, H, S), dtype=f32), q.new_empty((B, Hp, S), dtype=f32),
+            q.new_empty((B, Hp, S), dtype=f32))
+
+
+@msa_forward.register_fake
+def _(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None):
+    return _msa_outputs_fake(q_proxy, q)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::msa_backward", mutates_args=())
+def msa_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 lse_proxy: Tensor, block_indices: Tensor, block_size: int, scale: float, grad_out: Optional[Tensor],
+                 kl_grad: Optional[Tensor],
+                 cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq_proxy, dk_proxy, dq, dk, dv). kl_grad is d(loss)/d(kl_rows), broadcastable to (B, Hp, S), or None."""
+    impl = _impl("msa_backward", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens))
+    return _fresh(*impl(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
+                        kl_grad, cu_seqlens))
+
+
+@msa_backward.register_fake
+def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out, kl_grad,
+      cu_seqlens=None):
+    return _like(q_proxy, k_proxy, q, k, v)
+
+
+def _msa_setup_context(ctx, inputs, output):
+    q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens = inputs
+    out, lse, lse_proxy, _ = output
+    ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens)
+    ctx.block_size, ctx.scale = block_size, scale
+    ctx.mark_non_differentiable(lse, lse_proxy)
+    ctx.set_materialize_grads(False)
+
+
+def _msa_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
+    q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens = ctx.saved_tensors
+    if grad_out is None and grad_kl_rows is None:
+        return (None,) * 9
+    grads = msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, ctx.block_size, ctx.scale,
+                         grad_out, grad_kl_rows, cu_seqlens)
+    return (*grads, None, None, None, None)
+
+
+msa_forward.register_autograd(_msa_backward_rule, setup_context=_msa_setup_context)
+
+
+# --- warmup: dense causal main attention + proxy KL over the full causal set ----------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::warmup_forward", mutates_args=())
+def warmup_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                   cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """msa_forward's outputs with every causal key allowed (no selection)."""
+    impl = _impl("warmup_forward", q, _msa_config(q_proxy, q, k, None, cu_seqlens))
+    return _fresh(*impl(q_proxy, k_proxy, q, k, v, scale, cu_seqlens))
+
+
+@warmup_forward.register_fake
+def _(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
+    return _msa_outputs_fake(q_proxy, q)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::warmup_backward", mutates_args=())
+def warmup_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    lse_proxy: Tensor, scale: float, grad_out: Optional[Tensor], kl_grad: Optional[Tensor],
+                    cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq_proxy, dk_proxy, dq, dk, dv) of warmup_forward."""
+    impl = _impl("warmup_backward", q, _msa_config(q_proxy, q, k, None, cu_seqlens))
+    return _fresh(*impl(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens))
+
+
+@warmup_backward.register_fake
+def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None):
+    return _like(q_proxy, k_proxy, q, k, v)
+
+
+def _warmup_setup_context(ctx, inputs, output):
+    q_proxy, k_proxy, q, k, v, scale, cu_seqlens = inputs
+    out, lse, lse_proxy, _ = output
+    ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(lse, lse_proxy)
+    ctx.set_materialize_grads(False)
+
+
+def _warmup_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
+    q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens = ctx.saved_tensors
+    if grad_out is None and grad_kl_rows is None:
+        return (None,) * 7
+    grads = warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, ctx.scale, grad_out, grad_kl_rows,
+                            cu_seqlens)
+    return (*grads, None, None)
+
+
+warmup_forward.register_autograd(_warmup_backward_rule, setup_context=_warmup_setup_context)
+
+
+# --- generic block-sparse attention ------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::block_sparse_forward", mutates_args=())
+def block_sparse_forward(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int, scale: float,
+                         cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(out (B, S, H, D) q.dtype, lse (B, H, S) f32) over the causal tokens of each row's listed blocks."""
+    config = {"head_dim": q.shape[-1], "block_size": block_size, "index_heads": block_indices.shape[1],
+              "kv_group": q.shape[2] // k.shape[2], "varlen": cu_seqlens is not None}
+    return _fresh(*_impl("block_sparse_forward", q, config)(q, k, v, block_indices, block_size, scale, cu_seqlens))
+
+
+@block_sparse_forward.register_fake
+def _(q, k, v, block_indices, block_size, scale, cu_seqlens=None):
+    B, S, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::block_sparse_backward", mutates_args=())
+def block_sparse_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block_indices: Tensor,
+                          block_size: int, scale: float, grad_out: Tensor,
+                          cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of block_sparse_forward."""
+    config = {"head_dim": q.shape[-1], "block_size": block_size, "index_heads": block_indices.shape[1],
+              "kv_group": q.shape[2] // k.shape[2], "varlen": cu_seqlens is not None}
+    impl = _impl("block_sparse_backward", q, config)
+    return _fresh(*impl(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens))
+
+
+@block_sparse_backward.register_fake
+def _(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens=None):
+    return _like(q, k, v)
+
+
+def _block_sparse_setup_context(ctx, inputs, output):
+    q, k, v, block_indices, block_size, scale, cu_seqlens = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, block_indices, cu_seqlens)
+    ctx.block_size, ctx.scale = block_size, scale
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _block_sparse_backward_rule(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, block_indices, cu_seqlens = ctx.saved_tensors
+    if grad_out is None:
+        return (None,) * 7
+    grads = block_sparse_backward(q, k, v, out, lse, block_indices, ctx.block_size, ctx.scale, grad_out, cu_seqlens)
+    return (*grads, None, None, None, None)
+
+
+block_sparse_forward.register_autograd(_block_sparse_backward_rule, setup_context=_block_sparse_setup_context)

@@ -1,0 +1,227 @@
+"""Argument checks of the public MSA API. Each error names the function, the argument, its value and what works.
+
+TypeError for a wrong kind of object or dtype, ValueError for a wrong shape, device, stride or value. Nothing here
+reads a tensor's values except check_cu_seqlens_values (the varlen path, which says so): the fixed-length path
+never synchronises the host with the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# float64 runs on the reference only (a kernel backend declines it); it is what tests and gradcheck use.
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+LAYOUTS = {"bhsd": "(batch, heads, seqlen, head_dim)", "bshd": "(batch, seqlen, heads, head_dim)"}
+INDEX_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+@dataclass(frozen=True)
+class MsaDims:
+    """Sizes of one MSA call, read from the (B, S, heads, D) views."""
+
+    B: int
+    S: int
+    H: int
+    Hk: int
+    Hp: int
+    Hpk: int
+    D: int
+    Dp: int
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_layout(fn: str, layout) -> None:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"{fn}: layout={layout!r} is not supported; supported: "
+                         + ", ".join(f"{k!r} {v}" for k, v in LAYOUTS.items()))
+
+
+def check_tensor(fn: str, name: str, t, ndim: int, dims_text: str) -> None:
+    """A floating tensor of `ndim` dims, a supported dtype and a unit-stride head dim."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{fn}: {name} must have {ndim} dims {dims_text}, got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{fn}: {name} has dtype {t.dtype}; supported: {[str(d) for d in SUPPORTED_DTYPES]}")
+    # The kernels load rows of the head dim with vector loads; other strides may be anything (views of a fused
+    # projection, transposed layouts).
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{fn}: {name} must have a unit-stride head dim (last dim), got strides {t.stride()}; "
+                         f"call .contiguous() on it")
+
+
+def check_same_dtype_device(fn: str, tensors: dict) -> None:
+    """Every tensor on the device and of the dtype of the first one."""
+    (first, ref), *rest = tensors.items()
+    for name, t in rest:
+        if t.device != ref.device:
+            raise ValueError(f"{fn}: {name} is on {t.device} but {first} is on {ref.device}; all inputs must "
+                             f"share one device")
+        if t.dtype != ref.dtype:
+            raise TypeError(f"{fn}: {name} has dtype {t.dtype} but {first} has {ref.dtype}; all inputs must "
+                            f"share one dtype")
+
+
+def check_msa_dims(fn: str, q_proxy, k_proxy, q, k, v, seq_dim_name: str = "seqlen") -> MsaDims:
+    """Sizes of (B, S, heads, D) views of the five MSA inputs; every disagreement named."""
+    B, S, H, D = q.shape
+    Hp, Dp = q_proxy.shape[2], q_proxy.shape[3]
+    Hk, Hpk = k.shape[2], k_proxy.shape[2]
+    for name, t in (("q_proxy", q_proxy), ("k_proxy", k_proxy), ("k", k), ("v", v)):
+        if t.shape[0] != B:
+            raise ValueError(f"{fn}: {name} has batch {t.shape[0]} but q has batch {B}")
+        if t.shape[1] != S:
+            raise ValueError(f"{fn}: {name} has {seq_dim_name} {t.shape[1]} but q has {seq_dim_name} {S}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[3] != D:
+            raise ValueError(f"{fn}: {name} has head_dim {t.shape[3]} but q has head_dim {D}")
+    if v.shape[2] != Hk:
+        raise ValueError(f"{fn}: v has {v.shape[2]} heads but k has {Hk}; k and v must have the same heads")
+    if k_proxy.shape[3] != Dp:
+        raise ValueError(f"{fn}: k_proxy has head_dim {k_proxy.shape[3]} but q_proxy has head_dim {Dp}")
+    if S < 1 and seq_dim_name == "seqlen":
+        raise ValueError(f"{fn}: seqlen {S} must be positive")
+    for what, size in (("heads of q", H), ("heads of k", Hk), ("heads of q_proxy", Hp), ("heads of k_proxy", Hpk),
+                       ("head_dim of q", D), ("head_dim of q_proxy", Dp)):
+        if size < 1:
+            raise ValueError(f"{fn}: {what} is {size}; it must be positive")
+    if H % Hk:
+        raise ValueError(f"{fn}: q has {H} heads, not a multiple of the {Hk} heads of k and v (GQA needs H % Hk == 0)")
+    if Hp % Hpk:
+        raise ValueError(f"{fn}: q_proxy has {Hp} heads, not a multiple of the {Hpk} heads of k_proxy "
+                         f"(Hp % Hpk == 0)")
+    if H % Hp:
+        raise ValueError(f"{fn}: q has {H} heads, not a multiple of the {Hp} heads of q_proxy (each proxy head "
+                         f"serves H / Hp main heads)")
+    return MsaDims(B, S, H, Hk, Hp, Hpk, D, Dp)
+
+
+def check_block_size(fn: str, block_size) -> int:
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"{fn}: block_size must be a positive int, got {block_size!r} (the kernels build 128 and "
+                         f"64; other sizes run on the reference)")
+    return block_size
+
+
+def check_top_k(fn: str, top_k, block_size: int) -> int:
+    """K = top_k // block_size selected blocks per query; more than the blocks that exist is allowed."""
+    if not _is_int(top_k):
+        raise TypeError(f"{fn}: top_k must be an int (tokens), got {type(top_k).__name__} {top_k!r}")
+    if top_k < block_size or top_k % block_size:
+        raise ValueError(f"{fn}: top_k={top_k} must be a positive multiple of block_size={block_size} "
+                         f"(top_k counts tokens: K = top_k // block_size blocks)")
+    return top_k // block_size
+
+
+def resolve_scale(fn: str, scale, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"{fn}: scale must be a Python float or None (head_dim ** -0.5), got "
+                        f"{type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{fn}: scale must be finite and positive, got {scale!r}")
+    return float(scale)
+
+
+def check_kl_metric(fn: str, kl_metric, device: torch.device) -> None:
+    if kl_metric is None:
+        return
+    if not isinstance(kl_metric, torch.Tensor):
+        raise TypeError(f"{fn}: kl_metric must be a 0-dim float32 tensor or None, got {type(kl_metric).__name__}")
+    if kl_metric.dim() != 0 or kl_metric.dtype != torch.float32:
+        raise ValueError(f"{fn}: kl_metric must be a 0-dim float32 tensor, got shape {tuple(kl_metric.shape)} "
+                         f"dtype {kl_metric.dtype}")
+    if kl_metric.device != device:
+        raise ValueError(f"{fn}: kl_metric is on {kl_metric.device} but the inputs are on {device}")
+    if kl_metric.requires_grad:
+        raise ValueError(f"{fn}: kl_metric receives the KL value in place and must not require grad")
+
+
+def check_cu_seqlens(fn: str, cu_seqlens, device: torch.device) -> None:
+    """Type, dtype, shape and device of cu_seqlens; its values are checked by check_cu_seqlens_values."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{fn}: cu_seqlens must be a torch.Tensor of int32 offsets, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"{fn}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"{fn}: cu_seqlens must be 1-D (num_seqs + 1,) with at least 2 entries, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"{fn}: cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
+
+
+def check_cu_seqlens_values(fn: str, cu_seqlens: torch.Tensor, total: int, row_len: int | None = None) -> int:
+    """Offsets start at 0, end at total, never decrease and (row_len given) contain every multiple of row_len.
+
+    Reads cu_seqlens on the host: one synchronisation, on the varlen path only. Returns the longest sequence.
+    """
+    offs = cu_seqlens.tolist()
+    if offs[0] != 0 or offs[-1] != total:
+        raise ValueError(f"{fn}: cu_seqlens must start at 0 and end at the {total} tokens, got "
+                         f"{_short(offs)}")
+    lengths = [b - a for a, b in zip(offs[:-1], offs[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"{fn}: cu_seqlens must be non-decreasing, got {_short(offs)}")
+    if row_len is not None:
+        missing = sorted(set(range(0, total + 1, row_len)) - set(offs))
+        if missing:
+            raise ValueError(f"{fn}: cu_seqlens over the flattened batch * seqlen tokens must contain every batch-"
+                             f"row boundary (multiples of seqlen={row_len}); missing {_short(missing)}")
+    return max(lengths)
+
+
+def _short(values: list) -> str:
+    return str(values) if len(values) <= 12 else f"[{', '.join(map(str, values[:10]))}, ... {values[-1]}] " \
+                                                   f"({len(values)} entries)"
+
+
+def check_max_seqlen(fn: str, max_seqlen, longest: int) -> None:
+    if not _is_int(max_seqlen) or max_seqlen < 0:
+        raise ValueError(f"{fn}: max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    if max_seqlen < longest:
+        raise ValueError(f"{fn}: max_seqlen={max_seqlen} is smaller than the longest sequence in cu_seqlens "
+                         f"({longest})")
+
+
+def check_document_list(fn: str, document_list, B: int, S: int, device: torch.device) -> None:
+    if not isinstance(document_list, torch.Tensor):
+        raise TypeError(f"{fn}: document_list must be a (batch, seqlen) integer tensor of document ids, got "
+                        f"{type(document_list).__name__}")
+    if document_list.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{fn}: document_list must have an integer dtype, got {document_list.dtype}")
+    if tuple(document_list.shape) != (B, S):
+        raise ValueError(f"{fn}: document_list must have shape (batch, seqlen) = {(B, S)}, got "
+                         f"{tuple(document_list.shape)}")
+    if document_list.device != device:
+        raise ValueError(f"{fn}: document_list is on {document_list.device} but the inputs are on {device}")
+
+
+def check_block_indices(fn: str, block_indices, B: int, S: int, H: int, device: torch.device) -> int:
+    """block_indices (B, Hi, S, K) int32 with H % Hi == 0; returns K. Index values are the backend's to check."""
+    if not isinstance(block_indices, torch.Tensor):
+        raise TypeError(f"{fn}: block_indices must be a torch.Tensor, got {type(block_indices).__name__}")
+    if block_indices.dtype != torch.int32:
+        raise TypeError(f"{fn}: block_indices must have dtype torch.int32 (-1 for empty slots), got "
+                        f"{block_indices.dtype}")
+    if block_indices.dim() != 4:
+        raise ValueError(f"{fn}: block_indices must be (batch, index_heads, seqlen, K), got shape "
+                         f"{tuple(block_indices.shape)}")
+    b, hi, s, K = block_indices.shape
+    if b != B or s != S:
+        raise ValueError(f"{fn}: block_indices has shape {tuple(block_indices.shape)}; it must be (batch, "
+                         f"index_heads, seqlen, K) with batch={B} and seqlen={S}")
+    if hi < 1 or H % hi:
+        raise ValueError(f"{fn}: block_indices has {hi} index heads; q's {H} heads must be a multiple of them")
+    if K < 1:
+        raise ValueError(f"{fn}: block_indices has K={K} slots; at least 1 is needed")
+    if block_indices.device != device:
+        raise ValueError(f"{fn}: block_indices is on {block_indices.device} but q is on {device}")
+    return K
