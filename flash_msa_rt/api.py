@@ -131,8 +131,7 @@ def select_blocks(q_proxy, k_proxy, top_k, scale=None, *, layout="bhsd", block_s
         _v.check_tensor(fn, name, t, 4, _v.LAYOUTS[layout])
     _v.check_same_dtype_device(fn, {"q_proxy": q_proxy, "k_proxy": k_proxy})
     q_proxy, k_proxy = _layout.to_bshd(q_proxy, layout), _layout.to_bshd(k_proxy, layout)
-    # The proxy pair stands in for the main tensors too: the checks of flash_msa_func then name the proxy ones.
-    _v.check_msa_dims(fn, q_proxy, k_proxy, q_proxy, k_proxy, k_proxy)
+    _v.check_proxy_dims(fn, q_proxy, k_proxy)
     block_size = _v.check_block_size(fn, block_size)
     K = _v.check_top_k(fn, top_k, block_size)
     scale = _v.resolve_scale(fn, scale, q_proxy.shape[-1])

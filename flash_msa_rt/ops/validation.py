@@ -86,8 +86,8 @@ def check_msa_dims(fn: str, q_proxy, k_proxy, q, k, v, seq_dim_name: str = "seql
         raise ValueError(f"{fn}: v has {v.shape[2]} heads but k has {Hk}; k and v must have the same heads")
     if k_proxy.shape[3] != Dp:
         raise ValueError(f"{fn}: k_proxy has head_dim {k_proxy.shape[3]} but q_proxy has head_dim {Dp}")
-    if S < 1 and seq_dim_name == "seqlen":
-        raise ValueError(f"{fn}: seqlen {S} must be positive")
+    if S < 1:
+        raise ValueError(f"{fn}: {seq_dim_name} {S} must be positive")
     for what, size in (("heads of q", H), ("heads of k", Hk), ("heads of q_proxy", Hp), ("heads of k_proxy", Hpk),
                        ("head_dim of q", D), ("head_dim of q_proxy", Dp)):
         if size < 1:
@@ -101,6 +101,22 @@ def check_msa_dims(fn: str, q_proxy, k_proxy, q, k, v, seq_dim_name: str = "seql
         raise ValueError(f"{fn}: q has {H} heads, not a multiple of the {Hp} heads of q_proxy (each proxy head "
                          f"serves H / Hp main heads)")
     return MsaDims(B, S, H, Hk, Hp, Hpk, D, Dp)
+
+
+def check_proxy_dims(fn: str, q_proxy, k_proxy) -> tuple[int, int, int, int, int]:
+    """(B, S, Hp, Hpk, Dp) of (B, S, heads, Dp) views of the proxy pair (select_blocks alone)."""
+    B, S, Hp, Dp = q_proxy.shape
+    Hpk = k_proxy.shape[2]
+    for i, what in ((0, "batch"), (1, "seqlen"), (3, "head_dim")):
+        if k_proxy.shape[i] != q_proxy.shape[i]:
+            raise ValueError(f"{fn}: k_proxy has {what} {k_proxy.shape[i]} but q_proxy has {what} {q_proxy.shape[i]}")
+    if S < 1 or Hp < 1 or Hpk < 1 or Dp < 1:
+        raise ValueError(f"{fn}: q_proxy and k_proxy must have positive seqlen, heads and head_dim, got "
+                         f"{tuple(q_proxy.shape)} and {tuple(k_proxy.shape)} as (batch, seqlen, heads, head_dim)")
+    if Hp % Hpk:
+        raise ValueError(f"{fn}: q_proxy has {Hp} heads, not a multiple of the {Hpk} heads of k_proxy "
+                         f"(Hp % Hpk == 0)")
+    return B, S, Hp, Hpk, Dp
 
 
 def check_block_size(fn: str, block_size) -> int:
