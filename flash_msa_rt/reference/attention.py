@@ -1,0 +1,184 @@
+"""Chunked masked attention and the proxy KL, shared by the MSA, warmup and block-sparse references.
+
+Everything here is heads-first in the compute dtype: q (B, H, S, D), k and v (B, Hk, S, D), q_proxy (B, Hp, S, Dp),
+k_proxy (B, Hpk, S, Dp). Head h reads key head h // (H / Hk) (the same grouping for proxy heads).
+
+Query rows are processed in chunks [i0, i1) that score only the causal prefix [0, i1): one chunk holds about
+_CHUNK_ELEMS scores per tensor, so no S x S tensor ever exists. `keys_of_rows(i0, i1)` gives the chunk's allowed
+keys: bool (B or 1, Hi, rows, i1), Hi mask heads each serving a contiguous group of H / Hi heads.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from flash_msa_rt.reference.numerics import _ieee_fp32_matmul, finite_or_zero
+
+# Scores per chunk and per live tensor (a handful are live at once): 2**24 fp32 = 64 MiB.
+_CHUNK_ELEMS = 1 << 24
+
+KeysOfRows = Callable[[int, int], torch.Tensor]
+
+
+def row_chunks(S: int, elems_per_row: int):
+    """Query-row ranges [i0, i1) covering [0, S), each at most _CHUNK_ELEMS // elems_per_row rows (>= 1)."""
+    rows = max(1, min(S, _CHUNK_ELEMS // max(1, elems_per_row)))
+    for i0 in range(0, S, rows):
+        yield i0, min(S, i0 + rows)
+
+
+def heads_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, S, heads, D) -> (B, heads, S, D) contiguous, in dtype."""
+    return x.to(dtype).transpose(1, 2).contiguous()
+
+
+def seq_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, heads, S, D) -> (B, S, heads, D) contiguous, in dtype."""
+    return x.transpose(1, 2).to(dtype).contiguous()
+
+
+def causal_keys(i0: int, i1: int, device) -> torch.Tensor:
+    """(1, 1, rows, i1): key t is allowed to row i iff t <= i."""
+    i = torch.arange(i0, i1, device=device).view(-1, 1)
+    t = torch.arange(0, i1, device=device).view(1, -1)
+    return (t <= i).view(1, 1, i1 - i0, i1)
+
+
+def listed_block_keys(idx_rows: torch.Tensor, i0: int, i1: int, block_size: int) -> torch.Tensor:
+    """(B, Hi, rows, i1): key t is allowed to row i iff blk(t) is one of row i's slots and t <= i.
+
+    idx_rows: (B, Hi, rows, K) block indices of rows [i0, i1), -1 = empty. Duplicates count once (a set).
+    """
+    B, Hi, R, _ = idx_rows.shape
+    nb = -(-i1 // block_size)
+    idx = idx_rows.long()
+    # Empty slots, and blocks past the chunk (causally invisible anyway), go to a spare column dropped below.
+    slot = torch.where((idx >= 0) & (idx < nb), idx, torch.full_like(idx, nb))
+    listed = torch.zeros(B, Hi, R, nb + 1, dtype=torch.bool, device=idx.device).scatter_(-1, slot, True)
+    blk_of_t = torch.arange(0, i1, device=idx.device) // block_size
+    return listed[..., blk_of_t] & causal_keys(i0, i1, idx.device)
+
+
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (B, Hq, R, X) @ b (B, Hb, X, Y) -> (B, Hq, R, Y); head h of a uses head h // (Hq / Hb) of b."""
+    B, Hq, R, X = a.shape
+    Hb = b.shape[1]
+    return torch.matmul(a.reshape(B, Hb, Hq // Hb, R, X), b.unsqueeze(2)).reshape(B, Hq, R, b.shape[-1])
+
+
+def grouped_sum_matmul(a: torch.Tensor, c: torch.Tensor, Hb: int) -> torch.Tensor:
+    """sum over the heads h of each group and rows r of a[h, r, :]^T c[h, r, :]: (B, Hb, T, Y).
+
+    a: (B, Hq, R, T), c: (B, Hq, R, Y); group g holds heads [g * Hq / Hb, (g + 1) * Hq / Hb). This is the dK / dV
+    reduction over the query heads sharing one key head, done as one matmul over (head, row) pairs.
+    """
+    B, Hq, R, T = a.shape
+    G = Hq // Hb
+    return torch.matmul(a.reshape(B, Hb, G * R, T).transpose(-1, -2), c.reshape(B, Hb, G * R, c.shape[-1]))
+
+
+def masked_scores(q_rows: torch.Tensor, k_pre: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * <q, k> of rows against the prefix, -inf where keys forbids: (B, Hq, R, T)."""
+    B, Hq, R, _ = q_rows.shape
+    T = k_pre.shape[2]
+    s = grouped_matmul(q_rows, k_pre.transpose(-1, -2)) * scale
+    Hi = keys.shape[1]
+    s = s.view(B, Hi, Hq // Hi, R, T).masked_fill(~keys.unsqueeze(2), float("-inf"))
+    return s.view(B, Hq, R, T)
+
+
+def group_mean(p: torch.Tensor, Hp: int) -> torch.Tensor:
+    """tau: mean of P over the G = H / Hp main heads of each proxy group, (B, Hp, R, T)."""
+    B, H, R, T = p.shape
+    return p.view(B, Hp, H // Hp, R, T).mean(dim=2)
+
+
+def forward(q, k, v, keys_of_rows: KeysOfRows, scale: float, q_proxy=None, k_proxy=None):
+    """Masked attention, and with the proxy tensors the KL of the proxy against the group-mean attention.
+
+    Returns out (B, H, S, D), lse (B, H, S) and, with a proxy, lse_proxy and kl_rows (B, Hp, S), all in the
+    compute dtype. A row with no allowed key gets out = 0, lse = -inf (and lse_proxy = -inf, KL = 0).
+    """
+    B, H, S, _ = q.shape
+    out = torch.empty_like(q)
+    lse = q.new_empty(B, H, S)
+    with_proxy = q_proxy is not None
+    if with_proxy:
+        Hp = q_proxy.shape[1]
+        lse_proxy = q.new_empty(B, Hp, S)
+        kl_rows = q.new_empty(B, Hp, S)
+    with _ieee_fp32_matmul():
+        for i0, i1 in row_chunks(S, B * H * S):
+            keys = keys_of_rows(i0, i1)
+            s = masked_scores(q[:, :, i0:i1], k[:, :, :i1], keys, scale)
+            lse_c = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - finite_or_zero(lse_c).unsqueeze(-1))
+            del s
+            out[:, :, i0:i1] = grouped_matmul(p, v[:, :, :i1])
+            lse[:, :, i0:i1] = lse_c
+            if with_proxy:
+                tau = group_mean(p, Hp)
+                del p
+                sp = masked_scores(q_proxy[:, :, i0:i1], k_proxy[:, :, :i1], keys, scale)
+                lse_pc = torch.logsumexp(sp, dim=-1)
+                log_pi = sp - finite_or_zero(lse_pc).unsqueeze(-1)
+                # KL terms with tau = 0 are 0 (they would be 0 * -inf where pi is masked too).
+                terms = torch.where(tau > 0, tau * (torch.log(tau) - log_pi), torch.zeros((), dtype=tau.dtype,
+                                                                                          device=tau.device))
+                lse_proxy[:, :, i0:i1] = lse_pc
+                kl_rows[:, :, i0:i1] = terms.sum(dim=-1)
+    if with_proxy:
+        return out, lse, lse_proxy, kl_rows
+    return out, lse
+
+
+def backward(q, k, v, out, lse, keys_of_rows: KeysOfRows, scale: float, grad_out,
+             q_proxy=None, k_proxy=None, lse_proxy=None, kl_weights=None):
+    """Gradients from the explicit formulas (P recomputed from the saved lse; no autograd).
+
+    main, when grad_out is given: delta = rowsum(dO * O); dP = dO V^T; dS = P (dP - delta);
+      dq = scale dS K; dk = scale dS^T Q and dv = P^T dO, both summed over the heads sharing a kv head.
+    proxy, when kl_weights (B, Hp, S) is given: pi = exp(s_p - lse_proxy) on the allowed keys; tau = group mean of
+      P; dS_p = (pi - tau) * kl_weights; dq_proxy = scale dS_p K_p; dk_proxy = scale dS_p^T Q_p (summed likewise).
+    Returns (dq, dk, dv, dq_proxy, dk_proxy) in the compute dtype; a part without upstream gradient is zeros.
+    """
+    B, H, S, _ = q.shape
+    Hk = k.shape[1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    main = grad_out is not None
+    with_proxy = q_proxy is not None and kl_weights is not None
+    dq_proxy = torch.zeros_like(q_proxy) if q_proxy is not None else None
+    dk_proxy = torch.zeros_like(k_proxy) if k_proxy is not None else None
+    if not (main or with_proxy):
+        return dq, dk, dv, dq_proxy, dk_proxy
+    if main:
+        delta = (grad_out * out).sum(dim=-1)  # (B, H, S)
+    with _ieee_fp32_matmul():
+        for i0, i1 in row_chunks(S, B * H * S):
+            keys = keys_of_rows(i0, i1)
+            q_rows, k_pre, v_pre = q[:, :, i0:i1], k[:, :, :i1], v[:, :, :i1]
+            s = masked_scores(q_rows, k_pre, keys, scale)
+            p = torch.exp(s - finite_or_zero(lse[:, :, i0:i1]).unsqueeze(-1))
+            del s
+            if main:
+                do = grad_out[:, :, i0:i1]
+                dp = grouped_matmul(do, v_pre.transpose(-1, -2))
+                ds = p * (dp - delta[:, :, i0:i1].unsqueeze(-1))
+                del dp
+                dq[:, :, i0:i1] = scale * grouped_matmul(ds, k_pre)
+                dk[:, :, :i1] += scale * grouped_sum_matmul(ds, q_rows, Hk)
+                dv[:, :, :i1] += grouped_sum_matmul(p, do, Hk)
+                del ds
+            if with_proxy:
+                Hp, Hpk = q_proxy.shape[1], k_proxy.shape[1]
+                tau = group_mean(p, Hp)
+                del p
+                qp_rows, kp_pre = q_proxy[:, :, i0:i1], k_proxy[:, :, :i1]
+                sp = masked_scores(qp_rows, kp_pre, keys, scale)
+                pi = torch.exp(sp - finite_or_zero(lse_proxy[:, :, i0:i1]).unsqueeze(-1))
+                dsp = (pi - tau) * kl_weights[:, :, i0:i1].unsqueeze(-1)
+                dq_proxy[:, :, i0:i1] = scale * grouped_matmul(dsp, kp_pre)
+                dk_proxy[:, :, :i1] += scale * grouped_sum_matmul(dsp, qp_rows, Hpk)
+    return dq, dk, dv, dq_proxy, dk_proxy

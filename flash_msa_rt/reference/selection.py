@@ -1,0 +1,65 @@
+"""Reference block selection Sel_p(i) (shared/design/msa-semantics.md, "Selection")."""
+
+from __future__ import annotations
+
+import torch
+
+from flash_msa_rt.reference import attention, checks
+from flash_msa_rt.reference.block_scores import block_scores_of_rows
+from flash_msa_rt.reference.numerics import _ieee_fp32_matmul, compute_dtype
+
+_FN = "select_blocks"
+
+
+def select_blocks(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: int, block_size: int,
+                  scale: float) -> torch.Tensor:
+    """Selected key blocks, int32 (B, Hp, S, K) with K = top_k_blocks.
+
+    Row i of proxy head p holds its local block blk(i) plus the K - 1 earlier blocks j < blk(i) with the largest
+    block score c_p(i, j) (the max of the causal token scores in the block); ties go to the smaller block index.
+    Slots are ascending with the empty ones (-1) last; K may exceed the number of blocks.
+
+    q_proxy (B, S, Hp, Dp), k_proxy (B, S, Hpk, Dp); proxy head p reads key head p // (Hp / Hpk). Scores are
+    float32 (float64 for float64 inputs); query rows are processed in chunks, each scoring only its causal
+    prefix, and ranked per chunk, so neither (B, Hp, S, S) nor (B, Hp, S, NB) is materialised at once.
+    """
+    B, S = q_proxy.shape[:2] if isinstance(q_proxy, torch.Tensor) else (0, 0)
+    checks.proxy_dims(_FN, q_proxy, k_proxy, B, S, None)
+    if S < 1:
+        raise ValueError(f"{_FN}: S = {S} must be positive (varlen references accept empty sequences)")
+    K = checks.top_k_blocks(_FN, top_k_blocks)
+    Bs = checks.block_size(_FN, block_size)
+    scale = checks.scale(_FN, scale)
+    _, _, Hp, Dp = q_proxy.shape
+    Hpk = k_proxy.shape[2]
+    dt = compute_dtype(q_proxy, k_proxy)
+    # (B, Hpk, G, S, Dp) and (B, Hpk, 1, Dp, S): proxy head p = pk * G + g reads key head pk by broadcasting.
+    q = q_proxy.to(dt).permute(0, 2, 1, 3).reshape(B, Hpk, Hp // Hpk, S, Dp)
+    kt = k_proxy.to(dt).permute(0, 2, 3, 1).unsqueeze(2)
+
+    selected = torch.full((B, Hp, S, K), -1, dtype=torch.int32, device=q_proxy.device)
+    with _ieee_fp32_matmul():
+        for i0, i1 in attention.row_chunks(S, B * Hp * S):
+            scores = block_scores_of_rows(q, kt, i0, i1, Bs, scale)  # (B, Hp, rows, nb)
+            selected[:, :, i0:i1] = _top_blocks(scores, i0, i1, K, Bs)
+    return selected
+
+
+def _top_blocks(scores: torch.Tensor, i0: int, i1: int, K: int, Bs: int) -> torch.Tensor:
+    """Slots (B, Hp, rows, K) of rows [i0, i1) from their block scores (B, Hp, rows, nb)."""
+    B, Hp, R, nb = scores.shape
+    dev = scores.device
+    local = (torch.arange(i0, i1, device=dev) // Bs).view(R, 1)
+    earlier = torch.arange(nb, device=dev).view(1, nb) < local
+    ranked = scores.masked_fill(~earlier, float("-inf"))
+    # A stable descending sort keeps equal scores in index order: ties go to the smaller block. Candidates are
+    # judged by index, not score, so an earlier block always outranks the masked local and later blocks.
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :K - 1]
+    picked = torch.where(order < local, order, torch.full_like(order, -1))
+    slots = torch.full((B, Hp, R, K), -1, dtype=torch.long, device=dev)
+    slots[..., 0] = local.view(R)
+    slots[..., 1:1 + picked.shape[-1]] = picked
+    # Ascending with -1 last.
+    big = torch.iinfo(torch.long).max
+    slots = torch.where(slots < 0, torch.full_like(slots, big), slots).sort(dim=-1).values
+    return torch.where(slots == big, torch.full_like(slots, -1), slots).to(torch.int32)

@@ -1,0 +1,178 @@
+"""Brute-force dense oracles of every MSA op (shared/design/msa-semantics.md), with autograd for the gradients.
+
+Full S x S score matrices in the dtype of the inputs (float64 for the verdict), built independently of the
+reference: selection by a Python stable sort of (-score, block index) per row, masks by comparing every key's
+block with every listed slot, gradients by torch.autograd.grad. Small shapes only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Result:
+    out: torch.Tensor | None = None  # (B, S, H, D)
+    lse: torch.Tensor | None = None  # (B, H, S)
+    lse_proxy: torch.Tensor | None = None  # (B, Hp, S)
+    kl_rows: torch.Tensor | None = None  # (B, Hp, S)
+    kl_loss: torch.Tensor | None = None  # 0-dim: mean of kl_rows
+    block_indices: torch.Tensor | None = None  # (B, Hp, S, K) int64, ascending, -1 last
+    grads: dict | None = None  # name of each input -> gradient
+
+
+def select(q_proxy, k_proxy, top_k_blocks, block_size, scale):
+    """(B, Hp, S, K) int64: local block, then the K - 1 best earlier blocks by a stable sort of (-score, j)."""
+    B, S, Hp, _ = q_proxy.shape
+    Bs, K = block_size, top_k_blocks
+    NB = -(-S // Bs)
+    s = _scores(q_proxy, k_proxy, scale).masked_fill(~_causal(S, q_proxy.device), NEG_INF)  # (B, Hp, S, S)
+    s = F.pad(s, (0, NB * Bs - S), value=NEG_INF)  # whole blocks; padded keys are never visible
+    c = s.view(B, Hp, S, NB, Bs).amax(-1).tolist()
+    out = torch.full((B, Hp, S, K), -1, dtype=torch.long)
+    for b in range(B):
+        for p in range(Hp):
+            for i in range(S):
+                L = i // Bs
+                best = sorted(range(L), key=lambda j: (-c[b][p][i][j], j))[:K - 1]
+                chosen = sorted([L, *best])
+                out[b, p, i, :len(chosen)] = torch.tensor(chosen)
+    return out.to(q_proxy.device)
+
+
+def allowed_from_indices(block_indices, S, block_size):
+    """(B, Hi, S, S) bool: t allowed to i iff t <= i and blk(t) equals one of row i's slots."""
+    blk_of_t = torch.arange(S, device=block_indices.device) // block_size
+    listed = (block_indices.long().unsqueeze(-1) == blk_of_t).any(dim=-2)  # (B, Hi, S, S)
+    return listed & _causal(S, block_indices.device)
+
+
+def attention(q, k, v, allowed, scale):
+    """Masked softmax attention -> out (B, S, H, D), lse (B, H, S), P (B, H, S, S). allowed: (B|1, Hi, S, S)."""
+    B, S, H, _ = q.shape
+    Hk, Hi = k.shape[2], allowed.shape[1]
+    kk = k.repeat_interleave(H // Hk, dim=2)
+    vv = v.repeat_interleave(H // Hk, dim=2)
+    mask = allowed.repeat_interleave(H // Hi, dim=1)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
+    p, lse = _masked_softmax(s, mask)
+    return torch.einsum("bhij,bjhd->bihd", p, vv), lse, p
+
+
+def proxy_kl(q_proxy, k_proxy, p_main, allowed, scale):
+    """KL_p(i) of pi (proxy softmax over the allowed set) from the detached group mean tau -> (kl_rows, lse_p)."""
+    B, S, Hp, _ = q_proxy.shape
+    H = p_main.shape[1]
+    mask = allowed.repeat_interleave(Hp // allowed.shape[1], dim=1)
+    s = _scores(q_proxy, k_proxy, scale)
+    pi, lse_p = _masked_softmax(s, mask)
+    log_pi = torch.where(mask, s - torch.where(torch.isfinite(lse_p), lse_p, 0).unsqueeze(-1), NEG_INF)
+    tau = p_main.detach().view(B, Hp, H // Hp, S, S).mean(2)
+    # F.kl_div(log_pi, tau, 'none') = tau (log tau - log_pi), 0 where tau = 0; masked keys (log_pi = -inf) -> 0.
+    terms = F.kl_div(torch.where(mask, log_pi, 0), tau, reduction="none")
+    kl_rows = torch.where(tau > 0, terms, 0).sum(-1)
+    return kl_rows, lse_p
+
+
+def msa(q_proxy, k_proxy, q, k, v, top_k_blocks, block_size, scale, grad_out=None, kl_upstream=None,
+        block_indices=None):
+    """Everything MSA computes, and the five gradients.
+
+    block_indices None: selected here (the proxy's top-K). grad_out: upstream dO of out or None. kl_upstream:
+    a 0-dim tensor (upstream grad of kl_loss = mean KL) or a (B, Hp, S) tensor (upstream grad of each KL_p(i)),
+    or None.
+    """
+    S = q.shape[1]
+    if block_indices is None:
+        with torch.no_grad():
+            block_indices = select(q_proxy, k_proxy, top_k_blocks, block_size, scale)
+    return _with_grads(q_proxy, k_proxy, q, k, v, allowed_from_indices(block_indices, S, block_size), scale,
+                       grad_out, kl_upstream, block_indices)
+
+
+def warmup(q_proxy, k_proxy, q, k, v, scale, grad_out=None, kl_upstream=None):
+    allowed = _causal(q.shape[1], q.device).view(1, 1, q.shape[1], q.shape[1])
+    return _with_grads(q_proxy, k_proxy, q, k, v, allowed, scale, grad_out, kl_upstream, None)
+
+
+def block_sparse(q, k, v, block_indices, block_size, scale, grad_out=None):
+    return _with_grads(None, None, q, k, v, allowed_from_indices(block_indices, q.shape[1], block_size), scale,
+                       grad_out, None, block_indices)
+
+
+def _with_grads(q_proxy, k_proxy, q, k, v, allowed, scale, grad_out, kl_upstream, block_indices):
+    named = {"q": q, "k": k, "v": v}
+    if q_proxy is not None:
+        named = {"q_proxy": q_proxy, "k_proxy": k_proxy, **named}
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in named.items()}
+    with torch.enable_grad():
+        out, lse, p = attention(leaves["q"], leaves["k"], leaves["v"], allowed, scale)
+        res = Result(out=out, lse=lse, block_indices=block_indices)
+        loss = out.new_zeros(())
+        if grad_out is not None:
+            loss = loss + (out * grad_out).sum()
+        if q_proxy is not None:
+            res.kl_rows, res.lse_proxy = proxy_kl(leaves["q_proxy"], leaves["k_proxy"], p, allowed, scale)
+            res.kl_loss = res.kl_rows.mean()
+            if kl_upstream is not None:
+                if kl_upstream.dim() == 0:
+                    loss = loss + res.kl_loss * kl_upstream
+                else:
+                    loss = loss + (res.kl_rows * kl_upstream).sum()
+        if loss.requires_grad:
+            gs = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        else:
+            gs = [None] * len(leaves)
+    res.grads = {n: (g if g is not None else torch.zeros_like(t)) for (n, t), g in zip(leaves.items(), gs)}
+    for f in ("out", "lse", "lse_proxy", "kl_rows", "kl_loss"):
+        if getattr(res, f) is not None:
+            setattr(res, f, getattr(res, f).detach())
+    return res
+
+
+def _scores(q, k, scale):
+    """(B, Hq, S, S) scores; query head h reads key head h // (Hq / Hk)."""
+    kk = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    return torch.einsum("bihd,bjhd->bhij", q, kk) * scale
+
+
+def _causal(S, device):
+    return torch.ones(S, S, dtype=torch.bool, device=device).tril()
+
+
+def _masked_softmax(s, mask):
+    """softmax over the allowed keys -> (P, lse); a row with none: P = 0, lse = -inf, and finite gradients."""
+    has = mask.any(-1, keepdim=True)
+    s = torch.where(has, s.masked_fill(~mask, NEG_INF), 0)  # empty rows get a harmless finite row
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(mask, torch.exp(s - lse.unsqueeze(-1)), 0)
+    return p, torch.where(has.squeeze(-1), lse, NEG_INF)
+
+
+# --- comparison ---------------------------------------------------------------------------------------------
+
+def assert_close(name, got, want, baseline, *, factor=2.0, atol=0.0):
+    """|got - want| <= factor * max|baseline - want| + atol, after requiring the same inf / NaN positions.
+
+    want: the float64 oracle. baseline: the same quantity computed the way the input dtype allows (the oracle in
+    float32, or the float64 oracle rounded to bf16): its error is what the input dtype costs, and the reference
+    may cost a small multiple of it (FlashAttention's rule).
+    """
+    got, want, baseline = got.double(), want.double(), baseline.double()
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{name}: NaN positions differ"
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), f"{name}: inf positions differ"
+    inf = torch.isinf(want)
+    assert torch.equal(got[inf], want[inf]), f"{name}: infinities of different sign"
+    fin = torch.isfinite(want)
+    err = (got[fin] - want[fin]).abs().max().item() if fin.any() else 0.0
+    base_fin = fin & torch.isfinite(baseline)
+    base = (baseline[base_fin] - want[base_fin]).abs().max().item() if base_fin.any() else 0.0
+    bound = factor * base + atol
+    assert err <= bound, f"{name}: max error {err:.3e} > {factor} * {base:.3e} + {atol:.1e} = {bound:.3e}"
+    return err, bound
