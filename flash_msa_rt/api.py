@@ -42,8 +42,9 @@ def flash_msa_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, document_list=N
     Validating it synchronises. At most one of document_list and cu_seqlens.
     kl_metric: optional 0-dim float32 tensor on q's device that receives the KL value (published compatibility).
 
-    Returns (out (B, S, H * D) in q's dtype, kl_loss): kl_loss is a 0-dim float32 tensor holding the true KL,
-    mean over (b, p, i) of KL(tau || pi); its gradient reaches q_proxy and k_proxy only.
+    Returns (out (B, S, H * D) in q's dtype, kl_loss): kl_loss is a 0-dim float32 tensor (float64 for float64
+    inputs) holding the true KL, mean over (b, p, i) of KL(tau || pi); its gradient reaches q_proxy and k_proxy
+    only, scaled by whatever multiplies it in the loss (read on the device: no host synchronisation).
     """
     return _msa("flash_msa_func", True, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_seqlens,
                 kl_metric, layout, block_size)

@@ -127,57 +127,55 @@ def _ref():
     return reference
 
 
-def _varlen():
-    import flash_msa_rt.reference.varlen as varlen
-
-    return varlen
-
+# The varlen references take cu_seqlens at another position than these ops: pass it by keyword.
 
 def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None):
     if cu_seqlens is None:
         return _ref().select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale)
-    return _varlen().select_blocks_varlen(q_proxy, k_proxy, cu_seqlens, top_k_blocks, block_size, scale)
+    return _ref().select_blocks_varlen(q_proxy, k_proxy, cu_seqlens=cu_seqlens, top_k_blocks=top_k_blocks,
+                                       block_size=block_size, scale=scale)
 
 
 def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None):
     if cu_seqlens is None:
         return _ref().msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale)
-    return _varlen().msa_forward_varlen(q_proxy, k_proxy, q, k, v, cu_seqlens, block_indices, block_size, scale)
+    return _ref().msa_forward_varlen(q_proxy, k_proxy, q, k, v, block_indices, cu_seqlens=cu_seqlens,
+                                     block_size=block_size, scale=scale)
 
 
 def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
                   kl_grad, cu_seqlens=None):
+    args = (q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale)
     if cu_seqlens is None:
-        return _ref().msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
-                                   grad_out, kl_grad)
-    return _varlen().msa_backward_varlen(q_proxy, k_proxy, q, k, v, cu_seqlens, out, lse, lse_proxy, block_indices,
-                                         block_size, scale, grad_out, kl_grad)
+        return _ref().msa_backward(*args, grad_out, kl_grad)
+    return _ref().msa_backward_varlen(*args, grad_out=grad_out, cu_seqlens=cu_seqlens, kl_grad=kl_grad)
 
 
 def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
     if cu_seqlens is None:
         return _ref().warmup_forward(q_proxy, k_proxy, q, k, v, scale)
-    return _varlen().warmup_forward_varlen(q_proxy, k_proxy, q, k, v, cu_seqlens, scale)
+    return _ref().warmup_forward_varlen(q_proxy, k_proxy, q, k, v, cu_seqlens=cu_seqlens, scale=scale)
 
 
 def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None):
+    args = (q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale)
     if cu_seqlens is None:
-        return _ref().warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad)
-    return _varlen().warmup_backward_varlen(q_proxy, k_proxy, q, k, v, cu_seqlens, out, lse, lse_proxy, scale,
-                                            grad_out, kl_grad)
+        return _ref().warmup_backward(*args, grad_out, kl_grad)
+    return _ref().warmup_backward_varlen(*args, grad_out=grad_out, cu_seqlens=cu_seqlens, kl_grad=kl_grad)
 
 
 def _block_sparse_forward(q, k, v, block_indices, block_size, scale, cu_seqlens=None):
     if cu_seqlens is None:
         return _ref().block_sparse_forward(q, k, v, block_indices, block_size, scale)
-    return _varlen().block_sparse_forward_varlen(q, k, v, cu_seqlens, block_indices, block_size, scale)
+    return _ref().block_sparse_forward_varlen(q, k, v, block_indices, cu_seqlens=cu_seqlens, block_size=block_size,
+                                              scale=scale)
 
 
 def _block_sparse_backward(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens=None):
+    args = (q, k, v, out, lse, block_indices, block_size, scale)
     if cu_seqlens is None:
-        return _ref().block_sparse_backward(q, k, v, out, lse, block_indices, block_size, scale, grad_out)
-    return _varlen().block_sparse_backward_varlen(q, k, v, cu_seqlens, out, lse, block_indices, block_size, scale,
-                                                  grad_out)
+        return _ref().block_sparse_backward(*args, grad_out)
+    return _ref().block_sparse_backward_varlen(*args, grad_out=grad_out, cu_seqlens=cu_seqlens)
 
 
 _REFERENCE = Backend(

@@ -40,6 +40,17 @@ def _msa_config(q_proxy: Tensor, q: Tensor, k: Tensor, block_size: int | None, c
             "varlen": cu_seqlens is not None}
 
 
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of lse, lse_proxy and kl_rows: float32, float64 for float64 inputs (tests, gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _stats(q: Tensor, out: Tensor, *stats: Tensor):
+    """out and the statistics as fresh contiguous tensors, statistics in stat_dtype (the fake impls' promise)."""
+    dt = stat_dtype(q.dtype)
+    return (out.contiguous(), *(s.to(dt).contiguous() for s in stats))
+
+
 def _impl(op: str, like: Tensor, config: dict):
     return dispatch.implementation(op, like.device, like.dtype, **config)
 
@@ -52,8 +63,8 @@ def select_blocks(q_proxy: Tensor, k_proxy: Tensor, top_k_blocks: int, block_siz
     """int32 (B, Hp, S, K) selected key blocks per (b, p, i), -1 for empty slots. Not differentiable."""
     config = {"proxy_head_dim": q_proxy.shape[-1], "block_size": block_size, "top_k_blocks": top_k_blocks,
               "varlen": cu_seqlens is not None}
-    return _fresh(_impl("select_blocks", q_proxy, config)(q_proxy, k_proxy, top_k_blocks, block_size, scale,
-                                                          cu_seqlens))
+    impl = _impl("select_blocks", q_proxy, config)
+    return _fresh(impl(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens).to(torch.int32))
 
 
 @select_blocks.register_fake
@@ -68,15 +79,16 @@ def _(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None):
 def msa_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor,
                 block_size: int, scale: float,
                 cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(out (B, S, H, D) q.dtype, lse (B, H, S) f32, lse_proxy (B, Hp, S) f32, kl_rows (B, Hp, S) f32)."""
+    """(out (B, S, H, D) q.dtype, lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)); statistics float32
+    (float64 for float64 inputs)."""
     impl = _impl("msa_forward", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens))
-    return _fresh(*impl(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens))
+    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens))
 
 
 def _msa_outputs_fake(q_proxy, q):
     B, S, H, _ = q.shape
     Hp = q_proxy.shape[2]
-    f32 = torch.float32
+    f32 = stat_dtype(q.dtype)
     return (q.new_empty(q.shape), q.new_empty((B, H, S), dtype=f32), q.new_empty((B, Hp, S), dtype=f32),
             q.new_empty((B, Hp, S), dtype=f32))
 
@@ -131,7 +143,7 @@ def warmup_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Te
                    cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """msa_forward's outputs with every causal key allowed (no selection)."""
     impl = _impl("warmup_forward", q, _msa_config(q_proxy, q, k, None, cu_seqlens))
-    return _fresh(*impl(q_proxy, k_proxy, q, k, v, scale, cu_seqlens))
+    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, scale, cu_seqlens))
 
 
 @warmup_forward.register_fake
@@ -179,16 +191,17 @@ warmup_forward.register_autograd(_warmup_backward_rule, setup_context=_warmup_se
 @torch.library.custom_op(f"{NAMESPACE}::block_sparse_forward", mutates_args=())
 def block_sparse_forward(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int, scale: float,
                          cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """(out (B, S, H, D) q.dtype, lse (B, H, S) f32) over the causal tokens of each row's listed blocks."""
+    """(out (B, S, H, D) q.dtype, lse (B, H, S) float32 (float64 for float64 inputs)) over the causal tokens of each
+    row's listed blocks."""
     config = {"head_dim": q.shape[-1], "block_size": block_size, "index_heads": block_indices.shape[1],
               "kv_group": q.shape[2] // k.shape[2], "varlen": cu_seqlens is not None}
-    return _fresh(*_impl("block_sparse_forward", q, config)(q, k, v, block_indices, block_size, scale, cu_seqlens))
+    return _stats(q, *_impl("block_sparse_forward", q, config)(q, k, v, block_indices, block_size, scale, cu_seqlens))
 
 
 @block_sparse_forward.register_fake
 def _(q, k, v, block_indices, block_size, scale, cu_seqlens=None):
     B, S, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=stat_dtype(q.dtype))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::block_sparse_backward", mutates_args=())
