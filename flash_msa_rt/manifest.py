@@ -316,6 +316,7 @@ NAME_TAGS: dict[str, str] = {
     "dtype": "",
     "head_dim": "d",
     "block_size": "b",
+    "max_k": "k",
     "tile_m": "m",
     "tile_n": "n",
     "group": "g",

@@ -13,7 +13,7 @@ from kernels_src.spec import ARCHS, DEFAULT_ARCHS, BuildSpec
 
 # One module per op family. Each provides: configs(**choices) -> list of configs (the default set when a
 # choice is None), can_implement(config, arch) -> (ok, reason), build_spec(config, arch) -> BuildSpec.
-FAMILIES: tuple[str, ...] = ("kernels_src.block_scores",)
+FAMILIES: tuple[str, ...] = ("kernels_src.block_scores", "kernels_src.select")
 
 
 class CatalogueError(ValueError):

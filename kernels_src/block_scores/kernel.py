@@ -10,6 +10,7 @@ Per CTA: one (query tile of tile_m rows, proxy head p, batch b).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tempfile
 from pathlib import Path
@@ -24,7 +25,34 @@ from cutlass.cute.runtime import make_fake_stream
 from kernels_src.block_scores import SWIZZLE_BYTES, Config, params
 from kernels_src.spec import GPU_ARCH_OPTION, Compiled, fake_tensor
 
-_DTYPES = {"bf16": cutlass.BFloat16}
+_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
+
+
+@dataclasses.dataclass
+class ScoreTiles:
+    """Trace-time handles of one CTA's score pipeline (smem barriers, TMA partitions, MMA operands, acc)."""
+
+    q_full: object
+    k_full: object
+    tma_atom_q: object
+    t_q_g: object
+    t_q_s: object
+    tma_atom_k: object
+    t_k_g: object
+    t_k_s: object
+    q_bytes: int
+    k_bytes: int
+    copy_q: object
+    t_sq: object
+    t_rq: object
+    t_rq_view: object
+    copy_k: object
+    t_sk: object
+    t_rk: object
+    t_rk_view: object
+    acc: object
+    acc_mn: object
+    coord_mn: object
 
 
 class ProxyBlockScores:
@@ -65,16 +93,8 @@ class ProxyBlockScores:
         stride = (0, o.stride[0], 0, o.stride[1]) + tuple(o.stride[2:])
         return cute.make_composed_layout(layout.inner, 0, cute.make_layout(shape, stride=stride))
 
-    @cute.jit
-    def __call__(
-        self,
-        q_proxy: cute.Tensor,  # (B, S, Hp, Dp)
-        k_proxy: cute.Tensor,  # (B, S, Hpk, Dp)
-        scores: cute.Tensor,  # (B, Hp, S, NB) f32
-        scale: cutlass.Float32,
-        group: cutlass.Int32,  # Hp // Hpk
-        stream: cuda.CUstream,
-    ):
+    def host_setup(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor):
+        """Smem layouts, the two TMA atoms and the tiled MMA: everything a score-tile kernel needs from the host."""
         s_q_layout, s_k_layout = self._smem_layouts()
         s_q4, s_k4 = self._as_bshd(s_q_layout), self._as_bshd(s_k_layout)
 
@@ -96,6 +116,19 @@ class ProxyBlockScores:
             (self.threads // 32, 1, 1),
             permutation_mnk=(self.threads // 32 * 16, 16, 16),
         )
+        return s_q_layout, s_k_layout, tma_atom_q, tma_q, tma_atom_k, tma_k, tiled_mma
+
+    @cute.jit
+    def __call__(
+        self,
+        q_proxy: cute.Tensor,  # (B, S, Hp, Dp)
+        k_proxy: cute.Tensor,  # (B, S, Hpk, Dp)
+        scores: cute.Tensor,  # (B, Hp, S, NB) f32
+        scale: cutlass.Float32,
+        group: cutlass.Int32,  # Hp // Hpk
+        stream: cuda.CUstream,
+    ):
+        s_q_layout, s_k_layout, tma_atom_q, tma_q, tma_atom_k, tma_k, tiled_mma = self.host_setup(q_proxy, k_proxy)
 
         @cute.struct
         class SharedStorage:
@@ -153,17 +186,32 @@ class ProxyBlockScores:
         n_blocks = cutlass.min(cute.ceil_div(m0 + rows_valid, self.block_size), n_blocks_total)
         # Blocks from here on hold keys t > m0 for some rows: they straddle the diagonal and need the mask.
         first_masked = (m0 + 1) // self.block_size
-        pk = p // group
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        q_full = storage.q_full.data_ptr()
-        k_full = storage.k_full.data_ptr()
+        t = self.score_tiles(storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, tiled_mma,
+                             tidx, b, m_block, p, p // group)
+        self.start_loads(t, tidx, warp_idx, n_blocks)
+        quad_lane = tidx % 4
+
+        for j in cutlass.range(n_blocks, unroll=1):
+            self.score_block(t, tiled_mma, warp_idx, j, n_blocks)
+            if j >= first_masked:
+                self.mask_causal(t.acc_mn, t.coord_mn, m0, j * self.block_size)
+            self.store_row_max(t.acc_mn, t.coord_mn, scores, scale, b, p, m0, j, seqlen, quad_lane)
+
+        self.fill_neg_inf(scores, b, p, m0, rows_valid, n_blocks, n_blocks_total, tidx)
+
+    # The pieces below are shared with kernels that consume the same score tiles differently (select).
+
+    def score_tiles(self, storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, tiled_mma,
+                    tidx, b, m_block, p, pk) -> "ScoreTiles":
+        """Trace-time setup: smem views, TMA partitions of this CTA's Q tile and all K blocks of (b, pk), the
+        ldmatrix copies feeding the MMAs, and the (tile_m, Bs) fp32 accumulator with its coordinates."""
         s_q_tma = storage.s_q.get_tensor(self._as_bshd(s_q_layout).outer, swizzle=s_q_layout.inner)
         s_k_tma = storage.s_k.get_tensor(self._as_bshd(s_k_layout).outer, swizzle=s_k_layout.inner)
         s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)  # (tile_m, Dp)
         s_k = storage.s_k.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)  # (Bs, Dp, stages)
 
-        # TMA views: this CTA's Q tile, and all key blocks of (b, pk).
         g_q = cute.local_tile(tma_q, (1, self.tile_m, 1, self.head_dim), (b, m_block, p, 0))
         t_q_s, t_q_g = cpasync.tma_partition(
             tma_atom_q, 0, cute.make_layout(1), cute.group_modes(s_q_tma, 0, 4), cute.group_modes(g_q, 0, 4)
@@ -172,24 +220,6 @@ class ProxyBlockScores:
         t_k_s, t_k_g = cpasync.tma_partition(
             tma_atom_k, 0, cute.make_layout(1), cute.group_modes(s_k_tma, 0, 4), cute.group_modes(g_k, 0, 4)
         )
-        q_bytes = self.tile_m * self.head_dim * self.dtype.width // 8  # what one full tile's TMA copies deliver
-        k_bytes = self.block_size * self.head_dim * self.dtype.width // 8
-
-        if tidx == 0:
-            cute.arch.mbarrier_init(q_full, 1)
-            for s in cutlass.range_constexpr(self.stages):
-                cute.arch.mbarrier_init(k_full + s, 1)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-
-        # The TMA copy elects one lane itself, so the whole of warp 0 issues it.
-        if warp_idx == 0:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(q_full, q_bytes)
-            cute.copy(tma_atom_q, t_q_g, t_q_s, tma_bar_ptr=q_full)
-            for s in cutlass.range_constexpr(self.stages):
-                if s < n_blocks:
-                    self.load_k_block(tma_atom_k, t_k_g, t_k_s, k_full, k_bytes, s, s)
 
         # Shared -> register copies for the MMA operands (ldmatrix from the swizzled tiles).
         thr_mma = tiled_mma.get_slice(tidx)
@@ -198,42 +228,62 @@ class ProxyBlockScores:
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         copy_q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
         copy_k = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
-        t_sq = copy_q.partition_S(s_q)
-        t_rq_view = copy_q.retile(t_rq)
-        t_sk = copy_k.partition_S(s_k)  # (CPY, CPY_N, CPY_K, stages)
-        t_rk_view = copy_k.retile(t_rk)
 
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
-        acc_mn = self._mn_view(acc)
-        # (row, key) coordinates inside one (tile_m, Bs) score tile, in the accumulator's layout.
-        coord_mn = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
-        quad_lane = tidx % 4
+        return ScoreTiles(
+            q_full=storage.q_full.data_ptr(),
+            k_full=storage.k_full.data_ptr(),
+            tma_atom_q=tma_atom_q, t_q_g=t_q_g, t_q_s=t_q_s,
+            tma_atom_k=tma_atom_k, t_k_g=t_k_g, t_k_s=t_k_s,
+            q_bytes=self.tile_m * self.head_dim * self.dtype.width // 8,  # what one full tile's copies deliver
+            k_bytes=self.block_size * self.head_dim * self.dtype.width // 8,
+            copy_q=copy_q, t_sq=copy_q.partition_S(s_q), t_rq=t_rq, t_rq_view=copy_q.retile(t_rq),
+            copy_k=copy_k, t_sk=copy_k.partition_S(s_k), t_rk=t_rk, t_rk_view=copy_k.retile(t_rk),
+            acc=acc,
+            acc_mn=self._mn_view(acc),
+            # (row, key) coordinates inside one (tile_m, Bs) score tile, in the accumulator's layout.
+            coord_mn=self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size)))),
+        )
 
-        cute.arch.mbarrier_wait(q_full, 0)
-        for j in cutlass.range(n_blocks, unroll=1):
-            stage = j % self.stages
-            cute.arch.mbarrier_wait(k_full + stage, (j // self.stages) % 2)
+    @cute.jit
+    def start_loads(self, t, tidx, warp_idx, n_blocks):
+        """Init the mbarriers, then warp 0 loads the Q tile and the first `stages` K blocks."""
+        if tidx == 0:
+            cute.arch.mbarrier_init(t.q_full, 1)
+            for s in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(t.k_full + s, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        # The TMA copy elects one lane itself, so the whole of warp 0 issues it.
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(t.q_full, t.q_bytes)
+            cute.copy(t.tma_atom_q, t.t_q_g, t.t_q_s, tma_bar_ptr=t.q_full)
+            for s in cutlass.range_constexpr(self.stages):
+                if s < n_blocks:
+                    self.load_k_block(t.tma_atom_k, t.t_k_g, t.t_k_s, t.k_full, t.k_bytes, s, s)
+        cute.arch.mbarrier_wait(t.q_full, 0)
 
-            acc.fill(0.0)
-            cute.copy(copy_q, t_sq[None, None, 0], t_rq_view[None, None, 0])
-            cute.copy(copy_k, t_sk[None, None, 0, stage], t_rk_view[None, None, 0])
-            for k in cutlass.range_constexpr(self.k_steps):
-                if cutlass.const_expr(k + 1 < self.k_steps):
-                    cute.copy(copy_q, t_sq[None, None, k + 1], t_rq_view[None, None, k + 1])
-                    cute.copy(copy_k, t_sk[None, None, k + 1, stage], t_rk_view[None, None, k + 1])
-                cute.gemm(tiled_mma, acc, t_rq[None, None, k], t_rk[None, None, k], acc)
+    @cute.jit
+    def score_block(self, t, tiled_mma, warp_idx, j, n_blocks):
+        """acc = Q K_j^T (unscaled fp32). Ends with every warp past its reads of K stage j % stages, and warp 0
+        refilling that stage with block j + stages, so the load overlaps whatever the caller does with acc."""
+        stage = j % self.stages
+        cute.arch.mbarrier_wait(t.k_full + stage, (j // self.stages) % 2)
 
-            # Every warp has read K buffer `stage`: refill it with block j + stages while maxima are reduced.
-            cute.arch.sync_threads()
-            if warp_idx == 0:
-                if j + self.stages < n_blocks:
-                    self.load_k_block(tma_atom_k, t_k_g, t_k_s, k_full, k_bytes, j + self.stages, stage)
+        t.acc.fill(0.0)
+        cute.copy(t.copy_q, t.t_sq[None, None, 0], t.t_rq_view[None, None, 0])
+        cute.copy(t.copy_k, t.t_sk[None, None, 0, stage], t.t_rk_view[None, None, 0])
+        for k in cutlass.range_constexpr(self.k_steps):
+            if cutlass.const_expr(k + 1 < self.k_steps):
+                cute.copy(t.copy_q, t.t_sq[None, None, k + 1], t.t_rq_view[None, None, k + 1])
+                cute.copy(t.copy_k, t.t_sk[None, None, k + 1, stage], t.t_rk_view[None, None, k + 1])
+            cute.gemm(tiled_mma, t.acc, t.t_rq[None, None, k], t.t_rk[None, None, k], t.acc)
 
-            if j >= first_masked:
-                self.mask_causal(acc_mn, coord_mn, m0, j * self.block_size)
-            self.store_row_max(acc_mn, coord_mn, scores, scale, b, p, m0, j, seqlen, quad_lane)
-
-        self.fill_neg_inf(scores, b, p, m0, rows_valid, n_blocks, n_blocks_total, tidx)
+        cute.arch.sync_threads()
+        if warp_idx == 0:
+            if j + self.stages < n_blocks:
+                self.load_k_block(t.tma_atom_k, t.t_k_g, t.t_k_s, t.k_full, t.k_bytes, j + self.stages, stage)
 
     @cute.jit
     def load_k_block(self, tma_atom_k, t_k_g, t_k_s, k_full, k_bytes, block, stage):
@@ -297,9 +347,12 @@ def _fake_args(config: Config):
     return (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
 
 
-def _check_traced(config: Config, traced: dict) -> None:
+_TMA_FORMAT = {"bf16": "BF16", "f16": "F16"}
+
+
+def check_traced(config, traced: dict, declared: tuple) -> None:
     """The descriptor basis and shared memory CuTeDSL chose must be what the build spec declares."""
-    decl = {p.name: p for p in params(config)}
+    decl = {p.name: p for p in declared}
     for name in ("tma_q", "tma_k"):
         m = re.search(r'tma_gbasis = <"\(([^)]*)\):\(([^)]*)\)">', traced[name])
         if not m:
@@ -310,7 +363,7 @@ def _check_traced(config: Config, traced: dict) -> None:
         want = decl[name]
         if (dims, box) != (want.dims, want.box) or not unit:
             raise RuntimeError(f"{name}: CuTeDSL built basis {m.group(0)}, spec declares dims {want.dims} box {want.box}")
-        if "BF16" not in traced[name] and config.dtype == "bf16":
+        if _TMA_FORMAT[config.dtype] not in traced[name]:
             raise RuntimeError(f"{name}: unexpected TMA format in {traced[name]!r}")
     if traced["swizzle"] != "S<3,4,3>":  # 128B swizzle in CuTeDSL's byte-address spelling
         raise RuntimeError(f"smem swizzle {traced['swizzle']}, the spec declares {SWIZZLE_BYTES}B (S<3,4,3>)")
@@ -318,16 +371,15 @@ def _check_traced(config: Config, traced: dict) -> None:
         raise RuntimeError(f"shared memory: kernel {traced['smem_bytes']} bytes, spec {config.smem_bytes()}")
 
 
-def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
+def compile_kernel(kernel, config, arch: str, fake_args) -> Compiled:
     """Compile one variant for arch with no GPU present; returns SASS, PTX and the dynamic shared memory.
 
     PTX and cubin are kept through cute.compile's own --keep-ptx / --keep-cubin / --dump-dir options (no
     environment variables; keeping artifacts also turns CuTeDSL's compile cache off, so they are always fresh).
     """
-    kernel = ProxyBlockScores(config)
-    with tempfile.TemporaryDirectory(prefix="block_scores_") as dump:
+    with tempfile.TemporaryDirectory(prefix=f"{type(kernel).__name__}_") as dump:
         options = f"--gpu-arch {GPU_ARCH_OPTION[arch]} --keep-ptx --keep-cubin --dump-dir {dump}"
-        compiled = cute.compile(kernel, *_fake_args(config), options=options)
+        compiled = cute.compile(kernel, *fake_args, options=options)
         ptx, cubin = compiled.__ptx__, compiled.__cubin__
         if not ptx or not cubin:  # fall back to the dump files
             files = {p.suffix: p for p in Path(dump).iterdir()}
@@ -335,5 +387,11 @@ def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_to
             cubin = cubin or files[".cubin"].read_bytes()
     if isinstance(cubin, str):
         cubin = cubin.encode("latin-1")
-    _check_traced(config, kernel.traced)
     return Compiled(cubin=bytes(cubin), ptx=ptx, smem_bytes=kernel.traced["smem_bytes"])
+
+
+def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
+    kernel = ProxyBlockScores(config)
+    compiled = compile_kernel(kernel, config, arch, _fake_args(config))
+    check_traced(config, kernel.traced, params(config))
+    return compiled

@@ -1,0 +1,63 @@
+"""The selection kernel's launcher: top-K key blocks per (b, p, i) on the GPU (msa-semantics.md, "Selection").
+
+Internal layout (B, S, heads, Dp); the public API (flash_msa_rt.api) validates user input, converts layouts and
+routes here through flash_msa_rt.ops.dispatch when a variant is built for the device. Output: int32
+(B, Hp, S, K), ascending kept blocks, then the local block, then -1 for empty slots (the reference's order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash_msa_rt.loader import get_kernel
+
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (64, 128)
+MAX_KS = (16, 32, 64)  # variants keep max_k slots per row; the smallest that fits K runs (16 and 64 ship)
+SHIPPED_MAX_KS = (16, 64)
+MAX_BLOCKS = 1 << 15  # slot block indices are int16 in shared memory
+
+
+def kernel_config(dtype: str, head_dim: int, block_size: int, max_k: int) -> dict:
+    """The variant launched for a problem; fields in the order the build names them."""
+    return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "max_k": max_k, "tile_m": 128,
+            "threads": 128, "stages": 2}
+
+
+def max_k_for(top_k_blocks: int) -> int:
+    return next(m for m in SHIPPED_MAX_KS if top_k_blocks <= m)
+
+
+def unsupported_reason(q_proxy: torch.Tensor, top_k_blocks: int, block_size: int) -> str | None:
+    """Why the kernel cannot run this problem (None when it can). Shapes are checked by the caller."""
+    if q_proxy.dtype not in DTYPES:
+        return f"dtype {q_proxy.dtype} (kernel: {[str(d) for d in DTYPES]})"
+    if q_proxy.shape[-1] not in HEAD_DIMS:
+        return f"proxy head dim {q_proxy.shape[-1]} (kernel: {HEAD_DIMS})"
+    if block_size not in BLOCK_SIZES:
+        return f"block_size {block_size} (kernel: {BLOCK_SIZES})"
+    if top_k_blocks > max(SHIPPED_MAX_KS):
+        return f"top_k of {top_k_blocks} blocks (kernel: at most {max(SHIPPED_MAX_KS)})"
+    if -(-q_proxy.shape[1] // block_size) > MAX_BLOCKS:
+        return f"{-(-q_proxy.shape[1] // block_size)} key blocks (kernel: fewer than {MAX_BLOCKS})"
+    return None
+
+
+def select_blocks_cuda(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: int, block_size: int,
+                       scale: float) -> torch.Tensor:
+    """block_indices (B, Hp, S, K) int32 from q_proxy (B, S, Hp, Dp), k_proxy (B, S, Hpk, Dp) on a CUDA device.
+
+    The caller has validated shapes, dtypes and devices; the head dim must have unit stride and the other
+    strides be 16-byte multiples (TMA), which slices of a fused projection and transposed (B, H, S, D) views
+    satisfy. No host synchronisation.
+    """
+    B, S, Hp, Dp = q_proxy.shape
+    Hpk = k_proxy.shape[2]
+    out = torch.empty((B, Hp, S, top_k_blocks), dtype=torch.int32, device=q_proxy.device)
+    if out.numel() == 0:
+        return out
+    config = kernel_config(DTYPES[q_proxy.dtype], Dp, block_size, max_k_for(top_k_blocks))
+    kernel = get_kernel("select", config, q_proxy.device)
+    kernel(q_proxy=q_proxy, k_proxy=k_proxy, block_indices=out, scale=float(scale), group=Hp // Hpk)
+    return out

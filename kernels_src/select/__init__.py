@@ -1,0 +1,134 @@
+"""MSA selection: top-K key blocks per (b, p, i) from the causal proxy scores (msa-semantics.md, "Selection").
+
+block_indices[b, p, i, :] = the local block i // Bs plus the K - 1 earlier blocks j with the largest block score
+c_p(i, j) = max over t in block j of scale * <q_proxy[b, i, p], k_proxy[b, t, p // group]>, ties to the smaller j,
+ascending, -1 for empty slots. The score tiles are those of block_scores (same TMA + mma.sync pipeline, same
+grid); instead of storing every block score, each thread keeps one query row's K - 1 best blocks in shared memory
+and a register threshold, so the output is O(B * Hp * S * K) and no (S, S / Bs) score matrix ever exists.
+
+This module does not import cutlass; the kernel lives in kernels_src.select.kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flash_msa_rt.manifest import ScalarParam, TensorParam, TmaCoordParam, TmaParam, variant_name
+from kernels_src.block_scores import SWIZZLE_BYTES, SWIZZLE_ELEMS
+from kernels_src.spec import ARCHS, BuildSpec
+
+OP = "select"
+
+DTYPES = ("bf16", "f16")
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (64, 128)
+MAX_KS = (16, 32, 64)  # slots kept per row (K <= max_k at run time); 16 covers top_k = 2048 at Bs = 128
+MAX_BLOCKS = 1 << 15  # slot block indices are int16 in shared memory: S < 32768 * Bs
+
+_ELEM_BYTES = {"bf16": 2, "f16": 2}
+_MAX_SMEM = {"sm90a": 227 * 1024, "sm100a": 227 * 1024, "sm100f": 227 * 1024}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every codegen choice of one variant, in naming order."""
+
+    dtype: str = "bf16"
+    head_dim: int = 128  # Dp
+    block_size: int = 128  # Bs
+    max_k: int = 16  # the most blocks per row this variant can select (shared-memory slots per row)
+    tile_m: int = 128  # query rows per CTA: one row per thread
+    threads: int = 128
+    stages: int = 2  # K-block buffers (TMA double buffering)
+
+    def variant_name(self, arch: str) -> str:
+        return variant_name(OP, dataclasses.asdict(self), arch)
+
+    def smem_bytes(self) -> int:
+        """mbarriers and the per-row slots (fp32 score + int16 block, slot-major so a warp's rows hit distinct
+        banks), then sQ and the staged sK, each 1024-aligned. Mirrors the kernel's SharedStorage."""
+        e = _ELEM_BYTES[self.dtype]
+        head = (1 + self.stages) * 8
+        head = _align(head, 4) + self.max_k * self.tile_m * 4
+        head = _align(head, 2) + self.max_k * self.tile_m * 2
+        s_q = _align(self.tile_m * self.head_dim * e, 1024)
+        s_k = _align(self.stages * self.block_size * self.head_dim * e, 1024)
+        return _align(head, 1024) + s_q + s_k
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
+    """The default set: bf16 and f16, Dp 128, Bs 128, max_k 16 (top_k <= 2048) and 64 (top_k <= 8192)."""
+    dts = tuple(dtypes) if dtypes else DTYPES
+    dps = tuple(head_dims) if head_dims else (128,)
+    bss = tuple(block_sizes) if block_sizes else (128,)
+    return [Config(dtype=dt, head_dim=dp, block_size=bs, max_k=k)
+            for dt in dts for dp in dps for bs in bss for k in (16, 64)]
+
+
+def can_implement(config: Config, arch: str) -> tuple[bool, str]:
+    c = config
+    if arch not in ARCHS:
+        return False, f"arch {arch!r} not in {ARCHS}"
+    if c.dtype not in DTYPES:
+        return False, f"dtype {c.dtype!r} not supported; supported: {DTYPES}"
+    if c.head_dim not in HEAD_DIMS:
+        return False, f"head_dim (Dp) {c.head_dim} not supported; supported: {HEAD_DIMS}"
+    if c.block_size not in BLOCK_SIZES:
+        return False, f"block_size (Bs) {c.block_size} not supported; supported: {BLOCK_SIZES}"
+    if c.max_k not in MAX_KS:
+        return False, f"max_k {c.max_k} not supported; supported: {MAX_KS}"
+    if c.tile_m != 128 or c.threads != 128:
+        return False, "tile_m and threads must be 128: each thread owns one query row of the tile"
+    if c.stages not in (2, 3):
+        return False, f"stages {c.stages} not supported; supported: 2, 3"
+    if c.smem_bytes() > _MAX_SMEM[arch]:
+        return False, f"needs {c.smem_bytes()} bytes of shared memory, {arch} allows {_MAX_SMEM[arch]}"
+    return True, ""
+
+
+def params(config: Config) -> tuple:
+    """The kernel param ABI, in PTX .param order. K is block_indices.shape[3]; the op checks K <= max_k and the
+    kernel clamps to it as well."""
+    c = config
+    dp = c.head_dim
+    q_proxy = TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", dp), ("i64", "i64", "i64", 1), align=16)
+    k_proxy = TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", dp), ("i64", "i64", "i64", 1), align=16)
+    block_indices = TensorParam("block_indices", "i32", ("B", "Hp", "S", "K"), ("i64", "i64", "i64", 1), align=4)
+    # Same descriptors as block_scores (compile() checks CuTeDSL's basis against them).
+    tma_q = TmaParam("tma_q", "q_proxy", dims=(3, 1, 0, 2), box=(SWIZZLE_ELEMS, c.tile_m, 1, 1), swizzle=SWIZZLE_BYTES)
+    tma_k = TmaParam("tma_k", "k_proxy", dims=(3, 1, 0, 2), box=(SWIZZLE_ELEMS, c.block_size, 1, 1), swizzle=SWIZZLE_BYTES)
+    return (
+        q_proxy,
+        k_proxy,
+        block_indices,
+        ScalarParam("scale", "f32"),
+        ScalarParam("group", "i32"),
+        tma_q,
+        TmaCoordParam("tma_q_coord", "q_proxy", dynamic_modes=3),
+        tma_k,
+        TmaCoordParam("tma_k_coord", "k_proxy", dynamic_modes=3),
+    )
+
+
+def build_spec(config: Config, arch: str) -> BuildSpec:
+    ok, reason = can_implement(config, arch)
+    if not ok:
+        raise ValueError(f"{OP}: cannot implement {config} on {arch}: {reason}")
+    return BuildSpec(
+        name=config.variant_name(arch),
+        op=OP,
+        arch=arch,
+        config=dataclasses.asdict(config),
+        config_obj=config,
+        params=params(config),
+        grid=(f"ceil_div(S, {config.tile_m})", "Hp", "B"),  # query tiles of one head side by side: K shared in L2
+        block=(config.threads, 1, 1),
+        compile_fn="kernels_src.select.kernel:compile",
+        smem_bytes=config.smem_bytes(),
+        hot=True,
+    )

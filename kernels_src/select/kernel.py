@@ -1,0 +1,206 @@
+"""MSA selection kernel (CuTeDSL): block_scores' score tiles, reduced to a running top-K per query row.
+
+Per CTA: one (query tile of 128 rows, proxy head p, batch b), the same TMA + mma.sync pipeline as block_scores.
+After each key block j the four lanes of a quad hold the maxima of the same four rows; lane q owns row q of them,
+so each of the 128 threads owns exactly one query row i and keeps, for it:
+  - K - 1 slots (score, block) in shared memory, slot-major ([slot][row]) so a warp's rows hit distinct banks,
+    ordered as a binary heap with the worst kept entry at the root;
+  - in a register, the root's score (the threshold).
+A block j < blk(i) enters only if its score beats the threshold strictly: blocks arrive in ascending order, so
+an equal later block loses the tie (the contract gives ties to the smaller index). It replaces the root, the worst
+entry (lowest score, and among equal lowest the larger block index), and sifts down: O(log K) per insert, where a
+linear rescan cost O(K) and made K = 64 four times slower than K = 16 (NOTES.md). The local block blk(i) is never a candidate; it is
+written last, after the kept blocks in ascending order, then -1 for empty slots.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream
+
+from kernels_src.block_scores.kernel import ProxyBlockScores, check_traced, compile_kernel
+from kernels_src.select import Config, params
+from kernels_src.spec import Compiled, fake_tensor
+
+
+class ProxySelect(ProxyBlockScores):
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.max_k = config.max_k
+
+    @cute.jit
+    def __call__(
+        self,
+        q_proxy: cute.Tensor,  # (B, S, Hp, Dp)
+        k_proxy: cute.Tensor,  # (B, S, Hpk, Dp)
+        block_indices: cute.Tensor,  # (B, Hp, S, K) int32
+        scale: cutlass.Float32,
+        group: cutlass.Int32,  # Hp // Hpk
+        stream: cuda.CUstream,
+    ):
+        s_q_layout, s_k_layout, tma_atom_q, tma_q, tma_atom_k, tma_k, tiled_mma = self.host_setup(q_proxy, k_proxy)
+        slots = self.max_k * self.tile_m
+
+        @cute.struct
+        class SharedStorage:
+            q_full: cute.struct.MemRange[cutlass.Int64, 1]
+            k_full: cute.struct.MemRange[cutlass.Int64, self.stages]
+            slot_score: cute.struct.MemRange[cutlass.Float32, slots]
+            slot_block: cute.struct.MemRange[cutlass.Int16, slots]
+            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_q_layout)], 1024]
+            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_k_layout)], 1024]
+
+        smem_bytes = SharedStorage.size_in_bytes()
+        self.traced["smem_bytes"] = smem_bytes
+
+        self.kernel(
+            q_proxy, k_proxy, block_indices, scale, group,
+            tma_atom_q, tma_q, tma_atom_k, tma_k,
+            s_q_layout, s_k_layout, tiled_mma, SharedStorage,
+        ).launch(
+            grid=(cute.ceil_div(q_proxy.shape[1], self.tile_m), q_proxy.shape[2], q_proxy.shape[0]),
+            block=(self.threads, 1, 1),
+            smem=smem_bytes,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        q_proxy: cute.Tensor,
+        k_proxy: cute.Tensor,
+        block_indices: cute.Tensor,
+        scale: cutlass.Float32,
+        group: cutlass.Int32,
+        tma_atom_q: cute.CopyAtom,
+        tma_q: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        tma_k: cute.Tensor,
+        s_q_layout: cute.ComposedLayout,
+        s_k_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_rev, p, b = cute.arch.block_idx()
+        n_tiles, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+
+        m_block = n_tiles - 1 - tile_rev  # longest causal tiles first
+        m0 = m_block * self.tile_m
+        seqlen = q_proxy.shape[1]
+        rows_valid = cutlass.min(self.tile_m, seqlen - m0)
+        n_blocks = cute.ceil_div(m0 + rows_valid, self.block_size)
+        first_masked = (m0 + 1) // self.block_size
+        top_k = block_indices.shape[3]
+        n_slots = cutlass.min(top_k, self.max_k) - 1  # the local block takes the K-th place
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        slot_score = storage.slot_score.get_tensor(cute.make_layout((self.max_k, self.tile_m), stride=(self.tile_m, 1)))
+        slot_block = storage.slot_block.get_tensor(cute.make_layout((self.max_k, self.tile_m), stride=(self.tile_m, 1)))
+        t = self.score_tiles(storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, tiled_mma,
+                             tidx, b, m_block, p, p // group)
+
+        # The row this thread owns: row r == its lane in the quad, of the four rows the quad holds.
+        quad_lane = tidx % 4
+        row = t.coord_mn[0, 0][0]
+        for r in cutlass.range_constexpr(1, cute.size(t.acc_mn, mode=[0])):
+            if quad_lane == r:
+                row = t.coord_mn[r, 0][0]
+        i = m0 + row
+        local_block = i // self.block_size
+
+        # Empty slots score -inf with block -1: any real (finite) score beats them.
+        for s in cutlass.range(n_slots, unroll=1):
+            slot_score[s, row] = -cutlass.Float32.inf
+            slot_block[s, row] = cutlass.Int16(-1)
+        worst_score = -cutlass.Float32.inf  # the heap root's score: a block must beat it to enter
+        if n_slots <= 0:
+            worst_score = cutlass.Float32.inf  # K = 1: only the local block, no candidate ever enters
+
+        self.start_loads(t, tidx, warp_idx, n_blocks)
+        for j in cutlass.range(n_blocks, unroll=1):
+            self.score_block(t, tiled_mma, warp_idx, j, n_blocks)
+            if j >= first_masked:
+                self.mask_causal(t.acc_mn, t.coord_mn, m0, j * self.block_size)
+            score = self.owned_row_max(t.acc_mn, quad_lane) * scale  # scale first: ties as the reference sees them
+            if j < local_block and score > worst_score:
+                worst_score = self.heap_replace_worst(slot_score, slot_block, row, n_slots, score, j)
+
+        if i < seqlen:
+            self.write_selection(block_indices, slot_block, b, p, i, row, local_block, n_slots, top_k)
+
+    @cute.jit
+    def owned_row_max(self, acc_mn: cute.Tensor, quad_lane) -> cutlass.Float32:
+        """Max over the block's keys of each of the quad's four rows (quad butterfly), keeping the owned one."""
+        mine = -cutlass.Float32.inf
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            row_max = acc_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
+            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
+            if quad_lane == r:
+                mine = row_max
+        return mine
+
+    @cute.jit
+    def heap_replace_worst(self, slot_score, slot_block, row, n_slots, score, block):
+        """Replace the root of the row's heap (its worst entry) with (score, block) and sift it down; returns the
+        new root's score, the next threshold. "Worse" is the contract's order reversed: lower score, and among
+        equal scores the larger block index (it loses ties). O(log K) shared-memory accesses per insert."""
+        pos = cutlass.Int32(0)
+        child = cutlass.Int32(1)
+        while child < n_slots:
+            c = child
+            c_score = slot_score[c, row]
+            c_block = cutlass.Int32(slot_block[c, row])
+            if c + 1 < n_slots:
+                r_score = slot_score[c + 1, row]
+                r_block = cutlass.Int32(slot_block[c + 1, row])
+                if r_score < c_score or (r_score == c_score and r_block > c_block):
+                    c = c + 1
+                    c_score = r_score
+                    c_block = r_block
+            if c_score < score or (c_score == score and c_block > block):
+                slot_score[pos, row] = c_score  # the worse child moves up
+                slot_block[pos, row] = cutlass.Int16(c_block)
+                pos = c
+                child = 2 * c + 1
+            else:
+                child = n_slots  # heap order holds: stop
+        slot_score[pos, row] = score
+        slot_block[pos, row] = cutlass.Int16(block)
+        return slot_score[0, row]
+
+    @cute.jit
+    def write_selection(self, block_indices, slot_block, b, p, i, row, local_block, n_slots, top_k):
+        """Kept blocks in ascending order (each placed at its rank), then the local block, then -1."""
+        n_kept = cutlass.Int32(0)
+        for s in cutlass.range(n_slots, unroll=1):
+            bl = cutlass.Int32(slot_block[s, row])
+            if bl >= 0:
+                n_kept += 1
+                rank = cutlass.Int32(0)
+                for s2 in cutlass.range(n_slots, unroll=1):
+                    other = cutlass.Int32(slot_block[s2, row])
+                    if other >= 0 and other < bl:
+                        rank += 1
+                block_indices[b, p, i, rank] = bl
+        block_indices[b, p, i, n_kept] = local_block
+        for s in cutlass.range(n_kept + 1, top_k, unroll=1):
+            block_indices[b, p, i, s] = -1
+
+
+def _fake_args(config: Config):
+    decl = {p.name: p for p in params(config)}
+    tensors = (fake_tensor(decl[name]) for name in ("q_proxy", "k_proxy", "block_indices"))
+    return (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
+
+
+def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
+    kernel = ProxySelect(config)
+    compiled = compile_kernel(kernel, config, arch, _fake_args(config))
+    check_traced(config, kernel.traced, params(config))
+    return compiled
