@@ -140,3 +140,38 @@ def test_strided_views_of_bhsd_tensors():
     a = select_blocks_cuda(q, k, 6, 128, 0.09)
     b = select_blocks_cuda(q_bhsd.transpose(1, 2), k_bhsd.transpose(1, 2), 6, 128, 0.09)
     assert torch.equal(a, b)
+
+
+def test_public_api_routes_selection_to_the_kernel():
+    """flash_msa_rt.select_blocks on a CUDA tensor runs this kernel (through dispatch) on (B, H, S, D) inputs."""
+    import flash_msa_rt
+    from flash_msa_rt.ops import dispatch, kernels
+    from flash_msa_rt.ops.select import select_blocks_cuda
+
+    impl = dispatch.implementation("select_blocks", torch.device("cuda"), torch.bfloat16, proxy_head_dim=128,
+                                   block_size=128, top_k_blocks=16, varlen=False)
+    assert impl is kernels._select_blocks
+    q, k = make_inputs(2, 1500, 4, 2, 128, torch.bfloat16, seed=21)
+    got = flash_msa_rt.select_blocks(q.transpose(1, 2), k.transpose(1, 2), top_k=16 * 128, scale=0.1)
+    assert torch.equal(got, select_blocks_cuda(q, k, 16, 128, 0.1))
+
+
+def test_sparse_op_runs_on_cuda_with_kernel_selection():
+    """flash_msa_func on CUDA: the selection kernel feeds the attention (reference until its kernels land);
+    out and kl_loss equal the reference run on the kernel's own block_indices."""
+    import flash_msa_rt
+    from flash_msa_rt import reference
+    from flash_msa_rt.ops.select import select_blocks_cuda
+
+    B, S, H, Hk, Hp, D = 1, 700, 8, 2, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
+    qp, kp, q, k, v = rnd(B, Hp, S, D), rnd(B, 1, S, D), rnd(B, H, S, D), rnd(B, Hk, S, D), rnd(B, Hk, S, D)
+    out, kl = flash_msa_rt.flash_msa_func(qp, kp, q, k, v, 256, D ** -0.5)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    sel = select_blocks_cuda(t(qp), t(kp), 2, 128, D ** -0.5)
+    ref_out, _, _, kl_rows = reference.msa_forward(t(qp), t(kp), t(q), t(k), t(v), sel, 128, D ** -0.5)
+    # Same computation up to layout (cuBLAS may pick another algorithm for other strides): one bf16 ulp.
+    torch.testing.assert_close(out, ref_out.reshape(B, S, H * D), rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(kl, kl_rows.mean(), rtol=1e-5, atol=1e-7)
