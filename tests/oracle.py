@@ -54,7 +54,7 @@ def allowed_from_indices(block_indices, S, block_size):
 
 def attention(q, k, v, allowed, scale):
     """Masked softmax attention -> out (B, S, H, D), lse (B, H, S), P (B, H, S, S). allowed: (B|1, Hi, S, S)."""
-    B, S, H, _ = q.shape
+    H = q.shape[2]
     Hk, Hi = k.shape[2], allowed.shape[1]
     kk = k.repeat_interleave(H // Hk, dim=2)
     vv = v.repeat_interleave(H // Hk, dim=2)
@@ -70,7 +70,7 @@ def proxy_kl(q_proxy, k_proxy, p_main, allowed, scale):
     H = p_main.shape[1]
     mask = allowed.repeat_interleave(Hp // allowed.shape[1], dim=1)
     s = _scores(q_proxy, k_proxy, scale)
-    pi, lse_p = _masked_softmax(s, mask)
+    _, lse_p = _masked_softmax(s, mask)
     log_pi = torch.where(mask, s - torch.where(torch.isfinite(lse_p), lse_p, 0).unsqueeze(-1), NEG_INF)
     tau = p_main.detach().view(B, Hp, H // Hp, S, S).mean(2)
     # F.kl_div(log_pi, tau, 'none') = tau (log tau - log_pi), 0 where tau = 0; masked keys (log_pi = -inf) -> 0.

@@ -75,7 +75,6 @@ def compare(fwd, grads, want, base, dtype):
 @pytest.mark.parametrize("name", SHAPES)
 def test_float64_matches_oracle(name):
     x, grad_out, kl_up, Bs, K, scale = make_case(SHAPES[name], torch.float64, seed=list(SHAPES).index(name))
-    B, S, Hp = x["q_proxy"].shape[:3]
     idx = select_blocks(x["q_proxy"], x["k_proxy"], K, Bs, scale)
     want = oracle.msa(*x.values(), K, Bs, scale, grad_out, kl_up.double())
     assert torch.equal(idx.long(), want.block_indices)
@@ -90,7 +89,6 @@ def test_float64_matches_oracle(name):
 def test_low_precision_within_dtype_error(name, dtype):
     """fp32 / bf16 inputs: error within a small multiple of what the dtype costs the float64 oracle."""
     x, grad_out, kl_up, Bs, K, scale = make_case(SHAPES[name], dtype, seed=100 + list(SHAPES).index(name))
-    B, S, Hp = x["q_proxy"].shape[:3]
     idx = oracle.select(*(x[n].double() for n in ("q_proxy", "k_proxy")), K, Bs, scale)
     want = run_oracle(x, idx, Bs, K, scale, grad_out, kl_up, torch.float64)
     base = run_oracle(x, idx, Bs, K, scale, grad_out, kl_up, torch.float32)
@@ -109,7 +107,6 @@ def test_kl_grad_none_and_grad_out_none():
     compare(fwd, grads, want, None, torch.float64)
     assert not grads["q_proxy"].any() and not grads["k_proxy"].any()
     # grad_out None: main gradients zero, the proxy still trains.
-    B, S, Hp = x["q_proxy"].shape[:3]
     fwd, grads = run_reference(x, idx, Bs, scale, None, mean_kl_grad(kl_up, x))
     want = oracle.msa(*x.values(), K, Bs, scale, None, kl_up.double(), block_indices=idx)
     compare(fwd, grads, want, None, torch.float64)
@@ -147,7 +144,6 @@ def test_chunked_rows_never_score_s_by_s(monkeypatch):
     """A small chunk budget splits the rows into many chunks, none scoring S x S, with unchanged results."""
     x, grad_out, kl_up, Bs, K, scale = make_case(SHAPES["G1_Hp>Hk_Hpk2_oddS"], torch.float64, seed=14)
     B, S, H = x["q"].shape[:3]
-    Hp = x["q_proxy"].shape[2]
     idx = select_blocks(x["q_proxy"], x["k_proxy"], K, Bs, scale)
     whole = run_reference(x, idx, Bs, scale, grad_out, mean_kl_grad(kl_up, x))
 

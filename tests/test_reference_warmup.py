@@ -39,7 +39,7 @@ def test_equals_msa_when_every_block_is_selected():
     """Warmup is MSA with K >= number of blocks: same outputs and gradients (a cross-check of both paths)."""
     from flash_msa_rt.reference import msa_backward, msa_forward, select_blocks
 
-    x, grad_out, kl_up, Bs, _, scale = make_case(SHAPES["G1_Hp>Hk_Hpk2_oddS"], torch.float64, seed=220)
+    x, grad_out, _, Bs, _, scale = make_case(SHAPES["G1_Hp>Hk_Hpk2_oddS"], torch.float64, seed=220)
     S = x["q"].shape[1]
     idx = select_blocks(x["q_proxy"], x["k_proxy"], -(-S // Bs), Bs, scale)
     w = oracle.randn(torch.Generator().manual_seed(221), (1, x["q_proxy"].shape[2], S), torch.float64)
@@ -54,7 +54,7 @@ def test_equals_msa_when_every_block_is_selected():
 
 
 def test_kl_grad_none_and_grad_out_none():
-    x, grad_out, kl_up, _, _, scale = make_case(SHAPES["G2_Hp<Hk_multiple"], torch.float64, seed=230)
+    x, _, kl_up, _, _, scale = make_case(SHAPES["G2_Hp<Hk_multiple"], torch.float64, seed=230)
     fwd, grads = run_reference(x, scale, None, None)
     assert not any(g.any() for g in grads.values())
     fwd, grads = run_reference(x, scale, None, mean_kl_grad(kl_up, x))

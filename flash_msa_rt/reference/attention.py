@@ -1,7 +1,7 @@
 """Chunked masked attention and the proxy KL, shared by the MSA, warmup and block-sparse references.
 
-Everything here is heads-first in the compute dtype: q (B, H, S, D), k and v (B, Hk, S, D), q_proxy (B, Hp, S, Dp),
-k_proxy (B, Hpk, S, Dp). Head h reads key head h // (H / Hk) (the same grouping for proxy heads).
+Everything but proxied_backward is heads-first in the compute dtype: q (B, H, S, D), k and v (B, Hk, S, D),
+q_proxy (B, Hp, S, Dp), k_proxy (B, Hpk, S, Dp). Head h reads key head h // (H / Hk) (the same grouping for proxy heads).
 
 Query rows are processed in chunks [i0, i1) that score only the causal prefix [0, i1): one chunk holds about
 _CHUNK_ELEMS scores per tensor, so no S x S tensor ever exists. `keys_of_rows(i0, i1)` gives the chunk's allowed
@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from flash_msa_rt.reference import checks
 from flash_msa_rt.reference.numerics import _ieee_fp32_matmul, finite_or_zero
 
 # Scores per chunk and per live tensor (a handful are live at once): 2**24 fp32 = 64 MiB.
@@ -182,3 +183,26 @@ def backward(q, k, v, out, lse, keys_of_rows: KeysOfRows, scale: float, grad_out
                 dq_proxy[:, :, i0:i1] = scale * grouped_matmul(dsp, kp_pre)
                 dk_proxy[:, :, :i1] += scale * grouped_sum_matmul(dsp, qp_rows, Hpk)
     return dq, dk, dv, dq_proxy, dk_proxy
+
+
+def proxied_backward(fn, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, grad_out, kl_grad, scale, dt,
+                     keys_of_rows):
+    """MSA and warmup backward on (B, S, heads, D) tensors: check the saved ones, run backward(), cast back.
+
+    -> (dq_proxy, dk_proxy, dq, dk, dv) in their inputs' dtypes.
+    """
+    B, S, H, D = q.shape
+    Hp = q_proxy.shape[2]
+    checks.like(fn, "out", out, (B, S, H, D))
+    checks.like(fn, "lse", lse, (B, H, S))
+    checks.like(fn, "lse_proxy", lse_proxy, (B, Hp, S))
+    if grad_out is not None:
+        checks.like(fn, "grad_out", grad_out, (B, S, H, D))
+    weights = checks.kl_weights(fn, kl_grad, (B, Hp, S), dt, q.device)
+    hf = [heads_first(x, dt) for x in (q_proxy, k_proxy, q, k, v, out)]
+    do = heads_first(grad_out, dt) if grad_out is not None else None
+    dq, dk, dv, dqp, dkp = backward(
+        *hf[2:], lse.to(dt), keys_of_rows, scale, do,
+        q_proxy=hf[0], k_proxy=hf[1], lse_proxy=lse_proxy.to(dt), kl_weights=weights)
+    return (seq_first(dqp, q_proxy.dtype), seq_first(dkp, k_proxy.dtype),
+            seq_first(dq, q.dtype), seq_first(dk, k.dtype), seq_first(dv, v.dtype))

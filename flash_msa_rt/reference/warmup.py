@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from flash_msa_rt.reference import attention, checks
-from flash_msa_rt.reference.msa import _backward
 from flash_msa_rt.reference.numerics import compute_dtype
 
 
@@ -32,8 +31,8 @@ def warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_
     checks.proxy_dims(fn, q_proxy, k_proxy, B, S, H)
     scale = checks.scale(fn, scale)
     dt = compute_dtype(q_proxy, k_proxy, q, k, v)
-    return _backward(fn, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, grad_out, kl_grad, scale, dt,
-                     _causal_keys(q.device))
+    return attention.proxied_backward(fn, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, grad_out, kl_grad,
+                                      scale, dt, _causal_keys(q.device))
 
 
 def _causal_keys(device):
