@@ -130,7 +130,18 @@ def _msa_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
         return (None,) * 9
     grads = msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, ctx.block_size, ctx.scale,
                          grad_out, grad_kl_rows, cu_seqlens)
-    return (*grads, None, None, None, None)
+    return (*_arrived(grads, grad_out, grad_kl_rows), None, None, None, None)
+
+
+def _arrived(grads, grad_out, grad_kl_rows):
+    """None for the gradients whose only source did not arrive (zeros autograd need not accumulate): the proxy's
+    come from kl_rows only, q, k and v's from out only."""
+    dq_proxy, dk_proxy, dq, dk, dv = grads
+    if grad_kl_rows is None:
+        dq_proxy = dk_proxy = None
+    if grad_out is None:
+        dq = dk = dv = None
+    return dq_proxy, dk_proxy, dq, dk, dv
 
 
 msa_forward.register_autograd(_msa_backward_rule, setup_context=_msa_setup_context)
@@ -180,7 +191,7 @@ def _warmup_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows)
         return (None,) * 7
     grads = warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, ctx.scale, grad_out, grad_kl_rows,
                             cu_seqlens)
-    return (*grads, None, None)
+    return (*_arrived(grads, grad_out, grad_kl_rows), None, None)
 
 
 warmup_forward.register_autograd(_warmup_backward_rule, setup_context=_warmup_setup_context)
