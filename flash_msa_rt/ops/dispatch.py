@@ -82,7 +82,8 @@ def backends() -> list[Backend]:
 
 def implementation(op: str, device: torch.device, dtype: torch.dtype, **config: Any) -> Callable:
     """The implementation of `op` for this device, dtype and config (cached: one dict lookup per call)."""
-    key = (op, device.type, dtype, tuple(sorted(config.items())))
+    # The device index belongs to the key: a kernel backend's answer depends on the GPU's arch.
+    key = (op, device.type, device.index, dtype, tuple(sorted(config.items())))
     impl = _resolved.get(key)
     if impl is not None:
         return impl
