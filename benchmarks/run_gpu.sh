@@ -21,12 +21,16 @@ if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck synccheck initcheck; do
     timeout 120 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 python3 -c "
 import torch, flash_msa_rt
+from flash_msa_rt.ops.select import select_blocks_cuda
 q = torch.randn(2, 333, 2, 128, device='cuda').to(torch.bfloat16)
-flash_msa_rt.proxy_block_scores(q, q[:, :, :1]); torch.cuda.synchronize()
+flash_msa_rt.proxy_block_scores(q, q[:, :, :1])
+select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
+select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1); torch.cuda.synchronize()
 " 2>&1 | tail -3 | sed "s/^/[$tool] /" | tee -a "$out/sanitizer.log" || status=1
   done
 fi
 
 python3 benchmarks/bench_launch_overhead.py 2>&1 | tee "$out/bench_launch.log"
 python3 benchmarks/bench_block_scores.py 2>&1 | tee "$out/bench_block_scores.log"
+python3 benchmarks/bench_select.py 2>&1 | tee "$out/bench_select.log"
 exit $status
