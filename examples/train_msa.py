@@ -48,9 +48,9 @@ RUNS = ("msa", "dense")
 class TrainConfig:
     # data and schedule
     seq_len: int = 1024
-    batch_size: int = 4
-    steps: int = 150
-    warmup_steps: int = 50  # MSA warmup mode (dense main attention) before sparse mode
+    batch_size: int = 2
+    steps: int = 100
+    warmup_steps: int = 30  # MSA warmup mode (dense main attention) before sparse mode
     lr: float = 3e-3
     lr_warmup: int = 10  # linear learning-rate warmup, then cosine to lr_min_ratio * lr
     lr_min_ratio: float = 0.1
@@ -161,8 +161,9 @@ def git_state() -> dict:
             return ""
 
     commit = git("rev-parse", "HEAD") or None
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
-    return {"commit": commit, "dirty": dirty}
+    # Tracked files that differ from the commit (the measured code is the commit plus these edits).
+    dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()] if commit else []
+    return {"commit": commit, "dirty": bool(dirty), "dirty_paths": dirty}
 
 
 def msa_backend(cfg: TrainConfig) -> str:
@@ -222,6 +223,13 @@ def empty_run_metrics() -> dict:
         "recall": {"step": [], "recall": [], "coverage": [], "per_layer": []},
         "val": {"step": [], "val_loss": []},
     }
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def sync(device: torch.device) -> None:
@@ -426,7 +434,8 @@ def format_summary(metrics: dict) -> str:
     cfg = metrics["config"]
     lines.append(f"{metrics['device']}, MSA backend: {metrics['msa_backend']}; S = {cfg['seq_len']}, "
                  f"block {cfg['block_size']}, top_k {cfg['top_k']} ({cfg['top_k'] // cfg['block_size']} of "
-                 f"{-(-cfg['seq_len'] // cfg['block_size'])} blocks); wall time {metrics['wall_time_s']:.1f} s")
+                 f"{-(-cfg['seq_len'] // cfg['block_size'])} blocks); wall time {metrics['wall_time_s']:.1f} s, "
+                 f"load average {metrics['load_average']['start']} -> {metrics['load_average']['end']}")
     return "\n".join(lines)
 
 
@@ -462,6 +471,8 @@ def main(argv: list[str] | None = None) -> dict:
         "python": sys.version.split()[0],
         "config": asdict(cfg),
         "corpus": corpus.info,
+        # Other processes on a shared machine slow the steps down; the load average says how busy it was.
+        "load_average": {"start": _loadavg()},
     }
     finished: dict = dict(resume["finished_runs"]) if resume else {}
     for run in cfg.runs:
@@ -471,6 +482,7 @@ def main(argv: list[str] | None = None) -> dict:
         finished[run] = trainer.train(run, finished, state)
     metrics["runs"] = {r: finished[r] for r in cfg.runs}
     metrics["wall_time_s"] = time.perf_counter() - t_start
+    metrics["load_average"]["end"] = _loadavg()
 
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     if not args.no_plot:
