@@ -96,29 +96,32 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     return True, ""
 
 
-def params(config: Config) -> tuple:
-    """The kernel param ABI, in the order of the PTX .param list (the @cute.kernel argument order)."""
+def proxy_operands(config) -> dict:
+    """The declared q_proxy / k_proxy tensors and their TMA descriptors: shared by every kernel built on the
+    proxy score tiles (block_scores, select), so their ABI and descriptor recipe are written once."""
     c = config
     dp = c.head_dim
-    q_proxy = TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", dp), ("i64", "i64", "i64", 1), align=16)
-    k_proxy = TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", dp), ("i64", "i64", "i64", 1), align=16)
-    scores = TensorParam("scores", "f32", ("B", "Hp", "S", "NB"), ("i64", "i64", "i64", 1), align=4)
     # The descriptor CuTeDSL builds for a (1, rows, 1, Dp) box over (B, S, H, Dp): its TMA basis is
     # (64, rows, 1, 1):(1@3, 1@1, 1@0, 1@2), i.e. dims Dp, S, B, H innermost first, 64-wide Dp boxes (128B swizzle),
     # Dp / 64 copies per tile. compile() reads the basis back from the atom and checks it equals this.
-    tma_q = TmaParam("tma_q", "q_proxy", dims=(3, 1, 0, 2), box=(SWIZZLE_ELEMS, c.tile_m, 1, 1), swizzle=SWIZZLE_BYTES)
-    tma_k = TmaParam("tma_k", "k_proxy", dims=(3, 1, 0, 2), box=(SWIZZLE_ELEMS, c.block_size, 1, 1), swizzle=SWIZZLE_BYTES)
-    return (
-        q_proxy,
-        k_proxy,
-        scores,
-        ScalarParam("scale", "f32"),
-        ScalarParam("group", "i32"),
-        tma_q,
-        TmaCoordParam("tma_q_coord", "q_proxy", dynamic_modes=3),  # (B, S, Hp) in tensor mode order
-        tma_k,
-        TmaCoordParam("tma_k_coord", "k_proxy", dynamic_modes=3),  # (B, S, Hpk)
-    )
+    return {
+        "q_proxy": TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", dp), ("i64", "i64", "i64", 1), align=16),
+        "k_proxy": TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", dp), ("i64", "i64", "i64", 1), align=16),
+        "tma_q": TmaParam("tma_q", "q_proxy", dims=(3, 1, 0, 2), box=(SWIZZLE_ELEMS, c.tile_m, 1, 1),
+                          swizzle=SWIZZLE_BYTES),
+        "tma_q_coord": TmaCoordParam("tma_q_coord", "q_proxy", dynamic_modes=3),  # (B, S, Hp) in tensor mode order
+        "tma_k": TmaParam("tma_k", "k_proxy", dims=(3, 1, 0, 2), box=(SWIZZLE_ELEMS, c.block_size, 1, 1),
+                          swizzle=SWIZZLE_BYTES),
+        "tma_k_coord": TmaCoordParam("tma_k_coord", "k_proxy", dynamic_modes=3),  # (B, S, Hpk)
+    }
+
+
+def params(config: Config) -> tuple:
+    """The kernel param ABI, in the order of the PTX .param list (the @cute.kernel argument order)."""
+    o = proxy_operands(config)
+    scores = TensorParam("scores", "f32", ("B", "Hp", "S", "NB"), ("i64", "i64", "i64", 1), align=4)
+    return (o["q_proxy"], o["k_proxy"], scores, ScalarParam("scale", "f32"), ScalarParam("group", "i32"),
+            o["tma_q"], o["tma_q_coord"], o["tma_k"], o["tma_k_coord"])
 
 
 def build_spec(config: Config, arch: str) -> BuildSpec:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flash_msa_rt.manifest import ScalarParam, TensorParam, TmaCoordParam, TmaParam, variant_name
-from kernels_src.block_scores import SWIZZLE_BYTES, SWIZZLE_ELEMS
+from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from kernels_src.block_scores import proxy_operands
 from kernels_src.spec import ARCHS, BuildSpec
 
 OP = "select"
@@ -93,26 +93,12 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
 
 def params(config: Config) -> tuple:
     """The kernel param ABI, in PTX .param order. K is block_indices.shape[3]; the op checks K <= max_k and the
-    kernel clamps to it as well."""
-    c = config
-    dp = c.head_dim
-    q_proxy = TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", dp), ("i64", "i64", "i64", 1), align=16)
-    k_proxy = TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", dp), ("i64", "i64", "i64", 1), align=16)
+    kernel clamps to it as well. q_proxy, k_proxy and their descriptors are block_scores' (compile() checks
+    CuTeDSL's descriptor basis against them)."""
+    o = proxy_operands(config)
     block_indices = TensorParam("block_indices", "i32", ("B", "Hp", "S", "K"), ("i64", "i64", "i64", 1), align=4)
-    # Same descriptors as block_scores (compile() checks CuTeDSL's basis against them).
-    tma_q = TmaParam("tma_q", "q_proxy", dims=(3, 1, 0, 2), box=(SWIZZLE_ELEMS, c.tile_m, 1, 1), swizzle=SWIZZLE_BYTES)
-    tma_k = TmaParam("tma_k", "k_proxy", dims=(3, 1, 0, 2), box=(SWIZZLE_ELEMS, c.block_size, 1, 1), swizzle=SWIZZLE_BYTES)
-    return (
-        q_proxy,
-        k_proxy,
-        block_indices,
-        ScalarParam("scale", "f32"),
-        ScalarParam("group", "i32"),
-        tma_q,
-        TmaCoordParam("tma_q_coord", "q_proxy", dynamic_modes=3),
-        tma_k,
-        TmaCoordParam("tma_k_coord", "k_proxy", dynamic_modes=3),
-    )
+    return (o["q_proxy"], o["k_proxy"], block_indices, ScalarParam("scale", "f32"), ScalarParam("group", "i32"),
+            o["tma_q"], o["tma_q_coord"], o["tma_k"], o["tma_k_coord"])
 
 
 def build_spec(config: Config, arch: str) -> BuildSpec:
