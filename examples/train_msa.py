@@ -123,7 +123,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="base configuration")
-    p.add_argument("--out", type=Path, default=None, help="output dir (default runs/msa-<preset>)")
+    p.add_argument("--out", type=Path, default=None, help="output dir (default examples/runs/<preset>)")
     p.add_argument("--resume", type=Path, default=None,
                    help="checkpoint to continue from; its config is used (only --out and --no-plot may change)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -447,12 +447,16 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     resume = None
     if args.resume is not None:
+        given = [f"--{f.name.replace('_', '-')}" for f in fields(TrainConfig) if getattr(args, f.name) is not None]
+        if given:
+            raise SystemExit(f"--resume continues with the checkpoint's config; drop {' '.join(given)} "
+                             f"(only --out, --no-plot and --no-progress may be given with it)")
         resume = torch.load(args.resume, map_location="cpu", weights_only=False)
         cfg = TrainConfig(**{**resume["config"], "runs": tuple(resume["config"]["runs"])})
         cfg.validate()
     else:
         cfg = build_config(args)
-    out = args.out if args.out is not None else Path("runs") / f"msa-{args.preset}"
+    out = args.out if args.out is not None else HERE / "runs" / args.preset  # examples/.gitignore ignores runs/
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
