@@ -1,0 +1,95 @@
+"""TEST CODE: a pure-torch emulation of the KV-outer sparse forward kernel's two passes, item by item.
+
+This is the executable spec of the kernel's contract with flash_msa_rt.ops.sparse_plan, not a fast path: it loops
+over the plan's items in Python and SYNCHRONISES the host with the device (it reads the items with .tolist()).
+Use it to test the plan and the combines on any device, and as the oracle a kernel's partial buffers are checked
+against (compare only the rows of live entries: the others are never written).
+
+Per item (bp, j, entry_start, n_entries) with n_entries > 0, as the kernel does: b, p = divmod(bp, Hp); key block j
+holds tokens [j * Bs, min((j + 1) * Bs, S)); the item's entries are cut into tiles of tile_queries queries, each a
+(tq * G)-row tile whose row r is (query r // G, head p * G + r % G); per row, the causal keys t <= i of block j.
+
+Forward pass, at row entry_dest[e]: o_part[e, g] = sum_t exp(s - lse_slot) v_t (normalised by the block's own sum),
+lse_part[e, g] = lse_slot = logsumexp of s = scale <q[b, i, h], k[b, t, h // (H / Hk)]>, and lsep_part[e] =
+logsumexp of the proxy scores scale <q_proxy[b, i, p], k_proxy[b, t, p // (Hp / Hpk)]>.
+KL pass, from the final lse (B, H, S) and lse_proxy (B, Hp, S): kl_part[e, g] = sum_t (P_g(t) / G)
+(log tau(t) - log pi(t)), P_g = exp(s_g - lse), tau = mean over g of P_g, pi = exp(s_p - lse_proxy); 0 where tau = 0.
+
+Math in float32 (float64 when any input is float64); o_part is stored in q.dtype, statistics in the math dtype.
+Inputs in the internal layout: q (B, S, H, D), k, v (B, S, Hk, D), q_proxy (B, S, Hp, Dp), k_proxy (B, S, Hpk, Dp).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash_msa_rt.ops.sparse_plan import SparsePlan, empty_forward_partials, partial_shapes
+from flash_msa_rt.reference.numerics import _ieee_fp32_matmul, compute_dtype, finite_or_zero
+
+
+def _tiles(plan: SparsePlan):
+    """(b, p, j, entries of one tile) for every tile of every real item, in the kernel's order."""
+    tq = plan.tile_queries
+    for bp, j, start, n in plan.items.tolist():
+        if n == 0:
+            continue
+        assert 0 < n <= plan.entries_per_item, (bp, j, start, n)
+        b, p = divmod(bp, plan.Hp)
+        for t0 in range(start, start + n, tq):
+            yield b, p, j, torch.arange(t0, min(start + n, t0 + tq), device=plan.entry_query.device)
+
+
+def _tile_scores(plan, q, k, q_proxy, k_proxy, b, p, j, e, scale, dt):
+    """Main scores (rows, G, keys) and proxy scores (rows, keys) of one tile, -inf on non-causal keys."""
+    G, Bs = plan.group, plan.block_size
+    H, Hk, Hp, Hpk = q.shape[2], k.shape[2], q_proxy.shape[2], k_proxy.shape[2]
+    i = plan.entry_query[e].long()
+    t0, t1 = j * Bs, min((j + 1) * Bs, plan.S)
+    heads = torch.arange(p * G, (p + 1) * G, device=q.device)
+    qt = q[b, i][:, heads].to(dt)  # (rows, G, D): a (query, G heads) row group is contiguous in BSHD
+    kt = k[b, t0:t1][:, heads // (H // Hk)].to(dt)  # (keys, G, D)
+    causal = torch.arange(t0, t1, device=q.device).view(1, -1) <= i.view(-1, 1)  # (rows, keys)
+    ninf = float("-inf")
+    s = (torch.einsum("rgd,tgd->rgt", qt, kt) * scale).masked_fill(~causal.unsqueeze(1), ninf)
+    qp = q_proxy[b, i, p].to(dt)
+    kp = k_proxy[b, t0:t1, p // (Hp // Hpk)].to(dt)
+    sp = (qp @ kp.T * scale).masked_fill(~causal, ninf)
+    return s, sp, i, t0, t1
+
+
+def emulate_forward(plan: SparsePlan, q, k, v, q_proxy, k_proxy, scale: float):
+    """-> (o_part (E, G, D) q.dtype, lse_part (E, G), lsep_part (E,)): the forward pass; dead rows stay garbage."""
+    dt = compute_dtype(q, k, v, q_proxy, k_proxy)
+    Hk = k.shape[2]
+    H = q.shape[2]
+    o_part, lse_part, lsep_part = empty_forward_partials(plan, q.shape[-1], q.dtype, q.device, stat_dtype=dt)
+    with _ieee_fp32_matmul():
+        for b, p, j, e in _tiles(plan):
+            s, sp, _, t0, t1 = _tile_scores(plan, q, k, q_proxy, k_proxy, b, p, j, e, scale, dt)
+            heads = torch.arange(p * plan.group, (p + 1) * plan.group, device=q.device)
+            vt = v[b, t0:t1][:, heads // (H // Hk)].to(dt)  # (keys, G, D)
+            lse = torch.logsumexp(s, dim=-1)  # (rows, G)
+            prob = torch.exp(s - finite_or_zero(lse).unsqueeze(-1))
+            dest = plan.entry_dest[e].long()
+            o_part[dest] = torch.einsum("rgt,tgd->rgd", prob, vt).to(q.dtype)
+            lse_part[dest] = lse
+            lsep_part[dest] = torch.logsumexp(sp, dim=-1)
+    return o_part, lse_part, lsep_part
+
+
+def emulate_kl(plan: SparsePlan, q, k, q_proxy, k_proxy, lse, lse_proxy, scale: float):
+    """-> kl_part (E, G): the KL pass on the final lse (B, H, S) and lse_proxy (B, Hp, S); dead rows garbage."""
+    dt = compute_dtype(q, k, q_proxy, k_proxy)
+    G = plan.group
+    kl_part = torch.empty(partial_shapes(plan, q.shape[-1])["kl_part"], dtype=dt, device=q.device)
+    with _ieee_fp32_matmul():
+        for b, p, j, e in _tiles(plan):
+            s, sp, i, _, _ = _tile_scores(plan, q, k, q_proxy, k_proxy, b, p, j, e, scale, dt)
+            lse_rows = lse[b, p * G:(p + 1) * G][:, i].T.to(dt)  # (rows, G)
+            prob = torch.exp(s - finite_or_zero(lse_rows).unsqueeze(-1))  # P_g(t), (rows, G, keys)
+            tau = prob.mean(dim=1, keepdim=True)
+            log_pi = sp - finite_or_zero(lse_proxy[b, p, i].to(dt)).unsqueeze(-1)  # (rows, keys)
+            terms = torch.where(tau > 0, prob / G * (torch.log(tau) - log_pi.unsqueeze(1)),
+                                torch.zeros((), dtype=dt, device=q.device))
+            kl_part[plan.entry_dest[e].long()] = terms.sum(dim=-1)
+    return kl_part

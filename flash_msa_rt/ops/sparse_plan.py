@@ -1,0 +1,259 @@
+"""Work plan and combine of the KV-outer MSA sparse forward (msa-semantics.md, "Main sparse attention", "Proxy KL").
+
+Why KV-outer. Each query i of proxy group p chose K key blocks, shared by the G = H / Hp main heads of the group.
+Query-outer tiles would hold only G rows per query (mostly padding for the 64-row wgmma), so the kernel turns the
+selection around: a work item is ONE key block j of one (b, p) plus the queries that chose it, packed as tiles of
+tq queries x G heads = 128 rows (tile row r is query r // G, head r % G). The CTA loads block j's keys once and
+streams up to T such tiles against them. Each (query, slot) then holds a partial result of one block; the combine
+below merges a query's K partials with their log-sum-exps (the flash-decoding split-KV merge).
+
+Why bounded items. The reverse lists are skewed: the first blocks of a sequence (an attention sink) are chosen by
+almost every later query, most blocks by few. One item per block would serialise the whole sequence's queries of
+block 0 on one CTA. Cutting every list into chunks of at most T * tq queries bounds an item's work, so a hot block
+spreads over many CTAs; the price is one more item per list (the ceil), which the bound W accounts for.
+
+Everything here is shape-static and never synchronises the host with the device: sizes come from shapes only
+(W is an upper bound; items past the real count have n_entries = 0), the lists come from one stable sort and
+searchsorted (no nonzero, no boolean indexing, no data-sized bincount), so the plan and both combines can be
+captured in a CUDA graph and traced under FakeTensorMode.
+
+Live entries. An entry (b, p, i, slot) is live when its block j satisfies 0 <= j <= blk(i) = i // Bs: -1 slots are
+empty, and a later block holds no causal key of query i, so it contributes nothing (msa-semantics: allowed keys
+are t <= i). Only live entries enter items, so a kernel tile never sees an all-masked row or an out-of-range
+block, and every live entry has at least one causal key (t = j * Bs <= i). The combines mask the rest with the
+same predicate (torch.where, never boolean indexing): their partial rows are never written and hold garbage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+_INT32_LIMIT = 2 ** 31
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsePlan:
+    """Sorted reverse lists and bounded work items of one sparse forward.
+
+    entry_query int32 [E]: query i of each entry, entries sorted by (b * Hp + p, j, i), dead entries last.
+    entry_dest int32 [E]: flat index ((b * Hp + p) * S + i) * K + slot of each sorted entry: the row of the
+        partial buffers (o_part, lse_part, lsep_part, kl_part) that the kernel writes for it.
+    items int32 [W, 4]: (bp, j, entry_start, n_entries), list-major (bp, then j, then chunk); n_entries <=
+        tiles_per_item * tile_queries; rows past the real count have n_entries = 0 and (0, 0, 0, 0).
+    item_count int32 [1]: the real number of items, on the device (a persistent scheduler may read it).
+    """
+
+    entry_query: torch.Tensor
+    entry_dest: torch.Tensor
+    items: torch.Tensor
+    item_count: torch.Tensor
+    E: int
+    W: int
+    K: int
+    Hp: int
+    S: int
+    B: int
+    NB: int
+    block_size: int
+    group: int
+    tile_queries: int
+    tiles_per_item: int
+
+    @property
+    def entries_per_item(self) -> int:
+        return self.tiles_per_item * self.tile_queries
+
+
+def _positive_int(fn: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{fn}: {name} = {value} must be positive")
+    return value
+
+
+def live_slots(block_indices: torch.Tensor, block_size: int) -> torch.Tensor:
+    """bool (B, Hp, S, K): slot holds a block j with 0 <= j <= blk(i), i.e. a block with causal keys for i."""
+    S = block_indices.shape[2]
+    local = (torch.arange(S, device=block_indices.device, dtype=torch.int32) // block_size).view(1, 1, S, 1)
+    return (block_indices >= 0) & (block_indices <= local)
+
+
+def sparse_plan(block_indices: torch.Tensor, block_size: int, seqlen: int, group: int, tile_queries: int,
+                tiles_per_item: int) -> SparsePlan:
+    """The KV-outer work plan of block_indices (B, Hp, S, K) int32 (-1 = empty; entries of a row distinct).
+
+    group = G = H / Hp, tile_queries = tq queries per 128-row tile (128 // G in the kernel), tiles_per_item = T.
+    Entries of a list (bp, j) are consecutive in entry_query / entry_dest and sorted by query; each list is cut
+    into items of at most T * tq entries. W = ceil(E / (T * tq)) + B * Hp * NB bounds the item count:
+    sum over lists of ceil(n_l / C) <= sum (n_l / C + 1) <= E / C + lists.
+    """
+    fn = "sparse_plan"
+    if not isinstance(block_indices, torch.Tensor):
+        raise TypeError(f"{fn}: block_indices must be a torch.Tensor, got {type(block_indices).__name__}")
+    if block_indices.dtype != torch.int32 or block_indices.dim() != 4:
+        raise ValueError(f"{fn}: block_indices must be int32 (B, Hp, S, K), got {block_indices.dtype} "
+                         f"{tuple(block_indices.shape)}")
+    Bs = _positive_int(fn, "block_size", block_size)
+    S = _positive_int(fn, "seqlen", seqlen)
+    G = _positive_int(fn, "group", group)
+    tq = _positive_int(fn, "tile_queries", tile_queries)
+    T = _positive_int(fn, "tiles_per_item", tiles_per_item)
+    B, Hp, S_idx, K = block_indices.shape
+    if S_idx != S:
+        raise ValueError(f"{fn}: block_indices has {S_idx} query rows (dim 2) but seqlen = {S}")
+    if B * Hp * K == 0:
+        raise ValueError(f"{fn}: block_indices {tuple(block_indices.shape)} is empty (B, Hp and K must be positive)")
+    E = B * Hp * S * K
+    if E * G >= _INT32_LIMIT:
+        raise ValueError(f"{fn}: block_indices {tuple(block_indices.shape)} with group = {G} gives E * G = {E * G} "
+                         f"partial rows, past int32 (< 2**31): split the batch or the sequence")
+    NB = -(-S // Bs)
+    L = B * Hp * NB  # lists, one per (bp, j)
+    C = T * tq  # entries per item at most
+    W = -(-E // C) + L
+    dev = block_indices.device
+
+    # List id bp * NB + j of each entry in (bp, i, slot) order; dead entries go to the spare list L (sorted last).
+    live = live_slots(block_indices, Bs)
+    bp = torch.arange(B * Hp, device=dev, dtype=torch.int32).view(B, Hp, 1, 1)
+    list_id = torch.where(live, bp * NB + block_indices, torch.full((), L, dtype=torch.int32, device=dev))
+    # A stable sort on the list id keeps the (i, slot) order inside each list: sorted by query, since a row's
+    # blocks are distinct (one entry per query per list). int32 keys: fewer radix passes than (list, i) int64 keys.
+    sorted_list, order = torch.sort(list_id.reshape(-1), stable=True)
+    entry_dest = order.to(torch.int32)
+    entry_query = torch.div(order, K, rounding_mode="floor").remainder(S).to(torch.int32)
+
+    # List boundaries by binary search on the sorted ids: contention-free even when one list holds every query.
+    bounds = torch.searchsorted(sorted_list, torch.arange(L + 1, device=dev, dtype=torch.int32))
+    list_start, counts = bounds[:-1], bounds[1:] - bounds[:-1]  # int64 (L,)
+    chunks = torch.div(counts + (C - 1), C, rounding_mode="floor")
+    chunk_end = torch.cumsum(chunks, 0)  # items up to and including list l
+    w = torch.arange(W, device=dev, dtype=torch.int64)
+    lw = torch.searchsorted(chunk_end, w, right=True)  # the list of item w; L past the real count
+    real = lw < L
+    lc = lw.clamp(max=L - 1)
+    chunk = w - (chunk_end[lc] - chunks[lc])
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    items = torch.stack([
+        torch.where(real, torch.div(lc, NB, rounding_mode="floor"), zero),
+        torch.where(real, lc.remainder(NB), zero),
+        torch.where(real, list_start[lc] + chunk * C, zero),
+        torch.where(real, (counts[lc] - chunk * C).clamp(0, C), zero),
+    ], dim=1).to(torch.int32)
+    item_count = chunk_end[-1:].to(torch.int32)
+    return SparsePlan(entry_query=entry_query, entry_dest=entry_dest, items=items, item_count=item_count, E=E,
+                      W=W, K=K, Hp=Hp, S=S, B=B, NB=NB, block_size=Bs, group=G, tile_queries=tq,
+                      tiles_per_item=T)
+
+
+# --- partial buffers ---------------------------------------------------------------------------------------------
+
+def partial_shapes(plan: SparsePlan, head_dim: int) -> dict:
+    """Shapes of the buffers the kernel passes write, row e = entry_dest of a sorted entry."""
+    E, G = plan.E, plan.group
+    return {"o_part": (E, G, head_dim), "lse_part": (E, G), "lsep_part": (E,), "kl_part": (E, G)}
+
+
+def partials_bytes(plan: SparsePlan, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of all partial buffers: o_part in dtype (q's), lse_part, lsep_part and kl_part in fp32.
+
+    kl_part belongs to the second (KL) pass; it may reuse lse_part's storage once the forward combine has run.
+    """
+    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+    n = {name: math.prod(shape) for name, shape in partial_shapes(plan, head_dim).items()}
+    return n["o_part"] * itemsize + 4 * (n["lse_part"] + n["lsep_part"] + n["kl_part"])
+
+
+def empty_forward_partials(plan: SparsePlan, head_dim: int, dtype: torch.dtype, device,
+                           stat_dtype: torch.dtype = torch.float32):
+    """Uninitialised (o_part (E, G, D) dtype, lse_part (E, G), lsep_part (E,) stat_dtype) for the forward pass."""
+    shapes = partial_shapes(plan, head_dim)
+    return (torch.empty(shapes["o_part"], dtype=dtype, device=device),
+            torch.empty(shapes["lse_part"], dtype=stat_dtype, device=device),
+            torch.empty(shapes["lsep_part"], dtype=stat_dtype, device=device))
+
+
+# --- combines ----------------------------------------------------------------------------------------------------
+
+def _check_part(fn: str, name: str, t: torch.Tensor, shape: tuple, float_only: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{fn}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if float_only and not t.dtype.is_floating_point:
+        raise ValueError(f"{fn}: {name} must be floating point, got {t.dtype}")
+
+
+def _check_indices(fn: str, plan: SparsePlan, block_indices: torch.Tensor) -> None:
+    _check_part(fn, "block_indices", block_indices, (plan.B, plan.Hp, plan.S, plan.K), float_only=False)
+
+
+def _stat_dtype(*parts: torch.Tensor) -> torch.dtype:
+    """fp32 statistics (the kernel's), fp64 when an emulation wrote fp64 partials."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in parts) else torch.float32
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """lse of a row without live slots is -inf; subtracting 0 keeps exp(-inf - lse) = 0, not NaN."""
+    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def combine_forward(plan: SparsePlan, block_indices: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
+                    lsep_part: torch.Tensor):
+    """Merge the K per-block partials of each (query, head) row.
+
+    o_part (E, G, D), lse_part (E, G), lsep_part (E,), indexed by entry_dest ((b * Hp + p) * S + i) * K + slot.
+    lse = logsumexp over live slots of lse_part; out = sum over live slots of exp(lse_part - lse) * o_part (each
+    o_part is normalised by its own block's sum); lse_proxy = logsumexp over live slots of lsep_part.
+    -> out (B, S, H, D) in o_part.dtype, lse (B, H, S), lse_proxy (B, Hp, S), h = p * G + g. Statistics and the
+    accumulation are fp32 (fp64 for fp64 partials). A row without live slots gets out = 0, lse = -inf.
+    This combines the whole plan at once, with (E, G, D) fp32 temporaries: a caller that bounds the partials'
+    memory plans and combines a range of queries (or batch rows) at a time.
+    """
+    fn = "combine_forward"
+    B, Hp, S, K, G = plan.B, plan.Hp, plan.S, plan.K, plan.group
+    _check_indices(fn, plan, block_indices)
+    if not isinstance(o_part, torch.Tensor) or o_part.dim() != 3:
+        raise ValueError(f"{fn}: o_part must be a (E, G, D) tensor, got "
+                         f"{tuple(o_part.shape) if isinstance(o_part, torch.Tensor) else type(o_part).__name__}")
+    D = o_part.shape[-1]
+    _check_part(fn, "o_part", o_part, (plan.E, G, D))
+    _check_part(fn, "lse_part", lse_part, (plan.E, G))
+    _check_part(fn, "lsep_part", lsep_part, (plan.E,))
+    acc = _stat_dtype(o_part, lse_part, lsep_part)
+    live = live_slots(block_indices, plan.block_size)  # (B, Hp, S, K)
+    neg_inf = torch.full((), float("-inf"), dtype=acc, device=lse_part.device)
+    zero = torch.zeros((), dtype=acc, device=lse_part.device)
+
+    lse_slot = torch.where(live.unsqueeze(-1), lse_part.view(B, Hp, S, K, G).to(acc), neg_inf)
+    lse = torch.logsumexp(lse_slot, dim=3)  # (B, Hp, S, G)
+    weight = torch.exp(lse_slot - _finite_or_zero(lse).unsqueeze(3))  # 0 on dead slots
+    # Dead rows hold garbage (possibly NaN): select, never multiply, them away.
+    o = torch.where(live.view(B, Hp, S, K, 1, 1), o_part.view(B, Hp, S, K, G, D).to(acc), zero)
+    out = (weight.unsqueeze(-1) * o).sum(dim=3)  # (B, Hp, S, G, D)
+    out = out.permute(0, 2, 1, 3, 4).reshape(B, S, Hp * G, D).to(o_part.dtype)
+    lse = lse.permute(0, 1, 3, 2).reshape(B, Hp * G, S)
+    lsep = torch.where(live, lsep_part.view(B, Hp, S, K).to(acc), neg_inf)
+    lse_proxy = torch.logsumexp(lsep, dim=3)
+    return out, lse, lse_proxy
+
+
+def combine_kl(plan: SparsePlan, block_indices: torch.Tensor, kl_part: torch.Tensor) -> torch.Tensor:
+    """kl_rows (B, Hp, S): KL_p(i) = sum over live slots and heads g of kl_part (E, G).
+
+    The KL splits over keys and heads: tau(t) = (1/G) sum_g P_g(t), so sum_t tau (log tau - log pi) =
+    sum_slots sum_g sum_{t in slot} (P_g(t) / G) (log tau(t) - log pi(t)), which the KL pass writes per (entry, g)
+    from the final lse and lse_proxy. fp32 (fp64 for fp64 partials); a row without live slots gets 0.
+    """
+    fn = "combine_kl"
+    B, Hp, S, K, G = plan.B, plan.Hp, plan.S, plan.K, plan.group
+    _check_indices(fn, plan, block_indices)
+    _check_part(fn, "kl_part", kl_part, (plan.E, G))
+    acc = _stat_dtype(kl_part)
+    live = live_slots(block_indices, plan.block_size).unsqueeze(-1)
+    kl = torch.where(live, kl_part.view(B, Hp, S, K, G).to(acc), torch.zeros((), dtype=acc, device=kl_part.device))
+    return kl.sum(dim=(3, 4))

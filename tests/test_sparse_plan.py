@@ -1,0 +1,301 @@
+"""KV-outer sparse forward plumbing: the work plan, the kernel-pass emulation and the combines (CPU).
+
+The plan is checked against lists built in plain Python; emulate + combine against the reference msa_forward on
+the same block_indices (float64: 1e-10 relative; float32: a few times the reference's own float32 error). The
+plan and the combines must never read a tensor value on the host: they run under FakeTensorMode.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+import oracle
+from flash_msa_rt.ops.sparse_emulate import emulate_forward, emulate_kl
+from flash_msa_rt.ops.sparse_plan import (SparsePlan, combine_forward, combine_kl, live_slots, partials_bytes,
+                                          sparse_plan)
+from flash_msa_rt.reference.msa import msa_forward
+from flash_msa_rt.reference.selection import select_blocks
+
+
+def random_indices(gen, B, Hp, S, K, Bs, empty=0.3):
+    """Distinct random blocks per row in random slot order, earlier and later than blk(i), with -1 slots; row 0
+    of every head has only empty slots or later blocks (no live slot) when there are at least two blocks."""
+    nb = -(-S // Bs)
+    perm = torch.rand((B, Hp, S, nb), generator=gen).argsort(dim=-1).to(torch.int32)
+    idx = torch.full((B, Hp, S, K), -1, dtype=torch.int32)
+    idx[..., :min(K, nb)] = perm[..., :K]
+    idx = torch.where(torch.rand(idx.shape, generator=gen) < empty, torch.full_like(idx, -1), idx)
+    idx = idx.gather(-1, torch.rand(idx.shape, generator=gen).argsort(dim=-1))
+    if nb > 1:
+        idx[:, :, 0] = torch.where(idx[:, :, 0] == 0, torch.full_like(idx[:, :, 0], -1), idx[:, :, 0])
+    return idx
+
+
+def expected_lists(idx, Bs):
+    """{(bp, j): ascending queries} of the live entries, and {(bp, j, i): flat dest}, in plain Python."""
+    B, Hp, S, K = idx.shape
+    lists, dest = collections.defaultdict(list), {}
+    flat = idx.reshape(-1).tolist()
+    for e, j in enumerate(flat):
+        bp, rest = divmod(e, S * K)
+        i = rest // K
+        if 0 <= j <= i // Bs:
+            lists[(bp, j)].append(i)
+            dest[(bp, j, i)] = e
+    return dict(sorted(lists.items())), dest
+
+
+def check_plan(plan: SparsePlan, idx, Bs, tq, T):
+    B, Hp, S, K = idx.shape
+    C = T * tq
+    E, NB = B * Hp * S * K, -(-S // Bs)
+    assert (plan.E, plan.NB, plan.W) == (E, NB, -(-E // C) + B * Hp * NB)
+    assert plan.items.shape == (plan.W, 4) and plan.items.dtype == torch.int32
+    assert plan.entry_query.shape == plan.entry_dest.shape == (E,)
+    assert plan.entry_query.dtype == plan.entry_dest.dtype == torch.int32
+    assert sorted(plan.entry_dest.tolist()) == list(range(E))  # a permutation of the (b, p, i, slot) grid
+    lists, dest = expected_lists(idx, Bs)
+    want_items, pos = [], 0
+    for (bp, j), queries in lists.items():
+        for c0 in range(0, len(queries), C):
+            n = min(C, len(queries) - c0)
+            want_items.append([bp, j, pos, n])
+            pos += n
+    items = plan.items.tolist()
+    # Real items first, list-major, each at most C entries; then only empty rows.
+    assert items[:len(want_items)] == want_items
+    assert all(row == [0, 0, 0, 0] for row in items[len(want_items):])
+    assert plan.item_count.tolist() == [len(want_items)]
+    eq, ed = plan.entry_query.tolist(), plan.entry_dest.tolist()
+    for bp, j, start, n in want_items:
+        qs = eq[start:start + n]
+        assert qs == sorted(set(qs)), "an item's queries are strictly ascending"
+        assert [dest[(bp, j, i)] for i in qs] == ed[start:start + n]
+    # Every live entry appears once (counted above by positions); the rest are the dead slots.
+    live = live_slots(idx, Bs).reshape(-1)
+    assert pos == int(live.sum())
+    assert not live[plan.entry_dest[pos:].long()].any()
+    return want_items
+
+
+PLAN_CASES = {
+    # (B, Hp, S, K, Bs, tq, T)
+    "odd_S_random": (2, 3, 300, 4, 16, 8, 2),
+    "S<Bs": (1, 2, 50, 2, 64, 4, 1),
+    "K>blocks": (1, 1, 45, 9, 16, 2, 3),
+    "K1_bs128": (2, 1, 300, 1, 128, 64, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(PLAN_CASES))
+def test_plan_matches_python_lists(name):
+    B, Hp, S, K, Bs, tq, T = PLAN_CASES[name]
+    gen = torch.Generator().manual_seed(len(name))
+    idx = random_indices(gen, B, Hp, S, K, Bs)
+    check_plan(sparse_plan(idx, Bs, S, 4, tq, T), idx, Bs, tq, T)
+
+
+def test_plan_of_reference_selection():
+    B, S, Hp, Hpk, Dp, Bs, K = 2, 129, 2, 1, 8, 16, 3
+    gen = torch.Generator().manual_seed(5)
+    idx = select_blocks(oracle.randn(gen, (B, S, Hp, Dp), torch.float32),
+                        oracle.randn(gen, (B, S, Hpk, Dp), torch.float32), K, Bs, Dp ** -0.5)
+    items = check_plan(sparse_plan(idx, Bs, S, 2, 16, 2), idx, Bs, 16, 2)
+    # The local block is always selected: every query is live at least once.
+    assert sum(n for *_, n in items) >= B * Hp * S
+
+
+def test_hot_block_is_split_into_bounded_items():
+    """Every query picks block 0 (an attention sink) and its local block: block 0's list is S long."""
+    B, Hp, S, Bs, tq, T = 1, 2, 1000, 16, 8, 2
+    local = (torch.arange(S, dtype=torch.int32) // Bs).view(1, 1, S, 1).expand(B, Hp, S, 1)
+    idx = torch.cat([torch.zeros_like(local), torch.where(local > 0, local, -1)], dim=-1).contiguous()
+    plan = sparse_plan(idx, Bs, S, 8, tq, T)
+    items = check_plan(plan, idx, Bs, tq, T)
+    hot = [n for bp, j, _, n in items if j == 0]
+    assert len(hot) == Hp * -(-S // (T * tq)) and max(hot) == T * tq
+
+
+# --- emulate + combine against the reference ---------------------------------------------------------------------
+
+# (B, S, H, Hk, Hp, Hpk, D, Dp, Bs, K, tq, T, selection)
+CASES = {
+    "G2_Hp=Hk_oddS_select": (1, 300, 4, 2, 2, 1, 16, 8, 16, 3, 16, 2, "select"),
+    "G1_Hp>Hk_Hpk2_random": (2, 129, 4, 2, 4, 2, 8, 8, 16, 4, 16, 1, "random"),
+    "G4_Hp>Hk_K1": (1, 77, 8, 1, 2, 1, 8, 4, 16, 1, 8, 2, "select"),
+    "G8_S<Bs_K>blocks": (1, 50, 8, 2, 1, 1, 8, 8, 64, 3, 16, 1, "random"),
+    "G16_K>blocks_Hpk2": (1, 100, 32, 4, 2, 2, 8, 8, 16, 9, 8, 2, "random"),
+    "G2_bs128": (1, 300, 4, 2, 2, 1, 16, 8, 128, 2, 64, 1, "select"),
+}
+
+
+def make_inputs(case, seed):
+    B, S, H, Hk, Hp, Hpk, D, Dp, Bs, K, tq, T, selection = case
+    gen = torch.Generator().manual_seed(seed)
+    x = {"q_proxy": oracle.randn(gen, (B, S, Hp, Dp), torch.float64),
+         "k_proxy": oracle.randn(gen, (B, S, Hpk, Dp), torch.float64),
+         "q": oracle.randn(gen, (B, S, H, D), torch.float64),
+         "k": oracle.randn(gen, (B, S, Hk, D), torch.float64),
+         "v": oracle.randn(gen, (B, S, Hk, D), torch.float64)}
+    if selection == "select":
+        idx = select_blocks(x["q_proxy"], x["k_proxy"], K, Bs, D ** -0.5)
+    else:
+        idx = random_indices(gen, B, Hp, S, K, Bs)
+    return x, idx
+
+
+def poison_dead_rows(plan, idx, *parts):
+    """Rows of dead entries are never written by the kernel: make them NaN so a combine that reads them fails."""
+    dead = ~live_slots(idx, plan.block_size).reshape(-1)
+    for t in parts:
+        t.masked_fill_(dead.view(-1, *([1] * (t.dim() - 1))), float("nan"))
+
+
+def emulate_and_combine(x, idx, Bs, G, tq, T, scale):
+    q_proxy, k_proxy, q, k, v = x.values()
+    plan = sparse_plan(idx, Bs, q.shape[1], G, tq, T)
+    o_part, lse_part, lsep_part = emulate_forward(plan, q, k, v, q_proxy, k_proxy, scale)
+    poison_dead_rows(plan, idx, o_part, lse_part, lsep_part)
+    out, lse, lse_proxy = combine_forward(plan, idx, o_part, lse_part, lsep_part)
+    kl_part = emulate_kl(plan, q, k, q_proxy, k_proxy, lse, lse_proxy, scale)
+    poison_dead_rows(plan, idx, kl_part)
+    return out, lse, lse_proxy, combine_kl(plan, idx, kl_part)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(CASES))
+def test_emulate_combine_equals_reference(name, dtype):
+    case = CASES[name]
+    B, S, H, Hk, Hp, Hpk, D, Dp, Bs, K, tq, T, _ = case
+    x64, idx = make_inputs(case, seed=len(name))
+    scale = D ** -0.5
+    got = emulate_and_combine({n: t.to(dtype) for n, t in x64.items()}, idx, Bs, H // Hp, tq, T, scale)
+    want = msa_forward(*x64.values(), idx, Bs, scale)
+    base = msa_forward(*(t.float() for t in x64.values()), idx, Bs, scale) if dtype != torch.float64 else [None] * 4
+    assert got[0].dtype == dtype and got[0].shape == (B, S, H, D)
+    assert got[1].shape == (B, H, S) and got[2].shape == got[3].shape == (B, Hp, S)
+    for n, g, w, b in zip(("out", "lse", "lse_proxy", "kl_rows"), got, want, base):
+        oracle.check(n, g, w, dtype, b, factor=4.0)
+
+
+def test_rows_without_live_slots_are_empty():
+    """Only empty and later (causally empty) slots: out = 0, lse = lse_proxy = -inf, KL = 0, as the reference."""
+    case = CASES["G1_Hp>Hk_Hpk2_random"]
+    x, idx = make_inputs(case, seed=3)
+    Bs = case[8]
+    dead_rows = ~live_slots(idx, Bs).any(-1)  # (B, Hp, S)
+    assert dead_rows.any()
+    out, lse, lse_proxy, kl = emulate_and_combine(x, idx, Bs, 1, 16, 1, 8 ** -0.5)
+    assert torch.equal(lse[dead_rows], torch.full_like(lse[dead_rows], float("-inf")))  # G = 1: h = p
+    assert torch.equal(lse_proxy[dead_rows], lse[dead_rows]) and not kl[dead_rows].any()
+    assert not out.transpose(1, 2)[dead_rows].any()
+
+
+# --- no host synchronisation, validation, sizes ------------------------------------------------------------------
+
+def test_plan_and_combines_never_sync():
+    """Under FakeTensorMode every .item() / .tolist() / bool(tensor) / nonzero raises: the plan and the combines
+    must be computable from shapes alone (CUDA-graph capturable)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B, Hp, S, K, G, D, Bs = 2, 3, 301, 5, 4, 16, 16
+    with FakeTensorMode():
+        idx = torch.zeros(B, Hp, S, K, dtype=torch.int32)
+        plan = sparse_plan(idx, Bs, S, G, 128 // G, 2)
+        E = plan.E
+        out, lse, lse_proxy = combine_forward(plan, idx, torch.empty(E, G, D, dtype=torch.bfloat16),
+                                              torch.empty(E, G), torch.empty(E))
+        kl = combine_kl(plan, idx, torch.empty(E, G))
+    assert plan.items.shape == (plan.W, 4) and plan.entry_query.shape == (B * Hp * S * K,)
+    assert out.shape == (B, S, Hp * G, D) and out.dtype == torch.bfloat16
+    assert lse.shape == (B, Hp * G, S) and lse_proxy.shape == kl.shape == (B, Hp, S)
+    assert lse.dtype == lse_proxy.dtype == kl.dtype == torch.float32
+
+
+def test_int32_overflow_names_the_arguments():
+    idx = torch.empty(1, 1, 1 << 16, 1 << 8, dtype=torch.int32, device="meta")  # E = 2**24
+    sparse_plan(idx, 128, 1 << 16, 64, 2, 2)  # E * G = 2**30: fine, and shape-only on the meta device
+    with pytest.raises(ValueError, match=r"block_indices .*group = 128"):
+        sparse_plan(idx, 128, 1 << 16, 128, 1, 2)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"block_indices": torch.zeros(1, 1, 8, 2, dtype=torch.int64)}, ValueError, "block_indices must be int32"),
+    ({"seqlen": 9}, ValueError, "seqlen = 9"),
+    ({"block_size": 0}, ValueError, "block_size = 0"),
+    ({"group": 2.0}, TypeError, "group must be an int"),
+    ({"tile_queries": -1}, ValueError, "tile_queries = -1"),
+    ({"tiles_per_item": True}, TypeError, "tiles_per_item must be an int"),
+])
+def test_validation(kwargs, error, match):
+    args = dict(block_indices=torch.zeros(1, 1, 8, 2, dtype=torch.int32), block_size=4, seqlen=8, group=2,
+                tile_queries=64, tiles_per_item=1)
+    with pytest.raises(error, match=match):
+        sparse_plan(**{**args, **kwargs})
+
+
+def test_combine_rejects_wrong_partial_shapes():
+    idx = torch.zeros(1, 1, 8, 2, dtype=torch.int32)
+    plan = sparse_plan(idx, 4, 8, 2, 64, 1)
+    with pytest.raises(ValueError, match=r"lse_part must have shape \(16, 2\)"):
+        combine_forward(plan, idx, torch.zeros(16, 2, 8), torch.zeros(16), torch.zeros(16))
+    with pytest.raises(ValueError, match="kl_part"):
+        combine_kl(plan, idx, torch.zeros(16, 3))
+
+
+def test_partials_bytes():
+    plan = sparse_plan(torch.zeros(2, 3, 10, 4, dtype=torch.int32), 4, 10, 8, 16, 1)
+    E = 2 * 3 * 10 * 4
+    assert partials_bytes(plan, 128, torch.bfloat16) == E * 8 * 128 * 2 + 4 * (E * 8 + E + E * 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_graph_capture_matches_eager():
+    """The plan and both combines capture into one CUDA graph; replay on new indices equals eager."""
+    dev = torch.device("cuda")
+    B, Hp, S, K, G, D, Bs = 2, 2, 333, 4, 4, 32, 16
+    gen = torch.Generator().manual_seed(11)
+    idx = random_indices(gen, B, Hp, S, K, Bs).to(dev)
+    E = B * Hp * S * K
+    parts = [torch.randn(E, G, D, device=dev).bfloat16(), torch.randn(E, G, device=dev), torch.randn(E, device=dev),
+             torch.randn(E, G, device=dev)]
+
+    def run():
+        plan = sparse_plan(idx, Bs, S, G, 128 // G, 2)
+        return (plan.entry_query, plan.entry_dest, plan.items, *combine_forward(plan, idx, *parts[:3]),
+                combine_kl(plan, idx, parts[3]))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    idx.copy_(random_indices(gen, B, Hp, S, K, Bs).to(dev))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, run()):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_equals_cpu():
+    """The plan is exact integer work: identical on CUDA; the combines agree to fp32 rounding."""
+    B, Hp, S, K, G, D, Bs = 2, 3, 1001, 6, 8, 16, 16
+    gen = torch.Generator().manual_seed(12)
+    idx = random_indices(gen, B, Hp, S, K, Bs)
+    cpu = sparse_plan(idx, Bs, S, G, 128 // G, 2)
+    gpu = sparse_plan(idx.cuda(), Bs, S, G, 128 // G, 2)
+    for n in ("entry_query", "entry_dest", "items", "item_count"):
+        assert torch.equal(getattr(cpu, n), getattr(gpu, n).cpu()), n
+    E = cpu.E
+    parts = [torch.randn(E, G, D, generator=gen), torch.randn(E, G, generator=gen), torch.randn(E, generator=gen)]
+    want = combine_forward(cpu, idx, *parts)
+    got = combine_forward(gpu, idx.cuda(), *(t.cuda() for t in parts))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5)
