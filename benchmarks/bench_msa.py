@@ -1,0 +1,712 @@
+"""Whole-op MSA benchmark (issues 4 and 5): selection, sparse forward and backward, the public op, warmup mode and
+cuDNN dense attention on the same inputs, with effective TFLOPS, peak memory and the backend that ran each op.
+
+Configurations (D = Dp = 128, bf16, block 128, top_k 2048 tokens = K 16 blocks): (a) H=16, Hk=2, Hp=4, Hpk=1;
+(b) H=32, Hk=8, Hp=8, Hpk=1; (c) H=64, Hk=4, Hp=4, Hpk=1. B = tokens // S (128K tokens per step), or B = 1 with
+--batch1 (the shape of the flash-msa 0.1.1 / FSA figures published in shared/design/h200.md, config (a)).
+
+FLOPs follow msa-semantics.md ("FLOP conventions"); nnz is counted exactly from the block_indices the ops ran on.
+Ops whose implementation is the pure-PyTorch reference (dispatch's fallback) are skipped where one call would take
+longer than --max-seconds (estimated from a smaller S, or cut by an alarm) or S > --ref-max-seqlen, and recorded as
+"skipped: reference backend (...)".
+
+Run: FLASH_MSA_ARTIFACT_DIR=artifacts PYTHONPATH=. python3 benchmarks/bench_msa.py --configs a,b,c \
+         --seqlens 8192,16384,32768,65536 --out benchmarks/results/msa.json
+Plot (CPU machine, matplotlib): python benchmarks/plot_msa.py benchmarks/results/msa.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `flash_msa_rt` importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.common import RESULTS, commit  # noqa: E402
+
+CONFIGS = {  # name -> (H, Hk, Hp, Hpk)
+    "a": (16, 2, 4, 1),
+    "b": (32, 8, 8, 1),
+    "c": (64, 4, 4, 1),
+}
+D = DP = 128
+BLOCK = 128
+TOP_K = 2048
+TOKENS = 128 * 1024
+SEQLENS = (8192, 16384, 32768, 65536, 131072)
+OPS = ("sparse", "warmup", "dense")
+
+FORMULAS = {
+    "nnz": "sum over (b, h, i) of the causal keys in the blocks listed for (b, p(h), i) (duplicates once, -1 none)",
+    "select_blocks": "2*Dp*Hp*B*S*(S+1)/2",
+    "msa_forward": "4*D*nnz",
+    "msa_backward": "10*D*nnz (main attention only; the proxy KL backward, 6*Dp*nnz_p, is not counted)",
+    "msa_func.fwd": "4*D*nnz (main attention only; selection and KL not counted)",
+    "msa_func.fwd+bwd": "3.5*4*D*nnz (h200.md's peer-table convention: main attention only)",
+    "warmup_func.fwd": "4*D*H*B*S*(S+1)/2 (dense causal)",
+    "warmup_func.fwd+bwd": "3.5*4*D*H*B*S*(S+1)/2 (forward + backward at 2.5x forward)",
+    "cudnn_dense.fwd": "4*D*H*B*S*(S+1)/2",
+    "cudnn_dense.fwd+bwd": "3.5*4*D*H*B*S*(S+1)/2 (backward 2.5x forward)",
+    "x_dense": "cuDNN dense fwd+bwd ms / MSA whole-op fwd+bwd ms (> 1: MSA faster)",
+    "x_published": "published ms / this run's ms (> 1: this run faster)",
+}
+
+# Figures published in shared/design/h200.md: measured on this H200 on 2026-11-29, NOT re-measured by this script.
+# Shape: B=1, H=16, Hk=2, Hp=4, Hpk=1, D=128, bf16, top_k=2048 (config (a) with --batch1).
+PUBLISHED = {
+    "source": "published on this H200, 2026-11-29, not re-measured in this run (shared/design/h200.md)",
+    "shape": {"config": "a", "B": 1, "H": 16, "Hk": 2, "Hp": 4, "Hpk": 1, "D": 128, "dtype": "bfloat16",
+              "top_k": 2048},
+    # S -> (fwd ms, fwd+bwd ms)
+    "cudnn_dense": {8192: (0.51, 1.97), 16384: (1.79, 6.67), 32768: (7.02, 28.2), 65536: (29.4, 112.4)},
+    "flash_msa_0.1.1": {8192: (5.48, 19.1), 16384: (11.4, 41.1), 32768: (24.6, 88.5), 65536: (55.5, 189.0)},
+    # flash-msa 0.1.1 warmup op: S -> (fwd ms, fwd+bwd ms)
+    "flash_msa_0.1.1_warmup": {8192: (0.76, 28.8), 16384: (1.95, 120.9)},
+    # FSA (Triton NSA selected attention, block indices given: no selection cost), fwd+bwd ms, H=16, Hk=2,
+    # block 128, 16 blocks.
+    "fsa_fwd_bwd": {8192: 16.7, 16384: 23.2, 32768: 32.7, 65536: 53.7},
+}
+
+
+# --- FLOPs and nnz (pure functions; tested on the CPU) -----------------------------------------------------------
+
+def causal_pairs(S: int) -> int:
+    """Query-key pairs (i, t) with t <= i in one sequence of length S."""
+    return S * (S + 1) // 2
+
+
+def dense_nnz(B: int, H: int, S: int) -> int:
+    return B * H * causal_pairs(S)
+
+
+def selection_flops(B: int, S: int, Hp: int, Dp: int = DP) -> float:
+    return 2 * Dp * Hp * B * causal_pairs(S)
+
+
+def main_forward_flops(nnz: int, D: int = D) -> float:
+    return 4 * D * nnz
+
+
+def main_backward_flops(nnz: int, D: int = D) -> float:
+    return 10 * D * nnz
+
+
+def whole_fwd_bwd_flops(nnz: int, D: int = D) -> float:
+    return 3.5 * 4 * D * nnz
+
+
+def dense_forward_flops(B: int, H: int, S: int, D: int = D) -> float:
+    return 4 * D * dense_nnz(B, H, S)
+
+
+def dense_fwd_bwd_flops(B: int, H: int, S: int, D: int = D) -> float:
+    return 3.5 * dense_forward_flops(B, H, S, D)
+
+
+def tflops(flops: float | None, ms: float | None) -> float | None:
+    return flops / ms / 1e9 if flops and ms else None
+
+
+def nnz_per_index_head(block_indices: torch.Tensor, block_size: int = BLOCK, rows: int = 4096) -> int:
+    """sum over (b, p, i) of |A(i)|: the causal keys of the listed blocks, duplicates counted once, -1 ignored.
+
+    block_indices (B, Hp, S, K) integer on any device; the count runs there with torch ops, S in chunks of rows.
+    Block j holds keys [j*Bs, min((j+1)*Bs, S)); query i sees min(i + 1, (j+1)*Bs) - j*Bs of them (clamped to
+    [0, Bs]), which also covers the partial last block since i < S.
+    """
+    B, Hp, S, K = block_indices.shape
+    total = torch.zeros((), dtype=torch.int64, device=block_indices.device)
+    for i0 in range(0, S, rows):
+        idx = block_indices[:, :, i0:i0 + rows].long().sort(dim=-1).values
+        dup = torch.zeros_like(idx, dtype=torch.bool)
+        dup[..., 1:] = idx[..., 1:] == idx[..., :-1]
+        i = torch.arange(i0, i0 + idx.shape[2], device=idx.device).view(1, 1, -1, 1)
+        start = idx * block_size
+        seen = (torch.minimum(i + 1, start + block_size) - start).clamp(0, block_size)
+        total += torch.where((idx >= 0) & ~dup, seen, torch.zeros_like(seen)).sum()
+    return int(total)
+
+
+def nnz_main(block_indices: torch.Tensor, H: int, block_size: int = BLOCK) -> int:
+    """nnz of the contract: every one of the H / Hp main heads of a proxy group sees its group's keys."""
+    return nnz_per_index_head(block_indices, block_size) * (H // block_indices.shape[1])
+
+
+def skewed_block_indices(B: int, Hp: int, S: int, K: int, block_size: int = BLOCK, device=None) -> torch.Tensor:
+    """The load-balance worst case of kernel-notes.md: every query picks block 0 and its nearest preceding blocks.
+
+    Row i (block q = i // Bs): blocks 0..q when q < K, else {0} + {q-K+2, ..., q}; ascending, -1 last.
+    """
+    q = (torch.arange(S, device=device) // block_size).view(S, 1)
+    m = torch.arange(K, device=device).view(1, K)
+    near = torch.where(m == 0, torch.zeros_like(q + m), q - (K - 1) + m)
+    all_before = torch.where(m <= q, m, torch.full_like(m + q, -1))
+    idx = torch.where(q >= K, near, all_before).to(torch.int32)
+    return idx.view(1, 1, S, K).expand(B, Hp, S, K).contiguous()
+
+
+# --- command line ------------------------------------------------------------------------------------------------
+
+def _csv(kind, allowed=None):
+    def parse(text: str):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"empty list {text!r}")
+        out = []
+        for x in items:
+            try:
+                v = kind(x)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{x!r} is not a valid {kind.__name__}") from None
+            if allowed is not None and v not in allowed:
+                raise argparse.ArgumentTypeError(f"{x!r} is not one of {', '.join(allowed)}")
+            if kind is int and v < 1:
+                raise argparse.ArgumentTypeError(f"{x!r} must be positive")
+            out.append(v)
+        return out
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Whole-op MSA benchmark: per-op sparse (select / forward / backward), the public "
+                    "flash_msa_func, warmup mode and cuDNN dense attention; JSON + table.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--configs", type=_csv(str, tuple(CONFIGS)), default=list(CONFIGS),
+                   help="configurations: a (H16 Hk2 Hp4), b (H32 Hk8 Hp8), c (H64 Hk4 Hp4); all Hpk=1, D=Dp=128")
+    p.add_argument("--seqlens", type=_csv(int), default=list(SEQLENS), help="sequence lengths S")
+    p.add_argument("--ops", type=_csv(str, OPS), default=list(OPS),
+                   help="sparse: select/forward/backward ops and flash_msa_func; warmup: flash_msa_warmup_func; "
+                        "dense: cuDNN SDPA")
+    p.add_argument("--batch1", action="store_true", help="B=1 instead of B = tokens // S")
+    p.add_argument("--tokens", type=int, default=TOKENS, help="tokens per step: B = max(1, tokens // S)")
+    p.add_argument("--skewed", action="store_true",
+                   help="also time msa_forward/msa_backward on a skewed selection (block 0 + nearest blocks)")
+    p.add_argument("--max-seconds", type=float, default=10.0,
+                   help="longest single call allowed for a reference-backed op (estimated or cut by an alarm)")
+    p.add_argument("--ref-max-seqlen", type=int, default=16384,
+                   help="reference-backed ops are never run above this S")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions (median reported)")
+    p.add_argument("--budget-seconds", type=float, default=3.0,
+                   help="fewer repetitions (>= 1) for an op whose calls would take longer than this in total")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default benchmarks/results/msa.json, msa_batch1.json with --batch1)")
+    args = p.parse_args(argv)
+    if args.tokens < 1 or args.warmup < 0 or args.reps < 1 or args.max_seconds <= 0 or args.budget_seconds <= 0:
+        p.error("--tokens and --reps must be >= 1, --warmup >= 0, --max-seconds and --budget-seconds > 0")
+    if args.out is None:
+        args.out = RESULTS / ("msa_batch1.json" if args.batch1 else "msa.json")
+    return args
+
+
+def batch_of(args, S: int) -> int:
+    return 1 if args.batch1 else max(1, args.tokens // S)
+
+
+# --- timing ------------------------------------------------------------------------------------------------------
+
+class ReferenceTimeout(Exception):
+    pass
+
+
+class Alarm:
+    """Cut a call after `seconds`: SIGALRM raises ReferenceTimeout in the main thread (the reference is a Python loop
+    of launches, so the signal lands between launches). `rang` stays set in case a layer re-wraps the exception."""
+
+    def __init__(self):
+        self.rang = False
+
+    @contextlib.contextmanager
+    def limit(self, seconds: float | None):
+        self.rang = False
+        if not seconds:
+            yield
+            return
+
+        def ring(signum, frame):
+            self.rang = True
+            raise ReferenceTimeout(f"one call exceeded {seconds:g} s")
+
+        old = signal.signal(signal.SIGALRM, ring)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+
+
+class Timer:
+    """CUDA-event timing: warmup calls, then the median of reps, with the L2 flushed before every timed call.
+
+    Flushing keeps small B=1 inputs from being timed out of the 60 MB L2 while large ones are not (METHOD.md:
+    one rule for every size). The flush (zeroing a 256 MB buffer) runs outside the events. The first call runs
+    under the alarm for reference-backed ops and gives the peak memory; warmup calls are timed with the host clock
+    to size the repetitions (an op slower than --budget-seconds per call gets no further warmup and one rep).
+    """
+
+    def __init__(self, args):
+        self.args = args
+        self.alarm = Alarm()
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    @staticmethod
+    def _host_time(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def run(self, fn, limit_s: float | None):
+        a = self.args
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with self.alarm.limit(limit_s):
+            first_s = self._host_time(fn)
+        peak = torch.cuda.max_memory_allocated() - base
+        per_call = first_s
+        for _ in range(max(a.warmup - 1, 0)):
+            if per_call > a.budget_seconds:  # a first call may be slow only once (module load, handles): retry
+                break
+            per_call = min(per_call, self._host_time(fn))
+        reps = min(a.reps, max(1, int(a.budget_seconds / per_call)))
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            self.flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in events]
+        return dict(ms=statistics.median(times), times_ms=times, reps=reps, first_call_s=first_s,
+                    peak_mem_bytes=peak)
+
+
+class ReferenceGuard:
+    """Per op key, the seconds one reference call took at (B, S) (inf: cut by the alarm), to skip larger sizes.
+
+    Scaling to a larger problem takes the larger of B*S^2 (score elements) and (B*S)^2*S (the reference re-reads
+    the causal K/V prefix once per row chunk of ~2^24 / (B*H*S) rows), so estimates err towards skipping.
+    """
+
+    def __init__(self):
+        self.seen: dict[str, list[tuple[int, int, float]]] = {}
+
+    def record(self, key: str, B: int, S: int, seconds: float):
+        self.seen.setdefault(key, []).append((B, S, seconds))
+
+    def estimate(self, key: str, B: int, S: int) -> float | None:
+        smaller = [(b, s, t) for b, s, t in self.seen.get(key, []) if s <= S]
+        if not smaller:
+            return None
+        b, s, t = max(smaller, key=lambda x: x[1])
+        return t * max(B * S * S / (b * s * s), (B * S) ** 2 * S / ((b * s) ** 2 * s))
+
+
+# --- the benchmark -----------------------------------------------------------------------------------------------
+
+def backend_of(op: str, like: torch.Tensor, config: dict) -> str:
+    """Name of the dispatch backend that runs `op` for this problem (what flash_msa_rt.ops.library would call)."""
+    from flash_msa_rt.ops import dispatch
+
+    impl = dispatch.implementation(op, like.device, like.dtype, **config)
+    for b in dispatch.backends():
+        if b.ops.get(op) is impl:
+            return b.name
+    return "unknown"
+
+
+class Case:
+    """One (config, S): inputs, backends and the measurements."""
+
+    def __init__(self, name, args, S, timer, guard, rows):
+        from flash_msa_rt.ops import library
+
+        self.name, self.args, self.S, self.timer, self.guard, self.rows = name, args, S, timer, guard, rows
+        self.H, self.Hk, self.Hp, self.Hpk = CONFIGS[name]
+        self.B = batch_of(args, S)
+        self.K = TOP_K // BLOCK
+        self.scale = D ** -0.5
+        torch.manual_seed(args.seed)
+        B, H, Hk, Hp, Hpk = self.B, self.H, self.Hk, self.Hp, self.Hpk
+        randn = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+        # (B, S, heads, D) tensors: the runtime's layout, passed to the public op with layout="bshd" (no copies).
+        self.qp, self.kp = randn(B, S, Hp, DP), randn(B, S, Hpk, DP)
+        self.q, self.k, self.v = randn(B, S, H, D), randn(B, S, Hk, D), randn(B, S, Hk, D)
+        self.dout = randn(B, S, H, D)
+        self.kl_coef = torch.tensor(0.1, device="cuda")
+        self.kl_grad = torch.full((), 0.1 / (B * Hp * S), device="cuda")  # d(0.1 * mean kl_rows) / d kl_rows
+        msa_cfg = library._msa_config(self.qp, self.q, self.k, BLOCK, None)
+        self.backends = {
+            "select_blocks": backend_of("select_blocks", self.qp, {"proxy_head_dim": DP, "block_size": BLOCK,
+                                                                   "top_k_blocks": self.K, "varlen": False}),
+            "msa_forward": backend_of("msa_forward", self.q, msa_cfg),
+            "msa_backward": backend_of("msa_backward", self.q, msa_cfg),
+            "warmup_forward": backend_of("warmup_forward", self.q, library._msa_config(self.qp, self.q, self.k,
+                                                                                        None, None)),
+            "warmup_backward": backend_of("warmup_backward", self.q, library._msa_config(self.qp, self.q, self.k,
+                                                                                          None, None)),
+        }
+        self.block_indices = None
+
+    def base(self, op: str, selection: str | None) -> dict:
+        return dict(config=self.name, H=self.H, Hk=self.Hk, Hp=self.Hp, Hpk=self.Hpk, D=D, Dp=DP,
+                    block_size=BLOCK, K=self.K, top_k=TOP_K, B=self.B, S=self.S, tokens=self.B * self.S,
+                    batch_mode="B=1" if self.args.batch1 else f"B=tokens//S (tokens={self.args.tokens})",
+                    op=op, selection=selection)
+
+    def key(self, op: str) -> str:
+        return f"{self.name}:{op}"  # reference cost history is per configuration
+
+    def measure(self, op, fn, *, ops_used=(), flops=None, selection=None, backend=None, extra=None):
+        """Time fn and append a row; reference-backed ops go through the guard. Returns the row."""
+        row = self.base(op, selection)
+        backends = {o: self.backends[o] for o in ops_used}
+        row["backend"] = backend if backend is not None else (
+            backends[ops_used[0]] if len(ops_used) == 1 else backends)
+        row["formula"] = FORMULAS.get(op)
+        row.update(extra or {})
+        on_reference = [o for o, b in backends.items() if b == "reference"]
+        limit = None
+        if on_reference:
+            limit = self.args.max_seconds
+            why = None
+            if self.S > self.args.ref_max_seqlen:
+                why = f"S > --ref-max-seqlen {self.args.ref_max_seqlen}"
+            else:
+                estimates = [e for e in (self.guard.estimate(self.key(k), self.B, self.S) for k in [op, *on_reference])
+                             if e is not None]
+                if estimates and math.isinf(max(estimates)):
+                    why = "a call at this or a smaller S was cut by the --max-seconds alarm"
+                elif estimates and max(estimates) > limit:
+                    why = f"estimated {max(estimates):.3g} s per call from a smaller S > --max-seconds {limit:g}"
+            if why:
+                return self._finish(row, status=f"skipped: reference backend ({', '.join(on_reference)}; {why})")
+        try:
+            result = self.timer.run(fn, limit)
+        except Exception as e:  # noqa: BLE001 - a failed op is a row, not the end of the run
+            torch.cuda.synchronize()
+            if isinstance(e, ReferenceTimeout) or self.timer.alarm.rang:
+                for key in [op, *on_reference]:
+                    self.guard.record(self.key(key), self.B, self.S, math.inf)
+                return self._finish(row, status=f"skipped: reference backend ({', '.join(on_reference)}; one "
+                                                f"call exceeded --max-seconds {limit:g})")
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                return self._finish(row, status=f"error: out of memory ({str(e).splitlines()[0][:200]})")
+            return self._finish(row, status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        if on_reference:
+            self.guard.record(self.key(op), self.B, self.S, result["first_call_s"])
+        row.update(result, status="ok", flops=flops, tflops=tflops(flops, result["ms"]))
+        return self._finish(row)
+
+    def _finish(self, row, status=None):
+        if status is not None:
+            row.update(status=status, ms=None, tflops=None, flops=None)
+        self.rows.append(row)
+        torch.cuda.empty_cache()
+        return row
+
+    # --- sparse mode ---
+
+    def sparse(self):
+        from flash_msa_rt import flash_msa_func
+
+        ops = torch.ops.flash_msa
+        qp, kp, q, k, v = self.qp, self.kp, self.q, self.k, self.v
+
+        def select():
+            return ops.select_blocks(qp, kp, self.K, BLOCK, self.scale, None)
+
+        with torch.no_grad():
+            row = self.measure("select_blocks", select, ops_used=("select_blocks",),
+                               flops=selection_flops(self.B, self.S, self.Hp), selection="proxy top-K")
+            if row["status"] != "ok":
+                return  # without the selection nothing below has inputs
+            self.block_indices = select()
+        nnz = nnz_main(self.block_indices, self.H)
+        nnz_p = nnz_per_index_head(self.block_indices)
+        self._per_op("proxy top-K", self.block_indices, nnz, nnz_p)
+
+        qp_g, kp_g, q_g, k_g, v_g = (t.detach().requires_grad_() for t in (qp, kp, q, k, v))
+        dout = self.dout.view(self.B, self.S, self.H * D)
+        info = dict(nnz=nnz, nnz_fraction_of_dense=nnz / dense_nnz(self.B, self.H, self.S), layout="bshd")
+
+        def whole_fwd():
+            return flash_msa_func(qp_g, kp_g, q_g, k_g, v_g, top_k=TOP_K, layout="bshd")
+
+        def whole_fwd_bwd():
+            out, kl_loss = whole_fwd()
+            return torch.autograd.grad((out, kl_loss), (qp_g, kp_g, q_g, k_g, v_g), (dout, self.kl_coef))
+
+        used = ("select_blocks", "msa_forward", "msa_backward")
+        self.measure("msa_func.fwd", whole_fwd, ops_used=used[:2], flops=main_forward_flops(nnz),
+                     selection="proxy top-K", extra=info)
+        self.measure("msa_func.fwd+bwd", whole_fwd_bwd, ops_used=used, flops=whole_fwd_bwd_flops(nnz),
+                     selection="proxy top-K", extra=info)
+        if self.args.skewed:
+            skewed = skewed_block_indices(self.B, self.Hp, self.S, self.K, device="cuda")
+            self._per_op("skewed", skewed, nnz_main(skewed, self.H), nnz_per_index_head(skewed))
+        self.block_indices = None
+
+    def _per_op(self, selection, block_indices, nnz, nnz_p):
+        ops = torch.ops.flash_msa
+        qp, kp, q, k, v = self.qp, self.kp, self.q, self.k, self.v
+        info = dict(nnz=nnz, nnz_fraction_of_dense=nnz / dense_nnz(self.B, self.H, self.S), nnz_p=nnz_p,
+                    proxy_kl_backward_flops=6 * DP * nnz_p)
+        saved = {}
+
+        def forward():
+            saved["fwd"] = ops.msa_forward(qp, kp, q, k, v, block_indices, BLOCK, self.scale, None)
+
+        def backward():
+            out, lse, lse_proxy, _ = saved["fwd"]
+            return ops.msa_backward(qp, kp, q, k, v, out, lse, lse_proxy, block_indices, BLOCK, self.scale,
+                                    self.dout, self.kl_grad, None)
+
+        with torch.no_grad():
+            row = self.measure("msa_forward", forward, ops_used=("msa_forward",), flops=main_forward_flops(nnz),
+                               selection=selection, extra=info)
+            if row["status"] == "ok":
+                self.measure("msa_backward", backward, ops_used=("msa_backward",),
+                             flops=main_backward_flops(nnz), selection=selection, extra=info)
+            else:
+                self._finish(dict(self.base("msa_backward", selection), backend=self.backends["msa_backward"],
+                                  formula=FORMULAS["msa_backward"], **info),
+                             status=f"skipped: needs msa_forward's outputs ({row['status']})")
+        saved.clear()
+
+    # --- warmup mode ---
+
+    def warmup(self):
+        from flash_msa_rt import flash_msa_warmup_func
+
+        qp_g, kp_g, q_g, k_g, v_g = (t.detach().requires_grad_() for t in (self.qp, self.kp, self.q, self.k, self.v))
+        dout = self.dout.view(self.B, self.S, self.H * D)
+
+        def fwd():
+            return flash_msa_warmup_func(qp_g, kp_g, q_g, k_g, v_g, top_k=TOP_K, layout="bshd")
+
+        def fwd_bwd():
+            out, kl_loss = fwd()
+            return torch.autograd.grad((out, kl_loss), (qp_g, kp_g, q_g, k_g, v_g), (dout, self.kl_coef))
+
+        flops = dense_forward_flops(self.B, self.H, self.S)
+        self.measure("warmup_func.fwd", fwd, ops_used=("warmup_forward",), flops=flops, selection="dense causal")
+        self.measure("warmup_func.fwd+bwd", fwd_bwd, ops_used=("warmup_forward", "warmup_backward"),
+                     flops=3.5 * flops, selection="dense causal")
+
+    # --- cuDNN dense baseline ---
+
+    def dense(self):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        G = self.H // self.Hk
+        # (B, H, S, D) views of the same (B, S, heads, D) tensors: cuDNN takes strided inputs.
+        q = self.q.detach().transpose(1, 2).requires_grad_()
+        k = self.k.detach().transpose(1, 2).requires_grad_()
+        v = self.v.detach().transpose(1, 2).requires_grad_()
+        dout = self.dout.transpose(1, 2)
+        gqa = {"enable_gqa": True}
+        how = "enable_gqa=True on (B, H, S, D) transposed views of the (B, S, heads, D) inputs (no copies)"
+        try:  # forward and backward on a small problem of the same heads: does cuDNN take GQA?
+            small = [torch.randn(1, h, 256, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                     for h in (self.H, self.Hk, self.Hk)]
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                torch.autograd.grad(sdpa(*small, is_causal=True, **gqa).sum(), small)
+        except RuntimeError as e:  # cuDNN declines GQA here: give it MHA-shaped k/v, expanded outside the timing
+            k = self.k.detach().repeat_interleave(G, dim=2).transpose(1, 2).requires_grad_()
+            v = self.v.detach().repeat_interleave(G, dim=2).transpose(1, 2).requires_grad_()
+            gqa = {}
+            how = (f"k/v expanded to H heads before timing (repeat_interleave, not timed; cuDNN refused "
+                   f"enable_gqa: {str(e).splitlines()[0][:200]})")
+
+        def fwd():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return sdpa(q, k, v, is_causal=True, scale=self.scale, **gqa)
+
+        def fwd_bwd():
+            return torch.autograd.grad(fwd(), (q, k, v), dout)
+
+        flops = dense_forward_flops(self.B, self.H, self.S)
+        extra = dict(gqa=how)
+        self.measure("cudnn_dense.fwd", fwd, flops=flops, selection="dense causal", backend="cudnn", extra=extra)
+        self.measure("cudnn_dense.fwd+bwd", fwd_bwd, flops=3.5 * flops, selection="dense causal",
+                     backend="cudnn", extra=extra)
+
+
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Per (config, B, S): the whole op fwd+bwd against cuDNN dense of this run and, for config (a) at B=1, against
+    the published flash-msa 0.1.1 and FSA figures."""
+    def get(cfg, B, S, op, selection=None):
+        for r in rows:
+            if (r["config"], r["B"], r["S"], r["op"]) == (cfg, B, S, op) and r["status"] == "ok" and \
+                    (selection is None or r["selection"] == selection):
+                return r
+        return None
+
+    out = []
+    for cfg, B, S in sorted({(r["config"], r["B"], r["S"]) for r in rows}, key=lambda x: (x[0], x[2])):
+        msa = get(cfg, B, S, "msa_func.fwd+bwd")
+        dense = get(cfg, B, S, "cudnn_dense.fwd+bwd")
+        warm = get(cfg, B, S, "warmup_func.fwd+bwd")
+        c = dict(config=cfg, B=B, S=S, msa_fwd_bwd_ms=msa and msa["ms"], dense_fwd_bwd_ms=dense and dense["ms"],
+                 warmup_fwd_bwd_ms=warm and warm["ms"],
+                 x_dense=dense["ms"] / msa["ms"] if msa and dense else None,
+                 warmup_x_dense=dense["ms"] / warm["ms"] if warm and dense else None,
+                 msa_peak_mem_bytes=msa and msa["peak_mem_bytes"], dense_peak_mem_bytes=dense and dense["peak_mem_bytes"])
+        if cfg == PUBLISHED["shape"]["config"] and B == 1:
+            pub = {}
+            if S in PUBLISHED["flash_msa_0.1.1"]:
+                f_fwd, f_fb = PUBLISHED["flash_msa_0.1.1"][S]
+                d_fwd, d_fb = PUBLISHED["cudnn_dense"][S]
+                pub.update(flash_msa_fwd_bwd_ms=f_fb, flash_msa_fwd_ms=f_fwd, flash_msa_x_dense=d_fb / f_fb,
+                           cudnn_dense_fwd_bwd_ms=d_fb,
+                           x_flash_msa=f_fb / msa["ms"] if msa else None,
+                           this_run_dense_vs_published=d_fb / dense["ms"] if dense else None)
+            if S in PUBLISHED["fsa_fwd_bwd"]:
+                pub.update(fsa_fwd_bwd_ms=PUBLISHED["fsa_fwd_bwd"][S],
+                           x_fsa=PUBLISHED["fsa_fwd_bwd"][S] / msa["ms"] if msa else None)
+            if S in PUBLISHED["flash_msa_0.1.1_warmup"]:
+                w_fwd, w_fb = PUBLISHED["flash_msa_0.1.1_warmup"][S]
+                pub.update(flash_msa_warmup_fwd_bwd_ms=w_fb,
+                           x_flash_msa_warmup=w_fb / warm["ms"] if warm else None)
+            if pub:
+                c["published"] = dict(pub, source=PUBLISHED["source"])
+        out.append(c)
+    return out
+
+
+# --- output ------------------------------------------------------------------------------------------------------
+
+def _fmt_ms(r):
+    if r is None:
+        return "-"
+    if r["status"] != "ok":
+        return "skip" if r["status"].startswith("skipped") else "err"
+    t = f"{r['ms']:.2f}"
+    return f"{t}/{r['tflops']:.0f}" if r.get("tflops") else t
+
+
+def print_table(rows, comps):
+    ops = ["select_blocks", "msa_forward", "msa_backward", "msa_func.fwd", "msa_func.fwd+bwd",
+           "warmup_func.fwd+bwd", "cudnn_dense.fwd", "cudnn_dense.fwd+bwd"]
+    heads = ["select", "fwd", "bwd", "op fwd", "op fwd+bwd", "warm f+b", "dense fwd", "dense f+b"]
+    print("\nms/TFLOPS (effective, formulas above); 'skip' = reference backend skipped (see JSON status)")
+    print(f"{'cfg':>3} {'B':>3} {'S':>6} " + " ".join(f"{h:>13}" for h in heads) + f" {'x dense':>8} "
+          f"{'mem GB msa/dense':>17}")
+    for c in comps:
+        def get(op, sel=("proxy top-K", "dense causal", None)):
+            return next((r for r in rows if (r["config"], r["B"], r["S"], r["op"]) == (c["config"], c["B"], c["S"], op)
+                         and r["selection"] in sel), None)
+        cells = " ".join(f"{_fmt_ms(get(op)):>13}" for op in ops)
+        xd = f"{c['x_dense']:.2f}x" if c["x_dense"] else "-"
+        mem = "/".join(f"{m / 2**30:.1f}" if m is not None else "-"
+                       for m in (c["msa_peak_mem_bytes"], c["dense_peak_mem_bytes"]))
+        print(f"{c['config']:>3} {c['B']:>3} {c['S']:>6} {cells} {xd:>8} {mem:>17}")
+    skewed = [r for r in rows if r["selection"] == "skewed"]
+    if skewed:
+        print("\nskewed selection (block 0 + nearest blocks), ms/TFLOPS:")
+        for r in skewed:
+            print(f"{r['config']:>3} {r['B']:>3} {r['S']:>6} {r['op']:>13} {_fmt_ms(r):>13}")
+    pubs = [c for c in comps if c.get("published")]
+    if pubs:
+        print(f"\nagainst figures {PUBLISHED['source']}:")
+        print(f"{'S':>6} {'ours f+b':>9} {'flash-msa':>9} {'x flash-msa':>11} {'FSA':>6} {'x FSA':>6} "
+              f"{'dense now/pub':>14}")
+        for c in pubs:
+            p = c["published"]
+            f = lambda x, spec: format(x, spec) if x is not None else "-"  # noqa: E731
+            print(f"{c['S']:>6} {f(c['msa_fwd_bwd_ms'], '9.2f'):>9} {f(p.get('flash_msa_fwd_bwd_ms'), '9.1f'):>9} "
+                  f"{f(p.get('x_flash_msa'), '10.2f'):>11} {f(p.get('fsa_fwd_bwd_ms'), '6.1f'):>6} "
+                  f"{f(p.get('x_fsa'), '6.2f'):>6} "
+                  f"{f(c['dense_fwd_bwd_ms'], '.2f')}/{f(p.get('cudnn_dense_fwd_bwd_ms'), '.2f'):>7}")
+    backends = {}
+    for r in rows:
+        b = r["backend"]
+        for o, name in (b.items() if isinstance(b, dict) else [(r["op"], b)]):
+            backends.setdefault(o, set()).add(name)
+    print("\nbackends: " + ", ".join(f"{o}={'/'.join(sorted(n))}" for o, n in backends.items()))
+
+
+def write_json(path: Path, payload: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(payload, indent=1, default=str) + "\n"
+    path.write_text(text)
+    out = os.environ.get("OUT")  # the GPU machine's folder that comes back
+    if out:
+        Path(out, path.name).write_text(text)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_msa: no CUDA device is available (torch.cuda.is_available() is False); this benchmark needs "
+              "an NVIDIA GPU (the H200 of shared/design/h200.md).", file=sys.stderr)
+        return 2
+
+    rows: list[dict] = []
+    caught: list[str] = []
+    timer, guard = Timer(args), ReferenceGuard()
+    payload = dict(
+        benchmark="msa", commit=commit(), device=torch.cuda.get_device_name(), torch=torch.__version__,
+        cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
+        date=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:] if argv is None else list(argv),
+        settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        shape=dict(D=D, Dp=DP, block_size=BLOCK, top_k=TOP_K, K=TOP_K // BLOCK, dtype="bfloat16",
+                   configs={c: dict(zip(("H", "Hk", "Hp", "Hpk"), CONFIGS[c])) for c in args.configs}),
+        formulas=FORMULAS,
+        method=("CUDA events; --warmup untimed calls, then the median of --reps timed calls (fewer when the calls "
+                "would exceed --budget-seconds); the L2 is flushed (256 MB zeroed) before every timed call, "
+                "outside the events; inputs random normal (std 1, bf16) after torch.manual_seed(seed); forward "
+                "timings of the public ops and dense run with autograd enabled (the training forward); per-op "
+                "rows call torch.ops.flash_msa.* under no_grad; peak_mem_bytes = max_memory_allocated during the "
+                "first call minus memory_allocated before it (outputs, saved tensors, gradients, workspace; not "
+                "the inputs)"),
+        published=PUBLISHED, rows=rows, comparisons=[], dispatch_warnings=caught)
+    print("effective TFLOPS formulas (msa-semantics.md):")
+    for k, v in FORMULAS.items():
+        print(f"  {k}: {v}")
+    print(f"{payload['device']}, torch {torch.__version__}, commit {payload['commit'][:12]}")
+
+    for name in args.configs:
+        for S in args.seqlens:
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                case = Case(name, args, S, timer, guard, rows)
+                t0 = time.perf_counter()
+                for mode in args.ops:
+                    getattr(case, mode)()
+                caught.extend(str(x.message) for x in w if str(x.message) not in caught)
+            del case
+            torch.cuda.empty_cache()
+            done = [r for r in rows if (r["config"], r["S"]) == (name, S)]
+            print(f"[{name} S={S} B={batch_of(args, S)}: {len(done)} rows, {time.perf_counter() - t0:.1f} s]",
+                  flush=True)
+            payload["comparisons"] = comparisons(rows)
+            write_json(args.out, payload)  # after every case, so a cut run keeps what it measured
+    for msg in caught:
+        print(f"dispatch: {msg}")
+    print_table(rows, payload["comparisons"])
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

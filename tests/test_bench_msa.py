@@ -1,0 +1,188 @@
+"""benchmarks/bench_msa.py and plot_msa.py on the CPU: nnz and FLOP counts against hand counts and a brute-force
+count, the skewed selection, the command line, the published-figure comparisons, and the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import bench_msa as bm
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def brute_nnz(block_indices: torch.Tensor, block_size: int) -> int:
+    """Per (b, p, i): the set of causal keys t <= i whose block is listed (python sets)."""
+    B, Hp, S, K = block_indices.shape
+    total = 0
+    for b in range(B):
+        for p in range(Hp):
+            for i in range(S):
+                blocks = {int(j) for j in block_indices[b, p, i] if j >= 0}
+                total += sum(1 for t in range(i + 1) if t // block_size in blocks)
+    return total
+
+
+def empty_rows(S, K, B=1, Hp=1):
+    return torch.full((B, Hp, S, K), -1, dtype=torch.int32)
+
+
+def test_nnz_hand_counted_rows_partial_last_block():
+    S, Bs = 300, 128  # blocks [0, 128), [128, 256), [256, 300): the last holds 44 tokens
+    idx = empty_rows(S, 3)
+    idx[0, 0, 0] = torch.tensor([0, -1, -1])      # 1 key
+    idx[0, 0, 5] = torch.tensor([0, -1, -1])      # 6
+    idx[0, 0, 130] = torch.tensor([0, 1, -1])     # 128 + 3
+    idx[0, 0, 200] = torch.tensor([1, 2, -1])     # 73 (block 2 lies after the query)
+    idx[0, 0, 299] = torch.tensor([-1, 2, 0])     # 44 + 128, slot order free
+    assert bm.nnz_per_index_head(idx, Bs) == 1 + 6 + 131 + 73 + 172
+
+
+def test_nnz_duplicates_count_once_and_empty_rows_count_zero():
+    idx = empty_rows(300, 3)
+    idx[0, 0, 299] = torch.tensor([2, 0, 2])
+    assert bm.nnz_per_index_head(idx, 128) == 172
+    assert bm.nnz_per_index_head(empty_rows(300, 3), 128) == 0
+
+
+def test_nnz_every_block_listed_is_dense_causal():
+    S, Bs, H, Hp, B = 299, 64, 6, 2, 2
+    nb = -(-S // Bs)
+    idx = torch.arange(nb, dtype=torch.int32).expand(B, Hp, S, nb).contiguous()
+    assert bm.nnz_per_index_head(idx, Bs) == B * Hp * S * (S + 1) // 2
+    assert bm.nnz_main(idx, H, Bs) == bm.dense_nnz(B, H, S)
+
+
+def test_nnz_random_selection_matches_brute_force_in_chunks():
+    g = torch.Generator().manual_seed(3)
+    S, Bs, K = 211, 32, 4
+    idx = torch.randint(-1, -(-S // Bs), (2, 3, S, K), generator=g, dtype=torch.int32)
+    # rows=50: chunk boundaries inside blocks must not change the count
+    assert bm.nnz_per_index_head(idx, Bs, rows=50) == brute_nnz(idx, Bs)
+
+
+def test_skewed_selection_is_block0_plus_nearest():
+    S, Bs, K = 20 * 16 + 5, 16, 4
+    idx = bm.skewed_block_indices(2, 3, S, K, Bs)
+    assert idx.shape == (2, 3, S, K) and idx.dtype == torch.int32
+    assert idx[0, 0, 0].tolist() == [0, -1, -1, -1]
+    assert idx[1, 2, 2 * 16 + 7].tolist() == [0, 1, 2, -1]
+    assert idx[0, 1, 3 * 16].tolist() == [0, 1, 2, 3]
+    assert idx[0, 0, 10 * 16 + 1].tolist() == [0, 8, 9, 10]
+    assert idx[0, 0, S - 1].tolist() == [0, 18, 19, 20]
+    assert bm.nnz_per_index_head(idx, Bs) == brute_nnz(idx, Bs)
+
+
+def test_flop_formulas():
+    B, H, S, D = 1, 16, 8192, 128
+    dense_fwd = 4 * D * H * B * S * (S + 1) / 2
+    assert bm.dense_forward_flops(B, H, S) == dense_fwd
+    assert bm.dense_fwd_bwd_flops(B, H, S) == 3.5 * dense_fwd
+    assert bm.selection_flops(2, 65536, 8) == 2 * 128 * 8 * 2 * 65536 * 65537 / 2  # ~8.8e12 (kernel-notes.md)
+    assert bm.main_forward_flops(1000) == 4 * 128 * 1000
+    assert bm.main_backward_flops(1000) == 10 * 128 * 1000
+    assert bm.whole_fwd_bwd_flops(1000) == 3.5 * 4 * 128 * 1000
+    assert bm.tflops(2e12, 4.0) == pytest.approx(500.0)
+    assert bm.tflops(None, 4.0) is None
+
+
+def test_reference_guard_scales_and_remembers_timeouts():
+    g = bm.ReferenceGuard()
+    assert g.estimate("a:msa_forward", 16, 8192) is None
+    g.record("a:msa_forward", 16, 8192, 2.0)
+    assert g.estimate("a:msa_forward", 8, 16384) == pytest.approx(4.0)  # B*S fixed: linear in S
+    assert g.estimate("a:msa_forward", 1, 16384) == pytest.approx(2.0 * 16384 ** 2 / (16 * 8192 ** 2))  # B*S^2
+    g.record("a:msa_forward", 1, 16384, 1.0)
+    assert g.estimate("a:msa_forward", 1, 32768) == pytest.approx(8.0)  # the (B*S)^2*S term: the K/V re-reads
+    assert g.estimate("a:msa_forward", 16, 4096) is None
+    g.record("a:warmup_forward", 1, 8192, math.inf)
+    assert math.isinf(g.estimate("a:warmup_forward", 1, 16384))
+
+
+def test_cli_defaults_and_flags(tmp_path):
+    a = bm.parse_args([])
+    assert a.configs == ["a", "b", "c"] and a.seqlens == list(bm.SEQLENS) and a.ops == ["sparse", "warmup", "dense"]
+    assert not a.batch1 and not a.skewed and a.out.name == "msa.json"
+    assert [bm.batch_of(a, s) for s in a.seqlens] == [16, 8, 4, 2, 1]
+    a = bm.parse_args(["--configs", "a,b", "--seqlens", "8192,16384", "--batch1", "--ops", "sparse,warmup",
+                       "--out", str(tmp_path / "x.json"), "--max-seconds", "3", "--skewed"])
+    assert a.configs == ["a", "b"] and a.seqlens == [8192, 16384] and a.ops == ["sparse", "warmup"]
+    assert a.batch1 and a.skewed and a.max_seconds == 3.0 and a.out == tmp_path / "x.json"
+    assert bm.batch_of(a, 8192) == 1
+    assert bm.parse_args(["--batch1"]).out.name == "msa_batch1.json"
+
+
+@pytest.mark.parametrize("argv", [["--configs", "a,d"], ["--seqlens", "0"], ["--seqlens", "8k"], ["--ops", "fast"],
+                                  ["--reps", "0"], ["--max-seconds", "0"]])
+def test_cli_rejects(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bm.parse_args(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_main_without_cuda_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bm.main(["--configs", "a", "--seqlens", "8192"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_help_runs_as_a_script_without_pythonpath(tmp_path):
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_msa.py"), "--help"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--batch1" in r.stdout and "--max-seconds" in r.stdout
+
+
+def _row(cfg, B, S, op, ms, status="ok", selection=None, peak=None):
+    return dict(config=cfg, B=B, S=S, op=op, ms=ms if status == "ok" else None, status=status,
+                selection=selection, peak_mem_bytes=peak, tflops=None, backend="x")
+
+
+def synthetic_rows():
+    rows = []
+    for S, msa, dense in ((8192, 20.0, 2.0), (16384, 30.0, 6.0), (32768, 40.0, 40.0)):
+        rows += [_row("a", 1, S, "msa_func.fwd+bwd", msa, selection="proxy top-K", peak=3 << 30),
+                 _row("a", 1, S, "msa_func.fwd", msa / 4, selection="proxy top-K"),
+                 _row("a", 1, S, "cudnn_dense.fwd+bwd", dense, selection="dense causal", peak=1 << 30),
+                 _row("a", 1, S, "cudnn_dense.fwd", dense / 3.5, selection="dense causal"),
+                 _row("a", 1, S, "warmup_func.fwd+bwd", None, status="skipped: reference backend (...)",
+                      selection="dense causal")]
+        rows += [_row("b", 1, S, "msa_func.fwd+bwd", msa * 2, selection="proxy top-K"),
+                 _row("b", 1, S, "cudnn_dense.fwd+bwd", dense * 2, selection="dense causal")]
+    return rows
+
+
+def test_comparisons_against_dense_and_published():
+    comps = {(c["config"], c["S"]): c for c in bm.comparisons(synthetic_rows())}
+    a8 = comps[("a", 8192)]
+    assert a8["x_dense"] == pytest.approx(2.0 / 20.0)
+    assert a8["warmup_x_dense"] is None  # skipped rows never enter a ratio
+    p = a8["published"]
+    assert p["flash_msa_fwd_bwd_ms"] == 19.1 and p["x_flash_msa"] == pytest.approx(19.1 / 20.0)
+    assert p["x_fsa"] == pytest.approx(16.7 / 20.0)
+    assert p["this_run_dense_vs_published"] == pytest.approx(1.97 / 2.0)
+    assert "not re-measured" in p["source"]
+    assert "published" not in comps[("b", 8192)]  # the published shape is config (a) only
+    assert comps[("a", 32768)]["x_dense"] == pytest.approx(1.0)
+
+
+def test_plot_renders_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import plot_msa
+
+    rows = synthetic_rows()
+    data = dict(device="synthetic", torch="0", commit="0123456789abcdef", rows=rows,
+                comparisons=bm.comparisons(rows), published=json.loads(json.dumps(bm.PUBLISHED)),
+                shape=dict(configs={c: dict(zip(("H", "Hk", "Hp", "Hpk"), bm.CONFIGS[c])) for c in "ab"}))
+    path = tmp_path / "msa.json"
+    path.write_text(json.dumps(data))
+    out = tmp_path / "msa.png"
+    plot_msa.main([str(path), "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
