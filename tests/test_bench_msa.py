@@ -105,6 +105,18 @@ def test_reference_guard_scales_and_remembers_timeouts():
     assert math.isinf(g.estimate("a:warmup_forward", 1, 16384))
 
 
+def test_reference_guard_composite_sums_its_parts():
+    g = bm.ReferenceGuard()
+    assert g.estimate_call("a:msa_func.fwd+bwd", ["a:msa_forward", "a:msa_backward"], 16, 8192) is None
+    g.record("a:msa_forward", 16, 8192, 3.0)
+    g.record("a:msa_backward", 16, 8192, 4.0)
+    assert g.estimate_call("a:msa_func.fwd+bwd", ["a:msa_forward", "a:msa_backward"], 16, 8192) == 7.0
+    g.record("a:msa_func.fwd+bwd", 16, 8192, 9.0)  # its own history wins when larger
+    assert g.estimate_call("a:msa_func.fwd+bwd", ["a:msa_forward", "a:msa_backward"], 16, 8192) == 9.0
+    g.record("b:msa_forward", 16, 8192, math.inf)  # per configuration
+    assert g.estimate_call("a:msa_func.fwd", ["a:msa_forward"], 16, 8192) == 3.0
+
+
 def test_cli_defaults_and_flags(tmp_path):
     a = bm.parse_args([])
     assert a.configs == ["a", "b", "c"] and a.seqlens == list(bm.SEQLENS) and a.ops == ["sparse", "warmup", "dense"]
