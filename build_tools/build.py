@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import hashlib
 import importlib.metadata
 import json
+import re
 import multiprocessing
 import os
 import tempfile
@@ -45,14 +46,33 @@ def build_fingerprint() -> dict[str, str]:
     return {"cutlass_dsl": toolchain_version(), "kernels_src_sha256": source_hash(KERNELS_SRC)}
 
 
+_IMPORTED_FAMILY = re.compile(r"\bkernels_src\.(\w+)")
+
+
+def family_packages(op: str) -> list[str]:
+    """The kernels_src packages a family's cubins depend on: its own and, transitively, every kernels_src package
+    its sources import (select builds on block_scores' score tiles, sparse_kl on sparse_fwd's kernel class)."""
+    seen, todo = set(), [op]
+    while todo:
+        name = todo.pop()
+        pkg = KERNELS_SRC / name
+        if name in seen or not pkg.is_dir():
+            continue
+        seen.add(name)
+        for f in sorted(pkg.rglob("*.py")):
+            todo.extend(_IMPORTED_FAMILY.findall(f.read_text()))
+    return sorted(seen)
+
+
 def variant_fingerprint(spec: BuildSpec, toolchain: str, common: str) -> str:
-    """What decides a variant's cubin: toolchain, shared build code, its family's sources, its spec."""
-    family = KERNELS_SRC / spec.op
+    """What decides a variant's cubin: toolchain, shared build code, the sources of its family and of the
+    families it imports, its spec."""
     spec_json = json.dumps(spec.entry().to_json(), sort_keys=True)
+    sources = [f"src:kernels_src/{name}={source_hash(KERNELS_SRC / name)[:16]}" for name in family_packages(spec.op)]
     return ";".join([
         f"cutlass_dsl={toolchain}",
         f"common={common[:16]}",
-        f"src:kernels_src/{spec.op}={source_hash(family)[:16]}",
+        *sources,
         f"spec={hashlib.sha256(spec_json.encode()).hexdigest()[:16]}",
     ])
 

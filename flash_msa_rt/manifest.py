@@ -315,6 +315,7 @@ def _check(ok: bool, message: str) -> None:
 NAME_TAGS: dict[str, str] = {
     "dtype": "",
     "head_dim": "d",
+    "proxy_head_dim": "dp",
     "block_size": "b",
     "max_k": "k",
     "tile_m": "m",

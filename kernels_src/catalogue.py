@@ -13,7 +13,10 @@ from kernels_src.spec import ARCHS, DEFAULT_ARCHS, BuildSpec
 
 # One module per op family. Each provides: configs(**choices) -> list of configs (the default set when a
 # choice is None), can_implement(config, arch) -> (ok, reason), build_spec(config, arch) -> BuildSpec.
-FAMILIES: tuple[str, ...] = ("kernels_src.block_scores", "kernels_src.select")
+FAMILIES: tuple[str, ...] = (
+    "kernels_src.block_scores", "kernels_src.select", "kernels_src.sparse_fwd", "kernels_src.sparse_kl",
+    "kernels_src.sparse_combine",
+)
 
 
 class CatalogueError(ValueError):

@@ -1,7 +1,8 @@
 """The CUDA kernel backend: the ops whose AOT kernels are built for the device, registered with dispatch.
 
-Today: selection (flash_msa_rt.ops.select). The attention forward/backward kernels register here as they land;
-until then those ops run on the reference and dispatch says so once. A problem a kernel cannot run (dtype, head
+Today: selection (flash_msa_rt.ops.select) and the MSA sparse forward (flash_msa_rt.ops.sparse_fwd). The other
+ops (backward, warmup, block-sparse) register here as their kernels land; until then they run on the reference
+and dispatch says so once. A problem a kernel cannot run (dtype, head
 dim, block size, K, varlen, or a variant not built for this GPU) is declined with the reason, which dispatch shows
 with the build command; a declined call is never an error.
 """
@@ -11,9 +12,24 @@ from __future__ import annotations
 import torch
 
 from flash_msa_rt.errors import FlashMsaError
-from flash_msa_rt.ops import dispatch, select
+from flash_msa_rt.ops import dispatch, select, sparse_fwd
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def _built(problem: dispatch.Problem, variants: list[tuple[str, dict]]) -> str | None:
+    """None when every (op, config) variant is in the device's artifacts, else the loader's reason (which names
+    the build command)."""
+    from flash_msa_rt import artifacts
+    from flash_msa_rt.loader import device_arch
+
+    index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
+    try:
+        for op, config in variants:
+            artifacts.find_variant(op, config, device_arch(index))
+    except FlashMsaError as e:
+        return str(e)
+    return None
 
 
 def _select_supports(problem: dispatch.Problem) -> str | None:
@@ -26,16 +42,25 @@ def _select_supports(problem: dispatch.Problem) -> str | None:
     if dp not in select.HEAD_DIMS or bs not in select.BLOCK_SIZES or k > max(select.SHIPPED_MAX_KS):
         return (f"proxy head dim {dp}, block_size {bs}, K {k} (selection kernel: head dim {select.HEAD_DIMS}, "
                 f"block_size {select.BLOCK_SIZES}, K <= {max(select.SHIPPED_MAX_KS)})")
-    from flash_msa_rt import artifacts
-    from flash_msa_rt.loader import device_arch
+    return _built(problem, [("select", select.kernel_config(_DTYPE_NAMES[problem.dtype], dp, bs,
+                                                            select.max_k_for(k)))])
 
-    index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
-    config = select.kernel_config(_DTYPE_NAMES[problem.dtype], dp, bs, select.max_k_for(k))
-    try:
-        artifacts.find_variant("select", config, device_arch(index))
-    except FlashMsaError as e:
-        return str(e)
-    return None
+
+def _msa_forward_supports(problem: dispatch.Problem) -> str | None:
+    c = problem.config
+    if c.get("varlen"):
+        return "the sparse forward kernel does not take cu_seqlens yet"
+    if problem.dtype not in _DTYPE_NAMES:
+        return f"dtype {problem.dtype} (sparse forward kernel: bfloat16, float16)"
+    d, dp, bs, g, kv_group = (c.get(n) for n in ("head_dim", "proxy_head_dim", "block_size", "group", "kv_group"))
+    if d not in sparse_fwd.HEAD_DIMS or dp not in sparse_fwd.HEAD_DIMS or bs not in sparse_fwd.BLOCK_SIZES \
+            or g not in sparse_fwd.GROUPS:
+        return (f"D {d}, Dp {dp}, block_size {bs}, G {g} (sparse forward kernel: D = Dp in {sparse_fwd.HEAD_DIMS}, "
+                f"block_size {sparse_fwd.BLOCK_SIZES}, G in {sparse_fwd.GROUPS})")
+    if kv_group % g:
+        return (f"H / Hk = {kv_group} is not a multiple of G = H / Hp = {g}: the sparse forward kernel needs "
+                f"Hp >= Hk with Hp a multiple of Hk")
+    return _built(problem, sparse_fwd.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g))
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -52,9 +77,17 @@ def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens
     return select.select_blocks_cuda(_tma_ready(q_proxy), _tma_ready(k_proxy), top_k_blocks, block_size, scale)
 
 
+def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None):
+    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    return sparse_fwd.msa_forward_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v)),
+                                       block_indices.contiguous(), block_size, scale)
+
+
+_SUPPORTS = {"select_blocks": _select_supports, "msa_forward": _msa_forward_supports}
+
 KERNELS = dispatch.Backend(
     name="kernels", device_type="cuda",
-    supports=lambda problem: _select_supports(problem) if problem.op == "select_blocks"
+    supports=lambda problem: _SUPPORTS[problem.op](problem) if problem.op in _SUPPORTS
     else "its kernel is not built yet (issue 4)",
-    ops={"select_blocks": _select_blocks},
+    ops={"select_blocks": _select_blocks, "msa_forward": _msa_forward},
 )

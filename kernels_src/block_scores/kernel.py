@@ -371,15 +371,16 @@ def check_traced(config, traced: dict, declared: tuple) -> None:
         raise RuntimeError(f"shared memory: kernel {traced['smem_bytes']} bytes, spec {config.smem_bytes()}")
 
 
-def compile_kernel(kernel, config, arch: str, fake_args) -> Compiled:
+def compile_kernel(kernel, config, arch: str, fake_args, entry=None) -> Compiled:
     """Compile one variant for arch with no GPU present; returns SASS, PTX and the dynamic shared memory.
 
     PTX and cubin are kept through cute.compile's own --keep-ptx / --keep-cubin / --dump-dir options (no
     environment variables; keeping artifacts also turns CuTeDSL's compile cache off, so they are always fresh).
+    entry: the jit function to compile when the kernel object has several (default: the object itself).
     """
     with tempfile.TemporaryDirectory(prefix=f"{type(kernel).__name__}_") as dump:
         options = f"--gpu-arch {GPU_ARCH_OPTION[arch]} --keep-ptx --keep-cubin --dump-dir {dump}"
-        compiled = cute.compile(kernel, *fake_args, options=options)
+        compiled = cute.compile(entry or kernel, *fake_args, options=options)
         ptx, cubin = compiled.__ptx__, compiled.__cubin__
         if not ptx or not cubin:  # fall back to the dump files
             files = {p.suffix: p for p in Path(dump).iterdir()}

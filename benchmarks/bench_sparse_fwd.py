@@ -1,0 +1,117 @@
+"""The MSA sparse forward, stage by stage: plan, sparse_fwd kernel, combine, sparse_kl kernel, KL combine.
+
+Per configuration of issue 4 ((a) H=16 Hk=2 Hp=4, (b) H=32 Hk=8 Hp=8, (c) H=64 Hk=4 Hp=4; Hpk=1, D=Dp=128, bf16,
+top_k 2048 = K 16 blocks, B*S = 128K tokens), on the selection kernel's own block_indices from random inputs.
+FLOP formulas (msa-semantics.md): main forward 4*D*nnz, nnz = sum over (b, h, i) of the causal keys of the
+selected blocks; the KL pass is reported against the same 4*D*nnz so that its share of the forward reads directly.
+Usage: python benchmarks/bench_sparse_fwd.py [--seqlens 8192,32768] [--configs a,b,c] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import PEAK_TFLOPS, commit, cuda_time_ms, write_results  # noqa: E402
+
+CONFIGS = {"a": (16, 2, 4, 1), "b": (32, 8, 8, 1), "c": (64, 4, 4, 1)}
+
+
+def nnz_of(sel: torch.Tensor, S: int, G: int, Bs: int = 128) -> int:
+    """sum over (b, h, i) of |A_h(i)|: causal keys of each live selected block, times G heads."""
+    i = torch.arange(S, device=sel.device).view(1, 1, S, 1)
+    start = sel.long() * Bs
+    keys = (torch.minimum(i + 1, start + Bs) - start).clamp(min=0)
+    return int(torch.where(sel >= 0, keys, torch.zeros_like(keys)).sum().item()) * G
+
+
+def run(cfg: str, S: int, tokens: int):
+    from flash_msa_rt.loader import get_kernel
+    from flash_msa_rt.ops import sparse_fwd as sf
+    from flash_msa_rt.ops.select import select_blocks_cuda
+    from flash_msa_rt.ops.sparse_plan import combine_kl, sparse_plan
+
+    H, Hk, Hp, Hpk = CONFIGS[cfg]
+    B, D, K, G = max(1, tokens // S), 128, 16, H // Hp
+    torch.manual_seed(0)
+    qp, kp = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16) for h in (Hp, Hpk))
+    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    scale = D ** -0.5
+    sel = select_blocks_cuda(qp, kp, K, 128, scale)
+    nnz = nnz_of(sel, S, G)
+    flops = 4 * D * nnz
+    config = sf.kernel_config("bf16", D, D, 128, G)
+    plan = sparse_plan(sel, 128, S, G, sf.TILE_M // G, sf.TILES_PER_ITEM)
+    E = plan.entry_query.shape[0]
+    o_part = torch.empty((E, G, D), dtype=q.dtype, device="cuda")
+    lse_part = torch.empty((E, G), dtype=torch.float32, device="cuda")
+    lsep_part = torch.empty((E,), dtype=torch.float32, device="cuda")
+    kl_part = torch.empty((E, G), dtype=torch.float32, device="cuda")
+    args = sf._launch_args(qp, kp, q, k, plan, scale)
+    fwd, kl = get_kernel("sparse_fwd", config, q.device), get_kernel("sparse_kl", config, q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty((B, H, S), dtype=torch.float32, device="cuda")
+    lse_p = torch.empty((B, Hp, S), dtype=torch.float32, device="cuda")
+    comb = get_kernel("sparse_combine", sf.combine_config("bf16", D, 128, G), q.device)
+
+    stages = {
+        "plan": lambda: sparse_plan(sel, 128, S, G, sf.TILE_M // G, sf.TILES_PER_ITEM),
+        "fwd_kernel": lambda: fwd(v=v, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, **args),
+        "combine": lambda: comb(block_indices=sel, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, out=out,
+                                lse=lse, lse_proxy=lse_p),
+        "kl_kernel": lambda: kl(lse=lse, lse_proxy=lse_p, kl_part=kl_part, **args),
+        "combine_kl": lambda: combine_kl(plan, sel, kl_part),
+        "whole": lambda: sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale),
+    }
+    row = {"config": cfg, "B": B, "S": S, "H": H, "Hk": Hk, "Hp": Hp, "Hpk": Hpk, "G": G, "K": K,
+           "nnz": nnz, "fwd_flops": flops, "items": int(plan.items.shape[0])}
+    for name, fn in stages.items():
+        ms = cuda_time_ms(fn, warmup=2, reps=5)
+        row[f"{name}_ms"] = ms
+        row[f"{name}_tflops_vs_fwd_flops"] = flops / ms / 1e9
+    torch.cuda.synchronize()
+    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlens", default="8192,32768,65536")
+    ap.add_argument("--configs", default="a,b,c")
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_sparse_fwd: no CUDA device", file=sys.stderr)
+        return 2
+    print("effective TFLOPS = 4*D*nnz / time (main forward FLOPs, msa-semantics.md); floor at "
+          f"{PEAK_TFLOPS:.0f} TFLOP/s")
+    rows = []
+    for cfg in a.configs.split(","):
+        for S in (int(s) for s in a.seqlens.split(",")):
+            torch.cuda.reset_peak_memory_stats()
+            r = run(cfg, S, a.tokens)
+            rows.append(r)
+            print(f"({cfg}) S={S:6d} B={r['B']:2d} items={r['items']:7d} | "
+                  + " ".join(f"{n}={r[n + '_ms']:.2f}ms" for n in ("plan", "fwd_kernel", "combine", "kl_kernel",
+                                                                  "combine_kl", "whole"))
+                  + f" | fwd kernel {r['fwd_kernel_tflops_vs_fwd_flops']:.0f} TF/s, whole "
+                  f"{r['whole_tflops_vs_fwd_flops']:.0f} TF/s, peak {r['peak_gib']:.1f} GiB", flush=True)
+            torch.cuda.empty_cache()
+    payload = {"commit": commit(), "device": torch.cuda.get_device_name(), "rows": rows,
+               "formula": "effective TFLOPS = 4*D*nnz / ms"}
+    if a.out:
+        Path(a.out).write_text(__import__("json").dumps(payload, indent=1))
+    else:
+        write_results("sparse_fwd", payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

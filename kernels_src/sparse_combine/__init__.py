@@ -1,0 +1,94 @@
+"""Merge of the sparse forward's per-block partials into out, lse and lse_proxy (the logsumexp combine).
+
+For each (b, p, i) and head g = 0..G-1, over the live slots k (0 <= j = block_indices[b, p, i, k] <= i // Bs) of
+the entry d = ((b * Hp + p) * S + i) * K + k:
+  lse[b, p*G + g, i] = logsumexp_k lse_part[d, g],
+  out[b, i, p*G + g] = sum_k exp(lse_part[d, g] - lse) * o_part[d, g],    (o_part is normalised per block)
+  lse_proxy[b, p, i] = logsumexp_k lsep_part[d].
+A row without a live slot gets out = 0 and lse = lse_proxy = -inf. One warp per (b, p, i, g) row, one pass with
+an online rescale; the partial buffers are read once (the op is bound by that read, ~2 bytes per partial element).
+This module does not import cutlass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flash_msa_rt.manifest import TensorParam, variant_name
+from kernels_src.spec import ARCHS, BuildSpec
+
+OP = "sparse_combine"
+
+DTYPES = ("bf16", "f16")
+GROUPS = (1, 2, 4, 8, 16)
+ROWS_PER_CTA = 8  # warps
+
+
+@dataclass(frozen=True)
+class Config:
+    dtype: str = "bf16"
+    head_dim: int = 128
+    block_size: int = 128
+    group: int = 4
+    threads: int = 32 * ROWS_PER_CTA
+
+    def variant_name(self, arch: str) -> str:
+        return variant_name(OP, dataclasses.asdict(self), arch)
+
+
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
+    dts = tuple(dtypes) if dtypes else DTYPES
+    ds = tuple(head_dims) if head_dims else (128,)
+    bss = tuple(block_sizes) if block_sizes else (128,)
+    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g) for dt in dts for d in ds for bs in bss
+            for g in GROUPS]
+
+
+def can_implement(config: Config, arch: str) -> tuple[bool, str]:
+    c = config
+    if arch not in ARCHS:
+        return False, f"arch {arch!r} not in {ARCHS}"
+    if c.dtype not in DTYPES:
+        return False, f"dtype {c.dtype!r} not supported; supported: {DTYPES}"
+    if c.head_dim not in (64, 128):
+        return False, f"head_dim {c.head_dim} not supported; supported: 64, 128 (32 lanes x 2 or 4 elements)"
+    if c.block_size not in (64, 128):
+        return False, f"block_size {c.block_size} not supported; supported: 64, 128"
+    if c.group not in GROUPS:
+        return False, f"group {c.group} not supported; supported: {GROUPS}"
+    if c.threads != 32 * ROWS_PER_CTA:
+        return False, f"threads must be {32 * ROWS_PER_CTA} (one warp per row)"
+    return True, ""
+
+
+def params(config: Config) -> tuple:
+    g, d = config.group, config.head_dim
+    return (
+        TensorParam("block_indices", "i32", ("B", "Hp", "S", "K"), ("i64", "i64", "i64", 1), align=4),
+        TensorParam("o_part", config.dtype, ("E", g, d), (g * d, d, 1), align=16),
+        TensorParam("lse_part", "f32", ("E", g), (g, 1), align=4),
+        TensorParam("lsep_part", "f32", ("E",), (1,), align=4),
+        TensorParam("out", config.dtype, ("B", "S", "H", d), ("i64", "i64", "i64", 1), align=16),
+        TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
+        TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
+    )
+
+
+def build_spec(config: Config, arch: str) -> BuildSpec:
+    ok, reason = can_implement(config, arch)
+    if not ok:
+        raise ValueError(f"{OP}: cannot implement {config} on {arch}: {reason}")
+    return BuildSpec(
+        name=config.variant_name(arch),
+        op=OP,
+        arch=arch,
+        config=dataclasses.asdict(config),
+        config_obj=config,
+        params=params(config),
+        grid=(f"ceil_div(B * Hp * S * {config.group}, {ROWS_PER_CTA})", "1", "1"),
+        block=(config.threads, 1, 1),
+        compile_fn="kernels_src.sparse_combine.kernel:compile",
+        smem_bytes=0,
+        hot=True,
+    )

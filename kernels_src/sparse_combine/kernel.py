@@ -1,0 +1,111 @@
+"""The sparse forward's combine (CuTeDSL): one warp per (b, p, i, g) row, lane l owns D/32 contiguous elements.
+
+Slots are visited once with an online logsumexp: the running max m, the sum of exp(lse_k - m) and the weighted
+partial outputs, rescaled when m grows. Loads of one slot's partial row are 8 bytes per lane (coalesced 256 B).
+"""
+
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream
+
+from kernels_src.block_scores.kernel import compile_kernel
+from kernels_src.spec import Compiled, fake_tensor
+
+_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+class SparseCombine:
+    def __init__(self, config):
+        self.cfg = config
+        self.dtype = _DTYPES[config.dtype]
+        self.head_dim = config.head_dim
+        self.block_size = config.block_size
+        self.group = config.group
+        self.threads = config.threads
+        self.per_lane = config.head_dim // 32
+        self.traced = {"smem_bytes": 0}
+
+    @cute.jit
+    def __call__(self, block_indices: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
+                 lsep_part: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, lse_proxy: cute.Tensor,
+                 stream: cuda.CUstream):
+        B, Hp, S, _ = block_indices.shape
+        rows = B * Hp * S * self.group
+        warps = self.threads // 32
+        self.kernel(block_indices, o_part, lse_part, lsep_part, out, lse, lse_proxy).launch(
+            grid=(cute.ceil_div(rows, warps), 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, block_indices, o_part, lse_part, lsep_part, out, lse, lse_proxy):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        B, Hp, S, K = block_indices.shape
+        row = cta * (self.threads // 32) + tidx // 32
+        if row < B * Hp * S * self.group:
+            g = row % self.group
+            bpi = row // self.group
+            i = bpi % S
+            bp = bpi // S
+            b = bp // Hp
+            p = bp - b * Hp
+            local = i // self.block_size
+            neg_inf = -cutlass.Float32.inf
+            acc = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
+            acc.fill(0.0)
+            m = neg_inf
+            total = cutlass.Float32(0.0)
+            m_p = neg_inf
+            total_p = cutlass.Float32(0.0)
+            for k in cutlass.range(K, unroll=1):
+                j = block_indices[b, p, i, k]
+                if j >= 0 and j <= local:
+                    d = cutlass.Int64(bpi) * K + k  # 64-bit: d * G * D passes 2**31 at benchmark sizes
+                    l2 = lse_part[d, g] * _LOG2E
+                    m_new = cute.arch.fmax(m, l2)
+                    rescale = cute.math.exp2(m - m_new, fastmath=True)
+                    w = cute.math.exp2(l2 - m_new, fastmath=True)
+                    total = total * rescale + w
+                    part = cute.local_tile(o_part[d, g, None], (self.per_lane,), (lane,)).load()
+                    for e in cutlass.range_constexpr(self.per_lane):
+                        acc[e] = acc[e] * rescale + w * part[e].to(cutlass.Float32)
+                    m = m_new
+                    if g == 0:
+                        lp2 = lsep_part[d] * _LOG2E
+                        mp_new = cute.arch.fmax(m_p, lp2)
+                        total_p = total_p * cute.math.exp2(m_p - mp_new, fastmath=True) + cute.math.exp2(
+                            lp2 - mp_new, fastmath=True)
+                        m_p = mp_new
+            inv = cutlass.Float32(0.0)
+            if total > 0.0:
+                inv = cute.arch.rcp_approx(total)
+            res = cute.make_rmem_tensor((self.per_lane,), self.dtype)
+            for e in cutlass.range_constexpr(self.per_lane):
+                res[e] = (acc[e] * inv).to(self.dtype)
+            h = p * self.group + g
+            row_out = out[b, i, h, None]
+            ptr = cute.make_ptr(self.dtype, row_out.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+            dst = cute.local_tile(cute.make_tensor(ptr, cute.make_layout(self.head_dim)), (self.per_lane,), (lane,))
+            cute.autovec_copy(res, dst)
+            if lane == 0:
+                lse[b, h, i] = neg_inf
+                if total > 0.0:
+                    lse[b, h, i] = (m + cute.math.log2(total, fastmath=True)) * _LN2
+                if g == 0:
+                    lse_proxy[b, p, i] = neg_inf
+                    if total_p > 0.0:
+                        lse_proxy[b, p, i] = (m_p + cute.math.log2(total_p, fastmath=True)) * _LN2
+
+
+def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
+    from kernels_src.sparse_combine import params
+
+    kernel = SparseCombine(config)
+    fake = (*(fake_tensor(p) for p in params(config)), make_fake_stream())
+    return compile_kernel(kernel, config, arch, fake)

@@ -1,0 +1,143 @@
+"""MSA main sparse forward, KV-outer (msa-semantics.md, "Main sparse attention" and "Proxy KL loss").
+
+Work is cut by flash_msa_rt.ops.sparse_plan: an item is one key block j of one (b, p) plus up to a few tiles of the
+queries that selected it. A tile has 128 rows, row r = (query r // G, head p*G + r % G): the G heads of a proxy
+group share the query's blocks, so they fill the matrix units together (architecture.md, "why KV-outer").
+
+Two passes share one kernel class (kernels_src.sparse_fwd.kernel):
+  - sparse_fwd (this family): per (entry, head) the one-block partial output O_slot / l_slot and lse_slot, and the
+    proxy's lse over the same causal keys; the runtime combines the K slots of each row (a logsumexp merge);
+  - sparse_kl (kernels_src.sparse_kl): with the final lse and proxy lse, each entry's share of the row's KL.
+
+This module does not import cutlass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from kernels_src.spec import ARCHS, BuildSpec
+
+OP = "sparse_fwd"
+
+DTYPES = ("bf16", "f16")
+HEAD_DIMS = (128,)
+GROUPS = (1, 2, 4, 8, 16)  # G = H / Hp: a power of two that divides the 16 rows of one warp's MMA slab
+
+_ELEM_BYTES = {"bf16": 2, "f16": 2}
+_MAX_SMEM = {"sm90a": 227 * 1024, "sm100a": 227 * 1024, "sm100f": 227 * 1024}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every codegen choice of one variant, in naming order."""
+
+    dtype: str = "bf16"
+    head_dim: int = 128  # D
+    proxy_head_dim: int = 128  # Dp
+    block_size: int = 128  # Bs: the key block, one per item
+    group: int = 4  # G: heads per proxy head; a tile holds 128 // G queries x G heads
+    tile_m: int = 128  # rows per tile
+    threads: int = 256  # 8 warps x 16 rows
+    stages: int = 2  # gathered q / proxy-q tile buffers: the next tile's gather overlaps this tile's math
+
+    def variant_name(self, arch: str, op: str = OP) -> str:
+        return variant_name(op, dataclasses.asdict(self), arch)
+
+    def smem_bytes(self, with_v: bool = True) -> int:
+        """sQ, sK, [sV], sQp, sKp: 128-row tiles, each 1024-aligned (128B-swizzle atoms). Mirrors SharedStorage."""
+        e = _ELEM_BYTES[self.dtype]
+        st = self.stages
+        main = _align(st * self.tile_m * self.head_dim * e, 1024) + _align(self.block_size * self.head_dim * e, 1024)
+        v = _align(self.block_size * self.head_dim * e, 1024) if with_v else 0
+        proxy = _align(st * self.tile_m * self.proxy_head_dim * e, 1024) + _align(
+            self.block_size * self.proxy_head_dim * e, 1024)
+        return main + v + proxy
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
+    """The default set: bf16 and f16, D = Dp = 128, Bs 128, every G."""
+    dts = tuple(dtypes) if dtypes else DTYPES
+    ds = tuple(head_dims) if head_dims else (128,)
+    bss = tuple(block_sizes) if block_sizes else (128,)
+    return [Config(dtype=dt, head_dim=d, proxy_head_dim=d, block_size=bs, group=g)
+            for dt in dts for d in ds for bs in bss for g in GROUPS]
+
+
+def can_implement(config: Config, arch: str, with_v: bool = True) -> tuple[bool, str]:
+    c = config
+    if arch not in ARCHS:
+        return False, f"arch {arch!r} not in {ARCHS}"
+    if c.dtype not in DTYPES:
+        return False, f"dtype {c.dtype!r} not supported; supported: {DTYPES}"
+    if c.head_dim not in HEAD_DIMS or c.proxy_head_dim not in HEAD_DIMS:
+        return False, f"head dims D={c.head_dim}, Dp={c.proxy_head_dim} not supported; supported: {HEAD_DIMS}"
+    if c.block_size != 128:
+        return False, f"block_size {c.block_size} not supported; supported: 128 (one key block = one MMA tile)"
+    if c.group not in GROUPS:
+        return False, f"group (H / Hp) {c.group} not supported; supported: {GROUPS}"
+    if c.tile_m != 128 or c.threads != 256:
+        return False, "tile_m 128 and threads 256 only (8 warps x 16 rows)"
+    if c.stages not in (1, 2):
+        return False, f"stages {c.stages} not supported; supported: 1, 2"
+    if c.smem_bytes(with_v) > _MAX_SMEM[arch]:
+        return False, f"needs {c.smem_bytes(with_v)} bytes of shared memory, {arch} allows {_MAX_SMEM[arch]}"
+    return True, ""
+
+
+def operands(config: Config) -> dict:
+    """The tensors both passes read: q, k, v and the proxies (B, S, heads, D) with a unit-stride head dim, and the
+    plan (flash_msa_rt.ops.sparse_plan): entry_query / entry_dest (E,) and items (W, 4)."""
+    c = config
+    bshd = ("i64", "i64", "i64", 1)
+    return {
+        "q": TensorParam("q", c.dtype, ("B", "S", "H", c.head_dim), bshd, align=16),
+        "k": TensorParam("k", c.dtype, ("B", "S", "Hk", c.head_dim), bshd, align=16),
+        "v": TensorParam("v", c.dtype, ("B", "S", "Hk", c.head_dim), bshd, align=16),
+        "q_proxy": TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", c.proxy_head_dim), bshd, align=16),
+        "k_proxy": TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", c.proxy_head_dim), bshd, align=16),
+        "entry_query": TensorParam("entry_query", "i32", ("E",), (1,), align=4),
+        "entry_dest": TensorParam("entry_dest", "i32", ("E",), (1,), align=4),
+        "items": TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
+    }
+
+
+def scalars() -> tuple:
+    # Head maps: kv head = p // (Hp / Hk), proxy key head = p // (Hp / Hpk) (Hp >= Hk is required).
+    return (ScalarParam("scale", "f32"), ScalarParam("hp_per_hk", "i32"), ScalarParam("hp_per_hpk", "i32"))
+
+
+def params(config: Config) -> tuple:
+    """The kernel param ABI, in PTX .param order."""
+    o = operands(config)
+    g, d = config.group, config.head_dim
+    o_part = TensorParam("o_part", config.dtype, ("E", g, d), (g * d, d, 1), align=16)
+    lse_part = TensorParam("lse_part", "f32", ("E", g), (g, 1), align=4)
+    lsep_part = TensorParam("lsep_part", "f32", ("E",), (1,), align=4)
+    return (o["q"], o["k"], o["v"], o["q_proxy"], o["k_proxy"], o["entry_query"], o["entry_dest"], o["items"],
+            o_part, lse_part, lsep_part, *scalars())
+
+
+def build_spec(config: Config, arch: str) -> BuildSpec:
+    ok, reason = can_implement(config, arch)
+    if not ok:
+        raise ValueError(f"{OP}: cannot implement {config} on {arch}: {reason}")
+    return BuildSpec(
+        name=config.variant_name(arch),
+        op=OP,
+        arch=arch,
+        config=dataclasses.asdict(config),
+        config_obj=config,
+        params=params(config),
+        grid=("W", "1", "1"),  # one CTA per work item; items past the real count exit at once
+        block=(config.threads, 1, 1),
+        compile_fn="kernels_src.sparse_fwd.kernel:compile",
+        smem_bytes=config.smem_bytes(),
+        hot=True,
+    )

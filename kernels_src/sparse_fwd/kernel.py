@@ -1,0 +1,558 @@
+"""MSA sparse forward and KL passes (CuTeDSL): KV-outer, gathered query rows, warp-level mma.sync.
+
+One CTA per work item (flash_msa_rt.ops.sparse_plan): key block j of (b, p) and up to a few tiles of the queries
+that selected it. Per item:
+  1. cp.async loads the block's K, V (kv head p // (Hp/Hk)) and proxy keys (head p // (Hp/Hpk)) once;
+  2. per tile of 128 rows, row r = (query r // G, head p*G + r % G), cp.async gathers the rows of q and, for the
+     same rows, the query's proxy row (replicated over the G heads so that proxy and main scores share one
+     accumulator layout: the proxy tile costs one extra QK, a simplicity paid for in FLOPs, see NOTES.md);
+  3. 8 warps x 16 rows, ldmatrix + mma.sync 16x8x16: S = Q K^T over the block's 128 keys, causal mask t > i;
+  4. forward: the block's own softmax (one block, so no online rescaling), O_slot = P V / l, lse_slot, and the
+     proxy's lse over the same keys, written at the entry's destination row for the runtime's logsumexp merge;
+     KL: with the final lse of every head and of the proxy, P_h = exp(s_h - lse_h), tau = mean over the G rows of
+     one query (lane shuffles: the G rows of a query sit in one warp), pi = exp(s_p - lse_p), and the entry's
+     share of the row's KL, sum_t P_h (log tau - log pi) / G, per head.
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.runtime import make_fake_stream
+
+from kernels_src.block_scores.kernel import compile_kernel
+from kernels_src.spec import Compiled, fake_tensor
+
+_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+class SparseAttention:
+    def __init__(self, config, kl: bool):
+        self.cfg = config
+        self.kl = kl
+        self.dtype = _DTYPES[config.dtype]
+        self.head_dim = config.head_dim
+        self.proxy_head_dim = config.proxy_head_dim
+        self.block_size = config.block_size
+        self.group = config.group
+        self.tile_m = config.tile_m
+        self.tile_queries = config.tile_m // config.group
+        self.threads = config.threads
+        self.stages = config.stages
+        self.traced: dict = {}
+
+    # ------------------------------------------------------------------ host side
+
+    def _smem_layout(self, rows: int, cols: int, stages: int = 0):
+        """K-major, 128B-swizzled (rows, cols[, stages]) tile: what cp.async writes and ldmatrix reads
+        conflict-free."""
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        if stages:
+            return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+
+    def _tiled_mma(self):
+        # Warps tile M only: each warp owns 16 rows against all 128 keys (QK) or all D columns (PV), so row
+        # statistics need just a quad shuffle and the G rows of one query stay inside one warp.
+        warps = self.threads // 32
+        return cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)),
+            (warps, 1, 1),
+            permutation_mnk=(warps * 16, 16, 16),
+        )
+
+    def _gmem_copy(self, cols: int):
+        """cp.async of 16-byte chunks, cols / 8 threads per row, threads / (cols / 8) rows per pass."""
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+                                   num_bits_per_copy=128)
+        per_row = cols // 8
+        thr = cute.make_ordered_layout((self.threads // per_row, per_row), order=(1, 0))
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, 8)))
+
+    def _storage(self, with_v: bool):
+        # Not named like the struct's fields: a class body looks its field names up in its own scope.
+        # Gathered rows are double buffered: tile t + 1 is in flight while tile t computes.
+        l_q = self._smem_layout(self.tile_m, self.head_dim, self.stages)
+        l_k = self._smem_layout(self.block_size, self.head_dim)
+        l_qp = self._smem_layout(self.tile_m, self.proxy_head_dim, self.stages)
+        l_kp = self._smem_layout(self.block_size, self.proxy_head_dim)
+
+        if cutlass.const_expr(with_v):
+            @cute.struct
+            class SharedStorage:
+                s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_q)], 1024]
+                s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
+                s_v: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
+                s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_qp)], 1024]
+                s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kp)], 1024]
+        else:
+            @cute.struct
+            class SharedStorage:
+                s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_q)], 1024]
+                s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
+                s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_qp)], 1024]
+                s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kp)], 1024]
+
+        self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
+        return (l_q, l_k, l_qp, l_kp), SharedStorage
+
+    @cute.jit
+    def forward(
+        self,
+        q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
+        entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor,
+        o_part: cute.Tensor, lse_part: cute.Tensor, lsep_part: cute.Tensor,
+        scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        layouts, SharedStorage = self._storage(with_v=True)
+        self.kernel_forward(
+            q, k, v, q_proxy, k_proxy, entry_query, entry_dest, items, o_part, lse_part, lsep_part,
+            scale, hp_per_hk, hp_per_hpk, *layouts, self._tiled_mma(), self._gmem_copy(self.head_dim),
+            self._gmem_copy(self.proxy_head_dim), SharedStorage,
+        ).launch(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
+                 stream=stream)
+
+    @cute.jit
+    def kl_pass(
+        self,
+        q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
+        entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor,
+        lse: cute.Tensor, lse_proxy: cute.Tensor, kl_part: cute.Tensor,
+        scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        layouts, SharedStorage = self._storage(with_v=False)
+        self.kernel_kl(
+            q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, lse_proxy, kl_part,
+            scale, hp_per_hk, hp_per_hpk, *layouts, self._tiled_mma(), self._gmem_copy(self.head_dim),
+            self._gmem_copy(self.proxy_head_dim), SharedStorage,
+        ).launch(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
+                 stream=stream)
+
+    # ------------------------------------------------------------------ device side: the two kernels
+
+    @cute.kernel
+    def kernel_forward(
+        self, q, k, v, q_proxy, k_proxy, entry_query, entry_dest, items, o_part, lse_part, lsep_part,
+        scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+        s_q_layout: cute.ComposedLayout, s_k_layout: cute.ComposedLayout,
+        s_qp_layout: cute.ComposedLayout, s_kp_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma, gcopy: cute.TiledCopy, gcopy_p: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        w, _, _ = cute.arch.block_idx()
+        n_entries = items[w, 3]
+        if n_entries > 0:
+            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
+            hp = q_proxy.shape[2]
+            b = bp // hp
+            p = bp - b * hp
+            t0 = j * self.block_size
+            seqlen = q.shape[1]
+            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+            s_q_all = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
+            s_k = storage.s_k.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)
+            s_v = storage.s_v.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)
+            s_qp_all = storage.s_qp.get_tensor(s_qp_layout.outer, swizzle=s_qp_layout.inner)
+            s_kp = storage.s_kp.get_tensor(s_kp_layout.outer, swizzle=s_kp_layout.inner)
+            # V^T (D, keys) for the PV product's B operand: the same bytes, modes swapped, read by ldmatrix.trans.
+            s_vt = storage.s_v.get_tensor(cute.select(s_k_layout.outer, mode=[1, 0]), swizzle=s_k_layout.inner)
+
+            self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx, zero_tail=False)
+            self.load_block(gcopy, v[b, None, p // hp_per_hk, None], s_v, t0, seqlen, tidx, zero_tail=True)
+            self.load_block(gcopy_p, k_proxy[b, None, p // hp_per_hpk, None], s_kp, t0, seqlen, tidx,
+                            zero_tail=False)
+
+            thr_mma = tiled_mma.get_slice(tidx)
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
+            acc_mn = self._mn_view(acc)
+            coord_mn = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
+            acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
+            acc_o_mn = self._mn_view(acc_o)
+            coord_o = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+            quad_lane = tidx % 4
+            scale_log2 = scale * _LOG2E
+
+            n_tiles = cute.ceil_div(n_entries, self.tile_queries)
+            self.gather_tile(gcopy, gcopy_p, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, 0,
+                             tidx)
+            for tile in cutlass.range(n_tiles, unroll=1):
+                e0 = start + tile * self.tile_queries
+                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                s_q = s_q_all[None, None, tile % self.stages]
+                s_qp = s_qp_all[None, None, tile % self.stages]
+                # Prefetch tile + 1 into the other buffer (an empty group past the last tile keeps the count).
+                if tile + 1 < n_tiles:
+                    self.gather_tile(gcopy, gcopy_p, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start,
+                                     n_entries, tile + 1, tidx)
+                else:
+                    cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)
+                cute.arch.sync_threads()
+
+                # Proxy: lse over the block's causal keys, one value per query (the g == 0 row writes it).
+                self.qk(tiled_mma, thr_mma, acc, s_qp, s_kp, tidx)
+                for r in cutlass.range_constexpr(2):
+                    row = coord_mn[r, 0][0]
+                    qi = row // self.group
+                    i = self.row_query(entry_query, e0, qi, n_q, t0)
+                    self.mask_row(acc_mn, coord_mn, r, i - t0)
+                    lse_p = self.row_lse(acc_mn, r, scale_log2)
+                    if qi < n_q and row % self.group == 0 and quad_lane == 0:
+                        lsep_part[entry_dest[e0 + qi]] = lse_p
+
+                # Main: the block's softmax, then O_slot = P V / l.
+                self.qk(tiled_mma, thr_mma, acc, s_q, s_k, tidx)
+                lse_rows = cute.make_rmem_tensor((2,), cutlass.Float32)
+                inv_l = cute.make_rmem_tensor((2,), cutlass.Float32)
+                for r in cutlass.range_constexpr(2):
+                    qi = coord_mn[r, 0][0] // self.group
+                    i = self.row_query(entry_query, e0, qi, n_q, t0)
+                    self.mask_row(acc_mn, coord_mn, r, i - t0)
+                    row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
+                    lse_rows[r] = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * _LN2
+                    inv_l[r] = cute.arch.rcp_approx(row_sum)
+                self.pv(tiled_mma, thr_mma, acc, acc_o, s_vt, tidx)
+
+                for r in cutlass.range_constexpr(2):
+                    row = coord_mn[r, 0][0]
+                    qi = row // self.group
+                    if qi < n_q:
+                        # 64-bit: the (E, G, D) partial buffer passes 2**31 elements at benchmark sizes.
+                        dest = cutlass.Int64(entry_dest[e0 + qi])
+                        g = row % self.group
+                        if quad_lane == 0:
+                            lse_part[dest, g] = lse_rows[r]
+                        for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
+                            o_part[dest, g, coord_o[0, c][1]] = (acc_o_mn[r, c] * inv_l[r]).to(self.dtype)
+                # Every warp is past its reads of this buffer before the gather of tile + 2 overwrites it.
+                cute.arch.sync_threads()
+
+    @cute.kernel
+    def kernel_kl(
+        self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, lse_proxy, kl_part,
+        scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+        s_q_layout: cute.ComposedLayout, s_k_layout: cute.ComposedLayout,
+        s_qp_layout: cute.ComposedLayout, s_kp_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma, gcopy: cute.TiledCopy, gcopy_p: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        w, _, _ = cute.arch.block_idx()
+        n_entries = items[w, 3]
+        if n_entries > 0:
+            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
+            hp = q_proxy.shape[2]
+            b = bp // hp
+            p = bp - b * hp
+            t0 = j * self.block_size
+            seqlen = q.shape[1]
+            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+            s_q_all = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
+            s_k = storage.s_k.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)
+            s_qp_all = storage.s_qp.get_tensor(s_qp_layout.outer, swizzle=s_qp_layout.inner)
+            s_kp = storage.s_kp.get_tensor(s_kp_layout.outer, swizzle=s_kp_layout.inner)
+            self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx, zero_tail=False)
+            self.load_block(gcopy_p, k_proxy[b, None, p // hp_per_hpk, None], s_kp, t0, seqlen, tidx,
+                            zero_tail=False)
+
+            thr_mma = tiled_mma.get_slice(tidx)
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
+            acc_mn = self._mn_view(acc)
+            log_pi = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)),
+                                           cutlass.Float32)
+            log_pi_mn = self._mn_view(log_pi)
+            coord_mn = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
+            quad_lane = tidx % 4
+            scale_log2 = scale * _LOG2E
+
+            n_tiles = cute.ceil_div(n_entries, self.tile_queries)
+            self.gather_tile(gcopy, gcopy_p, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, 0,
+                             tidx)
+            for tile in cutlass.range(n_tiles, unroll=1):
+                e0 = start + tile * self.tile_queries
+                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                s_q = s_q_all[None, None, tile % self.stages]
+                s_qp = s_qp_all[None, None, tile % self.stages]
+                # Prefetch tile + 1 into the other buffer (an empty group past the last tile keeps the count).
+                if tile + 1 < n_tiles:
+                    self.gather_tile(gcopy, gcopy_p, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start,
+                                     n_entries, tile + 1, tidx)
+                else:
+                    cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)
+                cute.arch.sync_threads()
+
+                # log pi(t) = s_p(t) - lse_p(i), in log2 units (masked keys never count: their P is 0).
+                self.qk(tiled_mma, thr_mma, log_pi, s_qp, s_kp, tidx)
+                for r in cutlass.range_constexpr(2):
+                    qi = coord_mn[r, 0][0] // self.group
+                    i = self.row_query(entry_query, e0, qi, n_q, t0)
+                    lse_p2 = cutlass.Float32(0.0)
+                    if qi < n_q:
+                        lse_p2 = lse_proxy[b, p, i] * _LOG2E
+                    for c in cutlass.range_constexpr(cute.size(log_pi_mn, mode=[1])):
+                        log_pi_mn[r, c] = log_pi_mn[r, c] * scale_log2 - lse_p2
+
+                # P_h(t) = exp(s_h(t) - lse_h(i)), 0 on masked keys. log_pi is live: no fragment prefetch.
+                self.qk(tiled_mma, thr_mma, acc, s_q, s_k, tidx, prefetch=False)
+                for r in cutlass.range_constexpr(2):
+                    row = coord_mn[r, 0][0]
+                    qi = row // self.group
+                    i = self.row_query(entry_query, e0, qi, n_q, t0)
+                    self.mask_row(acc_mn, coord_mn, r, i - t0)
+                    lse2 = cutlass.Float32(0.0)
+                    if qi < n_q:
+                        lse2 = lse[b, p * self.group + row % self.group, i] * _LOG2E
+                    for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                        acc_mn[r, c] = cute.math.exp2(acc_mn[r, c] * scale_log2 - lse2, fastmath=True)
+
+                kl_rows = self.kl_terms(acc_mn, log_pi_mn)
+                for r in cutlass.range_constexpr(2):
+                    row = coord_mn[r, 0][0]
+                    qi = row // self.group
+                    if qi < n_q and quad_lane == 0:
+                        kl_part[entry_dest[e0 + qi], row % self.group] = kl_rows[r]
+                cute.arch.sync_threads()
+
+    # ------------------------------------------------------------------ device side: shared pieces
+
+    @cute.jit
+    def load_block(self, gcopy, g_rows: cute.Tensor, s_tile: cute.Tensor, t0, seqlen, tidx, zero_tail):
+        """cp.async the key block's rows [t0, t0 + Bs) of one head (g_rows: (S, D)). Rows past the sequence
+        are not loaded; zero_tail fills them with zeros (V: their P is 0, and 0 * garbage could be NaN)."""
+        thr = gcopy.get_slice(tidx)
+        cols = cute.size(s_tile, mode=[1])
+        t_s = thr.partition_D(s_tile)
+        t_c = thr.partition_S(cute.make_identity_tensor((self.block_size, cols)))
+        for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
+            t = t0 + t_c[0, m, 0][0]
+            if t < seqlen:
+                self.copy_row(gcopy, g_rows[t, None], t_s, t_c, m)
+            elif cutlass.const_expr(zero_tail):
+                t_s[None, m, None].fill(0)
+
+    @cute.jit
+    def gather_tile(self, gcopy, gcopy_p, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, tile,
+                    tidx):
+        """Issue (and commit as one cp.async group) the gathers of tile's q rows and proxy rows into buffer
+        tile % stages."""
+        e0 = start + tile * self.tile_queries
+        n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+        buf = tile % self.stages
+        self.gather_rows(gcopy, q, s_q_all[None, None, buf], b, p * self.group, entry_query, e0, n_q, tidx,
+                         replicate=False)
+        self.gather_rows(gcopy_p, q_proxy, s_qp_all[None, None, buf], b, p, entry_query, e0, n_q, tidx,
+                         replicate=True)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def gather_rows(self, gcopy, src: cute.Tensor, s_tile: cute.Tensor, b, head_base, entry_query, e0, n_q, tidx,
+                    replicate: cutlass.Constexpr):
+        """cp.async tile row r <- src[b, i, head, :] with i = entry_query[e0 + r // G] and head = head_base + r % G
+        (replicate: head_base for every r). Rows of queries past n_q are left as they are (never stored)."""
+        thr = gcopy.get_slice(tidx)
+        cols = cute.size(s_tile, mode=[1])
+        t_s = thr.partition_D(s_tile)
+        t_c = thr.partition_S(cute.make_identity_tensor((self.tile_m, cols)))
+        for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
+            row = t_c[0, m, 0][0]
+            qi = row // self.group
+            if qi < n_q:
+                i = entry_query[e0 + qi]
+                head = head_base
+                if cutlass.const_expr(not replicate):
+                    head = head_base + row % self.group
+                self.copy_row(gcopy, src[b, i, head, None], t_s, t_c, m)
+
+    @cute.jit
+    def copy_row(self, gcopy, g_row: cute.Tensor, t_s, t_c, m):
+        """This thread's 16-byte chunks of one gmem row into pass m of its smem partition. The runtime guarantees
+        16-byte aligned rows (unit-stride head dim, 16-byte multiple strides), which the address math cannot see."""
+        cols = cute.size(g_row)
+        ptr = cute.make_ptr(self.dtype, g_row.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+        chunks = cute.tiled_divide(cute.make_tensor(ptr, cute.make_layout(cols)), (8,))
+        for kk in cutlass.range_constexpr(cute.size(t_s, mode=[2])):
+            cute.copy(gcopy, chunks[None, t_c[0, 0, kk][1] // 8], t_s[None, m, kk])
+
+    @cute.jit
+    def qk(self, tiled_mma, thr_mma, acc, s_a, s_b, tidx, prefetch: cutlass.Constexpr = True):
+        """acc = A B^T over the tile (fp32, unscaled), operands read from swizzled smem by ldmatrix; prefetch
+        loads step k + 1's fragments before step k's MMAs (32 more registers live)."""
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        copy_a = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
+        copy_b = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
+        t_ra = thr_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        t_rb = thr_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        t_sa, t_sb = copy_a.partition_S(s_a), copy_b.partition_S(s_b)
+        t_ra_v, t_rb_v = copy_a.retile(t_ra), copy_b.retile(t_rb)
+        acc.fill(0.0)
+        steps = cute.size(t_ra, mode=[2])
+        if cutlass.const_expr(prefetch):
+            cute.copy(copy_a, t_sa[None, None, 0], t_ra_v[None, None, 0])
+            cute.copy(copy_b, t_sb[None, None, 0], t_rb_v[None, None, 0])
+        for kk in cutlass.range_constexpr(steps):
+            if cutlass.const_expr(not prefetch):
+                cute.copy(copy_a, t_sa[None, None, kk], t_ra_v[None, None, kk])
+                cute.copy(copy_b, t_sb[None, None, kk], t_rb_v[None, None, kk])
+            elif cutlass.const_expr(kk + 1 < steps):
+                cute.copy(copy_a, t_sa[None, None, kk + 1], t_ra_v[None, None, kk + 1])
+                cute.copy(copy_b, t_sb[None, None, kk + 1], t_rb_v[None, None, kk + 1])
+            cute.gemm(tiled_mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
+
+    @cute.jit
+    def pv(self, tiled_mma, thr_mma, acc_p, acc_o, s_vt, tidx):
+        """acc_o = P V with P taken from the score accumulator as bf16/f16 A fragments (register reuse: two
+        adjacent n8 accumulator tiles are one k16 A fragment) and V^T read by ldmatrix.trans."""
+        r_p = cute.make_rmem_tensor_like(acc_p, self.dtype)
+        r_p.store(acc_p.load().to(self.dtype))
+        t_rp = cute.make_tensor(r_p.iterator, self._acc_as_frg_a(r_p.layout))
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        copy_v = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
+        t_rv = thr_mma.make_fragment_B(thr_mma.partition_B(s_vt))
+        t_sv, t_rv_v = copy_v.partition_S(s_vt), copy_v.retile(t_rv)
+        acc_o.fill(0.0)
+        steps = cute.size(t_rv, mode=[2])
+        cute.copy(copy_v, t_sv[None, None, 0], t_rv_v[None, None, 0])
+        for kk in cutlass.range_constexpr(steps):
+            if cutlass.const_expr(kk + 1 < steps):
+                cute.copy(copy_v, t_sv[None, None, kk + 1], t_rv_v[None, None, kk + 1])
+            cute.gemm(tiled_mma, acc_o, t_rp[None, None, kk], t_rv[None, None, kk], acc_o)
+
+    @cute.jit
+    def row_query(self, entry_query, e0, qi, n_q, t0):
+        """The query of tile query qi; past n_q, a position that masks nothing (the row is never stored)."""
+        i = t0 + self.block_size
+        if qi < n_q:
+            i = entry_query[e0 + qi]
+        return i
+
+    @cute.jit
+    def mask_row(self, acc_mn, coord_mn, r, key_limit):
+        """Keys t > i: -inf (key_limit = i - t0). Covers keys past the sequence of a partial last block too."""
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            if coord_mn[0, c][1] > key_limit:
+                acc_mn[r, c] = -cutlass.Float32.inf
+
+    @cute.jit
+    def row_exp(self, acc_mn, r, scale_log2):
+        """In place P = exp2((s - max) * scale * log2 e); returns (max, sum) of the row over its quad."""
+        row_max = acc_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+        row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
+        row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
+        shift = row_max * scale_log2
+        row_sum = cutlass.Float32(0.0)
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            e = cute.math.exp2(acc_mn[r, c] * scale_log2 - shift, fastmath=True)
+            acc_mn[r, c] = e
+            row_sum += e
+        row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=2)
+        row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=1)
+        return row_max, row_sum
+
+    @cute.jit
+    def row_lse(self, acc_mn, r, scale_log2):
+        """Natural-log logsumexp of scale * s over the row (the accumulator is overwritten)."""
+        row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
+        return (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * _LN2
+
+    @cute.jit
+    def kl_terms(self, p_mn, log_pi_mn):
+        """Per row (query, head g): sum over keys of P_g (log tau - log pi) / G, tau = mean of P over the G rows of
+        the query. Rows of one query are G consecutive tile rows: lanes whose lane // 4 differ in the low log2(G)
+        bits (xor 4, 8, 16), and for G = 16 also the thread's second row (r + 8)."""
+        out = cute.make_rmem_tensor((2,), cutlass.Float32)
+        out.fill(0.0)
+        n_cols = cute.size(p_mn, mode=[1])
+        log2_g = math.log2(self.group)
+        levels = min(int(math.log2(self.group)), 3)
+        # Column by column, so that tau never needs a register array of its own (the G = 16 variant spilled).
+        for c in cutlass.range_constexpr(n_cols):
+            tau = cute.make_rmem_tensor((2,), cutlass.Float32)
+            for r in cutlass.range_constexpr(2):
+                s = p_mn[r, c]
+                for lvl in cutlass.range_constexpr(levels):
+                    s += cute.arch.shuffle_sync_bfly(s, offset=4 << lvl)
+                tau[r] = s
+            if cutlass.const_expr(self.group == 16):
+                both = tau[0] + tau[1]
+                tau[0] = both
+                tau[1] = both
+            for r in cutlass.range_constexpr(2):
+                pv = p_mn[r, c]
+                if pv > 0.0:
+                    # log2 units throughout; ln 2 applied once below. tau (the sum) >= P >= FLT_MIN here (exp2
+                    # with ftz never returns a denormal), whereas tau / G could be denormal and flush to 0.
+                    out[r] += pv * (cute.math.log2(tau[r], fastmath=True) - log2_g - log_pi_mn[r, c])
+        for r in cutlass.range_constexpr(2):
+            acc = out[r]
+            acc += cute.arch.shuffle_sync_bfly(acc, offset=2)
+            acc += cute.arch.shuffle_sync_bfly(acc, offset=1)
+            out[r] = acc * (_LN2 / self.group)
+        return out
+
+    @staticmethod
+    def _mn_view(t: cute.Tensor) -> cute.Tensor:
+        """((2, 2), MMA_M, MMA_N) accumulator -> ((2, MMA_M), (2, MMA_N)) rows x columns of one thread."""
+        lay = t.layout
+        mn = cute.make_layout(
+            ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
+            stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
+        )
+        return cute.make_tensor(t.iterator, mn)
+
+    @staticmethod
+    def _acc_as_frg_a(lay):
+        """((2, 2), MMA_M, MMA_N) accumulator layout -> ((2, 2, 2), MMA_M, MMA_N / 2) A-operand layout: the two
+        n8 tiles 2k and 2k + 1 hold exactly the registers of the k16 A fragment k (mma.sync m16n8k16)."""
+        d = cute.logical_divide(lay, (None, None, 2))
+        return cute.make_layout(
+            ((d.shape[0][0], d.shape[0][1], d.shape[2][0]), d.shape[1], d.shape[2][1]),
+            stride=((d.stride[0][0], d.stride[0][1], d.stride[2][0]), d.stride[1], d.stride[2][1]),
+        )
+
+
+# ---------------------------------------------------------------------- ahead-of-time compile
+
+
+def _decl(params):
+    return {p.name: p for p in params if p.kind == "tensor"}
+
+
+def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
+    from kernels_src.sparse_fwd import params
+
+    kernel = SparseAttention(config, kl=False)
+    d = _decl(params(config))
+    names = ("q", "k", "v", "q_proxy", "k_proxy", "entry_query", "entry_dest", "items", "o_part", "lse_part",
+             "lsep_part")
+    fake = (*(fake_tensor(d[n]) for n in names), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1),
+            make_fake_stream())
+    compiled = compile_kernel(kernel, config, arch, fake, entry=kernel.forward)
+    _check_smem(kernel, config, with_v=True)
+    return Compiled(cubin=compiled.cubin, ptx=compiled.ptx, smem_bytes=kernel.traced["smem_bytes"])
+
+
+def compile_kl(config, arch: str) -> Compiled:
+    from kernels_src.sparse_kl import params
+
+    kernel = SparseAttention(config, kl=True)
+    d = _decl(params(config))
+    names = ("q", "k", "q_proxy", "k_proxy", "entry_query", "entry_dest", "items", "lse", "lse_proxy", "kl_part")
+    fake = (*(fake_tensor(d[n]) for n in names), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1),
+            make_fake_stream())
+    compiled = compile_kernel(kernel, config, arch, fake, entry=kernel.kl_pass)
+    _check_smem(kernel, config, with_v=False)
+    return Compiled(cubin=compiled.cubin, ptx=compiled.ptx, smem_bytes=kernel.traced["smem_bytes"])
+
+
+def _check_smem(kernel, config, with_v: bool) -> None:
+    want = config.smem_bytes(with_v)
+    if kernel.traced["smem_bytes"] != want:
+        raise RuntimeError(f"shared memory: kernel {kernel.traced['smem_bytes']} bytes, spec {want}")
