@@ -34,11 +34,16 @@ def series(rows, config, op, selection=None):
     return sorted(pts)
 
 
+def _legend(ax):
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="best", framealpha=0.6)
+
+
 def plot(data: dict, out: Path) -> Path:
     rows, comps = data["rows"], data.get("comparisons", [])
     configs = sorted({r["config"] for r in rows})
-    fig, axes = plt.subplots(2, max(1, len(configs)), figsize=(5.2 * max(1, len(configs)), 7.5), squeeze=False,
-                             gridspec_kw={"height_ratios": [3, 2]})
+    fig, axes = plt.subplots(2, max(1, len(configs)), figsize=(max(7.0, 5.2 * len(configs)), 8), squeeze=False,
+                             sharex="col", gridspec_kw={"height_ratios": [3, 2]})
     shapes = data.get("shape", {}).get("configs", {})
     published = data.get("published", {})
     for col, cfg in enumerate(configs):
@@ -70,7 +75,7 @@ def plot(data: dict, out: Path) -> Path:
         heads = shapes.get(cfg, {})
         head_text = ", ".join(f"{k}={v}" for k, v in heads.items())
         top.set_title(f"config ({cfg}) {head_text}\n" + ("B=1" if b1 else "B = tokens // S"), fontsize=9)
-        top.legend(fontsize=7, loc="upper left")
+        _legend(top)
 
         pts = sorted((c["S"], c["x_dense"]) for c in comps if c["config"] == cfg and c.get("x_dense"))
         if pts:
@@ -83,11 +88,14 @@ def plot(data: dict, out: Path) -> Path:
         if pub:
             bottom.plot(*zip(*pub), "x--", color="gray", label="flash-msa 0.1.1 vs cuDNN (published)")
         bottom.axhline(1.0, color="black", lw=0.8)
+        if not any(c["config"] == cfg and c.get("x_dense") for c in comps):
+            bottom.text(0.5, 0.5, "no MSA fwd+bwd measured in this run\n(see the rows' status in the JSON)",
+                        transform=bottom.transAxes, ha="center", va="center", fontsize=8, color="gray")
         bottom.set_xlabel("sequence length S")
         bottom.set_ylabel("speed vs dense (dense ms / ms)")
-        bottom.legend(fontsize=7, loc="upper left")
-    fig.suptitle(f"MSA whole op vs cuDNN dense: {data.get('device', '?')}, torch {data.get('torch', '?')}, "
-                 f"commit {str(data.get('commit', '?'))[:10]}", fontsize=10)
+        _legend(bottom)
+    fig.suptitle(f"MSA whole op vs cuDNN dense (bf16, D=128, top_k 2048)\n{data.get('device', '?')}, torch "
+                 f"{data.get('torch', '?')}, commit {str(data.get('commit', '?'))[:10]}", fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
