@@ -3,7 +3,8 @@
 Per configuration of issue 4 ((a) H=16 Hk=2 Hp=4, (b) H=32 Hk=8 Hp=8, (c) H=64 Hk=4 Hp=4; Hpk=1, D=Dp=128, bf16,
 top_k 2048 = K 16 blocks, B*S = 128K tokens), on the selection kernel's own block_indices from random inputs.
 FLOP formulas (msa-semantics.md): main forward 4*D*nnz, nnz = sum over (b, h, i) of the causal keys of the
-selected blocks; the KL pass is reported against the same 4*D*nnz so that its share of the forward reads directly.
+selected blocks; the KL pass is reported against the same 4*D*nnz so that its share of the forward reads directly;
+backward 10*D*nnz + 6*Dp*nnz_p (main plus proxy KL backward).
 Usage: python benchmarks/bench_sparse_fwd.py [--seqlens 8192,32768] [--configs a,b,c] [--out FILE]
 """
 
@@ -34,6 +35,7 @@ def run(cfg: str, S: int, tokens: int):
     from flash_msa_rt.loader import get_kernel
     from flash_msa_rt.ops import sparse_fwd as sf
     from flash_msa_rt.ops.select import select_blocks_cuda
+    from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
     from flash_msa_rt.ops.sparse_plan import combine_kl, sparse_plan
 
     H, Hk, Hp, Hpk = CONFIGS[cfg]
@@ -69,12 +71,20 @@ def run(cfg: str, S: int, tokens: int):
         "combine_kl": lambda: combine_kl(plan, sel, kl_part),
         "whole": lambda: sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale),
     }
+    grad_out = torch.randn_like(q)
+    kl_grad = torch.full((), 1.0 / (B * Hp * S), device="cuda")
+    fwd_out = sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale)
+    stages["backward"] = lambda: msa_backward_cuda(qp, kp, q, k, v, fwd_out[0], fwd_out[1], fwd_out[2], sel, 128,
+                                                   scale, grad_out, kl_grad)
+    # Backward FLOPs: main 10*D*nnz plus the proxy KL backward 6*Dp*nnz_p (nnz_p = nnz / G).
+    bwd_flops = 10 * D * nnz + 6 * D * (nnz // G)
     row = {"config": cfg, "B": B, "S": S, "H": H, "Hk": Hk, "Hp": Hp, "Hpk": Hpk, "G": G, "K": K,
-           "nnz": nnz, "fwd_flops": flops, "items": int(plan.items.shape[0])}
+           "nnz": nnz, "fwd_flops": flops, "bwd_flops": bwd_flops, "items": int(plan.items.shape[0])}
     for name, fn in stages.items():
         ms = cuda_time_ms(fn, warmup=2, reps=5)
         row[f"{name}_ms"] = ms
         row[f"{name}_tflops_vs_fwd_flops"] = flops / ms / 1e9
+    row["backward_tflops"] = bwd_flops / row["backward_ms"] / 1e9
     torch.cuda.synchronize()
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
     return row
@@ -100,9 +110,10 @@ def main(argv=None):
             rows.append(r)
             print(f"({cfg}) S={S:6d} B={r['B']:2d} items={r['items']:7d} | "
                   + " ".join(f"{n}={r[n + '_ms']:.2f}ms" for n in ("plan", "fwd_kernel", "combine", "kl_kernel",
-                                                                  "combine_kl", "whole"))
+                                                                  "combine_kl", "whole", "backward"))
                   + f" | fwd kernel {r['fwd_kernel_tflops_vs_fwd_flops']:.0f} TF/s, whole "
-                  f"{r['whole_tflops_vs_fwd_flops']:.0f} TF/s, peak {r['peak_gib']:.1f} GiB", flush=True)
+                  f"{r['whole_tflops_vs_fwd_flops']:.0f} TF/s, backward {r['backward_tflops']:.0f} TF/s, "
+                  f"peak {r['peak_gib']:.1f} GiB", flush=True)
             torch.cuda.empty_cache()
     payload = {"commit": commit(), "device": torch.cuda.get_device_name(), "rows": rows,
                "formula": "effective TFLOPS = 4*D*nnz / ms"}

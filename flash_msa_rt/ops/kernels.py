@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from flash_msa_rt.errors import FlashMsaError
-from flash_msa_rt.ops import dispatch, select, sparse_fwd
+from flash_msa_rt.ops import dispatch, select, sparse_bwd, sparse_fwd
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
@@ -46,10 +46,11 @@ def _select_supports(problem: dispatch.Problem) -> str | None:
                                                             select.max_k_for(k)))])
 
 
-def _msa_forward_supports(problem: dispatch.Problem) -> str | None:
+def _msa_supports(problem: dispatch.Problem) -> str | None:
+    """msa_forward and msa_backward: the same problem limits, each op's own variants."""
     c = problem.config
     if c.get("varlen"):
-        return "the sparse forward kernel does not take cu_seqlens yet"
+        return "the sparse attention kernels do not take cu_seqlens yet"
     if problem.dtype not in _DTYPE_NAMES:
         return f"dtype {problem.dtype} (sparse forward kernel: bfloat16, float16)"
     d, dp, bs, g, kv_group = (c.get(n) for n in ("head_dim", "proxy_head_dim", "block_size", "group", "kv_group"))
@@ -60,7 +61,8 @@ def _msa_forward_supports(problem: dispatch.Problem) -> str | None:
     if kv_group % g:
         return (f"H / Hk = {kv_group} is not a multiple of G = H / Hp = {g}: the sparse forward kernel needs "
                 f"Hp >= Hk with Hp a multiple of Hk")
-    return _built(problem, sparse_fwd.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g))
+    built = sparse_fwd.variants if problem.op == "msa_forward" else sparse_bwd.variants
+    return _built(problem, built(_DTYPE_NAMES[problem.dtype], d, dp, bs, g))
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -83,11 +85,20 @@ def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu
                                        block_indices.contiguous(), block_size, scale)
 
 
-_SUPPORTS = {"select_blocks": _select_supports, "msa_forward": _msa_forward_supports}
+def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
+                  kl_grad, cu_seqlens=None):
+    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
+    grad_out = _tma_ready(grad_out) if grad_out is not None else None
+    return sparse_bwd.msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices.contiguous(),
+                                        block_size, scale, grad_out, kl_grad)
+
+
+_SUPPORTS = {"select_blocks": _select_supports, "msa_forward": _msa_supports, "msa_backward": _msa_supports}
 
 KERNELS = dispatch.Backend(
     name="kernels", device_type="cuda",
     supports=lambda problem: _SUPPORTS[problem.op](problem) if problem.op in _SUPPORTS
     else "its kernel is not built yet (issue 4)",
-    ops={"select_blocks": _select_blocks, "msa_forward": _msa_forward},
+    ops={"select_blocks": _select_blocks, "msa_forward": _msa_forward, "msa_backward": _msa_backward},
 )

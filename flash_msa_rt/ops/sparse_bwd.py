@@ -1,0 +1,63 @@
+"""The sparse backward's launcher: main dq, dk, dv and proxy dq, dk on the GPU, KV-outer, no host sync.
+
+  1. delta = rowsum(dO * O) (fp32, torch);
+  2. sparse_bwd kernel over a plan of 64-row tiles: dq, dk, dv into fp32 accumulators (atomics);
+  3. sparse_bwd_proxy kernel over the same plan: dq_proxy, dk_proxy from (pi - tau) times the upstream gradient of
+     kl_rows, read from the device;
+  4. the accumulators cast to the input dtypes.
+Internal layout (B, S, heads, D). Atomics make the summation order vary run to run (not bitwise deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flash_msa_rt.loader import get_kernel
+from flash_msa_rt.ops import sparse_fwd
+from flash_msa_rt.ops.sparse_plan import sparse_plan
+
+TILE_M = 64
+TILES_PER_ITEM = 8  # 512 rows per item: dk / dv leave registers once per 512 rows
+
+
+def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, tile_n: int = 64) -> dict:
+    """Both backward kernels split a key block over block_size // tile_n CTAs (64 keys each)."""
+    return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
+            "tile_n": tile_n, "threads": 256, "stages": 2}
+
+
+def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int) -> list[tuple[str, dict]]:
+    return [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group)),
+            ("sparse_bwd_proxy", kernel_config(dtype, head_dim, block_size, group))]
+
+
+def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
+                      kl_grad):
+    """(dq_proxy, dk_proxy, dq, dk, dv). grad_out (B, S, H, D) or None; kl_grad broadcastable to (B, Hp, S) or
+    None (a missing gradient gives zeros). Tensors validated, 16-byte aligned, unit-stride head dim."""
+    B, S, H, D = q.shape
+    Hp, Hk, Hpk = q_proxy.shape[2], k.shape[2], k_proxy.shape[2]
+    G = H // Hp
+    dt = sparse_fwd.DTYPES[q.dtype]
+    dev = q.device
+    f32 = torch.float32
+    dq_acc = torch.zeros((B, S, H, D), dtype=f32, device=dev)
+    dk_acc = torch.zeros((B, S, Hk, D), dtype=f32, device=dev)
+    dv_acc = torch.zeros((B, S, Hk, D), dtype=f32, device=dev)
+    dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
+    dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
+    plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, TILES_PER_ITEM)
+    if grad_out is not None:
+        delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, S)
+        get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G), dev)(
+            q=q, k=k, v=v, dout=grad_out, lse=lse.contiguous(), delta=delta, entry_query=plan.entry_query,
+            items=plan.items, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, scale=float(scale), hp=Hp,
+            hp_per_hk=Hp // Hk)
+    if kl_grad is not None:
+        grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
+        get_kernel("sparse_bwd_proxy", kernel_config(dt, D, block_size, G), dev)(
+            q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, entry_query=plan.entry_query, items=plan.items,
+            lse=lse.contiguous(), lse_proxy=lse_proxy.contiguous(), kl_grad=grad, dqp_acc=dqp_acc, dkp_acc=dkp_acc,
+            scale=float(scale), hp_per_hk=Hp // Hk, hp_per_hpk=Hp // Hpk)
+    return (dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype), dq_acc.to(q.dtype), dk_acc.to(k.dtype),
+            dv_acc.to(v.dtype))

@@ -1,0 +1,119 @@
+"""MSA main sparse backward, KV-outer (msa-semantics.md, "Main sparse attention"; the FlashAttention-2 backward
+recurrence on gathered rows).
+
+Same work items as the forward (flash_msa_rt.ops.sparse_plan) with 64-row tiles: row r = (query r // G, head
+p*G + r % G). Per item (key block j of (b, p)), with the saved lse and delta = rowsum(dO * O):
+  P = exp(s - lse) (causal), dP = dO V^T, dS = P (dP - delta);
+  dV_j += P^T dO and dK_j += scale dS^T Q stay in registers across the item's tiles, then go to fp32 accumulators
+  with atomics (items of one block, and proxy heads sharing a KV head, meet there);
+  dQ += scale dS K_j goes to an fp32 accumulator with atomics (a query's K slots meet there).
+The proxy's gradients come from kernels_src.sparse_bwd_proxy. This module does not import cutlass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from kernels_src.spec import ARCHS, BuildSpec
+
+OP = "sparse_bwd"
+
+DTYPES = ("bf16", "f16")
+GROUPS = (1, 2, 4, 8, 16)
+_ELEM_BYTES = {"bf16": 2, "f16": 2}
+_MAX_SMEM = {"sm90a": 227 * 1024, "sm100a": 227 * 1024, "sm100f": 227 * 1024}
+
+
+@dataclass(frozen=True)
+class Config:
+    dtype: str = "bf16"
+    head_dim: int = 128
+    block_size: int = 128
+    group: int = 4
+    tile_m: int = 64  # rows per tile: S, dP and dQ fragments of 8 warps (4 x 2) stay small
+    tile_n: int = 64  # keys per CTA: a key block is split over block_size // tile_n CTAs (register budget)
+    threads: int = 256
+    stages: int = 2  # gathered q / dO buffers
+
+    def variant_name(self, arch: str) -> str:
+        return variant_name(OP, dataclasses.asdict(self), arch)
+
+    def smem_bytes(self) -> int:
+        """sK, sV; staged sQ, sdO; sP^T and sdS^T (keys x rows). Mirrors SharedStorage (1024-aligned)."""
+        e = _ELEM_BYTES[self.dtype]
+        kv = 2 * _align(self.tile_n * self.head_dim * e, 1024)
+        rows = 2 * _align(self.stages * self.tile_m * self.head_dim * e, 1024)
+        p_ds = 2 * _align(self.tile_n * self.tile_m * e, 1024)
+        return kv + rows + p_ds
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
+    dts = tuple(dtypes) if dtypes else DTYPES
+    ds = tuple(head_dims) if head_dims else (128,)
+    bss = tuple(block_sizes) if block_sizes else (128,)
+    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g) for dt in dts for d in ds for bs in bss
+            for g in GROUPS]
+
+
+def can_implement(config: Config, arch: str) -> tuple[bool, str]:
+    c = config
+    if arch not in ARCHS:
+        return False, f"arch {arch!r} not in {ARCHS}"
+    if c.dtype not in DTYPES:
+        return False, f"dtype {c.dtype!r} not supported; supported: {DTYPES}"
+    if c.head_dim != 128 or c.block_size != 128:
+        return False, f"head_dim {c.head_dim}, block_size {c.block_size}: supported 128, 128"
+    if c.group not in GROUPS:
+        return False, f"group {c.group} not supported; supported: {GROUPS}"
+    if c.tile_m != 64 or c.tile_n not in (64, 128) or c.threads != 256 or c.stages not in (1, 2):
+        return False, "tile_m 64, tile_n 64 or 128, threads 256, stages 1 or 2 only"
+    if c.smem_bytes() > _MAX_SMEM[arch]:
+        return False, f"needs {c.smem_bytes()} bytes of shared memory, {arch} allows {_MAX_SMEM[arch]}"
+    return True, ""
+
+
+def params(config: Config) -> tuple:
+    c = config
+    bshd = ("i64", "i64", "i64", 1)
+    d = c.head_dim
+    return (
+        TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
+        TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
+        TensorParam("v", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
+        TensorParam("dout", c.dtype, ("B", "S", "H", d), bshd, align=16),
+        TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
+        TensorParam("delta", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
+        TensorParam("entry_query", "i32", ("E",), (1,), align=4),
+        TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
+        TensorParam("dq_acc", "f32", ("B", "S", "H", d), bshd, align=16),
+        TensorParam("dk_acc", "f32", ("B", "S", "Hk", d), bshd, align=16),
+        TensorParam("dv_acc", "f32", ("B", "S", "Hk", d), bshd, align=16),
+        ScalarParam("scale", "f32"),
+        ScalarParam("hp", "i32"),  # proxy heads: item bp = b * Hp + p
+        ScalarParam("hp_per_hk", "i32"),
+    )
+
+
+def build_spec(config: Config, arch: str) -> BuildSpec:
+    ok, reason = can_implement(config, arch)
+    if not ok:
+        raise ValueError(f"{OP}: cannot implement {config} on {arch}: {reason}")
+    return BuildSpec(
+        name=config.variant_name(arch),
+        op=OP,
+        arch=arch,
+        config=dataclasses.asdict(config),
+        config_obj=config,
+        params=params(config),
+        grid=(f"W * {config.block_size // config.tile_n}", "1", "1"),  # one CTA per (item, key slice)
+        block=(config.threads, 1, 1),
+        compile_fn="kernels_src.sparse_bwd.kernel:compile",
+        smem_bytes=config.smem_bytes(),
+        hot=True,
+    )

@@ -1,0 +1,308 @@
+"""MSA main sparse backward (CuTeDSL): KV-outer, gathered 64-row tiles, warp-level mma.sync, fp32 atomics.
+
+Two CTAs per work item (key block j of (b, p) and the queries that chose it), each owning 64 of the block's keys
+(with all 128 keys one CTA's dK and dV took 128 registers per thread and the kernel spilled), 8 warps:
+  - S = Q K^T and dP = dO V^T with warps 4 (rows) x 2 (keys): 32 fp32 registers each per thread;
+  - P = exp(S - lse) on the causal keys, dS = P (dP - delta), both stored to shared memory (rows x keys);
+  - dV += P^T dO and dK += dS^T Q with warps 4 (keys) x 2: 32 registers each, kept across the item's tiles;
+  - dQ = dS K with warps 4 x 2, added to the fp32 dq accumulator with vector atomics, times scale;
+  - at the item's end dV and scale * dK go to the fp32 dk / dv accumulators with atomics.
+Transposed operands are transposed views of the same swizzled tiles, read with ldmatrix.trans.
+Rows of queries past the tile's count are zero-filled so that they add exactly nothing.
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.runtime import make_fake_stream
+
+from kernels_src.atomics import red_add_v2
+from kernels_src.block_scores.kernel import compile_kernel
+from kernels_src.spec import Compiled, fake_tensor
+
+_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
+_LOG2E = math.log2(math.e)
+
+
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """The (cols, rows) view of a swizzled (rows, cols) smem tile: same bytes, modes swapped."""
+    lay = t.layout
+    return cute.make_tensor(t.iterator, cute.select(lay, mode=[1, 0]))
+
+
+class SparseBackward:
+    def __init__(self, config):
+        self.cfg = config
+        self.dtype = _DTYPES[config.dtype]
+        self.head_dim = config.head_dim
+        self.block_size = config.block_size
+        self.tile_n = config.tile_n
+        self.halves = config.block_size // config.tile_n
+        self.group = config.group
+        self.tile_m = config.tile_m
+        self.tile_queries = config.tile_m // config.group
+        self.threads = config.threads
+        self.stages = config.stages
+        self.traced: dict = {}
+
+    # ------------------------------------------------------------------ host side
+
+    def _smem_layout(self, shape):
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        return cute.tile_to_shape(atom, shape, tuple(range(len(shape))))
+
+    def _mma(self, warps_m: int, warps_n: int):
+        return cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)),
+            (warps_m, warps_n, 1),
+            permutation_mnk=(warps_m * 16, warps_n * 16, 16),
+        )
+
+    def _gmem_copy(self):
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+                                   num_bits_per_copy=128)
+        per_row = self.head_dim // 8
+        thr = cute.make_ordered_layout((self.threads // per_row, per_row), order=(1, 0))
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, 8)))
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
+                 delta: cute.Tensor, entry_query: cute.Tensor, items: cute.Tensor, dq_acc: cute.Tensor,
+                 dk_acc: cute.Tensor, dv_acc: cute.Tensor, scale: cutlass.Float32, hp: cutlass.Int32,
+                 hp_per_hk: cutlass.Int32, stream: cuda.CUstream):
+        l_kv = self._smem_layout((self.tile_n, self.head_dim))
+        l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
+        l_p = self._smem_layout((self.tile_m, self.tile_n))
+
+        @cute.struct
+        class SharedStorage:
+            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
+            s_v: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
+            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+            s_do: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+            s_p: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
+            s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
+
+        self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
+        self.kernel(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, scale, hp, hp_per_hk,
+                    l_kv, l_rows, l_p, self._mma(4, 2), self._mma(4, 2), self._gmem_copy(), SharedStorage).launch(
+            grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
+            stream=stream)
+
+    # ------------------------------------------------------------------ device side
+
+    @cute.kernel
+    def kernel(self, q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc,
+               scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
+               l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
+               mma_s: cute.TiledMma, mma_kv: cute.TiledMma, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        w = cta // self.halves
+        n_entries = items[w, 3]
+        if n_entries > 0:
+            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
+            b = bp // hp
+            p = bp - b * hp
+            kvh = p // hp_per_hk
+            # This CTA's keys: one tile_n slice of key block j (both slices see every row of the item).
+            t0 = j * self.block_size + (cta - w * self.halves) * self.tile_n
+            seqlen = q.shape[1]
+            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+            s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+            s_v = storage.s_v.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+            s_q_all = storage.s_q.get_tensor(l_rows.outer, swizzle=l_rows.inner)
+            s_do_all = storage.s_do.get_tensor(l_rows.outer, swizzle=l_rows.inner)
+            s_p = storage.s_p.get_tensor(l_p.outer, swizzle=l_p.inner)
+            s_ds = storage.s_ds.get_tensor(l_p.outer, swizzle=l_p.inner)
+
+            self.load_block(gcopy, k[b, None, kvh, None], s_k, t0, seqlen, tidx)
+            self.load_block(gcopy, v[b, None, kvh, None], s_v, t0, seqlen, tidx)
+
+            thr_s = mma_s.get_slice(tidx)
+            thr_kv = mma_kv.get_slice(tidx)
+            acc_dv = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
+            acc_dk = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
+            acc_dv.fill(0.0)
+            acc_dk.fill(0.0)
+            acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
+            acc_dp = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
+            s_mn, dp_mn = self._mn_view(acc_s), self._mn_view(acc_dp)
+            coord_s = self._mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
+            dq_mn = self._mn_view(acc_dq)
+            coord_dq = self._mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+            scale_log2 = scale * _LOG2E
+
+            n_tiles = cute.ceil_div(n_entries, self.tile_queries)
+            self.gather_tile(gcopy, q, dout, s_q_all, s_do_all, b, p, entry_query, start, n_entries, 0, tidx)
+            for tile in cutlass.range(n_tiles, unroll=1):
+                e0 = start + tile * self.tile_queries
+                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                s_q = s_q_all[None, None, tile % self.stages]
+                s_do = s_do_all[None, None, tile % self.stages]
+                if tile + 1 < n_tiles:
+                    self.gather_tile(gcopy, q, dout, s_q_all, s_do_all, b, p, entry_query, start, n_entries,
+                                     tile + 1, tidx)
+                else:
+                    cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)
+                cute.arch.sync_threads()
+
+                # S = Q K^T -> P; dP = dO V^T -> dS = P (dP - delta). Rows past n_q: P = dS = 0.
+                self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False)
+                self.gemm(mma_s, thr_s, acc_dp, s_do, s_v, tidx, False, False)
+                for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                    row = coord_s[r, 0][0]
+                    qi = row // self.group
+                    h = p * self.group + row % self.group
+                    i = t0 + self.tile_n
+                    lse2 = cutlass.Float32(0.0)
+                    dlt = cutlass.Float32(0.0)
+                    key_limit = -1  # nothing visible: the row adds nothing
+                    if qi < n_q:
+                        i = entry_query[e0 + qi]
+                        lse2 = lse[b, h, i] * _LOG2E
+                        dlt = delta[b, h, i]
+                        key_limit = i - t0
+                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                        pv = cutlass.Float32(0.0)
+                        if coord_s[0, c][1] <= key_limit:
+                            pv = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
+                        s_mn[r, c] = pv
+                        dp_mn[r, c] = pv * (dp_mn[r, c] - dlt)
+                        s_p[row, coord_s[0, c][1]] = pv.to(self.dtype)
+                        s_ds[row, coord_s[0, c][1]] = dp_mn[r, c].to(self.dtype)
+                cute.arch.sync_threads()
+
+                # dV += P^T dO, dK += dS^T Q (keys x D, 8 warps on keys); dQ = dS K (rows x D).
+                self.gemm(mma_kv, thr_kv, acc_dv, transposed(s_p), transposed(s_do), tidx, True, True, accumulate=True)
+                self.gemm(mma_kv, thr_kv, acc_dk, transposed(s_ds), transposed(s_q), tidx, True, True,
+                          accumulate=True)
+                self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_k), tidx, False, True)
+                for r in cutlass.range_constexpr(cute.size(dq_mn, mode=[0])):
+                    row = coord_dq[r, 0][0]
+                    qi = row // self.group
+                    if qi < n_q:
+                        i = entry_query[e0 + qi]
+                        h = p * self.group + row % self.group
+                        self.red_row(dq_acc[b, i, h, None], dq_mn, coord_dq, r, scale)
+                # The next gather and the next tile's P / dS stores overwrite what this tile read.
+                cute.arch.sync_threads()
+
+            self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[b, None, kvh, None], t0, seqlen, cutlass.Float32(1.0))
+            self.flush_block(mma_kv, thr_kv, acc_dk, dk_acc[b, None, kvh, None], t0, seqlen, scale)
+
+    @cute.jit
+    def flush_block(self, mma_kv, thr_kv, acc, g_rows, t0, seqlen, factor):
+        """acc (keys x D) * factor -> atomics into the fp32 rows t0 + key of one head (keys past S skipped)."""
+        acc_mn = self._mn_view(acc)
+        cols = cute.size(g_rows, mode=[1])
+        coord = self._mn_view(thr_kv.partition_C(cute.make_identity_tensor((self.tile_n, cols))))
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            t = t0 + coord[r, 0][0]
+            if t < seqlen:
+                self.red_row(g_rows[t, None], acc_mn, coord, r, factor)
+
+    @cute.jit
+    def red_row(self, dst, acc_mn, coord, r, factor):
+        """dst[col] += factor * acc_mn[r, c] for the thread's columns of row r, two adjacent columns per vector
+        reduction (the accumulator's column pairs; dst rows are fp32 with 8-byte aligned even columns)."""
+        base = dst.iterator.toint()
+        for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
+            red_add_v2(base + coord[0, c][1] * 4, acc_mn[r, c] * factor, acc_mn[r, c + 1] * factor)
+
+    @cute.jit
+    def gemm(self, tiled_mma, thr_mma, acc, s_a, s_b, tidx, trans_a: cutlass.Constexpr, trans_b: cutlass.Constexpr,
+             accumulate: cutlass.Constexpr = False):
+        """acc (+)= A B^T with A (M, K) and B (N, K) smem views; trans_*: the view's K mode is not the contiguous
+        one (a transposed tile), so ldmatrix.trans reads it."""
+        ldsm_a = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=trans_a, num_matrices=4), self.dtype)
+        ldsm_b = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=trans_b, num_matrices=4), self.dtype)
+        copy_a = cute.make_tiled_copy_A(ldsm_a, tiled_mma).get_slice(tidx)
+        copy_b = cute.make_tiled_copy_B(ldsm_b, tiled_mma).get_slice(tidx)
+        t_ra = thr_mma.make_fragment_A(thr_mma.partition_A(s_a))
+        t_rb = thr_mma.make_fragment_B(thr_mma.partition_B(s_b))
+        t_sa, t_sb = copy_a.partition_S(s_a), copy_b.partition_S(s_b)
+        t_ra_v, t_rb_v = copy_a.retile(t_ra), copy_b.retile(t_rb)
+        if cutlass.const_expr(not accumulate):
+            acc.fill(0.0)
+        for kk in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
+            cute.copy(copy_a, t_sa[None, None, kk], t_ra_v[None, None, kk])
+            cute.copy(copy_b, t_sb[None, None, kk], t_rb_v[None, None, kk])
+            cute.gemm(tiled_mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
+
+    @cute.jit
+    def load_block(self, gcopy, g_rows, s_tile, t0, seqlen, tidx):
+        """cp.async rows [t0, t0 + tile_n) of one head; rows past the sequence are zero (their dS and P are 0,
+        and 0 * garbage could be NaN)."""
+        thr = gcopy.get_slice(tidx)
+        t_s = thr.partition_D(s_tile)
+        t_c = thr.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+        for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
+            t = t0 + t_c[0, m, 0][0]
+            if t < seqlen:
+                self.copy_row(gcopy, g_rows[t, None], t_s, t_c, m)
+            else:
+                t_s[None, m, None].fill(0)
+
+    @cute.jit
+    def gather_tile(self, gcopy, q, dout, s_q_all, s_do_all, b, p, entry_query, start, n_entries, tile, tidx):
+        """cp.async tile row r <- q / dout[b, i, p*G + r % G] with i = entry_query[e0 + r // G], into buffer
+        tile % stages, as one group; rows past the tile's queries are zero-filled."""
+        e0 = start + tile * self.tile_queries
+        n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+        buf = tile % self.stages
+        thr = gcopy.get_slice(tidx)
+        t_c = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        t_sq = thr.partition_D(s_q_all[None, None, buf])
+        t_sdo = thr.partition_D(s_do_all[None, None, buf])
+        for m in cutlass.range_constexpr(cute.size(t_sq, mode=[1])):
+            row = t_c[0, m, 0][0]
+            qi = row // self.group
+            if qi < n_q:
+                i = entry_query[e0 + qi]
+                h = p * self.group + row % self.group
+                self.copy_row(gcopy, q[b, i, h, None], t_sq, t_c, m)
+                self.copy_row(gcopy, dout[b, i, h, None], t_sdo, t_c, m)
+            else:
+                t_sq[None, m, None].fill(0)
+                t_sdo[None, m, None].fill(0)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def copy_row(self, gcopy, g_row, t_s, t_c, m):
+        """This thread's 16-byte chunks of one gmem row into pass m of its smem partition (rows 16-byte aligned:
+        the runtime guarantees it; the address math cannot see it)."""
+        ptr = cute.make_ptr(self.dtype, g_row.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+        chunks = cute.tiled_divide(cute.make_tensor(ptr, cute.make_layout(self.head_dim)), (8,))
+        for kk in cutlass.range_constexpr(cute.size(t_s, mode=[2])):
+            cute.copy(gcopy, chunks[None, t_c[0, 0, kk][1] // 8], t_s[None, m, kk])
+
+    @staticmethod
+    def _mn_view(t: cute.Tensor) -> cute.Tensor:
+        """((2, 2), MMA_M, MMA_N) accumulator -> ((2, MMA_M), (2, MMA_N)) rows x columns of one thread."""
+        lay = t.layout
+        mn = cute.make_layout(
+            ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
+            stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
+        )
+        return cute.make_tensor(t.iterator, mn)
+
+
+def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
+    from kernels_src.sparse_bwd import params
+
+    kernel = SparseBackward(config)
+    decl = params(config)
+    fake = (*(fake_tensor(p) for p in decl if p.kind == "tensor"), cutlass.Float32(1.0), cutlass.Int32(1),
+            cutlass.Int32(1), make_fake_stream())
+    compiled = compile_kernel(kernel, config, arch, fake)
+    if kernel.traced["smem_bytes"] != config.smem_bytes():
+        raise RuntimeError(f"shared memory: kernel {kernel.traced['smem_bytes']} bytes, spec {config.smem_bytes()}")
+    return compiled

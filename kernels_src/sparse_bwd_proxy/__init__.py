@@ -1,0 +1,84 @@
+"""MSA proxy backward, KV-outer (msa-semantics.md, "Proxy KL loss": d kl / d s_p = (pi - tau) * upstream).
+
+Work items of 64-row tiles, as the main backward (row r = (query r // G, head p*G + r % G), the query's proxy row
+replicated over its G rows). Per tile: P_h = exp(s_h - lse_h) recomputed, tau = mean over the G rows, pi =
+exp(s_p - lse_p), dS_p = (pi - tau) * kl_grad[b, p, i]; then dq_proxy += scale * dS_p K_p (atomics, one row per
+query) and dk_proxy += scale * dS_p^T Q_p (registers across the item's tiles, then atomics).
+Configs: kernels_src.sparse_bwd's (64 keys per CTA). This module does not import cutlass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from kernels_src import sparse_bwd
+from kernels_src.spec import ARCHS, BuildSpec
+
+OP = "sparse_bwd_proxy"
+
+Config = sparse_bwd.Config
+_ELEM_BYTES = {"bf16": 2, "f16": 2}
+
+
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list:
+    return sparse_bwd.configs(head_dims, block_sizes, dtypes)
+
+
+def smem_bytes(config) -> int:
+    """sK, sK_p (keys x D); staged sQ, sQ_p (rows x D); sdS_p (rows x keys). Mirrors SharedStorage."""
+    e = _ELEM_BYTES[config.dtype]
+    a = sparse_bwd._align
+    keys = 2 * a(config.tile_n * config.head_dim * e, 1024)
+    rows = 2 * a(config.stages * config.tile_m * config.head_dim * e, 1024)
+    return keys + rows + a(config.tile_m * config.tile_n * e, 1024)
+
+
+def can_implement(config, arch: str) -> tuple[bool, str]:
+    if arch not in ARCHS:
+        return False, f"arch {arch!r} not in {ARCHS}"
+    ok, reason = sparse_bwd.can_implement(config, arch)
+    if ok and smem_bytes(config) > 227 * 1024:
+        return False, f"needs {smem_bytes(config)} bytes of shared memory, {arch} allows {227 * 1024}"
+    return ok, reason
+
+
+def params(config) -> tuple:
+    c = config
+    bshd = ("i64", "i64", "i64", 1)
+    d = c.head_dim
+    return (
+        TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
+        TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
+        TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", d), bshd, align=16),
+        TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", d), bshd, align=16),
+        TensorParam("entry_query", "i32", ("E",), (1,), align=4),
+        TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
+        TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
+        TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
+        TensorParam("kl_grad", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
+        TensorParam("dqp_acc", "f32", ("B", "S", "Hp", d), bshd, align=16),
+        TensorParam("dkp_acc", "f32", ("B", "S", "Hpk", d), bshd, align=16),
+        ScalarParam("scale", "f32"),
+        ScalarParam("hp_per_hk", "i32"),
+        ScalarParam("hp_per_hpk", "i32"),
+    )
+
+
+def build_spec(config, arch: str) -> BuildSpec:
+    ok, reason = can_implement(config, arch)
+    if not ok:
+        raise ValueError(f"{OP}: cannot implement {config} on {arch}: {reason}")
+    return BuildSpec(
+        name=variant_name(OP, dataclasses.asdict(config), arch),
+        op=OP,
+        arch=arch,
+        config=dataclasses.asdict(config),
+        config_obj=config,
+        params=params(config),
+        grid=(f"W * {config.block_size // config.tile_n}", "1", "1"),  # one CTA per (item, key slice)
+        block=(config.threads, 1, 1),
+        compile_fn="kernels_src.sparse_bwd_proxy.kernel:compile",
+        smem_bytes=smem_bytes(config),
+        hot=True,
+    )

@@ -1,0 +1,203 @@
+"""MSA proxy backward (CuTeDSL): the main backward's 64-row tiles and pieces, ending in the proxy's gradients.
+
+Per tile (8 warps, 4 x 2 over rows x keys): P_h recomputed from the saved lse; tau = mean of P over the G rows of
+one query (lane shuffles: a query's rows sit in one warp); pi from the replicated proxy rows and the saved proxy
+lse; dS_p / G = (pi - tau) * kl_grad / G in every row of the query (the G rows are identical, so dk_p's sum over
+rows counts the query once), stored to shared memory; dq_p = G * (dS_p / G) K_p from each query's g == 0 row;
+dk_p += (dS_p / G)^T Q_p over the item's tiles (registers; atomics at the item's end). Like the main backward, a
+key block is split over two CTAs of 64 keys each (registers: tau, pi, dk_p and dq_p side by side).
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream
+
+from kernels_src.block_scores.kernel import compile_kernel
+from kernels_src.sparse_bwd.kernel import SparseBackward, transposed
+from kernels_src.spec import Compiled, fake_tensor
+
+_LOG2E = math.log2(math.e)
+
+
+class SparseProxyBackward(SparseBackward):
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
+                 entry_query: cute.Tensor, items: cute.Tensor, lse: cute.Tensor, lse_proxy: cute.Tensor,
+                 kl_grad: cute.Tensor, dqp_acc: cute.Tensor, dkp_acc: cute.Tensor, scale: cutlass.Float32,
+                 hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+        l_kv = self._smem_layout((self.tile_n, self.head_dim))
+        l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
+        l_p = self._smem_layout((self.tile_m, self.tile_n))
+
+        @cute.struct
+        class SharedStorage:
+            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
+            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
+            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+            s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+            s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
+
+        self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
+        self.kernel_proxy(q, k, q_proxy, k_proxy, entry_query, items, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
+                          scale, hp_per_hk, hp_per_hpk, l_kv, l_rows, l_p, self._mma(4, 2), self._mma(4, 2),
+                          self._gmem_copy(), SharedStorage).launch(
+            grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
+            stream=stream)
+
+    @cute.kernel
+    def kernel_proxy(self, q, k, q_proxy, k_proxy, entry_query, items, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
+                     scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+                     l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
+                     mma_s: cute.TiledMma, mma_kv: cute.TiledMma, gcopy: cute.TiledCopy,
+                     SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        w = cta // self.halves
+        n_entries = items[w, 3]
+        if n_entries > 0:
+            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
+            hp = q_proxy.shape[2]
+            b = bp // hp
+            p = bp - b * hp
+            pkh = p // hp_per_hpk
+            # This CTA's keys: one tile_n slice of key block j (tau and pi are per key: the slices are independent).
+            t0 = j * self.block_size + (cta - w * self.halves) * self.tile_n
+            seqlen = q.shape[1]
+            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+            s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+            s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+            s_q_all = storage.s_q.get_tensor(l_rows.outer, swizzle=l_rows.inner)
+            s_qp_all = storage.s_qp.get_tensor(l_rows.outer, swizzle=l_rows.inner)
+            s_ds = storage.s_ds.get_tensor(l_p.outer, swizzle=l_p.inner)
+            self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx)
+            self.load_block(gcopy, k_proxy[b, None, pkh, None], s_kp, t0, seqlen, tidx)
+
+            thr_s = mma_s.get_slice(tidx)
+            thr_kv = mma_kv.get_slice(tidx)
+            acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
+            acc_p = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
+            s_mn, p_mn = self._mn_view(acc_s), self._mn_view(acc_p)
+            coord_s = self._mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
+            dq_mn = self._mn_view(acc_dq)
+            coord_dq = self._mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+            acc_dkp = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
+            acc_dkp.fill(0.0)
+            scale_log2 = scale * _LOG2E
+            inv_g = 1.0 / self.group
+            levels = min(int(math.log2(self.group)), 3)
+            rows_per_thread = cute.size(s_mn, mode=[0])
+
+            n_tiles = cute.ceil_div(n_entries, self.tile_queries)
+            self.gather_pair(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, 0, tidx)
+            for tile in cutlass.range(n_tiles, unroll=1):
+                e0 = start + tile * self.tile_queries
+                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                s_q = s_q_all[None, None, tile % self.stages]
+                s_qp = s_qp_all[None, None, tile % self.stages]
+                if tile + 1 < n_tiles:
+                    self.gather_pair(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries,
+                                     tile + 1, tidx)
+                else:
+                    cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)
+                cute.arch.sync_threads()
+
+                # tau * G = sum over the query's G rows of P_h (0 on masked keys and dead rows).
+                self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False)
+                self.gemm(mma_s, thr_s, acc_p, s_qp, s_kp, tidx, False, False)
+                for r in cutlass.range_constexpr(rows_per_thread):
+                    row = coord_s[r, 0][0]
+                    qi = row // self.group
+                    lse2 = cutlass.Float32(0.0)
+                    key_limit = -1
+                    if qi < n_q:
+                        lse2 = lse[b, p * self.group + row % self.group, entry_query[e0 + qi]] * _LOG2E
+                        key_limit = entry_query[e0 + qi] - t0
+                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                        pv = cutlass.Float32(0.0)
+                        if coord_s[0, c][1] <= key_limit:
+                            pv = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
+                        s_mn[r, c] = pv
+                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                    for r in cutlass.range_constexpr(rows_per_thread):
+                        tot = s_mn[r, c]
+                        for lvl in cutlass.range_constexpr(levels):
+                            tot += cute.arch.shuffle_sync_bfly(tot, offset=4 << lvl)
+                        s_mn[r, c] = tot
+                    if cutlass.const_expr(self.group == 16):
+                        both = s_mn[0, c] + s_mn[1, c]
+                        s_mn[0, c] = both
+                        s_mn[1, c] = both
+                # dS_p / G = (pi - tau) * kl_grad / G, tau = s_mn / G.
+                for r in cutlass.range_constexpr(rows_per_thread):
+                    row = coord_s[r, 0][0]
+                    qi = row // self.group
+                    lsep2 = cutlass.Float32(0.0)
+                    cg = cutlass.Float32(0.0)
+                    key_limit = -1
+                    if qi < n_q:
+                        i = entry_query[e0 + qi]
+                        lsep2 = lse_proxy[b, p, i] * _LOG2E
+                        cg = kl_grad[b, p, i] * inv_g
+                        key_limit = i - t0
+                    for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
+                        pi = cutlass.Float32(0.0)
+                        if coord_s[0, c][1] <= key_limit:
+                            pi = cute.math.exp2(p_mn[r, c] * scale_log2 - lsep2, fastmath=True)
+                        s_ds[row, coord_s[0, c][1]] = ((pi - s_mn[r, c] * inv_g) * cg).to(self.dtype)
+                cute.arch.sync_threads()
+
+                # dq_p = G * (dS_p / G) K_p from each query's g == 0 row; dk_p += (dS_p / G)^T Q_p over all rows.
+                self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_kp), tidx, False, True)
+                for r in cutlass.range_constexpr(cute.size(dq_mn, mode=[0])):
+                    row = coord_dq[r, 0][0]
+                    qi = row // self.group
+                    if qi < n_q and row % self.group == 0:
+                        self.red_row(dqp_acc[b, entry_query[e0 + qi], p, None], dq_mn, coord_dq, r,
+                                     scale * self.group)
+                self.gemm(mma_kv, thr_kv, acc_dkp, transposed(s_ds), transposed(s_qp), tidx, True, True,
+                          accumulate=True)
+                cute.arch.sync_threads()
+
+            self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
+
+    @cute.jit
+    def gather_pair(self, gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, tile, tidx):
+        """cp.async tile row r <- q[b, i, p*G + r % G] and q_proxy[b, i, p] (i = entry_query[e0 + r // G]) into
+        buffer tile % stages, as one group; rows past the tile's queries are zero-filled."""
+        e0 = start + tile * self.tile_queries
+        n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+        buf = tile % self.stages
+        thr = gcopy.get_slice(tidx)
+        t_c = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        t_sq = thr.partition_D(s_q_all[None, None, buf])
+        t_sqp = thr.partition_D(s_qp_all[None, None, buf])
+        for m in cutlass.range_constexpr(cute.size(t_sq, mode=[1])):
+            row = t_c[0, m, 0][0]
+            qi = row // self.group
+            if qi < n_q:
+                i = entry_query[e0 + qi]
+                self.copy_row(gcopy, q[b, i, p * self.group + row % self.group, None], t_sq, t_c, m)
+                self.copy_row(gcopy, q_proxy[b, i, p, None], t_sqp, t_c, m)
+            else:
+                t_sq[None, m, None].fill(0)
+                t_sqp[None, m, None].fill(0)
+        cute.arch.cp_async_commit_group()
+
+
+def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
+    from kernels_src.sparse_bwd_proxy import params, smem_bytes
+
+    kernel = SparseProxyBackward(config)
+    fake = (*(fake_tensor(p) for p in params(config) if p.kind == "tensor"), cutlass.Float32(1.0),
+            cutlass.Int32(1), cutlass.Int32(1), make_fake_stream())
+    compiled = compile_kernel(kernel, config, arch, fake)
+    if kernel.traced["smem_bytes"] != smem_bytes(config):
+        raise RuntimeError(f"shared memory: kernel {kernel.traced['smem_bytes']} bytes, spec {smem_bytes(config)}")
+    return compiled
