@@ -175,3 +175,32 @@ def test_training_steps_match_the_reference():
         dispatch.register_backend(kernels.KERNELS)
     for a, b in zip(with_kernels, with_reference):
         assert (a - b).abs().max().item() <= 1e-2 * b.abs().max().item()
+
+
+def test_deterministic_mode_runs_the_reproducible_backward():
+    """Under torch.use_deterministic_algorithms the atomics-based kernels are declined (the warning is checked in
+    test_kernel_dispatch_cpu) and two backward passes give bitwise-identical gradients."""
+    import flash_msa_rt
+    from flash_msa_rt.ops import dispatch
+
+    qp, kp, q, k, v = _inputs(1, 600, 8, 2, 2, 1, torch.bfloat16, seed=6)
+    t = lambda x: x.transpose(1, 2).detach().requires_grad_()  # noqa: E731
+
+    def grads():
+        ins = [t(x) for x in (qp, kp, q, k, v)]
+        out, kl = flash_msa_rt.flash_msa_func(*ins, 256, 128 ** -0.5)
+        (out.float().pow(2).mean() + kl).backward()
+        return [x.grad for x in ins]
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        impl = dispatch.implementation("msa_backward", torch.device("cuda"), torch.bfloat16, head_dim=128,
+                                       proxy_head_dim=128, block_size=128, group=4, kv_group=4, varlen=False,
+                                       deterministic=True)
+        assert impl is dispatch.reference_impl("msa_backward")
+        first = grads()
+        second = grads()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)

@@ -180,3 +180,29 @@ def test_public_api_routes_forward_to_the_kernel():
     ref = msa_forward_cuda(qp, kp, q, k, v, sel, 128, 128 ** -0.5)
     torch.testing.assert_close(out, ref[0].reshape(B, S, H * 128), rtol=0, atol=0)
     torch.testing.assert_close(kl, ref[3].mean(), rtol=1e-6, atol=1e-8)
+
+
+def test_query_chunks_bound_the_partials(monkeypatch):
+    """A small partials budget cuts the forward into query chunks; the results are bitwise those of one chunk
+    (an entry's partial does not depend on the other rows of its tile), and the peak memory drops."""
+    from flash_msa_rt.ops import sparse_fwd
+
+    qp, kp, q, k, v = _inputs(2, 3000, 16, 2, 4, 1, torch.bfloat16, seed=8)
+    scale = 128 ** -0.5
+    sel = _selection(qp, kp, 16, scale)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    whole = sparse_fwd.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale)
+    torch.cuda.synchronize()
+    peak_whole = torch.cuda.max_memory_allocated() - base
+    monkeypatch.setattr(sparse_fwd, "PARTIALS_BUDGET", 4 << 20)
+    assert sparse_fwd.query_chunk(2, 3000, 4, 16, 4, 128, 128) < 3000  # several chunks
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    chunked = sparse_fwd.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale)
+    torch.cuda.synchronize()
+    peak_chunked = torch.cuda.max_memory_allocated() - base
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a, b)
+    assert peak_chunked < peak_whole / 2, (peak_chunked, peak_whole)

@@ -299,3 +299,41 @@ def test_cuda_equals_cpu():
     got = combine_forward(gpu, idx.cuda(), *(t.cuda() for t in parts))
     for g, w in zip(got, want):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5)
+
+
+def test_query_chunks_equal_the_whole_plan():
+    """The forward plans, combines and takes the KL of a chunk of queries at a time (query_offset): the chunks'
+    results are the whole plan's rows (float64; tiles group other queries, so BLAS may round differently)."""
+    gen = torch.Generator().manual_seed(21)
+    B, S, H, Hk, Hp, Hpk, D, Bs, K = 1, 300, 4, 2, 2, 1, 16, 32, 4
+    qp, kp, q, k, v = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (Hp, Hpk, H, Hk, Hk))
+    idx = random_indices(gen, B, Hp, S, K, Bs)
+    G, scale = H // Hp, D ** -0.5
+
+    def run(sel, s0):
+        plan = sparse_plan(sel.contiguous(), Bs, sel.shape[2], G, 8, 2, query_offset=s0)
+        out, lse, lsep = combine_forward(plan, sel.contiguous(), *emulate_forward(plan, q, k, v, qp, kp, scale))
+        return plan, out, lse, lsep
+
+    whole_plan, out, lse, lsep = run(idx, 0)
+    kl = combine_kl(whole_plan, idx, emulate_kl(whole_plan, q, k, qp, kp, lse, lsep, scale))
+    for s0, s1 in ((0, 64), (64, 200), (200, 300)):
+        plan, o_c, l_c, lp_c = run(idx[:, :, s0:s1], s0)
+        assert int(plan.entry_query.min()) >= s0 and plan.NB == -(-s1 // Bs)
+        for got, want in ((o_c, out[:, s0:s1]), (l_c, lse[:, :, s0:s1]), (lp_c, lsep[:, :, s0:s1])):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+        kl_c = combine_kl(plan, idx[:, :, s0:s1].contiguous(),
+                          emulate_kl(plan, q, k, qp, kp, lse, lsep, scale))
+        torch.testing.assert_close(kl_c, kl[:, :, s0:s1], rtol=1e-12, atol=1e-14)
+
+
+def test_forward_query_chunk_fits_the_budget():
+    from flash_msa_rt.ops.sparse_fwd import PARTIALS_BUDGET, query_chunk
+
+    # Configuration (b) at 128K tokens: the whole selection's partials would take ~17 GB.
+    B, S, Hp, K, G, D = 2, 65536, 8, 16, 4, 128
+    chunk = query_chunk(B, S, Hp, K, G, D, 128)
+    per_query = B * Hp * K * (G * D * 2 + 4 * (2 * G + 1))
+    assert chunk % 128 == 0 and chunk * per_query <= PARTIALS_BUDGET < (chunk + 128) * per_query
+    assert query_chunk(1, 300, 1, 1, 1, 128, 128) == 384  # small problems: one chunk covering every block
+    assert query_chunk(B, S, Hp, K, G, D, 128, budget=1) == 128  # at least one block per chunk

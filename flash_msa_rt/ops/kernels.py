@@ -9,6 +9,8 @@ with the build command; a declined call is never an error.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from flash_msa_rt.errors import FlashMsaError
@@ -46,9 +48,22 @@ def _select_supports(problem: dispatch.Problem) -> str | None:
                                                             select.max_k_for(k)))])
 
 
+_DETERMINISTIC_REASON = (
+    "torch.use_deterministic_algorithms(True) is on and the sparse backward kernels add gradients with fp32 "
+    "atomics (summation order varies run to run); the backward runs on the pure-PyTorch reference instead "
+    "(bitwise reproducible, much slower)")
+_warned_deterministic = False
+
+
 def _msa_supports(problem: dispatch.Problem) -> str | None:
     """msa_forward and msa_backward: the same problem limits, each op's own variants."""
+    global _warned_deterministic
     c = problem.config
+    if c.get("deterministic"):
+        if not _warned_deterministic:  # dispatch's own fallback warning is shown once for all reasons
+            _warned_deterministic = True
+            warnings.warn(f"flash_msa: {_DETERMINISTIC_REASON}", RuntimeWarning, stacklevel=4)
+        return _DETERMINISTIC_REASON
     if c.get("varlen"):
         return "the sparse attention kernels do not take cu_seqlens yet"
     if problem.dtype not in _DTYPE_NAMES:

@@ -104,7 +104,11 @@ def msa_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tens
                  kl_grad: Optional[Tensor],
                  cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq_proxy, dk_proxy, dq, dk, dv). kl_grad is d(loss)/d(kl_rows), broadcastable to (B, Hp, S), or None."""
-    impl = _impl("msa_backward", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens))
+    # The kernels' backward sums with fp32 atomics; under torch.use_deterministic_algorithms(True) dispatch
+    # must be able to decline it, so the flag belongs to the problem.
+    config = dict(_msa_config(q_proxy, q, k, block_size, cu_seqlens),
+                  deterministic=torch.are_deterministic_algorithms_enabled())
+    impl = _impl("msa_backward", q, config)
     return _fresh(*impl(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
                         kl_grad, cu_seqlens))
 

@@ -44,7 +44,7 @@ def _tile_scores(plan, q, k, q_proxy, k_proxy, b, p, j, e, scale, dt):
     G, Bs = plan.group, plan.block_size
     H, Hk, Hp, Hpk = q.shape[2], k.shape[2], q_proxy.shape[2], k_proxy.shape[2]
     i = plan.entry_query[e].long()
-    t0, t1 = j * Bs, min((j + 1) * Bs, plan.S)
+    t0, t1 = j * Bs, min((j + 1) * Bs, q.shape[1])  # plan.S is a chunk's length when planned in chunks
     heads = torch.arange(p * G, (p + 1) * G, device=q.device)
     qt = q[b, i][:, heads].to(dt)  # (rows, G, D): a (query, G heads) row group is contiguous in BSHD
     kt = k[b, t0:t1][:, heads // (H // Hk)].to(dt)  # (keys, G, D)

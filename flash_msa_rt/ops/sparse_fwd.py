@@ -1,6 +1,7 @@
 """The sparse forward's launcher: MSA main attention + proxy lse + KL on the GPU, KV-outer.
 
 Steps, all on the device with no host synchronisation:
+  0. the queries are cut into chunks whose partial buffers fit PARTIALS_BUDGET; per chunk:
   1. sparse_plan: the reverse index (key block -> the queries that chose it), cut into bounded work items;
   2. sparse_fwd kernel: per (entry, head) the one-block partial output, its lse, and the proxy's lse;
   3. sparse_combine kernel: logsumexp merge of each row's K slots -> out, lse, lse_proxy;
@@ -21,7 +22,8 @@ HEAD_DIMS = (128,)
 BLOCK_SIZES = (128,)
 GROUPS = (1, 2, 4, 8, 16)
 TILE_M = 128
-TILES_PER_ITEM = 4  # a work item is one key block and at most 4 tiles of its queries: bounds the hot blocks
+TILES_PER_ITEM = 8  # a work item is one key block and at most 8 tiles of its queries: bounds the hot blocks
+PARTIALS_BUDGET = 1 << 30  # bytes of per-slot partials one forward chunk may hold (see query_chunk)
 
 
 def kernel_config(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int) -> dict:
@@ -64,34 +66,54 @@ def _launch_args(q_proxy, k_proxy, q, k, plan, scale):
                 hp_per_hk=q_proxy.shape[2] // k.shape[2], hp_per_hpk=q_proxy.shape[2] // k_proxy.shape[2])
 
 
+def query_chunk(B: int, S: int, Hp: int, K: int, G: int, D: int, block_size: int,
+                budget: int | None = None) -> int:
+    """Queries per forward chunk: the partial buffers (o_part in 2 bytes, lse / lsep / kl parts in fp32) of one
+    chunk stay within PARTIALS_BUDGET bytes; a multiple of block_size, at least one block."""
+    per_query = B * Hp * K * (G * D * 2 + 4 * (2 * G + 1))
+    chunk = (budget or PARTIALS_BUDGET) // per_query // block_size * block_size
+    return max(block_size, min(chunk, -(-S // block_size) * block_size))
+
+
 def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale):
     """(out (B, S, H, D), lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) on a CUDA device.
 
     The caller has validated shapes and made every tensor 16-byte aligned with a unit-stride head dim.
-    Extra memory: the plan (O(B*Hp*S*K) int32) and the per-slot partial outputs (B*H*S*K*D elements, the
-    combine's input; NOTES.md says how to bound it).
+    Queries run in chunks whose per-slot partial outputs fit PARTIALS_BUDGET: a row's K slots all belong to its
+    chunk, so each chunk is planned, computed, combined and its KL taken on its own; extra memory is the plan
+    (O(B*Hp*S*K) int32) plus one chunk's partials, whatever S.
     """
     B, S, H, D = q.shape
-    Hp = q_proxy.shape[2]
+    Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
-    config = kernel_config(DTYPES[q.dtype], D, q_proxy.shape[3], block_size, G)
-    plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, TILES_PER_ITEM)
-    E = plan.entry_query.shape[0]
+    dt = DTYPES[q.dtype]
     dev = q.device
-    o_part = torch.empty((E, G, D), dtype=q.dtype, device=dev)
-    lse_part = torch.empty((E, G), dtype=torch.float32, device=dev)
-    lsep_part = torch.empty((E,), dtype=torch.float32, device=dev)
-    args = _launch_args(q_proxy, k_proxy, q, k, plan, scale)
-    if E and plan.items.shape[0]:
-        get_kernel("sparse_fwd", config, dev)(v=v, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, **args)
+    config = kernel_config(dt, D, q_proxy.shape[3], block_size, G)
+    fwd = get_kernel("sparse_fwd", config, dev)
+    kl = get_kernel("sparse_kl", config, dev)
+    combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
-    get_kernel("sparse_combine", combine_config(DTYPES[q.dtype], D, block_size, G), dev)(
-        block_indices=block_indices, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, out=out, lse=lse,
-        lse_proxy=lse_proxy)
-    kl_part = torch.empty((E, G), dtype=torch.float32, device=dev)
-    if E and plan.items.shape[0]:
-        get_kernel("sparse_kl", config, dev)(lse=lse, lse_proxy=lse_proxy, kl_part=kl_part, **args)
-    kl_rows = combine_kl(plan, block_indices, kl_part)
+    kl_rows = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
+    if out.numel() == 0:
+        return out, lse, lse_proxy, kl_rows
+    chunk = query_chunk(B, S, Hp, K, G, D, block_size)
+    E_max = B * Hp * min(chunk, S) * K
+    o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
+    lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
+    lsep_buf = torch.empty((E_max,), dtype=torch.float32, device=dev)
+    kl_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
+    for s0 in range(0, S, chunk):
+        s1 = min(S, s0 + chunk)
+        sel = block_indices[:, :, s0:s1].contiguous()
+        plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
+        E = plan.E
+        o_part, lse_part, lsep_part, kl_part = o_buf[:E], lse_buf[:E], lsep_buf[:E], kl_buf[:E]
+        args = _launch_args(q_proxy, k_proxy, q, k, plan, scale)
+        fwd(v=v, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, **args)
+        combine(block_indices=sel, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, out=out[:, s0:s1],
+                lse=lse[:, :, s0:s1], lse_proxy=lse_proxy[:, :, s0:s1], query_offset=s0)
+        kl(lse=lse, lse_proxy=lse_proxy, kl_part=kl_part, **args)
+        kl_rows[:, :, s0:s1] = combine_kl(plan, sel, kl_part)
     return out, lse, lse_proxy, kl_rows

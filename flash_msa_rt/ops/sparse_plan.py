@@ -61,6 +61,7 @@ class SparsePlan:
     group: int
     tile_queries: int
     tiles_per_item: int
+    query_offset: int = 0
 
     @property
     def entries_per_item(self) -> int:
@@ -75,21 +76,26 @@ def _positive_int(fn: str, name: str, value) -> int:
     return value
 
 
-def live_slots(block_indices: torch.Tensor, block_size: int) -> torch.Tensor:
-    """bool (B, Hp, S, K): slot holds a block j with 0 <= j <= blk(i), i.e. a block with causal keys for i."""
+def live_slots(block_indices: torch.Tensor, block_size: int, query_offset: int = 0) -> torch.Tensor:
+    """bool (B, Hp, S, K): slot holds a block j with 0 <= j <= blk(i), i.e. a block with causal keys for i.
+    Row r of block_indices is query i = query_offset + r (a chunk of a longer sequence)."""
     S = block_indices.shape[2]
-    local = (torch.arange(S, device=block_indices.device, dtype=torch.int32) // block_size).view(1, 1, S, 1)
+    i = torch.arange(query_offset, query_offset + S, device=block_indices.device, dtype=torch.int32)
+    local = (i // block_size).view(1, 1, S, 1)
     return (block_indices >= 0) & (block_indices <= local)
 
 
 def sparse_plan(block_indices: torch.Tensor, block_size: int, seqlen: int, group: int, tile_queries: int,
-                tiles_per_item: int) -> SparsePlan:
+                tiles_per_item: int, query_offset: int = 0) -> SparsePlan:
     """The KV-outer work plan of block_indices (B, Hp, S, K) int32 (-1 = empty; entries of a row distinct).
 
     group = G = H / Hp, tile_queries = tq queries per 128-row tile (128 // G in the kernel), tiles_per_item = T.
     Entries of a list (bp, j) are consecutive in entry_query / entry_dest and sorted by query; each list is cut
     into items of at most T * tq entries. W = ceil(E / (T * tq)) + B * Hp * NB bounds the item count:
     sum over lists of ceil(n_l / C) <= sum (n_l / C + 1) <= E / C + lists.
+    query_offset: block_indices holds the rows of queries [query_offset, query_offset + seqlen) of a longer
+    sequence (the forward plans a chunk of queries at a time to bound its partial buffers): entry_query is
+    absolute, entry_dest indexes the chunk's (B, Hp, seqlen, K) grid.
     """
     fn = "sparse_plan"
     if not isinstance(block_indices, torch.Tensor):
@@ -111,21 +117,23 @@ def sparse_plan(block_indices: torch.Tensor, block_size: int, seqlen: int, group
     if E * G >= _INT32_LIMIT:
         raise ValueError(f"{fn}: block_indices {tuple(block_indices.shape)} with group = {G} gives E * G = {E * G} "
                          f"partial rows, past int32 (< 2**31): split the batch or the sequence")
-    NB = -(-S // Bs)
+    if isinstance(query_offset, bool) or not isinstance(query_offset, int) or query_offset < 0:
+        raise ValueError(f"{fn}: query_offset must be a non-negative int, got {query_offset!r}")
+    NB = -(-(query_offset + S) // Bs)
     L = B * Hp * NB  # lists, one per (bp, j)
     C = T * tq  # entries per item at most
     W = -(-E // C) + L
     dev = block_indices.device
 
     # List id bp * NB + j of each entry in (bp, i, slot) order; dead entries go to the spare list L (sorted last).
-    live = live_slots(block_indices, Bs)
+    live = live_slots(block_indices, Bs, query_offset)
     bp = torch.arange(B * Hp, device=dev, dtype=torch.int32).view(B, Hp, 1, 1)
     list_id = torch.where(live, bp * NB + block_indices, torch.full((), L, dtype=torch.int32, device=dev))
     # A stable sort on the list id keeps the (i, slot) order inside each list: sorted by query, since a row's
     # blocks are distinct (one entry per query per list). int32 keys: fewer radix passes than (list, i) int64 keys.
     sorted_list, order = torch.sort(list_id.reshape(-1), stable=True)
     entry_dest = order.to(torch.int32)
-    entry_query = torch.div(order, K, rounding_mode="floor").remainder(S).to(torch.int32)
+    entry_query = (torch.div(order, K, rounding_mode="floor").remainder(S) + query_offset).to(torch.int32)
 
     # List boundaries by binary search on the sorted ids: contention-free even when one list holds every query.
     bounds = torch.searchsorted(sorted_list, torch.arange(L + 1, device=dev, dtype=torch.int32))
@@ -147,7 +155,7 @@ def sparse_plan(block_indices: torch.Tensor, block_size: int, seqlen: int, group
     item_count = chunk_end[-1:].to(torch.int32)
     return SparsePlan(entry_query=entry_query, entry_dest=entry_dest, items=items, item_count=item_count, E=E,
                       W=W, K=K, Hp=Hp, S=S, B=B, NB=NB, block_size=Bs, group=G, tile_queries=tq,
-                      tiles_per_item=T)
+                      tiles_per_item=T, query_offset=query_offset)
 
 
 # --- partial buffers ---------------------------------------------------------------------------------------------
@@ -225,7 +233,7 @@ def combine_forward(plan: SparsePlan, block_indices: torch.Tensor, o_part: torch
     _check_part(fn, "lse_part", lse_part, (plan.E, G))
     _check_part(fn, "lsep_part", lsep_part, (plan.E,))
     acc = _stat_dtype(o_part, lse_part, lsep_part)
-    live = live_slots(block_indices, plan.block_size)  # (B, Hp, S, K)
+    live = live_slots(block_indices, plan.block_size, plan.query_offset)  # (B, Hp, S, K)
     neg_inf = torch.full((), float("-inf"), dtype=acc, device=lse_part.device)
     zero = torch.zeros((), dtype=acc, device=lse_part.device)
 
@@ -254,6 +262,6 @@ def combine_kl(plan: SparsePlan, block_indices: torch.Tensor, kl_part: torch.Ten
     _check_indices(fn, plan, block_indices)
     _check_part(fn, "kl_part", kl_part, (plan.E, G))
     acc = _stat_dtype(kl_part)
-    live = live_slots(block_indices, plan.block_size).unsqueeze(-1)
+    live = live_slots(block_indices, plan.block_size, plan.query_offset).unsqueeze(-1)
     kl = torch.where(live, kl_part.view(B, Hp, S, K, G).to(acc), torch.zeros((), dtype=acc, device=kl_part.device))
     return kl.sum(dim=(3, 4))

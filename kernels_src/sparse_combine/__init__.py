@@ -5,7 +5,8 @@ the entry d = ((b * Hp + p) * S + i) * K + k:
   lse[b, p*G + g, i] = logsumexp_k lse_part[d, g],
   out[b, i, p*G + g] = sum_k exp(lse_part[d, g] - lse) * o_part[d, g],    (o_part is normalised per block)
   lse_proxy[b, p, i] = logsumexp_k lsep_part[d].
-A row without a live slot gets out = 0 and lse = lse_proxy = -inf. One warp per (b, p, i, g) row, one pass with
+A row without a live slot gets out = 0 and lse = lse_proxy = -inf. The tensors may hold a chunk of queries: row r
+is query i = query_offset + r (for the live rule; out, lse and lse_proxy are the chunk's views). One warp per (b, p, i, g) row, one pass with
 an online rescale; the partial buffers are read once (the op is bound by that read, ~2 bytes per partial element).
 This module does not import cutlass.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flash_msa_rt.manifest import TensorParam, variant_name
+from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
 from kernels_src.spec import ARCHS, BuildSpec
 
 OP = "sparse_combine"
@@ -72,6 +73,7 @@ def params(config: Config) -> tuple:
         TensorParam("out", config.dtype, ("B", "S", "H", d), ("i64", "i64", "i64", 1), align=16),
         TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
         TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
+        ScalarParam("query_offset", "i32"),  # row r is query query_offset + r (the forward runs in query chunks)
     )
 
 

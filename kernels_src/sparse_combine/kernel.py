@@ -34,15 +34,15 @@ class SparseCombine:
     @cute.jit
     def __call__(self, block_indices: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
                  lsep_part: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, lse_proxy: cute.Tensor,
-                 stream: cuda.CUstream):
+                 query_offset: cutlass.Int32, stream: cuda.CUstream):
         B, Hp, S, _ = block_indices.shape
         rows = B * Hp * S * self.group
         warps = self.threads // 32
-        self.kernel(block_indices, o_part, lse_part, lsep_part, out, lse, lse_proxy).launch(
+        self.kernel(block_indices, o_part, lse_part, lsep_part, out, lse, lse_proxy, query_offset).launch(
             grid=(cute.ceil_div(rows, warps), 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, block_indices, o_part, lse_part, lsep_part, out, lse, lse_proxy):
+    def kernel(self, block_indices, o_part, lse_part, lsep_part, out, lse, lse_proxy, query_offset: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -55,7 +55,7 @@ class SparseCombine:
             bp = bpi // S
             b = bp // Hp
             p = bp - b * Hp
-            local = i // self.block_size
+            local = (query_offset + i) // self.block_size
             neg_inf = -cutlass.Float32.inf
             acc = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
             acc.fill(0.0)
@@ -107,5 +107,5 @@ def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entr
     from kernels_src.sparse_combine import params
 
     kernel = SparseCombine(config)
-    fake = (*(fake_tensor(p) for p in params(config)), make_fake_stream())
+    fake = (*(fake_tensor(p) for p in params(config) if p.kind == "tensor"), cutlass.Int32(0), make_fake_stream())
     return compile_kernel(kernel, config, arch, fake)

@@ -1,0 +1,42 @@
+"""What the CUDA kernel backend declines, and why (no GPU needed: every case is decided before artifacts)."""
+
+import pytest
+import torch
+
+from flash_msa_rt.ops import dispatch, kernels
+
+
+def _problem(op="msa_backward", dtype=torch.bfloat16, **over):
+    config = {"head_dim": 128, "proxy_head_dim": 128, "block_size": 128, "group": 4, "kv_group": 8,
+              "varlen": False}
+    if op == "msa_backward":
+        config["deterministic"] = False
+    config.update(over)
+    return dispatch.Problem(op, torch.device("cuda", 0), dtype, config)
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"deterministic": True}, "use_deterministic_algorithms"),
+    ({"varlen": True}, "cu_seqlens"),
+    ({"group": 3}, "G 3"),
+    ({"head_dim": 64}, "D 64"),
+    ({"block_size": 64}, "block_size 64"),
+    ({"kv_group": 2}, "Hp >= Hk"),
+])
+def test_sparse_kernels_decline_with_a_reason(over, words):
+    with pytest.warns(RuntimeWarning) if over.get("deterministic") and not kernels._warned_deterministic else \
+            _nothing():
+        reason = kernels._msa_supports(_problem(**over))
+    assert reason is not None and words in reason
+
+
+def test_float32_is_declined():
+    assert "float32" in kernels._msa_supports(_problem("msa_forward", dtype=torch.float32))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
