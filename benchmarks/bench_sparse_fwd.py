@@ -66,7 +66,7 @@ def run(cfg: str, S: int, tokens: int):
         "plan": lambda: sparse_plan(sel, 128, S, G, sf.TILE_M // G, sf.TILES_PER_ITEM),
         "fwd_kernel": lambda: fwd(v=v, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, **args),
         "combine": lambda: comb(block_indices=sel, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, out=out,
-                                lse=lse, lse_proxy=lse_p),
+                                lse=lse, lse_proxy=lse_p, query_offset=0),
         "kl_kernel": lambda: kl(lse=lse, lse_proxy=lse_p, kl_part=kl_part, **args),
         "combine_kl": lambda: combine_kl(plan, sel, kl_part),
         "whole": lambda: sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale),
