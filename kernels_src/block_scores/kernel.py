@@ -24,6 +24,7 @@ from cutlass.cute.runtime import make_fake_stream
 
 from kernels_src.block_scores import SWIZZLE_BYTES, Config, params
 from kernels_src.spec import GPU_ARCH_OPTION, Compiled, fake_tensor
+from kernels_src.tiles import acc_rows_cols
 
 _DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
 
@@ -240,9 +241,9 @@ class ProxyBlockScores:
             copy_q=copy_q, t_sq=copy_q.partition_S(s_q), t_rq=t_rq, t_rq_view=copy_q.retile(t_rq),
             copy_k=copy_k, t_sk=copy_k.partition_S(s_k), t_rk=t_rk, t_rk_view=copy_k.retile(t_rk),
             acc=acc,
-            acc_mn=self._mn_view(acc),
+            acc_mn=acc_rows_cols(acc),
             # (row, key) coordinates inside one (tile_m, Bs) score tile, in the accumulator's layout.
-            coord_mn=self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size)))),
+            coord_mn=acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size)))),
         )
 
     @cute.jit
@@ -321,16 +322,6 @@ class ProxyBlockScores:
             for e in cutlass.range(tidx, rows_valid * width, self.threads, unroll=1):
                 r = e // width
                 scores[b, p, m0 + r, n_blocks + e - r * width] = -cutlass.Float32.inf
-
-    @staticmethod
-    def _mn_view(t: cute.Tensor) -> cute.Tensor:
-        """((2, 2), MMA_M, MMA_N) accumulator -> ((2, MMA_M), (2, MMA_N)) rows x columns of one thread."""
-        lay = t.layout
-        mn = cute.make_layout(
-            ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
-            stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
-        )
-        return cute.make_tensor(t.iterator, mn)
 
 
 # ---------------------------------------------------------------------- ahead-of-time compile

@@ -18,21 +18,16 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import warp
 from cutlass.cute.runtime import make_fake_stream
 
 from kernels_src.atomics import red_add_v2
 from kernels_src.block_scores.kernel import compile_kernel
 from kernels_src.spec import Compiled, fake_tensor
+from kernels_src.tiles import acc_rows_cols, copy_row, cp_async_rows, smem_tile, transposed, warp_mma
 
 _DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
 _LOG2E = math.log2(math.e)
-
-
-def transposed(t: cute.Tensor) -> cute.Tensor:
-    """The (cols, rows) view of a swizzled (rows, cols) smem tile: same bytes, modes swapped."""
-    lay = t.layout
-    return cute.make_tensor(t.iterator, cute.select(lay, mode=[1, 0]))
 
 
 class SparseBackward:
@@ -53,22 +48,13 @@ class SparseBackward:
     # ------------------------------------------------------------------ host side
 
     def _smem_layout(self, shape):
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
-        return cute.tile_to_shape(atom, shape, tuple(range(len(shape))))
+        return smem_tile(self.dtype, shape)
 
     def _mma(self, warps_m: int, warps_n: int):
-        return cute.make_tiled_mma(
-            warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)),
-            (warps_m, warps_n, 1),
-            permutation_mnk=(warps_m * 16, warps_n * 16, 16),
-        )
+        return warp_mma(self.dtype, warps_m, warps_n)
 
     def _gmem_copy(self):
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
-                                   num_bits_per_copy=128)
-        per_row = self.head_dim // 8
-        thr = cute.make_ordered_layout((self.threads // per_row, per_row), order=(1, 0))
-        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, 8)))
+        return cp_async_rows(self.dtype, self.head_dim, self.threads)
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
@@ -132,11 +118,11 @@ class SparseBackward:
             acc_dk.fill(0.0)
             acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
             acc_dp = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
-            s_mn, dp_mn = self._mn_view(acc_s), self._mn_view(acc_dp)
-            coord_s = self._mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            s_mn, dp_mn = acc_rows_cols(acc_s), acc_rows_cols(acc_dp)
+            coord_s = acc_rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
-            dq_mn = self._mn_view(acc_dq)
-            coord_dq = self._mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+            dq_mn = acc_rows_cols(acc_dq)
+            coord_dq = acc_rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
             scale_log2 = scale * _LOG2E
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
@@ -201,9 +187,9 @@ class SparseBackward:
     @cute.jit
     def flush_block(self, mma_kv, thr_kv, acc, g_rows, t0, seqlen, factor):
         """acc (keys x D) * factor -> atomics into the fp32 rows t0 + key of one head (keys past S skipped)."""
-        acc_mn = self._mn_view(acc)
+        acc_mn = acc_rows_cols(acc)
         cols = cute.size(g_rows, mode=[1])
-        coord = self._mn_view(thr_kv.partition_C(cute.make_identity_tensor((self.tile_n, cols))))
+        coord = acc_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((self.tile_n, cols))))
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             t = t0 + coord[r, 0][0]
             if t < seqlen:
@@ -247,7 +233,7 @@ class SparseBackward:
         for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
             t = t0 + t_c[0, m, 0][0]
             if t < seqlen:
-                self.copy_row(gcopy, g_rows[t, None], t_s, t_c, m)
+                copy_row(gcopy, self.dtype, g_rows[t, None], t_s, t_c, m)
             else:
                 t_s[None, m, None].fill(0)
 
@@ -268,31 +254,12 @@ class SparseBackward:
             if qi < n_q:
                 i = entry_query[e0 + qi]
                 h = p * self.group + row % self.group
-                self.copy_row(gcopy, q[b, i, h, None], t_sq, t_c, m)
-                self.copy_row(gcopy, dout[b, i, h, None], t_sdo, t_c, m)
+                copy_row(gcopy, self.dtype, q[b, i, h, None], t_sq, t_c, m)
+                copy_row(gcopy, self.dtype, dout[b, i, h, None], t_sdo, t_c, m)
             else:
                 t_sq[None, m, None].fill(0)
                 t_sdo[None, m, None].fill(0)
         cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def copy_row(self, gcopy, g_row, t_s, t_c, m):
-        """This thread's 16-byte chunks of one gmem row into pass m of its smem partition (rows 16-byte aligned:
-        the runtime guarantees it; the address math cannot see it)."""
-        ptr = cute.make_ptr(self.dtype, g_row.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
-        chunks = cute.tiled_divide(cute.make_tensor(ptr, cute.make_layout(self.head_dim)), (8,))
-        for kk in cutlass.range_constexpr(cute.size(t_s, mode=[2])):
-            cute.copy(gcopy, chunks[None, t_c[0, 0, kk][1] // 8], t_s[None, m, kk])
-
-    @staticmethod
-    def _mn_view(t: cute.Tensor) -> cute.Tensor:
-        """((2, 2), MMA_M, MMA_N) accumulator -> ((2, MMA_M), (2, MMA_N)) rows x columns of one thread."""
-        lay = t.layout
-        mn = cute.make_layout(
-            ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
-            stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
-        )
-        return cute.make_tensor(t.iterator, mn)
 
 
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name

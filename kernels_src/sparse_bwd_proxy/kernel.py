@@ -18,8 +18,9 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream
 
 from kernels_src.block_scores.kernel import compile_kernel
-from kernels_src.sparse_bwd.kernel import SparseBackward, transposed
+from kernels_src.sparse_bwd.kernel import SparseBackward
 from kernels_src.spec import Compiled, fake_tensor
+from kernels_src.tiles import acc_rows_cols, copy_row, transposed
 
 _LOG2E = math.log2(math.e)
 
@@ -81,11 +82,11 @@ class SparseProxyBackward(SparseBackward):
             thr_kv = mma_kv.get_slice(tidx)
             acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
             acc_p = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
-            s_mn, p_mn = self._mn_view(acc_s), self._mn_view(acc_p)
-            coord_s = self._mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            s_mn, p_mn = acc_rows_cols(acc_s), acc_rows_cols(acc_p)
+            coord_s = acc_rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
-            dq_mn = self._mn_view(acc_dq)
-            coord_dq = self._mn_view(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+            dq_mn = acc_rows_cols(acc_dq)
+            coord_dq = acc_rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
             acc_dkp = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
             acc_dkp.fill(0.0)
             scale_log2 = scale * _LOG2E
@@ -183,8 +184,8 @@ class SparseProxyBackward(SparseBackward):
             qi = row // self.group
             if qi < n_q:
                 i = entry_query[e0 + qi]
-                self.copy_row(gcopy, q[b, i, p * self.group + row % self.group, None], t_sq, t_c, m)
-                self.copy_row(gcopy, q_proxy[b, i, p, None], t_sqp, t_c, m)
+                copy_row(gcopy, self.dtype, q[b, i, p * self.group + row % self.group, None], t_sq, t_c, m)
+                copy_row(gcopy, self.dtype, q_proxy[b, i, p, None], t_sqp, t_c, m)
             else:
                 t_sq[None, m, None].fill(0)
                 t_sqp[None, m, None].fill(0)

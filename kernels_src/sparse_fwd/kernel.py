@@ -21,11 +21,12 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import warp
 from cutlass.cute.runtime import make_fake_stream
 
 from kernels_src.block_scores.kernel import compile_kernel
 from kernels_src.spec import Compiled, fake_tensor
+from kernels_src.tiles import acc_as_frg_a, acc_rows_cols, copy_row, cp_async_rows, smem_tile, warp_mma
 
 _DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
 _LOG2E = math.log2(math.e)
@@ -50,30 +51,15 @@ class SparseAttention:
     # ------------------------------------------------------------------ host side
 
     def _smem_layout(self, rows: int, cols: int, stages: int = 0):
-        """K-major, 128B-swizzled (rows, cols[, stages]) tile: what cp.async writes and ldmatrix reads
-        conflict-free."""
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
-        if stages:
-            return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
-        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return smem_tile(self.dtype, (rows, cols, stages) if stages else (rows, cols))
 
     def _tiled_mma(self):
         # Warps tile M only: each warp owns 16 rows against all 128 keys (QK) or all D columns (PV), so row
         # statistics need just a quad shuffle and the G rows of one query stay inside one warp.
-        warps = self.threads // 32
-        return cute.make_tiled_mma(
-            warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)),
-            (warps, 1, 1),
-            permutation_mnk=(warps * 16, 16, 16),
-        )
+        return warp_mma(self.dtype, self.threads // 32, 1)
 
     def _gmem_copy(self, cols: int):
-        """cp.async of 16-byte chunks, cols / 8 threads per row, threads / (cols / 8) rows per pass."""
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
-                                   num_bits_per_copy=128)
-        per_row = cols // 8
-        thr = cute.make_ordered_layout((self.threads // per_row, per_row), order=(1, 0))
-        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, 8)))
+        return cp_async_rows(self.dtype, cols, self.threads)
 
     def _storage(self, with_v: bool):
         # Not named like the struct's fields: a class body looks its field names up in its own scope.
@@ -172,11 +158,11 @@ class SparseAttention:
 
             thr_mma = tiled_mma.get_slice(tidx)
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
-            acc_mn = self._mn_view(acc)
-            coord_mn = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
+            acc_mn = acc_rows_cols(acc)
+            coord_mn = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
             acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
-            acc_o_mn = self._mn_view(acc_o)
-            coord_o = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+            acc_o_mn = acc_rows_cols(acc_o)
+            coord_o = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
             quad_lane = tidx % 4
             scale_log2 = scale * _LOG2E
 
@@ -264,11 +250,11 @@ class SparseAttention:
 
             thr_mma = tiled_mma.get_slice(tidx)
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
-            acc_mn = self._mn_view(acc)
+            acc_mn = acc_rows_cols(acc)
             log_pi = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)),
                                            cutlass.Float32)
-            log_pi_mn = self._mn_view(log_pi)
-            coord_mn = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
+            log_pi_mn = acc_rows_cols(log_pi)
+            coord_mn = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
             quad_lane = tidx % 4
             scale_log2 = scale * _LOG2E
 
@@ -334,7 +320,7 @@ class SparseAttention:
         for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
             t = t0 + t_c[0, m, 0][0]
             if t < seqlen:
-                self.copy_row(gcopy, g_rows[t, None], t_s, t_c, m)
+                copy_row(gcopy, self.dtype, g_rows[t, None], t_s, t_c, m)
             elif cutlass.const_expr(zero_tail):
                 t_s[None, m, None].fill(0)
 
@@ -369,17 +355,7 @@ class SparseAttention:
                 head = head_base
                 if cutlass.const_expr(not replicate):
                     head = head_base + row % self.group
-                self.copy_row(gcopy, src[b, i, head, None], t_s, t_c, m)
-
-    @cute.jit
-    def copy_row(self, gcopy, g_row: cute.Tensor, t_s, t_c, m):
-        """This thread's 16-byte chunks of one gmem row into pass m of its smem partition. The runtime guarantees
-        16-byte aligned rows (unit-stride head dim, 16-byte multiple strides), which the address math cannot see."""
-        cols = cute.size(g_row)
-        ptr = cute.make_ptr(self.dtype, g_row.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
-        chunks = cute.tiled_divide(cute.make_tensor(ptr, cute.make_layout(cols)), (8,))
-        for kk in cutlass.range_constexpr(cute.size(t_s, mode=[2])):
-            cute.copy(gcopy, chunks[None, t_c[0, 0, kk][1] // 8], t_s[None, m, kk])
+                copy_row(gcopy, self.dtype, src[b, i, head, None], t_s, t_c, m)
 
     @cute.jit
     def qk(self, tiled_mma, thr_mma, acc, s_a, s_b, tidx, prefetch: cutlass.Constexpr = True):
@@ -412,7 +388,7 @@ class SparseAttention:
         adjacent n8 accumulator tiles are one k16 A fragment) and V^T read by ldmatrix.trans."""
         r_p = cute.make_rmem_tensor_like(acc_p, self.dtype)
         r_p.store(acc_p.load().to(self.dtype))
-        t_rp = cute.make_tensor(r_p.iterator, self._acc_as_frg_a(r_p.layout))
+        t_rp = cute.make_tensor(r_p.iterator, acc_as_frg_a(r_p.layout))
         ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         copy_v = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
         t_rv = thr_mma.make_fragment_B(thr_mma.partition_B(s_vt))
@@ -496,26 +472,6 @@ class SparseAttention:
             acc += cute.arch.shuffle_sync_bfly(acc, offset=1)
             out[r] = acc * (_LN2 / self.group)
         return out
-
-    @staticmethod
-    def _mn_view(t: cute.Tensor) -> cute.Tensor:
-        """((2, 2), MMA_M, MMA_N) accumulator -> ((2, MMA_M), (2, MMA_N)) rows x columns of one thread."""
-        lay = t.layout
-        mn = cute.make_layout(
-            ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
-            stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
-        )
-        return cute.make_tensor(t.iterator, mn)
-
-    @staticmethod
-    def _acc_as_frg_a(lay):
-        """((2, 2), MMA_M, MMA_N) accumulator layout -> ((2, 2, 2), MMA_M, MMA_N / 2) A-operand layout: the two
-        n8 tiles 2k and 2k + 1 hold exactly the registers of the k16 A fragment k (mma.sync m16n8k16)."""
-        d = cute.logical_divide(lay, (None, None, 2))
-        return cute.make_layout(
-            ((d.shape[0][0], d.shape[0][1], d.shape[2][0]), d.shape[1], d.shape[2][1]),
-            stride=((d.stride[0][0], d.stride[0][1], d.stride[2][0]), d.stride[1], d.stride[2][1]),
-        )
 
 
 # ---------------------------------------------------------------------- ahead-of-time compile

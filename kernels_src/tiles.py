@@ -1,0 +1,72 @@
+"""Pieces every mma.sync tile kernel here uses (CuTeDSL; imported by kernel modules only, at build time).
+
+- shared-memory tiles: K-major 128B-swizzled layouts, and their transposed views for ldmatrix.trans;
+- the warp-level MMA (m16n8k16) tiled over warps, and views of its accumulator: rows x columns of one thread,
+  and the same registers as the A operand of the next product (register reuse of P);
+- cp.async of 16-byte chunks, and one gathered gmem row into a thread's smem partition.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+
+
+def smem_tile(dtype, shape):
+    """K-major, 128B-swizzled smem layout of shape (rows, cols[, stages]): what cp.async / TMA write and ldmatrix
+    reads without bank conflicts (8 rows x 64 16-bit elements per swizzle atom)."""
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype)
+    return cute.tile_to_shape(atom, shape, tuple(range(len(shape))))
+
+
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """The (cols, rows) view of a swizzled (rows, cols) smem tile: same bytes, modes swapped."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+
+
+def warp_mma(dtype, warps_m: int, warps_n: int):
+    """mma.sync 16x8x16 with fp32 accumulators, warps_m x warps_n warps; each warp's N is in 16-column units, so
+    one ldmatrix.x4 feeds two n8 MMAs."""
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16)),
+        (warps_m, warps_n, 1),
+        permutation_mnk=(warps_m * 16, warps_n * 16, 16),
+    )
+
+
+def cp_async_rows(dtype, cols: int, threads: int):
+    """cp.async of 16-byte chunks: cols / 8 threads per row, threads / (cols / 8) rows per pass."""
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                               num_bits_per_copy=128)
+    per_row = cols // 8
+    thr = cute.make_ordered_layout((threads // per_row, per_row), order=(1, 0))
+    return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, 8)))
+
+
+def acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """((2, 2), MMA_M, MMA_N) accumulator -> ((2, MMA_M), (2, MMA_N)): the rows x columns one thread holds."""
+    lay = t.layout
+    mn = cute.make_layout(
+        ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
+        stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])),
+    )
+    return cute.make_tensor(t.iterator, mn)
+
+
+def acc_as_frg_a(lay):
+    """((2, 2), MMA_M, MMA_N) accumulator layout -> ((2, 2, 2), MMA_M, MMA_N / 2) A-operand layout: the two n8
+    tiles 2k and 2k + 1 hold exactly the registers of the k16 A fragment k (mma.sync m16n8k16)."""
+    d = cute.logical_divide(lay, (None, None, 2))
+    return cute.make_layout(
+        ((d.shape[0][0], d.shape[0][1], d.shape[2][0]), d.shape[1], d.shape[2][1]),
+        stride=((d.stride[0][0], d.stride[0][1], d.stride[2][0]), d.stride[1], d.stride[2][1]),
+    )
+
+
+@cute.jit
+def copy_row(gcopy, dtype: cutlass.Constexpr, g_row: cute.Tensor, t_s, t_c, m):
+    """This thread's 16-byte chunks of one gmem row into pass m of its smem partition. The runtime guarantees
+    16-byte aligned rows (unit-stride head dim, 16-byte multiple strides), which the address math cannot see."""
+    ptr = cute.make_ptr(dtype, g_row.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+    chunks = cute.tiled_divide(cute.make_tensor(ptr, cute.make_layout(cute.size(g_row))), (8,))
+    for kk in cutlass.range_constexpr(cute.size(t_s, mode=[2])):
+        cute.copy(gcopy, chunks[None, t_c[0, 0, kk][1] // 8], t_s[None, m, kk])
