@@ -72,6 +72,33 @@ class BuildSpec:
         return fn(self.config_obj, self.arch)
 
 
+def family_spec(op: str, config: Any, arch: str, can_implement: Callable[[Any, str], tuple[bool, str]], *,
+                params: tuple[Param, ...], grid: tuple[str, str, str], compile_fn: str, smem_bytes: int,
+                block: tuple[int, int, int] | None = None) -> BuildSpec:
+    """The BuildSpec of one variant of a family, refused with the family's reason when it cannot implement it.
+    Named by every config field (flash_msa_rt.manifest.variant_name); one hot kernel per cubin."""
+    from dataclasses import asdict
+
+    from flash_msa_rt.manifest import variant_name
+
+    ok, reason = can_implement(config, arch)
+    if not ok:
+        raise ValueError(f"{op}: cannot implement {config} on {arch}: {reason}")
+    return BuildSpec(
+        name=variant_name(op, asdict(config), arch),
+        op=op,
+        arch=arch,
+        config=asdict(config),
+        config_obj=config,
+        params=params,
+        grid=grid,
+        block=block or (config.threads, 1, 1),
+        compile_fn=compile_fn,
+        smem_bytes=smem_bytes,
+        hot=True,
+    )
+
+
 def dtype_tag(dtype: str) -> str:
     return {"bf16": "bf16", "f16": "f16"}[dtype]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
 from kernels_src.block_scores import proxy_operands
-from kernels_src.spec import ARCHS, BuildSpec
+from kernels_src.spec import ARCHS, BuildSpec, family_spec
 
 OP = "select"
 
@@ -102,19 +102,7 @@ def params(config: Config) -> tuple:
 
 
 def build_spec(config: Config, arch: str) -> BuildSpec:
-    ok, reason = can_implement(config, arch)
-    if not ok:
-        raise ValueError(f"{OP}: cannot implement {config} on {arch}: {reason}")
-    return BuildSpec(
-        name=config.variant_name(arch),
-        op=OP,
-        arch=arch,
-        config=dataclasses.asdict(config),
-        config_obj=config,
-        params=params(config),
-        grid=(f"ceil_div(S, {config.tile_m})", "Hp", "B"),  # query tiles of one head side by side: K shared in L2
-        block=(config.threads, 1, 1),
-        compile_fn="kernels_src.select.kernel:compile",
-        smem_bytes=config.smem_bytes(),
-        hot=True,
-    )
+    # query tiles of one head side by side: K shared in L2
+    return family_spec(OP, config, arch, can_implement, params=params(config),
+                       grid=(f"ceil_div(S, {config.tile_m})", "Hp", "B"),
+                       compile_fn="kernels_src.select.kernel:compile", smem_bytes=config.smem_bytes())

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.spec import ARCHS, BuildSpec
+from kernels_src.spec import ARCHS, BuildSpec, family_spec
 
 OP = "sparse_bwd"
 
@@ -101,19 +101,7 @@ def params(config: Config) -> tuple:
 
 
 def build_spec(config: Config, arch: str) -> BuildSpec:
-    ok, reason = can_implement(config, arch)
-    if not ok:
-        raise ValueError(f"{OP}: cannot implement {config} on {arch}: {reason}")
-    return BuildSpec(
-        name=config.variant_name(arch),
-        op=OP,
-        arch=arch,
-        config=dataclasses.asdict(config),
-        config_obj=config,
-        params=params(config),
-        grid=(f"W * {config.block_size // config.tile_n}", "1", "1"),  # one CTA per (item, key slice)
-        block=(config.threads, 1, 1),
-        compile_fn="kernels_src.sparse_bwd.kernel:compile",
-        smem_bytes=config.smem_bytes(),
-        hot=True,
-    )
+    # one CTA per (item, key slice)
+    return family_spec(OP, config, arch, can_implement, params=params(config),
+                       grid=(f"W * {config.block_size // config.tile_n}", "1", "1"),
+                       compile_fn="kernels_src.sparse_bwd.kernel:compile", smem_bytes=config.smem_bytes())

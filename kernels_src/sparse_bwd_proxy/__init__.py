@@ -9,11 +9,10 @@ Configs: kernels_src.sparse_bwd's (64 keys per CTA). This module does not import
 
 from __future__ import annotations
 
-import dataclasses
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
 from kernels_src import sparse_bwd
-from kernels_src.spec import ARCHS, BuildSpec
+from kernels_src.spec import ARCHS, BuildSpec, family_spec
 
 OP = "sparse_bwd_proxy"
 
@@ -66,19 +65,7 @@ def params(config) -> tuple:
 
 
 def build_spec(config, arch: str) -> BuildSpec:
-    ok, reason = can_implement(config, arch)
-    if not ok:
-        raise ValueError(f"{OP}: cannot implement {config} on {arch}: {reason}")
-    return BuildSpec(
-        name=variant_name(OP, dataclasses.asdict(config), arch),
-        op=OP,
-        arch=arch,
-        config=dataclasses.asdict(config),
-        config_obj=config,
-        params=params(config),
-        grid=(f"W * {config.block_size // config.tile_n}", "1", "1"),  # one CTA per (item, key slice)
-        block=(config.threads, 1, 1),
-        compile_fn="kernels_src.sparse_bwd_proxy.kernel:compile",
-        smem_bytes=smem_bytes(config),
-        hot=True,
-    )
+    # one CTA per (item, key slice)
+    return family_spec(OP, config, arch, can_implement, params=params(config),
+                       grid=(f"W * {config.block_size // config.tile_n}", "1", "1"),
+                       compile_fn="kernels_src.sparse_bwd_proxy.kernel:compile", smem_bytes=smem_bytes(config))

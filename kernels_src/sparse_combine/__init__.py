@@ -6,8 +6,9 @@ the entry d = ((b * Hp + p) * S + i) * K + k:
   out[b, i, p*G + g] = sum_k exp(lse_part[d, g] - lse) * o_part[d, g],    (o_part is normalised per block)
   lse_proxy[b, p, i] = logsumexp_k lsep_part[d].
 A row without a live slot gets out = 0 and lse = lse_proxy = -inf. The tensors may hold a chunk of queries: row r
-is query i = query_offset + r (for the live rule; out, lse and lse_proxy are the chunk's views). One warp per (b, p, i, g) row, one pass with
-an online rescale; the partial buffers are read once (the op is bound by that read, ~2 bytes per partial element).
+is query i = query_offset + r (for the live rule; out, lse and lse_proxy are the chunk's views).
+One warp per (b, p, i, g) row, one pass with an online rescale; the partial buffers are read once (the op is
+bound by that read, ~2 bytes per partial element).
 This module does not import cutlass.
 """
 
@@ -17,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.spec import ARCHS, BuildSpec
+from kernels_src.spec import ARCHS, BuildSpec, family_spec
 
 OP = "sparse_combine"
 
@@ -78,19 +79,6 @@ def params(config: Config) -> tuple:
 
 
 def build_spec(config: Config, arch: str) -> BuildSpec:
-    ok, reason = can_implement(config, arch)
-    if not ok:
-        raise ValueError(f"{OP}: cannot implement {config} on {arch}: {reason}")
-    return BuildSpec(
-        name=config.variant_name(arch),
-        op=OP,
-        arch=arch,
-        config=dataclasses.asdict(config),
-        config_obj=config,
-        params=params(config),
-        grid=(f"ceil_div(B * Hp * S * {config.group}, {ROWS_PER_CTA})", "1", "1"),
-        block=(config.threads, 1, 1),
-        compile_fn="kernels_src.sparse_combine.kernel:compile",
-        smem_bytes=0,
-        hot=True,
-    )
+    return family_spec(OP, config, arch, can_implement, params=params(config),
+                       grid=(f"ceil_div(B * Hp * S * {config.group}, {ROWS_PER_CTA})", "1", "1"),
+                       compile_fn="kernels_src.sparse_combine.kernel:compile", smem_bytes=0)

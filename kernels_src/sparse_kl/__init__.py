@@ -8,11 +8,10 @@ class and configs as sparse_fwd (kernels_src.sparse_fwd.kernel), without V. This
 
 from __future__ import annotations
 
-import dataclasses
 
 from flash_msa_rt.manifest import TensorParam
 from kernels_src import sparse_fwd
-from kernels_src.spec import BuildSpec
+from kernels_src.spec import BuildSpec, family_spec
 
 OP = "sparse_kl"
 
@@ -36,19 +35,7 @@ def params(config) -> tuple:
 
 
 def build_spec(config, arch: str) -> BuildSpec:
-    ok, reason = can_implement(config, arch)
-    if not ok:
-        raise ValueError(f"{OP}: cannot implement {config} on {arch}: {reason}")
-    return BuildSpec(
-        name=config.variant_name(arch, OP),
-        op=OP,
-        arch=arch,
-        config=dataclasses.asdict(config),
-        config_obj=config,
-        params=params(config),
-        grid=("W", "1", "1"),
-        block=(config.threads, 1, 1),
-        compile_fn="kernels_src.sparse_fwd.kernel:compile_kl",
-        smem_bytes=config.smem_bytes(with_v=False),
-        hot=True,
-    )
+    return family_spec(OP, config, arch, can_implement, params=params(config),
+                       grid=("W", "1", "1"),
+                       compile_fn="kernels_src.sparse_fwd.kernel:compile_kl",
+                       smem_bytes=config.smem_bytes(with_v=False))
