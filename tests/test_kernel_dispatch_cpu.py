@@ -40,3 +40,15 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("first", ["flash_msa_rt.ops.kernels", "flash_msa_rt.ops.dispatch", "flash_msa_rt"])
+def test_kernel_backend_registers_once_whatever_is_imported_first(first):
+    """dispatch and kernels import each other: either order leaves exactly one kernel backend before the reference."""
+    import subprocess
+    import sys
+
+    code = (f"import {first}\nfrom flash_msa_rt.ops import dispatch\n"
+            "print(','.join(b.name for b in dispatch.backends()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "kernels,reference"

@@ -192,10 +192,18 @@ def reference_impl(op: str) -> Callable:
     return _reference_impl(op)
 
 
-def _register_kernels() -> None:
+def register_kernels() -> None:
+    """Register the CUDA kernel backend once, whichever of this module and flash_msa_rt.ops.kernels is imported
+    first (each imports the other: when kernels is the one still importing, it calls this at its end)."""
+    import sys
+
+    pending = sys.modules.get("flash_msa_rt.ops.kernels")
+    if pending is not None and not hasattr(pending, "KERNELS"):
+        return
     from flash_msa_rt.ops import kernels
 
-    register_backend(kernels.KERNELS)
+    if all(b.name != kernels.KERNELS.name for b in _backends):
+        register_backend(kernels.KERNELS)
 
 
-_register_kernels()
+register_kernels()

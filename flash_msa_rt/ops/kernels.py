@@ -1,10 +1,10 @@
 """The CUDA kernel backend: the ops whose AOT kernels are built for the device, registered with dispatch.
 
-Today: selection (flash_msa_rt.ops.select) and the MSA sparse forward (flash_msa_rt.ops.sparse_fwd). The other
-ops (backward, warmup, block-sparse) register here as their kernels land; until then they run on the reference
-and dispatch says so once. A problem a kernel cannot run (dtype, head
-dim, block size, K, varlen, or a variant not built for this GPU) is declined with the reason, which dispatch shows
-with the build command; a declined call is never an error.
+Today: selection (flash_msa_rt.ops.select), the MSA sparse forward (flash_msa_rt.ops.sparse_fwd) and backward
+(flash_msa_rt.ops.sparse_bwd). The other ops (warmup, block-sparse, varlen) register here as their kernels land;
+until then they run on the reference and dispatch says so once. A problem a kernel cannot run (dtype, head dim,
+block size, K, G, varlen, deterministic mode for the backward, or a variant not built for this GPU) is declined
+with the reason, which dispatch shows with the build command; a declined call is never an error.
 """
 
 from __future__ import annotations
@@ -117,3 +117,4 @@ KERNELS = dispatch.Backend(
     else "its kernel is not built yet (issue 4)",
     ops={"select_blocks": _select_blocks, "msa_forward": _msa_forward, "msa_backward": _msa_backward},
 )
+dispatch.register_kernels()  # a no-op when dispatch was imported first and has registered it already

@@ -29,21 +29,6 @@ def max_k_for(top_k_blocks: int) -> int:
     return next(m for m in SHIPPED_MAX_KS if top_k_blocks <= m)
 
 
-def unsupported_reason(q_proxy: torch.Tensor, top_k_blocks: int, block_size: int) -> str | None:
-    """Why the kernel cannot run this problem (None when it can). Shapes are checked by the caller."""
-    if q_proxy.dtype not in DTYPES:
-        return f"dtype {q_proxy.dtype} (kernel: {[str(d) for d in DTYPES]})"
-    if q_proxy.shape[-1] not in HEAD_DIMS:
-        return f"proxy head dim {q_proxy.shape[-1]} (kernel: {HEAD_DIMS})"
-    if block_size not in BLOCK_SIZES:
-        return f"block_size {block_size} (kernel: {BLOCK_SIZES})"
-    if top_k_blocks > max(SHIPPED_MAX_KS):
-        return f"top_k of {top_k_blocks} blocks (kernel: at most {max(SHIPPED_MAX_KS)})"
-    if -(-q_proxy.shape[1] // block_size) > MAX_BLOCKS:
-        return f"{-(-q_proxy.shape[1] // block_size)} key blocks (kernel: fewer than {MAX_BLOCKS})"
-    return None
-
-
 def select_blocks_cuda(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: int, block_size: int,
                        scale: float) -> torch.Tensor:
     """block_indices (B, Hp, S, K) int32 from q_proxy (B, S, Hp, Dp), k_proxy (B, S, Hpk, Dp) on a CUDA device.

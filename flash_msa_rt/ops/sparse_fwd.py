@@ -43,23 +43,6 @@ def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, gr
             ("sparse_combine", combine_config(dtype, head_dim, block_size, group))]
 
 
-def unsupported_reason(q_proxy, k_proxy, q, k, block_size) -> str | None:
-    """Why the kernels cannot run this problem (None when they can). Shapes are validated by the caller."""
-    H, D, Hk = q.shape[2], q.shape[3], k.shape[2]
-    Hp, Dp, Hpk = q_proxy.shape[2], q_proxy.shape[3], k_proxy.shape[2]
-    if q.dtype not in DTYPES:
-        return f"dtype {q.dtype} (sparse kernels: bfloat16, float16)"
-    if D not in HEAD_DIMS or Dp not in HEAD_DIMS:
-        return f"head dims D={D}, Dp={Dp} (sparse kernels: {HEAD_DIMS})"
-    if block_size not in BLOCK_SIZES:
-        return f"block_size {block_size} (sparse kernels: {BLOCK_SIZES})"
-    if H // Hp not in GROUPS:
-        return f"G = H / Hp = {H // Hp} (sparse kernels: {GROUPS})"
-    if Hp % Hk:
-        return f"Hp = {Hp} proxy heads for Hk = {Hk} KV heads (sparse kernels: Hp a multiple of Hk)"
-    return None
-
-
 def _launch_args(q_proxy, k_proxy, q, k, plan, scale):
     return dict(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, entry_query=plan.entry_query,
                 entry_dest=plan.entry_dest, items=plan.items, scale=float(scale),
