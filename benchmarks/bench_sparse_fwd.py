@@ -54,9 +54,12 @@ def run(cfg: str, S: int, tokens: int):
     o_part = torch.empty((E, G, D), dtype=q.dtype, device="cuda")
     lse_part = torch.empty((E, G), dtype=torch.float32, device="cuda")
     lsep_part = torch.empty((E,), dtype=torch.float32, device="cuda")
-    kl_part = torch.empty((E, G), dtype=torch.float32, device="cuda")
+    kl_plan = sparse_plan(sel, 128, S, G, sf.KL_TILE, max(1, sf.KL_TILES_PER_ITEM // G))
+    kl_part = torch.zeros((E, 2), dtype=torch.float32, device="cuda")
     args = sf._launch_args(qp, kp, q, k, plan, scale)
-    fwd, kl = get_kernel("sparse_fwd", config, q.device), get_kernel("sparse_kl", config, q.device)
+    fwd = get_kernel("sparse_fwd", config, q.device)
+    kl = get_kernel("sparse_kl", sf.kl_config("bf16", D, 128, G), q.device)
+    kl_args = sf._launch_args(qp, kp, q, k, kl_plan, scale)
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device="cuda")
     lse_p = torch.empty((B, Hp, S), dtype=torch.float32, device="cuda")
@@ -67,8 +70,8 @@ def run(cfg: str, S: int, tokens: int):
         "fwd_kernel": lambda: fwd(v=v, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, **args),
         "combine": lambda: comb(block_indices=sel, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, out=out,
                                 lse=lse, lse_proxy=lse_p, query_offset=0),
-        "kl_kernel": lambda: kl(lse=lse, lse_proxy=lse_p, kl_part=kl_part, **args),
-        "combine_kl": lambda: combine_kl(plan, sel, kl_part),
+        "kl_kernel": lambda: kl(lse=lse, lse_proxy=lse_p, kl_part=kl_part, **kl_args),
+        "combine_kl": lambda: combine_kl(kl_plan, sel, kl_part),
         "whole": lambda: sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale),
     }
     grad_out = torch.randn_like(q)

@@ -137,12 +137,12 @@ def test_installed_wheel_carries_verified_artifacts():
 
 
 def test_fingerprint_covers_the_families_a_kernel_imports():
-    """A change to block_scores' score tiles must rebuild select, and one to sparse_fwd's kernel class sparse_kl:
-    the fingerprint hashes every kernels_src package a family imports, transitively."""
+    """A change to block_scores' score tiles must rebuild select, and one to the backward's kernel class the KL
+    pass built on it: the fingerprint hashes every kernels_src package a family imports, transitively."""
     from build_tools.build import family_packages
 
     assert family_packages("block_scores") == ["block_scores"]
     assert family_packages("select") == ["block_scores", "select"]
-    assert {"sparse_fwd", "block_scores"} <= set(family_packages("sparse_kl"))
+    assert {"sparse_bwd_proxy", "sparse_bwd", "block_scores"} <= set(family_packages("sparse_kl"))
     spec = next(s for s in variants(["sm90a"]) if s.op == "sparse_kl")
-    assert "src:kernels_src/sparse_fwd=" in variant_fingerprint(spec, "4.8.1", "c")
+    assert "src:kernels_src/sparse_bwd=" in variant_fingerprint(spec, "4.8.1", "c")

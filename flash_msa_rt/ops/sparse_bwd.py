@@ -2,8 +2,8 @@
 
   1. delta = rowsum(dO * O) (fp32, torch);
   2. sparse_bwd kernel over a plan of 64-row tiles: dq, dk, dv into fp32 accumulators (atomics);
-  3. sparse_bwd_proxy kernel over the same plan: dq_proxy, dk_proxy from (pi - tau) times the upstream gradient of
-     kl_rows, read from the device;
+  3. sparse_bwd_proxy kernel over a plan of 64 distinct queries per tile (it visits the G heads one after
+     another): dq_proxy, dk_proxy from (pi - tau) times the upstream gradient of kl_rows, read from the device;
   4. the accumulators cast to the input dtypes.
 Internal layout (B, S, heads, D). Atomics make the summation order vary run to run (not bitwise deterministic).
 """
@@ -18,6 +18,7 @@ from flash_msa_rt.ops.sparse_plan import sparse_plan
 
 TILE_M = 64
 TILES_PER_ITEM = 16  # 1024 rows per item: dk / dv leave registers (atomics) once per 1024 rows
+PROXY_TILES_PER_ITEM = 16  # proxy tiles are 64 queries x G heads of main work: 16 // G of them per item (>= 1)
 
 
 def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, tile_n: int = 64) -> dict:
@@ -55,6 +56,8 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
             hp_per_hk=Hp // Hk)
     if kl_grad is not None:
         grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
+        if G > 1:  # the proxy kernel's tiles are 64 distinct queries, whatever G
+            plan = sparse_plan(block_indices, block_size, S, G, TILE_M, max(1, PROXY_TILES_PER_ITEM // G))
         get_kernel("sparse_bwd_proxy", kernel_config(dt, D, block_size, G), dev)(
             q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, entry_query=plan.entry_query, items=plan.items,
             lse=lse.contiguous(), lse_proxy=lse_proxy.contiguous(), kl_grad=grad, dqp_acc=dqp_acc, dkp_acc=dkp_acc,

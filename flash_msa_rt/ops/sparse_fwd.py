@@ -5,7 +5,8 @@ Steps, all on the device with no host synchronisation:
   1. sparse_plan: the reverse index (key block -> the queries that chose it), cut into bounded work items;
   2. sparse_fwd kernel: per (entry, head) the one-block partial output, its lse, and the proxy's lse;
   3. sparse_combine kernel: logsumexp merge of each row's K slots -> out, lse, lse_proxy;
-  4. sparse_kl kernel: with the final lse and proxy lse, each entry's share of its row's KL;
+  4. sparse_kl kernel (its own plan: tiles of 64 distinct queries): with the final lse and proxy lse, each
+     entry's share of its row's KL;
   5. combine_kl: kl_rows.
 Internal layout (B, S, heads, D); the public API validates user input and routes here through dispatch.
 """
@@ -23,6 +24,8 @@ BLOCK_SIZES = (128,)
 GROUPS = (1, 2, 4, 8, 16)
 TILE_M = 128
 TILES_PER_ITEM = 8  # a work item is one key block and at most 8 tiles of its queries: bounds the hot blocks
+KL_TILE = 64  # distinct queries per KL tile; the tile visits the G heads one after another
+KL_TILES_PER_ITEM = 16  # main work per item ~ 16 // G tiles of 64 queries x G heads (at least one tile)
 PARTIALS_BUDGET = 1 << 30  # bytes of per-slot partials one forward chunk may hold (see query_chunk)
 
 
@@ -36,10 +39,16 @@ def combine_config(dtype: str, head_dim: int, block_size: int, group: int) -> di
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "threads": 256}
 
 
+def kl_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
+    """The KL pass runs on the proxy backward's tiles (64 distinct queries, 64 keys per CTA)."""
+    return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": KL_TILE,
+            "tile_n": 64, "threads": 256, "stages": 2}
+
+
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int) -> list[tuple[str, dict]]:
     """Every (op, config) one forward launches."""
-    main = kernel_config(dtype, head_dim, proxy_head_dim, block_size, group)
-    return [("sparse_fwd", main), ("sparse_kl", main),
+    return [("sparse_fwd", kernel_config(dtype, head_dim, proxy_head_dim, block_size, group)),
+            ("sparse_kl", kl_config(dtype, head_dim, block_size, group)),
             ("sparse_combine", combine_config(dtype, head_dim, block_size, group))]
 
 
@@ -51,9 +60,9 @@ def _launch_args(q_proxy, k_proxy, q, k, plan, scale):
 
 def query_chunk(B: int, S: int, Hp: int, K: int, G: int, D: int, block_size: int,
                 budget: int | None = None) -> int:
-    """Queries per forward chunk: the partial buffers (o_part in 2 bytes, lse / lsep / kl parts in fp32) of one
+    """Queries per forward chunk: the partial buffers (o_part in 2 bytes; lse, lsep and two kl parts in fp32) of one
     chunk stay within PARTIALS_BUDGET bytes; a multiple of block_size, at least one block."""
-    per_query = B * Hp * K * (G * D * 2 + 4 * (2 * G + 1))
+    per_query = B * Hp * K * (G * D * 2 + 4 * (G + 3))
     chunk = (budget or PARTIALS_BUDGET) // per_query // block_size * block_size
     return max(block_size, min(chunk, -(-S // block_size) * block_size))
 
@@ -73,7 +82,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     dev = q.device
     config = kernel_config(dt, D, q_proxy.shape[3], block_size, G)
     fwd = get_kernel("sparse_fwd", config, dev)
-    kl = get_kernel("sparse_kl", config, dev)
+    kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G), dev)
     combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=dev)
@@ -86,7 +95,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
     lsep_buf = torch.empty((E_max,), dtype=torch.float32, device=dev)
-    kl_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
+    kl_buf = torch.empty((E_max, block_size // 64), dtype=torch.float32, device=dev)  # per key slice
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         sel = block_indices[:, :, s0:s1].contiguous()
@@ -97,6 +106,9 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
         fwd(v=v, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, **args)
         combine(block_indices=sel, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, out=out[:, s0:s1],
                 lse=lse[:, :, s0:s1], lse_proxy=lse_proxy[:, :, s0:s1], query_offset=s0)
-        kl(lse=lse, lse_proxy=lse_proxy, kl_part=kl_part, **args)
-        kl_rows[:, :, s0:s1] = combine_kl(plan, sel, kl_part)
+        kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, max(1, KL_TILES_PER_ITEM // G),
+                              query_offset=s0)
+        kl_part.zero_()  # the kernel adds each key slice's two warp halves onto zero
+        kl(lse=lse, lse_proxy=lse_proxy, kl_part=kl_part, **_launch_args(q_proxy, k_proxy, q, k, kl_plan, scale))
+        kl_rows[:, :, s0:s1] = combine_kl(kl_plan, sel, kl_part)
     return out, lse, lse_proxy, kl_rows

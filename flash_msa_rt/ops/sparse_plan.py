@@ -260,8 +260,11 @@ def combine_kl(plan: SparsePlan, block_indices: torch.Tensor, kl_part: torch.Ten
     fn = "combine_kl"
     B, Hp, S, K, G = plan.B, plan.Hp, plan.S, plan.K, plan.group
     _check_indices(fn, plan, block_indices)
-    _check_part(fn, "kl_part", kl_part, (plan.E, G))
+    # (E, G) from the emulation (one share per head), (E, key slices) from the sparse_kl kernel.
+    cols = kl_part.shape[1] if isinstance(kl_part, torch.Tensor) and kl_part.dim() == 2 else G
+    _check_part(fn, "kl_part", kl_part, (plan.E, cols))
     acc = _stat_dtype(kl_part)
     live = live_slots(block_indices, plan.block_size, plan.query_offset).unsqueeze(-1)
-    kl = torch.where(live, kl_part.view(B, Hp, S, K, G).to(acc), torch.zeros((), dtype=acc, device=kl_part.device))
+    kl = torch.where(live, kl_part.view(B, Hp, S, K, cols).to(acc),
+                     torch.zeros((), dtype=acc, device=kl_part.device))
     return kl.sum(dim=(3, 4))

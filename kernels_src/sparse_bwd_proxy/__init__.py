@@ -1,16 +1,16 @@
 """MSA proxy backward, KV-outer (msa-semantics.md, "Proxy KL loss": d kl / d s_p = (pi - tau) * upstream).
 
-Work items of 64-row tiles, as the main backward (row r = (query r // G, head p*G + r % G), the query's proxy row
-replicated over its G rows). Per tile: P_h = exp(s_h - lse_h) recomputed, tau = mean over the G rows, pi =
-exp(s_p - lse_p), dS_p = (pi - tau) * kl_grad[b, p, i]; then dq_proxy += scale * dS_p K_p (atomics, one row per
-query) and dk_proxy += scale * dS_p^T Q_p (registers across the item's tiles, then atomics).
+Work items of tiles of tile_m = 64 distinct queries (the plan's tile_queries is 64 whatever G); each tile visits
+the G main heads one after another. Per tile: P_h = exp(s_h - lse_h) recomputed, tau = mean over the G heads, pi =
+exp(s_p - lse_p), dS_p = (pi - tau) * kl_grad[b, p, i]; then dq_proxy += scale * dS_p K_p (atomics) and
+dk_proxy += scale * dS_p^T Q_p (registers across the item's tiles, then atomics).
 Configs: kernels_src.sparse_bwd's (64 keys per CTA). This module does not import cutlass.
 """
 
 from __future__ import annotations
 
 
-from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from flash_msa_rt.manifest import ScalarParam, TensorParam
 from kernels_src import sparse_bwd
 from kernels_src.spec import ARCHS, BuildSpec, family_spec
 

@@ -1,11 +1,15 @@
-"""MSA proxy backward (CuTeDSL): the main backward's 64-row tiles and pieces, ending in the proxy's gradients.
+"""MSA proxy backward (CuTeDSL): tiles of 64 distinct queries, the G main heads visited one after another.
 
-Per tile (8 warps, 4 x 2 over rows x keys): P_h recomputed from the saved lse; tau = mean of P over the G rows of
-one query (lane shuffles: a query's rows sit in one warp); pi from the replicated proxy rows and the saved proxy
-lse; dS_p / G = (pi - tau) * kl_grad / G in every row of the query (the G rows are identical, so dk_p's sum over
-rows counts the query once), stored to shared memory; dq_p = G * (dS_p / G) K_p from each query's g == 0 row;
-dk_p += (dS_p / G)^T Q_p over the item's tiles (registers; atomics at the item's end). Like the main backward, a
-key block is split over two CTAs of 64 keys each (registers: tau, pi, dk_p and dq_p side by side).
+Per CTA: one work item (key block j of (b, p)) and one 64-key slice of it, as the main backward. Per tile of 64
+queries (8 warps, 4 x 2 over queries x keys):
+  1. for each head g of the proxy group, the gathered rows q[b, i, p*G + g] give S_g = Q_g K^T and
+     P_g = exp(S_g - lse_g) (causal); tau_sum = sum_g P_g accumulates in registers (same thread, same (i, t)),
+     while the next head's rows are in flight (the (tile, head) steps are double buffered); tau = tau_sum / G;
+  2. the proxy rows q_proxy[b, i, p] give pi = exp(s_p - lse_p), and dS_p = (pi - tau) * kl_grad[b, p, i];
+  3. dq_p = scale * dS_p K_p (fp32 vector atomics: the K slots of a query meet there) and
+     dk_p += scale * dS_p^T Q_p (registers across the item's tiles, atomics at its end).
+The proxy products run once per query, not once per (query, head): the first version replicated the proxy row
+over the G heads' rows and spent G times the proxy FLOPs (NOTES.md).
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -26,6 +30,10 @@ _LOG2E = math.log2(math.e)
 
 
 class SparseProxyBackward(SparseBackward):
+    def __init__(self, config):
+        super().__init__(config)
+        self.tile_queries = config.tile_m  # distinct queries per tile (not (query, head) rows)
+
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  entry_query: cute.Tensor, items: cute.Tensor, lse: cute.Tensor, lse_proxy: cute.Tensor,
@@ -81,8 +89,8 @@ class SparseProxyBackward(SparseBackward):
             thr_s = mma_s.get_slice(tidx)
             thr_kv = mma_kv.get_slice(tidx)
             acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
-            acc_p = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
-            s_mn, p_mn = acc_rows_cols(acc_s), acc_rows_cols(acc_p)
+            tau = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
+            s_mn, tau_mn = acc_rows_cols(acc_s), acc_rows_cols(tau)
             coord_s = acc_rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
             dq_mn = acc_rows_cols(acc_dq)
@@ -90,105 +98,107 @@ class SparseProxyBackward(SparseBackward):
             acc_dkp = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
             acc_dkp.fill(0.0)
             scale_log2 = scale * _LOG2E
-            inv_g = 1.0 / self.group
-            levels = min(int(math.log2(self.group)), 3)
             rows_per_thread = cute.size(s_mn, mode=[0])
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
-            self.gather_pair(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, 0, tidx)
-            for tile in cutlass.range(n_tiles, unroll=1):
+            n_steps = n_tiles * self.group  # (tile, head) steps: step = tile * G + g
+            self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, 0, tidx)
+            for step in cutlass.range(n_steps, unroll=1):
+                tile = step // self.group
+                g = step - tile * self.group
                 e0 = start + tile * self.tile_queries
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
-                s_q = s_q_all[None, None, tile % self.stages]
-                s_qp = s_qp_all[None, None, tile % self.stages]
-                if tile + 1 < n_tiles:
-                    self.gather_pair(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries,
-                                     tile + 1, tidx)
+                s_q = s_q_all[None, None, step % self.stages]
+                if step + 1 < n_steps:
+                    self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries,
+                                     step + 1, tidx)
                 else:
                     cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)
                 cute.arch.sync_threads()
 
-                # tau * G = sum over the query's G rows of P_h (0 on masked keys and dead rows).
-                self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False)
-                self.gemm(mma_s, thr_s, acc_p, s_qp, s_kp, tidx, False, False)
-                for r in cutlass.range_constexpr(rows_per_thread):
-                    row = coord_s[r, 0][0]
-                    qi = row // self.group
-                    lse2 = cutlass.Float32(0.0)
-                    key_limit = -1
-                    if qi < n_q:
-                        lse2 = lse[b, p * self.group + row % self.group, entry_query[e0 + qi]] * _LOG2E
-                        key_limit = entry_query[e0 + qi] - t0
-                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                        pv = cutlass.Float32(0.0)
-                        if coord_s[0, c][1] <= key_limit:
-                            pv = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
-                        s_mn[r, c] = pv
-                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                    for r in cutlass.range_constexpr(rows_per_thread):
-                        tot = s_mn[r, c]
-                        for lvl in cutlass.range_constexpr(levels):
-                            tot += cute.arch.shuffle_sync_bfly(tot, offset=4 << lvl)
-                        s_mn[r, c] = tot
-                    if cutlass.const_expr(self.group == 16):
-                        both = s_mn[0, c] + s_mn[1, c]
-                        s_mn[0, c] = both
-                        s_mn[1, c] = both
-                # dS_p / G = (pi - tau) * kl_grad / G, tau = s_mn / G.
-                for r in cutlass.range_constexpr(rows_per_thread):
-                    row = coord_s[r, 0][0]
-                    qi = row // self.group
-                    lsep2 = cutlass.Float32(0.0)
-                    cg = cutlass.Float32(0.0)
-                    key_limit = -1
-                    if qi < n_q:
-                        i = entry_query[e0 + qi]
-                        lsep2 = lse_proxy[b, p, i] * _LOG2E
-                        cg = kl_grad[b, p, i] * inv_g
-                        key_limit = i - t0
-                    for c in cutlass.range_constexpr(cute.size(p_mn, mode=[1])):
-                        pi = cutlass.Float32(0.0)
-                        if coord_s[0, c][1] <= key_limit:
-                            pi = cute.math.exp2(p_mn[r, c] * scale_log2 - lsep2, fastmath=True)
-                        s_ds[row, coord_s[0, c][1]] = ((pi - s_mn[r, c] * inv_g) * cg).to(self.dtype)
-                cute.arch.sync_threads()
+                # tau_sum += P_g on the causal keys of each query (rows past n_q: nothing).
+                if g == 0:
+                    tau.fill(0.0)
+                self.accumulate_tau(mma_s, thr_s, acc_s, s_mn, tau_mn, coord_s, s_q, s_k, lse, b, p * self.group + g,
+                                    entry_query, e0, n_q, t0, scale_log2, tidx)
 
-                # dq_p = G * (dS_p / G) K_p from each query's g == 0 row; dk_p += (dS_p / G)^T Q_p over all rows.
-                self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_kp), tidx, False, True)
-                for r in cutlass.range_constexpr(cute.size(dq_mn, mode=[0])):
-                    row = coord_dq[r, 0][0]
-                    qi = row // self.group
-                    if qi < n_q and row % self.group == 0:
-                        self.red_row(dqp_acc[b, entry_query[e0 + qi], p, None], dq_mn, coord_dq, r,
-                                     scale * self.group)
-                self.gemm(mma_kv, thr_kv, acc_dkp, transposed(s_ds), transposed(s_qp), tidx, True, True,
-                          accumulate=True)
+                if g == self.group - 1:
+                    # dS_p = (pi - tau) * kl_grad on the tile's distinct queries.
+                    s_qp = s_qp_all[None, None, tile % self.stages]
+                    self.gemm(mma_s, thr_s, acc_s, s_qp, s_kp, tidx, False, False)
+                    for r in cutlass.range_constexpr(rows_per_thread):
+                        qi = coord_s[r, 0][0]
+                        lsep2 = cutlass.Float32(0.0)
+                        cg = cutlass.Float32(0.0)
+                        key_limit = -1
+                        if qi < n_q:
+                            i = entry_query[e0 + qi]
+                            lsep2 = lse_proxy[b, p, i] * _LOG2E
+                            cg = kl_grad[b, p, i]
+                            key_limit = i - t0
+                        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                            pi = cutlass.Float32(0.0)
+                            if coord_s[0, c][1] <= key_limit:
+                                pi = cute.math.exp2(s_mn[r, c] * scale_log2 - lsep2, fastmath=True)
+                            s_ds[qi, coord_s[0, c][1]] = ((pi - tau_mn[r, c] * (1.0 / self.group)) * cg).to(
+                                self.dtype)
+                    cute.arch.sync_threads()
+
+                    # dq_p = scale * dS_p K_p (this CTA's keys), dk_p += dS_p^T Q_p.
+                    self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_kp), tidx, False, True)
+                    for r in cutlass.range_constexpr(cute.size(dq_mn, mode=[0])):
+                        qi = coord_dq[r, 0][0]
+                        if qi < n_q:
+                            self.red_row(dqp_acc[b, entry_query[e0 + qi], p, None], dq_mn, coord_dq, r, scale)
+                    self.gemm(mma_kv, thr_kv, acc_dkp, transposed(s_ds), transposed(s_qp), tidx, True, True,
+                              accumulate=True)
+                # The next steps' gathers and dS_p stores overwrite what this step read.
                 cute.arch.sync_threads()
 
             self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
 
     @cute.jit
-    def gather_pair(self, gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, tile, tidx):
-        """cp.async tile row r <- q[b, i, p*G + r % G] and q_proxy[b, i, p] (i = entry_query[e0 + r // G]) into
-        buffer tile % stages, as one group; rows past the tile's queries are zero-filled."""
-        e0 = start + tile * self.tile_queries
-        n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
-        buf = tile % self.stages
-        thr = gcopy.get_slice(tidx)
-        t_c = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        t_sq = thr.partition_D(s_q_all[None, None, buf])
-        t_sqp = thr.partition_D(s_qp_all[None, None, buf])
-        for m in cutlass.range_constexpr(cute.size(t_sq, mode=[1])):
-            row = t_c[0, m, 0][0]
-            qi = row // self.group
+    def accumulate_tau(self, mma_s, thr_s, acc_s, s_mn, tau_mn, coord_s, s_q, s_k, lse, b, h, entry_query, e0, n_q, t0,
+                       scale_log2, tidx):
+        """tau_sum += exp(s_h - lse_h) over the tile's queries and this CTA's keys (causal; rows past n_q: 0)."""
+        self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False)
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            qi = coord_s[r, 0][0]
+            lse2 = cutlass.Float32(0.0)
+            key_limit = -1
             if qi < n_q:
                 i = entry_query[e0 + qi]
-                copy_row(gcopy, self.dtype, q[b, i, p * self.group + row % self.group, None], t_sq, t_c, m)
-                copy_row(gcopy, self.dtype, q_proxy[b, i, p, None], t_sqp, t_c, m)
+                lse2 = lse[b, h, i] * _LOG2E
+                key_limit = i - t0
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                if coord_s[0, c][1] <= key_limit:
+                    tau_mn[r, c] += cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
+
+    @cute.jit
+    def gather_step(self, gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, step, tidx):
+        """cp.async, as one group, row r <- q[b, i_r, p*G + g] (i_r = entry_query[e0 + r]) for step = tile*G + g into
+        q buffer step % stages and, at g = 0, row r <- q_proxy[b, i_r, p] into proxy buffer tile % stages. Rows past
+        the tile's queries are zero-filled."""
+        tile = step // self.group
+        g = step - tile * self.group
+        e0 = start + tile * self.tile_queries
+        n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+        thr = gcopy.get_slice(tidx)
+        t_c = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        t_sq = thr.partition_D(s_q_all[None, None, step % self.stages])
+        t_sqp = thr.partition_D(s_qp_all[None, None, tile % self.stages])
+        for m in cutlass.range_constexpr(cute.size(t_sq, mode=[1])):
+            qi = t_c[0, m, 0][0]
+            if qi < n_q:
+                i = entry_query[e0 + qi]
+                copy_row(gcopy, self.dtype, q[b, i, p * self.group + g, None], t_sq, t_c, m)
+                if g == 0:
+                    copy_row(gcopy, self.dtype, q_proxy[b, i, p, None], t_sqp, t_c, m)
             else:
                 t_sq[None, m, None].fill(0)
-                t_sqp[None, m, None].fill(0)
+                if g == 0:
+                    t_sqp[None, m, None].fill(0)
         cute.arch.cp_async_commit_group()
 
 

@@ -4,10 +4,9 @@ Work is cut by flash_msa_rt.ops.sparse_plan: an item is one key block j of one (
 queries that selected it. A tile has 128 rows, row r = (query r // G, head p*G + r % G): the G heads of a proxy
 group share the query's blocks, so they fill the matrix units together (architecture.md, "why KV-outer").
 
-Two passes share one kernel class (kernels_src.sparse_fwd.kernel):
-  - sparse_fwd (this family): per (entry, head) the one-block partial output O_slot / l_slot and lse_slot, and the
-    proxy's lse over the same causal keys; the runtime combines the K slots of each row (a logsumexp merge);
-  - sparse_kl (kernels_src.sparse_kl): with the final lse and proxy lse, each entry's share of the row's KL.
+Per (entry, head) the kernel writes the one-block partial output O_slot / l_slot and lse_slot, and the proxy's
+lse over the same causal keys; kernels_src.sparse_combine merges each row's K slots (a logsumexp merge), and
+kernels_src.sparse_kl then takes the true KL from the final statistics.
 
 This module does not import cutlass.
 """

@@ -1,4 +1,4 @@
-"""MSA sparse forward and KL passes (CuTeDSL): KV-outer, gathered query rows, warp-level mma.sync.
+"""MSA sparse forward (CuTeDSL): KV-outer, gathered query rows, warp-level mma.sync.
 
 One CTA per work item (flash_msa_rt.ops.sparse_plan): key block j of (b, p) and up to a few tiles of the queries
 that selected it. Per item:
@@ -7,11 +7,9 @@ that selected it. Per item:
      same rows, the query's proxy row (replicated over the G heads so that proxy and main scores share one
      accumulator layout: the proxy tile costs one extra QK, a simplicity paid for in FLOPs, see NOTES.md);
   3. 8 warps x 16 rows, ldmatrix + mma.sync 16x8x16: S = Q K^T over the block's 128 keys, causal mask t > i;
-  4. forward: the block's own softmax (one block, so no online rescaling), O_slot = P V / l, lse_slot, and the
-     proxy's lse over the same keys, written at the entry's destination row for the runtime's logsumexp merge;
-     KL: with the final lse of every head and of the proxy, P_h = exp(s_h - lse_h), tau = mean over the G rows of
-     one query (lane shuffles: the G rows of a query sit in one warp), pi = exp(s_p - lse_p), and the entry's
-     share of the row's KL, sum_t P_h (log tau - log pi) / G, per head.
+  4. the block's own softmax (one block, so no online rescaling), O_slot = P V / l, lse_slot, and the proxy's
+     lse over the same keys, written at the entry's destination row for the combine kernel's logsumexp merge.
+The KL pass that follows is kernels_src.sparse_kl (on the proxy backward's tiles of distinct queries).
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -34,9 +32,8 @@ _LN2 = math.log(2.0)
 
 
 class SparseAttention:
-    def __init__(self, config, kl: bool):
+    def __init__(self, config):
         self.cfg = config
-        self.kl = kl
         self.dtype = _DTYPES[config.dtype]
         self.head_dim = config.head_dim
         self.proxy_head_dim = config.proxy_head_dim
@@ -105,24 +102,7 @@ class SparseAttention:
         ).launch(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
                  stream=stream)
 
-    @cute.jit
-    def kl_pass(
-        self,
-        q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
-        entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor,
-        lse: cute.Tensor, lse_proxy: cute.Tensor, kl_part: cute.Tensor,
-        scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        layouts, SharedStorage = self._storage(with_v=False)
-        self.kernel_kl(
-            q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, lse_proxy, kl_part,
-            scale, hp_per_hk, hp_per_hpk, *layouts, self._tiled_mma(), self._gmem_copy(self.head_dim),
-            self._gmem_copy(self.proxy_head_dim), SharedStorage,
-        ).launch(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
-                 stream=stream)
-
-    # ------------------------------------------------------------------ device side: the two kernels
+    # ------------------------------------------------------------------ device side: the kernel
 
     @cute.kernel
     def kernel_forward(
@@ -219,92 +199,6 @@ class SparseAttention:
                         for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                             o_part[dest, g, coord_o[0, c][1]] = (acc_o_mn[r, c] * inv_l[r]).to(self.dtype)
                 # Every warp is past its reads of this buffer before the gather of tile + 2 overwrites it.
-                cute.arch.sync_threads()
-
-    @cute.kernel
-    def kernel_kl(
-        self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, lse_proxy, kl_part,
-        scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
-        s_q_layout: cute.ComposedLayout, s_k_layout: cute.ComposedLayout,
-        s_qp_layout: cute.ComposedLayout, s_kp_layout: cute.ComposedLayout,
-        tiled_mma: cute.TiledMma, gcopy: cute.TiledCopy, gcopy_p: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
-    ):
-        tidx, _, _ = cute.arch.thread_idx()
-        w, _, _ = cute.arch.block_idx()
-        n_entries = items[w, 3]
-        if n_entries > 0:
-            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
-            hp = q_proxy.shape[2]
-            b = bp // hp
-            p = bp - b * hp
-            t0 = j * self.block_size
-            seqlen = q.shape[1]
-            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-            s_q_all = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
-            s_k = storage.s_k.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)
-            s_qp_all = storage.s_qp.get_tensor(s_qp_layout.outer, swizzle=s_qp_layout.inner)
-            s_kp = storage.s_kp.get_tensor(s_kp_layout.outer, swizzle=s_kp_layout.inner)
-            self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx, zero_tail=False)
-            self.load_block(gcopy_p, k_proxy[b, None, p // hp_per_hpk, None], s_kp, t0, seqlen, tidx,
-                            zero_tail=False)
-
-            thr_mma = tiled_mma.get_slice(tidx)
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
-            acc_mn = acc_rows_cols(acc)
-            log_pi = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)),
-                                           cutlass.Float32)
-            log_pi_mn = acc_rows_cols(log_pi)
-            coord_mn = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
-            quad_lane = tidx % 4
-            scale_log2 = scale * _LOG2E
-
-            n_tiles = cute.ceil_div(n_entries, self.tile_queries)
-            self.gather_tile(gcopy, gcopy_p, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, 0,
-                             tidx)
-            for tile in cutlass.range(n_tiles, unroll=1):
-                e0 = start + tile * self.tile_queries
-                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
-                s_q = s_q_all[None, None, tile % self.stages]
-                s_qp = s_qp_all[None, None, tile % self.stages]
-                # Prefetch tile + 1 into the other buffer (an empty group past the last tile keeps the count).
-                if tile + 1 < n_tiles:
-                    self.gather_tile(gcopy, gcopy_p, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start,
-                                     n_entries, tile + 1, tidx)
-                else:
-                    cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(1)
-                cute.arch.sync_threads()
-
-                # log pi(t) = s_p(t) - lse_p(i), in log2 units (masked keys never count: their P is 0).
-                self.qk(tiled_mma, thr_mma, log_pi, s_qp, s_kp, tidx)
-                for r in cutlass.range_constexpr(2):
-                    qi = coord_mn[r, 0][0] // self.group
-                    i = self.row_query(entry_query, e0, qi, n_q, t0)
-                    lse_p2 = cutlass.Float32(0.0)
-                    if qi < n_q:
-                        lse_p2 = lse_proxy[b, p, i] * _LOG2E
-                    for c in cutlass.range_constexpr(cute.size(log_pi_mn, mode=[1])):
-                        log_pi_mn[r, c] = log_pi_mn[r, c] * scale_log2 - lse_p2
-
-                # P_h(t) = exp(s_h(t) - lse_h(i)), 0 on masked keys. log_pi is live: no fragment prefetch.
-                self.qk(tiled_mma, thr_mma, acc, s_q, s_k, tidx, prefetch=False)
-                for r in cutlass.range_constexpr(2):
-                    row = coord_mn[r, 0][0]
-                    qi = row // self.group
-                    i = self.row_query(entry_query, e0, qi, n_q, t0)
-                    self.mask_row(acc_mn, coord_mn, r, i - t0)
-                    lse2 = cutlass.Float32(0.0)
-                    if qi < n_q:
-                        lse2 = lse[b, p * self.group + row % self.group, i] * _LOG2E
-                    for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                        acc_mn[r, c] = cute.math.exp2(acc_mn[r, c] * scale_log2 - lse2, fastmath=True)
-
-                kl_rows = self.kl_terms(acc_mn, log_pi_mn)
-                for r in cutlass.range_constexpr(2):
-                    row = coord_mn[r, 0][0]
-                    qi = row // self.group
-                    if qi < n_q and quad_lane == 0:
-                        kl_part[entry_dest[e0 + qi], row % self.group] = kl_rows[r]
                 cute.arch.sync_threads()
 
     # ------------------------------------------------------------------ device side: shared pieces
@@ -438,41 +332,6 @@ class SparseAttention:
         row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
         return (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * _LN2
 
-    @cute.jit
-    def kl_terms(self, p_mn, log_pi_mn):
-        """Per row (query, head g): sum over keys of P_g (log tau - log pi) / G, tau = mean of P over the G rows of
-        the query. Rows of one query are G consecutive tile rows: lanes whose lane // 4 differ in the low log2(G)
-        bits (xor 4, 8, 16), and for G = 16 also the thread's second row (r + 8)."""
-        out = cute.make_rmem_tensor((2,), cutlass.Float32)
-        out.fill(0.0)
-        n_cols = cute.size(p_mn, mode=[1])
-        log2_g = math.log2(self.group)
-        levels = min(int(math.log2(self.group)), 3)
-        # Column by column, so that tau never needs a register array of its own (the G = 16 variant spilled).
-        for c in cutlass.range_constexpr(n_cols):
-            tau = cute.make_rmem_tensor((2,), cutlass.Float32)
-            for r in cutlass.range_constexpr(2):
-                s = p_mn[r, c]
-                for lvl in cutlass.range_constexpr(levels):
-                    s += cute.arch.shuffle_sync_bfly(s, offset=4 << lvl)
-                tau[r] = s
-            if cutlass.const_expr(self.group == 16):
-                both = tau[0] + tau[1]
-                tau[0] = both
-                tau[1] = both
-            for r in cutlass.range_constexpr(2):
-                pv = p_mn[r, c]
-                if pv > 0.0:
-                    # log2 units throughout; ln 2 applied once below. tau (the sum) >= P >= FLT_MIN here (exp2
-                    # with ftz never returns a denormal), whereas tau / G could be denormal and flush to 0.
-                    out[r] += pv * (cute.math.log2(tau[r], fastmath=True) - log2_g - log_pi_mn[r, c])
-        for r in cutlass.range_constexpr(2):
-            acc = out[r]
-            acc += cute.arch.shuffle_sync_bfly(acc, offset=2)
-            acc += cute.arch.shuffle_sync_bfly(acc, offset=1)
-            out[r] = acc * (_LN2 / self.group)
-        return out
-
 
 # ---------------------------------------------------------------------- ahead-of-time compile
 
@@ -484,7 +343,7 @@ def _decl(params):
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_fwd import params
 
-    kernel = SparseAttention(config, kl=False)
+    kernel = SparseAttention(config)
     d = _decl(params(config))
     names = ("q", "k", "v", "q_proxy", "k_proxy", "entry_query", "entry_dest", "items", "o_part", "lse_part",
              "lsep_part")
@@ -492,19 +351,6 @@ def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entr
             make_fake_stream())
     compiled = compile_kernel(kernel, config, arch, fake, entry=kernel.forward)
     _check_smem(kernel, config, with_v=True)
-    return Compiled(cubin=compiled.cubin, ptx=compiled.ptx, smem_bytes=kernel.traced["smem_bytes"])
-
-
-def compile_kl(config, arch: str) -> Compiled:
-    from kernels_src.sparse_kl import params
-
-    kernel = SparseAttention(config, kl=True)
-    d = _decl(params(config))
-    names = ("q", "k", "q_proxy", "k_proxy", "entry_query", "entry_dest", "items", "lse", "lse_proxy", "kl_part")
-    fake = (*(fake_tensor(d[n]) for n in names), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1),
-            make_fake_stream())
-    compiled = compile_kernel(kernel, config, arch, fake, entry=kernel.kl_pass)
-    _check_smem(kernel, config, with_v=False)
     return Compiled(cubin=compiled.cubin, ptx=compiled.ptx, smem_bytes=kernel.traced["smem_bytes"])
 
 

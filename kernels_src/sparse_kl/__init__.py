@@ -1,41 +1,63 @@
-"""MSA proxy KL pass: each entry's share of its row's KL (msa-semantics.md, "Proxy KL loss").
+"""MSA KL pass: each (query, slot)'s share of its row's KL (msa-semantics.md, "Proxy KL loss").
 
-Runs after the forward pass and its combine, over the same work items (flash_msa_rt.ops.sparse_plan), with the
-final lse of every main head and of the proxy: per (entry, head g), sum over the block's causal keys t of
-P_g(t) (log tau(t) - log pi(t)) / G. The runtime sums the K slots and G heads of a row into kl_rows. Same kernel
-class and configs as sparse_fwd (kernels_src.sparse_fwd.kernel), without V. This module does not import cutlass.
+Runs after the forward pass and its combine, over work items of 64 distinct queries per tile (the proxy backward's
+tiles: kernels_src.sparse_bwd_proxy), with the final lse of every main head and of the proxy. For the entry d of
+(b, p, i, slot) and key slice s of the slot's block it adds sum_t tau(t) (log tau(t) - log pi(t)) over the slice's
+causal keys into kl_part[d, s]; the runtime sums the live slots and the slices into kl_rows. Configs: sparse_bwd's.
+This module does not import cutlass.
 """
 
 from __future__ import annotations
 
-
-from flash_msa_rt.manifest import TensorParam
-from kernels_src import sparse_fwd
-from kernels_src.spec import BuildSpec, family_spec
+from flash_msa_rt.manifest import ScalarParam, TensorParam
+from kernels_src import sparse_bwd
+from kernels_src.spec import ARCHS, BuildSpec, family_spec
 
 OP = "sparse_kl"
 
-Config = sparse_fwd.Config
-configs = sparse_fwd.configs
+Config = sparse_bwd.Config
+configs = sparse_bwd.configs
+_ELEM_BYTES = {"bf16": 2, "f16": 2}
+
+
+def smem_bytes(config) -> int:
+    """sK, sK_p (keys x D); staged sQ, sQ_p (queries x D). Mirrors SharedStorage."""
+    e = _ELEM_BYTES[config.dtype]
+    a = sparse_bwd._align
+    return 2 * a(config.tile_n * config.head_dim * e, 1024) + 2 * a(config.stages * config.tile_m *
+                                                                      config.head_dim * e, 1024)
 
 
 def can_implement(config, arch: str) -> tuple[bool, str]:
-    return sparse_fwd.can_implement(config, arch, with_v=False)
+    if arch not in ARCHS:
+        return False, f"arch {arch!r} not in {ARCHS}"
+    return sparse_bwd.can_implement(config, arch)
 
 
 def params(config) -> tuple:
-    """The kernel param ABI, in PTX .param order."""
-    o = sparse_fwd.operands(config)
-    g = config.group
-    lse = TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4)
-    lse_proxy = TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4)
-    kl_part = TensorParam("kl_part", "f32", ("E", g), (g, 1), align=4)
-    return (o["q"], o["k"], o["q_proxy"], o["k_proxy"], o["entry_query"], o["entry_dest"], o["items"],
-            lse, lse_proxy, kl_part, *sparse_fwd.scalars())
+    c = config
+    bshd = ("i64", "i64", "i64", 1)
+    d = c.head_dim
+    slices = c.block_size // c.tile_n
+    return (
+        TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
+        TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
+        TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", d), bshd, align=16),
+        TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", d), bshd, align=16),
+        TensorParam("entry_query", "i32", ("E",), (1,), align=4),
+        TensorParam("entry_dest", "i32", ("E",), (1,), align=4),
+        TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
+        TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
+        TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
+        TensorParam("kl_part", "f32", ("E", slices), (slices, 1), align=4),
+        ScalarParam("scale", "f32"),
+        ScalarParam("hp_per_hk", "i32"),
+        ScalarParam("hp_per_hpk", "i32"),
+    )
 
 
 def build_spec(config, arch: str) -> BuildSpec:
+    # one CTA per (item, key slice)
     return family_spec(OP, config, arch, can_implement, params=params(config),
-                       grid=("W", "1", "1"),
-                       compile_fn="kernels_src.sparse_fwd.kernel:compile_kl",
-                       smem_bytes=config.smem_bytes(with_v=False))
+                       grid=(f"W * {config.block_size // config.tile_n}", "1", "1"),
+                       compile_fn="kernels_src.sparse_kl.kernel:compile", smem_bytes=smem_bytes(config))

@@ -1,0 +1,139 @@
+"""MSA KL pass (CuTeDSL): each (query, slot)'s share of the true KL, on the proxy backward's tiles.
+
+Per tile of 64 distinct queries and this CTA's 64 keys of the slot's block: tau_sum = sum over the G heads of
+P_h = exp(s_h - lse_h) (the proxy backward's head loop), pi from the proxy row and the final proxy lse, and
+sum_t tau (log tau - log pi) with tau = tau_sum / G (terms with tau = 0 give 0). A query's columns are split over
+the quad's four lanes and the tile's two key warps: the quad sums by shuffles, and the two warps' halves meet in
+kl_part[entry, key slice] by two fp32 additions onto zero (so the result does not depend on their order).
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream
+
+from kernels_src.block_scores.kernel import compile_kernel
+from kernels_src.sparse_bwd_proxy.kernel import SparseProxyBackward
+from kernels_src.spec import Compiled, fake_tensor
+from kernels_src.tiles import acc_rows_cols
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+class SparseKL(SparseProxyBackward):
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
+                 entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor, lse: cute.Tensor,
+                 lse_proxy: cute.Tensor, kl_part: cute.Tensor, scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
+                 hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+        l_kv = self._smem_layout((self.tile_n, self.head_dim))
+        l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
+
+        @cute.struct
+        class SharedStorage:
+            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
+            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
+            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+            s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+
+        self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
+        self.kernel_kl(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, lse_proxy, kl_part, scale,
+                       hp_per_hk, hp_per_hpk, l_kv, l_rows, self._mma(4, 2), self._gmem_copy(), SharedStorage).launch(
+            grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
+            stream=stream)
+
+    @cute.kernel
+    def kernel_kl(self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, lse_proxy, kl_part,
+                  scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+                  l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, mma_s: cute.TiledMma,
+                  gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        w = cta // self.halves
+        n_entries = items[w, 3]
+        if n_entries > 0:
+            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
+            hp = q_proxy.shape[2]
+            b = bp // hp
+            p = bp - b * hp
+            half = cta - w * self.halves
+            t0 = j * self.block_size + half * self.tile_n
+            seqlen = q.shape[1]
+            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+            s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+            s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+            s_q_all = storage.s_q.get_tensor(l_rows.outer, swizzle=l_rows.inner)
+            s_qp_all = storage.s_qp.get_tensor(l_rows.outer, swizzle=l_rows.inner)
+            self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx)
+            self.load_block(gcopy, k_proxy[b, None, p // hp_per_hpk, None], s_kp, t0, seqlen, tidx)
+
+            thr_s = mma_s.get_slice(tidx)
+            acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
+            tau = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
+            s_mn, tau_mn = acc_rows_cols(acc_s), acc_rows_cols(tau)
+            coord_s = acc_rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            scale_log2 = scale * _LOG2E
+            log2_g = math.log2(self.group)
+            rows_per_thread = cute.size(s_mn, mode=[0])
+            quad_lane = tidx % 4
+
+            n_tiles = cute.ceil_div(n_entries, self.tile_queries)
+            n_steps = n_tiles * self.group
+            self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, 0, tidx)
+            for step in cutlass.range(n_steps, unroll=1):
+                tile = step // self.group
+                g = step - tile * self.group
+                e0 = start + tile * self.tile_queries
+                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                if step + 1 < n_steps:
+                    self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries,
+                                     step + 1, tidx)
+                else:
+                    cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)
+                cute.arch.sync_threads()
+
+                if g == 0:
+                    tau.fill(0.0)
+                self.accumulate_tau(mma_s, thr_s, acc_s, s_mn, tau_mn, coord_s, s_q_all[None, None, step % self.stages],
+                                    s_k, lse, b, p * self.group + g, entry_query, e0, n_q, t0, scale_log2, tidx)
+
+                if g == self.group - 1:
+                    self.gemm(mma_s, thr_s, acc_s, s_qp_all[None, None, tile % self.stages], s_kp, tidx, False, False)
+                    for r in cutlass.range_constexpr(rows_per_thread):
+                        qi = coord_s[r, 0][0]
+                        lsep2 = cutlass.Float32(0.0)
+                        if qi < n_q:
+                            lsep2 = lse_proxy[b, p, entry_query[e0 + qi]] * _LOG2E
+                        total = cutlass.Float32(0.0)
+                        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                            ts = tau_mn[r, c]
+                            if ts > 0.0:
+                                # log2 units; tau_sum >= FLT_MIN here (exp2.ftz never returns a denormal), whereas
+                                # tau_sum / G could be denormal and flush to zero in lg2.ftz.
+                                log_tau = cute.math.log2(ts, fastmath=True) - log2_g
+                                total += ts * (log_tau - (s_mn[r, c] * scale_log2 - lsep2))
+                        total += cute.arch.shuffle_sync_bfly(total, offset=2)
+                        total += cute.arch.shuffle_sync_bfly(total, offset=1)
+                        if qi < n_q and quad_lane == 0:
+                            at = kl_part.iterator + (cutlass.Int64(entry_dest[e0 + qi]) * self.halves + half)
+                            cute.arch.atomic_add(at.llvm_ptr, total * (_LN2 / self.group))
+                # The next steps' gathers overwrite what this step read.
+                cute.arch.sync_threads()
+
+
+def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
+    from kernels_src.sparse_kl import params, smem_bytes
+
+    kernel = SparseKL(config)
+    fake = (*(fake_tensor(p) for p in params(config) if p.kind == "tensor"), cutlass.Float32(1.0),
+            cutlass.Int32(1), cutlass.Int32(1), make_fake_stream())
+    compiled = compile_kernel(kernel, config, arch, fake)
+    if kernel.traced["smem_bytes"] != smem_bytes(config):
+        raise RuntimeError(f"shared memory: kernel {kernel.traced['smem_bytes']} bytes, spec {smem_bytes(config)}")
+    return compiled
