@@ -36,7 +36,7 @@ def run(cfg: str, S: int, tokens: int):
     from flash_msa_rt.ops import sparse_fwd as sf
     from flash_msa_rt.ops.select import select_blocks_cuda
     from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
-    from flash_msa_rt.ops.sparse_plan import combine_kl, sparse_plan
+    from flash_msa_rt.ops.sparse_plan import combine_kl_lse, kl_groups, sparse_plan
 
     H, Hk, Hp, Hpk = CONFIGS[cfg]
     B, D, K, G = max(1, tokens // S), 128, 16, H // Hp
@@ -48,30 +48,27 @@ def run(cfg: str, S: int, tokens: int):
     sel = select_blocks_cuda(qp, kp, K, 128, scale)
     nnz = nnz_of(sel, S, G)
     flops = 4 * D * nnz
-    config = sf.kernel_config("bf16", D, D, 128, G)
     plan = sparse_plan(sel, 128, S, G, sf.TILE_M // G, sf.TILES_PER_ITEM)
     E = plan.entry_query.shape[0]
     o_part = torch.empty((E, G, D), dtype=q.dtype, device="cuda")
     lse_part = torch.empty((E, G), dtype=torch.float32, device="cuda")
-    lsep_part = torch.empty((E,), dtype=torch.float32, device="cuda")
     kl_plan = sparse_plan(sel, 128, S, G, sf.KL_TILE, max(1, sf.KL_TILES_PER_ITEM // G))
-    kl_part = torch.zeros((E, 2), dtype=torch.float32, device="cuda")
-    args = sf._launch_args(qp, kp, q, k, plan, scale)
-    fwd = get_kernel("sparse_fwd", config, q.device)
+    kl_part = torch.empty((E, 3 * kl_groups(128)), dtype=torch.float32, device="cuda")
+    fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G), q.device)
     kl = get_kernel("sparse_kl", sf.kl_config("bf16", D, 128, G), q.device)
-    kl_args = sf._launch_args(qp, kp, q, k, kl_plan, scale)
+    kl_args = sf._kl_args(qp, kp, q, k, kl_plan, scale)
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device="cuda")
-    lse_p = torch.empty((B, Hp, S), dtype=torch.float32, device="cuda")
     comb = get_kernel("sparse_combine", sf.combine_config("bf16", D, 128, G), q.device)
 
     stages = {
         "plan": lambda: sparse_plan(sel, 128, S, G, sf.TILE_M // G, sf.TILES_PER_ITEM),
-        "fwd_kernel": lambda: fwd(v=v, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, **args),
-        "combine": lambda: comb(block_indices=sel, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, out=out,
-                                lse=lse, lse_proxy=lse_p, query_offset=0),
-        "kl_kernel": lambda: kl(lse=lse, lse_proxy=lse_p, kl_part=kl_part, **kl_args),
-        "combine_kl": lambda: combine_kl(kl_plan, sel, kl_part),
+        "fwd_kernel": lambda: fwd(q=q, k=k, v=v, o_part=o_part, lse_part=lse_part, scale=scale, hp=Hp,
+                                  hp_per_hk=Hp // Hk, **sf._plan_args(plan)),
+        "combine": lambda: comb(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out, lse=lse,
+                                query_offset=0),
+        "kl_kernel": lambda: kl(lse=lse, kl_part=kl_part, **kl_args),
+        "combine_kl": lambda: combine_kl_lse(kl_plan, sel, kl_part),
         "whole": lambda: sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale),
     }
     grad_out = torch.randn_like(q)

@@ -42,13 +42,13 @@ def _baseline(qp, kp, q, k, v, sel, scale):
     """The kernel's algorithm in float32 from the same inputs, partial outputs rounded to the input dtype."""
     from flash_msa_rt.ops import sparse_emulate
     from flash_msa_rt.ops.sparse_fwd import TILE_M, TILES_PER_ITEM
-    from flash_msa_rt.ops.sparse_plan import combine_forward, combine_kl, sparse_plan
+    from flash_msa_rt.ops.sparse_plan import combine_forward, combine_kl_lse, sparse_plan
 
     G = q.shape[2] // qp.shape[2]
     plan = sparse_plan(sel, 128, q.shape[1], G, TILE_M // G, TILES_PER_ITEM)
     parts = sparse_emulate.emulate_forward(plan, q, k, v, qp, kp, scale)
-    out, lse, lse_p = combine_forward(plan, sel, *parts)
-    kl = combine_kl(plan, sel, sparse_emulate.emulate_kl(plan, q, k, qp, kp, lse, lse_p, scale))
+    out, lse = combine_forward(plan, sel, *parts)
+    lse_p, kl = combine_kl_lse(plan, sel, sparse_emulate.emulate_kl(plan, q, k, qp, kp, lse, scale))
     return out, lse, lse_p, kl
 
 

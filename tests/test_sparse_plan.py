@@ -14,7 +14,7 @@ import torch
 
 import oracle
 from flash_msa_rt.ops.sparse_emulate import emulate_forward, emulate_kl
-from flash_msa_rt.ops.sparse_plan import (SparsePlan, combine_forward, combine_kl, live_slots, partials_bytes,
+from flash_msa_rt.ops.sparse_plan import (SparsePlan, combine_forward, combine_kl_lse, live_slots, partials_bytes,
                                           sparse_plan)
 from flash_msa_rt.reference.msa import msa_forward
 from flash_msa_rt.reference.selection import select_blocks
@@ -157,12 +157,12 @@ def poison_dead_rows(plan, idx, *parts):
 def emulate_and_combine(x, idx, Bs, G, tq, T, scale):
     q_proxy, k_proxy, q, k, v = x.values()
     plan = sparse_plan(idx, Bs, q.shape[1], G, tq, T)
-    o_part, lse_part, lsep_part = emulate_forward(plan, q, k, v, q_proxy, k_proxy, scale)
-    poison_dead_rows(plan, idx, o_part, lse_part, lsep_part)
-    out, lse, lse_proxy = combine_forward(plan, idx, o_part, lse_part, lsep_part)
-    kl_part = emulate_kl(plan, q, k, q_proxy, k_proxy, lse, lse_proxy, scale)
+    o_part, lse_part = emulate_forward(plan, q, k, v, q_proxy, k_proxy, scale)
+    poison_dead_rows(plan, idx, o_part, lse_part)
+    out, lse = combine_forward(plan, idx, o_part, lse_part)
+    kl_part = emulate_kl(plan, q, k, q_proxy, k_proxy, lse, scale)
     poison_dead_rows(plan, idx, kl_part)
-    return out, lse, lse_proxy, combine_kl(plan, idx, kl_part)
+    return (out, lse, *combine_kl_lse(plan, idx, kl_part))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -206,9 +206,8 @@ def test_plan_and_combines_never_sync():
         idx = torch.zeros(B, Hp, S, K, dtype=torch.int32)
         plan = sparse_plan(idx, Bs, S, G, 128 // G, 2)
         E = plan.E
-        out, lse, lse_proxy = combine_forward(plan, idx, torch.empty(E, G, D, dtype=torch.bfloat16),
-                                              torch.empty(E, G), torch.empty(E))
-        kl = combine_kl(plan, idx, torch.empty(E, G))
+        out, lse = combine_forward(plan, idx, torch.empty(E, G, D, dtype=torch.bfloat16), torch.empty(E, G))
+        lse_proxy, kl = combine_kl_lse(plan, idx, torch.empty(E, 12))
     assert plan.items.shape == (plan.W, 4) and plan.entry_query.shape == (B * Hp * S * K,)
     assert out.shape == (B, S, Hp * G, D) and out.dtype == torch.bfloat16
     assert lse.shape == (B, Hp * G, S) and lse_proxy.shape == kl.shape == (B, Hp, S)
@@ -241,16 +240,16 @@ def test_combine_rejects_wrong_partial_shapes():
     idx = torch.zeros(1, 1, 8, 2, dtype=torch.int32)
     plan = sparse_plan(idx, 4, 8, 2, 64, 1)
     with pytest.raises(ValueError, match=r"lse_part must have shape \(16, 2\)"):
-        combine_forward(plan, idx, torch.zeros(16, 2, 8), torch.zeros(16), torch.zeros(16))
-    for bad in (torch.zeros(15, 2), torch.zeros(16)):  # any number of shares per entry, but E rows of them
+        combine_forward(plan, idx, torch.zeros(16, 2, 8), torch.zeros(16))
+    for bad in (torch.zeros(15, 3), torch.zeros(16, 4), torch.zeros(16)):  # (A, T, L) triples, E rows of them
         with pytest.raises(ValueError, match="kl_part"):
-            combine_kl(plan, idx, bad)
+            combine_kl_lse(plan, idx, bad)
 
 
 def test_partials_bytes():
     plan = sparse_plan(torch.zeros(2, 3, 10, 4, dtype=torch.int32), 4, 10, 8, 16, 1)
     E = 2 * 3 * 10 * 4
-    assert partials_bytes(plan, 128, torch.bfloat16) == E * 8 * 128 * 2 + 4 * (E * 8 + E + E * 8)
+    assert partials_bytes(plan, 128, torch.bfloat16) == E * 8 * 128 * 2 + 4 * (E * 8 + E * 3)  # Bs 4: one group
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -261,13 +260,13 @@ def test_cuda_graph_capture_matches_eager():
     gen = torch.Generator().manual_seed(11)
     idx = random_indices(gen, B, Hp, S, K, Bs).to(dev)
     E = B * Hp * S * K
-    parts = [torch.randn(E, G, D, device=dev).bfloat16(), torch.randn(E, G, device=dev), torch.randn(E, device=dev),
-             torch.randn(E, G, device=dev)]
+    parts = [torch.randn(E, G, D, device=dev).bfloat16(), torch.randn(E, G, device=dev),
+             torch.randn(E, 3, device=dev)]
 
     def run():
         plan = sparse_plan(idx, Bs, S, G, 128 // G, 2)
-        return (plan.entry_query, plan.entry_dest, plan.items, *combine_forward(plan, idx, *parts[:3]),
-                combine_kl(plan, idx, parts[3]))
+        return (plan.entry_query, plan.entry_dest, plan.items, *combine_forward(plan, idx, *parts[:2]),
+                *combine_kl_lse(plan, idx, parts[2]))
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -295,7 +294,7 @@ def test_cuda_equals_cpu():
     for n in ("entry_query", "entry_dest", "items", "item_count"):
         assert torch.equal(getattr(cpu, n), getattr(gpu, n).cpu()), n
     E = cpu.E
-    parts = [torch.randn(E, G, D, generator=gen), torch.randn(E, G, generator=gen), torch.randn(E, generator=gen)]
+    parts = [torch.randn(E, G, D, generator=gen), torch.randn(E, G, generator=gen)]
     want = combine_forward(cpu, idx, *parts)
     got = combine_forward(gpu, idx.cuda(), *(t.cuda() for t in parts))
     for g, w in zip(got, want):
@@ -313,18 +312,18 @@ def test_query_chunks_equal_the_whole_plan():
 
     def run(sel, s0):
         plan = sparse_plan(sel.contiguous(), Bs, sel.shape[2], G, 8, 2, query_offset=s0)
-        out, lse, lsep = combine_forward(plan, sel.contiguous(), *emulate_forward(plan, q, k, v, qp, kp, scale))
-        return plan, out, lse, lsep
+        out, lse = combine_forward(plan, sel.contiguous(), *emulate_forward(plan, q, k, v, qp, kp, scale))
+        return plan, out, lse
 
-    whole_plan, out, lse, lsep = run(idx, 0)
-    kl = combine_kl(whole_plan, idx, emulate_kl(whole_plan, q, k, qp, kp, lse, lsep, scale))
+    whole_plan, out, lse = run(idx, 0)
+    lsep, kl = combine_kl_lse(whole_plan, idx, emulate_kl(whole_plan, q, k, qp, kp, lse, scale))
     for s0, s1 in ((0, 64), (64, 200), (200, 300)):
-        plan, o_c, l_c, lp_c = run(idx[:, :, s0:s1], s0)
+        plan, o_c, l_c = run(idx[:, :, s0:s1], s0)
         assert int(plan.entry_query.min()) >= s0 and plan.NB == -(-s1 // Bs)
-        for got, want in ((o_c, out[:, s0:s1]), (l_c, lse[:, :, s0:s1]), (lp_c, lsep[:, :, s0:s1])):
+        for got, want in ((o_c, out[:, s0:s1]), (l_c, lse[:, :, s0:s1])):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
-        kl_c = combine_kl(plan, idx[:, :, s0:s1].contiguous(),
-                          emulate_kl(plan, q, k, qp, kp, lse, lsep, scale))
+        lp_c, kl_c = combine_kl_lse(plan, idx[:, :, s0:s1].contiguous(), emulate_kl(plan, q, k, qp, kp, lse, scale))
+        torch.testing.assert_close(lp_c, lsep[:, :, s0:s1], rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(kl_c, kl[:, :, s0:s1], rtol=1e-12, atol=1e-14)
 
 
@@ -334,7 +333,7 @@ def test_forward_query_chunk_fits_the_budget():
     # Configuration (b) at 128K tokens: the whole selection's partials would take ~17 GB.
     B, S, Hp, K, G, D = 2, 65536, 8, 16, 4, 128
     chunk = query_chunk(B, S, Hp, K, G, D, 128)
-    per_query = B * Hp * K * (G * D * 2 + 4 * (G + 3))
+    per_query = B * Hp * K * (G * D * 2 + 4 * (G + 12))
     assert chunk % 128 == 0 and chunk * per_query <= PARTIALS_BUDGET < (chunk + 128) * per_query
     assert query_chunk(1, 300, 1, 1, 1, 128, 128) == 384  # small problems: one chunk covering every block
     assert query_chunk(B, S, Hp, K, G, D, 128, budget=1) == 128  # at least one block per chunk

@@ -9,11 +9,10 @@ Per item (bp, j, entry_start, n_entries) with n_entries > 0, as the kernel does:
 holds tokens [j * Bs, min((j + 1) * Bs, S)); the item's entries are cut into tiles of tile_queries queries, each a
 (tq * G)-row tile whose row r is (query r // G, head p * G + r % G); per row, the causal keys t <= i of block j.
 
-Forward pass, at row entry_dest[e]: o_part[e, g] = sum_t exp(s - lse_slot) v_t (normalised by the block's own sum),
-lse_part[e, g] = lse_slot = logsumexp of s = scale <q[b, i, h], k[b, t, h // (H / Hk)]>, and lsep_part[e] =
-logsumexp of the proxy scores scale <q_proxy[b, i, p], k_proxy[b, t, p // (Hp / Hpk)]>.
-KL pass, from the final lse (B, H, S) and lse_proxy (B, Hp, S): kl_part[e, g] = sum_t (P_g(t) / G)
-(log tau(t) - log pi(t)), P_g = exp(s_g - lse), tau = mean over g of P_g, pi = exp(s_p - lse_proxy); 0 where tau = 0.
+Forward pass, at row entry_dest[e]: o_part[e, g] = sum_t exp(s - lse_slot) v_t (normalised by the block's own sum)
+and lse_part[e, g] = lse_slot = logsumexp of s = scale <q[b, i, h], k[b, t, h // (H / Hk)]>.
+KL pass, from the final lse (B, H, S): per key group, the (A, T, L) triple of emulate_kl, with the proxy scores
+s_p = scale <q_proxy[b, i, p], k_proxy[b, t, p // (Hp / Hpk)]>; combine_kl_lse makes lse_proxy and the KL.
 
 Math in float32 (float64 when any input is float64); o_part is stored in q.dtype, statistics in the math dtype.
 Inputs in the internal layout: q (B, S, H, D), k, v (B, S, Hk, D), q_proxy (B, S, Hp, Dp), k_proxy (B, S, Hpk, Dp).
@@ -21,9 +20,11 @@ Inputs in the internal layout: q (B, S, H, D), k, v (B, S, Hk, D), q_proxy (B, S
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from flash_msa_rt.ops.sparse_plan import SparsePlan, empty_forward_partials, partial_shapes
+from flash_msa_rt.ops.sparse_plan import SparsePlan, empty_forward_partials, kl_groups, partial_shapes
 from flash_msa_rt.reference.numerics import _ieee_fp32_matmul, compute_dtype, finite_or_zero
 
 
@@ -58,14 +59,14 @@ def _tile_scores(plan, q, k, q_proxy, k_proxy, b, p, j, e, scale, dt):
 
 
 def emulate_forward(plan: SparsePlan, q, k, v, q_proxy, k_proxy, scale: float):
-    """-> (o_part (E, G, D) q.dtype, lse_part (E, G), lsep_part (E,)): the forward pass; dead rows stay garbage."""
+    """-> (o_part (E, G, D) q.dtype, lse_part (E, G)): the forward pass; dead rows stay garbage."""
     dt = compute_dtype(q, k, v, q_proxy, k_proxy)
     Hk = k.shape[2]
     H = q.shape[2]
-    o_part, lse_part, lsep_part = empty_forward_partials(plan, q.shape[-1], q.dtype, q.device, stat_dtype=dt)
+    o_part, lse_part = empty_forward_partials(plan, q.shape[-1], q.dtype, q.device, stat_dtype=dt)
     with _ieee_fp32_matmul():
         for b, p, j, e in _tiles(plan):
-            s, sp, _, t0, t1 = _tile_scores(plan, q, k, q_proxy, k_proxy, b, p, j, e, scale, dt)
+            s, _, _, t0, t1 = _tile_scores(plan, q, k, q_proxy, k_proxy, b, p, j, e, scale, dt)
             heads = torch.arange(p * plan.group, (p + 1) * plan.group, device=q.device)
             vt = v[b, t0:t1][:, heads // (H // Hk)].to(dt)  # (keys, G, D)
             lse = torch.logsumexp(s, dim=-1)  # (rows, G)
@@ -73,23 +74,36 @@ def emulate_forward(plan: SparsePlan, q, k, v, q_proxy, k_proxy, scale: float):
             dest = plan.entry_dest[e].long()
             o_part[dest] = torch.einsum("rgt,tgd->rgd", prob, vt).to(q.dtype)
             lse_part[dest] = lse
-            lsep_part[dest] = torch.logsumexp(sp, dim=-1)
-    return o_part, lse_part, lsep_part
+    return o_part, lse_part
 
 
-def emulate_kl(plan: SparsePlan, q, k, q_proxy, k_proxy, lse, lse_proxy, scale: float):
-    """-> kl_part (E, G): the KL pass on the final lse (B, H, S) and lse_proxy (B, Hp, S); dead rows garbage."""
+def emulate_kl(plan: SparsePlan, q, k, q_proxy, k_proxy, lse, scale: float):
+    """-> kl_part (E, 3 * kl_groups(Bs)): the KL pass on the final lse (B, H, S); dead rows garbage.
+
+    Per entry and key group of 32 keys (the kernel's 64-key slices x 2 key warps; any split gives the same
+    combine), in log2 units over the group's causal keys: A = sum tau (log2 tau - s_p log2 e), T = sum tau,
+    L = log2 sum 2^(s_p log2 e) (-inf without a causal key); tau = mean over the G heads of exp(s_h - lse_h).
+    """
     dt = compute_dtype(q, k, q_proxy, k_proxy)
     G = plan.group
+    log2e = 1.0 / math.log(2.0)
+    n_groups = kl_groups(plan.block_size)
     kl_part = torch.empty(partial_shapes(plan, q.shape[-1])["kl_part"], dtype=dt, device=q.device)
+    zero = torch.zeros((), dtype=dt, device=q.device)
     with _ieee_fp32_matmul():
         for b, p, j, e in _tiles(plan):
-            s, sp, i, _, _ = _tile_scores(plan, q, k, q_proxy, k_proxy, b, p, j, e, scale, dt)
+            s, sp, i, t0, t1 = _tile_scores(plan, q, k, q_proxy, k_proxy, b, p, j, e, scale, dt)
             lse_rows = lse[b, p * G:(p + 1) * G][:, i].T.to(dt)  # (rows, G)
-            prob = torch.exp(s - finite_or_zero(lse_rows).unsqueeze(-1))  # P_g(t), (rows, G, keys)
-            tau = prob.mean(dim=1, keepdim=True)
-            log_pi = sp - finite_or_zero(lse_proxy[b, p, i].to(dt)).unsqueeze(-1)  # (rows, keys)
-            terms = torch.where(tau > 0, prob / G * (torch.log(tau) - log_pi.unsqueeze(1)),
-                                torch.zeros((), dtype=dt, device=q.device))
-            kl_part[plan.entry_dest[e].long()] = terms.sum(dim=-1)
+            tau = torch.exp(s - finite_or_zero(lse_rows).unsqueeze(-1)).mean(dim=1)  # (rows, keys)
+            sp2 = sp * log2e  # -inf on non-causal keys
+            parts = torch.empty((len(e), n_groups, 3), dtype=dt, device=q.device)
+            for grp in range(n_groups):
+                cols = slice(grp * 32, min((grp + 1) * 32, t1 - t0))
+                ta, s2 = tau[:, cols], sp2[:, cols]
+                live = ta > 0
+                parts[:, grp, 0] = torch.where(live, ta * (torch.log2(torch.where(live, ta, 1)) - s2), zero).sum(-1)
+                parts[:, grp, 1] = ta.sum(-1)
+                parts[:, grp, 2] = torch.logsumexp(s2 * math.log(2.0), dim=-1) * log2e if s2.shape[1] else \
+                    torch.full((len(e),), float("-inf"), dtype=dt, device=q.device)
+            kl_part[plan.entry_dest[e].long()] = parts.view(len(e), -1)
     return kl_part

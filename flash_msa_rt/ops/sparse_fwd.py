@@ -3,11 +3,11 @@
 Steps, all on the device with no host synchronisation:
   0. the queries are cut into chunks whose partial buffers fit PARTIALS_BUDGET; per chunk:
   1. sparse_plan: the reverse index (key block -> the queries that chose it), cut into bounded work items;
-  2. sparse_fwd kernel: per (entry, head) the one-block partial output, its lse, and the proxy's lse;
-  3. sparse_combine kernel: logsumexp merge of each row's K slots -> out, lse, lse_proxy;
-  4. sparse_kl kernel (its own plan: tiles of 64 distinct queries): with the final lse and proxy lse, each
-     entry's share of its row's KL;
-  5. combine_kl: kl_rows.
+  2. sparse_fwd kernel: per (entry, head) the one-block partial output and its lse;
+  3. sparse_combine kernel: logsumexp merge of each row's K slots -> out, lse;
+  4. sparse_kl kernel (its own plan: tiles of 64 distinct queries): with the final lse, each entry's (A, T, L)
+     shares of the KL and of the proxy lse per key group;
+  5. combine_kl_lse: lse_proxy and kl_rows (KL = ln 2 * sum A + lse_proxy * sum T).
 Internal layout (B, S, heads, D); the public API validates user input and routes here through dispatch.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from flash_msa_rt.loader import get_kernel
-from flash_msa_rt.ops.sparse_plan import combine_kl, sparse_plan
+from flash_msa_rt.ops.sparse_plan import combine_kl_lse, kl_groups, sparse_plan
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 HEAD_DIMS = (128,)
@@ -29,10 +29,10 @@ KL_TILES_PER_ITEM = 16  # main work per item ~ 16 // G tiles of 64 queries x G h
 PARTIALS_BUDGET = 1 << 30  # bytes of per-slot partials one forward chunk may hold (see query_chunk)
 
 
-def kernel_config(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int) -> dict:
+def kernel_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
     """The variant launched for a problem; fields in the order the build names them."""
-    return {"dtype": dtype, "head_dim": head_dim, "proxy_head_dim": proxy_head_dim, "block_size": block_size,
-            "group": group, "tile_m": TILE_M, "threads": 256, "stages": 2}
+    return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
+            "threads": 256, "stages": 2}
 
 
 def combine_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
@@ -47,22 +47,26 @@ def kl_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int) -> list[tuple[str, dict]]:
     """Every (op, config) one forward launches."""
-    return [("sparse_fwd", kernel_config(dtype, head_dim, proxy_head_dim, block_size, group)),
+    return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group)),
             ("sparse_kl", kl_config(dtype, head_dim, block_size, group)),
             ("sparse_combine", combine_config(dtype, head_dim, block_size, group))]
 
 
-def _launch_args(q_proxy, k_proxy, q, k, plan, scale):
-    return dict(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, entry_query=plan.entry_query,
-                entry_dest=plan.entry_dest, items=plan.items, scale=float(scale),
-                hp_per_hk=q_proxy.shape[2] // k.shape[2], hp_per_hpk=q_proxy.shape[2] // k_proxy.shape[2])
+def _plan_args(plan) -> dict:
+    return dict(entry_query=plan.entry_query, entry_dest=plan.entry_dest, items=plan.items)
+
+
+def _kl_args(q_proxy, k_proxy, q, k, plan, scale) -> dict:
+    Hp = q_proxy.shape[2]
+    return dict(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, scale=float(scale), hp_per_hk=Hp // k.shape[2],
+                hp_per_hpk=Hp // k_proxy.shape[2], **_plan_args(plan))
 
 
 def query_chunk(B: int, S: int, Hp: int, K: int, G: int, D: int, block_size: int,
                 budget: int | None = None) -> int:
-    """Queries per forward chunk: the partial buffers (o_part in 2 bytes; lse, lsep and two kl parts in fp32) of one
-    chunk stay within PARTIALS_BUDGET bytes; a multiple of block_size, at least one block."""
-    per_query = B * Hp * K * (G * D * 2 + 4 * (G + 3))
+    """Queries per forward chunk: the partial buffers (o_part in 2 bytes; lse_part and the KL pass's (A, T, L)
+    triples in fp32) of one chunk stay within PARTIALS_BUDGET bytes; a multiple of block_size, at least one block."""
+    per_query = B * Hp * K * (G * D * 2 + 4 * (G + 3 * kl_groups(block_size)))
     chunk = (budget or PARTIALS_BUDGET) // per_query // block_size * block_size
     return max(block_size, min(chunk, -(-S // block_size) * block_size))
 
@@ -80,35 +84,32 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     G = H // Hp
     dt = DTYPES[q.dtype]
     dev = q.device
-    config = kernel_config(dt, D, q_proxy.shape[3], block_size, G)
-    fwd = get_kernel("sparse_fwd", config, dev)
+    fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G), dev)
     kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G), dev)
     combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
-    kl_rows = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
+    kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev)
     if out.numel() == 0:
         return out, lse, lse_proxy, kl_rows
     chunk = query_chunk(B, S, Hp, K, G, D, block_size)
     E_max = B * Hp * min(chunk, S) * K
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
-    lsep_buf = torch.empty((E_max,), dtype=torch.float32, device=dev)
-    kl_buf = torch.empty((E_max, block_size // 64), dtype=torch.float32, device=dev)  # per key slice
+    kl_buf = torch.empty((E_max, 3 * kl_groups(block_size)), dtype=torch.float32, device=dev)
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         sel = block_indices[:, :, s0:s1].contiguous()
         plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
         E = plan.E
-        o_part, lse_part, lsep_part, kl_part = o_buf[:E], lse_buf[:E], lsep_buf[:E], kl_buf[:E]
-        args = _launch_args(q_proxy, k_proxy, q, k, plan, scale)
-        fwd(v=v, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, **args)
-        combine(block_indices=sel, o_part=o_part, lse_part=lse_part, lsep_part=lsep_part, out=out[:, s0:s1],
-                lse=lse[:, :, s0:s1], lse_proxy=lse_proxy[:, :, s0:s1], query_offset=s0)
+        o_part, lse_part, kl_part = o_buf[:E], lse_buf[:E], kl_buf[:E]
+        fwd(q=q, k=k, v=v, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=Hp, hp_per_hk=Hp // k.shape[2],
+            **_plan_args(plan))
+        combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out[:, s0:s1], lse=lse[:, :, s0:s1],
+                query_offset=s0)
         kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, max(1, KL_TILES_PER_ITEM // G),
                               query_offset=s0)
-        kl_part.zero_()  # the kernel adds each key slice's two warp halves onto zero
-        kl(lse=lse, lse_proxy=lse_proxy, kl_part=kl_part, **_launch_args(q_proxy, k_proxy, q, k, kl_plan, scale))
-        kl_rows[:, :, s0:s1] = combine_kl(kl_plan, sel, kl_part)
+        kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
+        lse_proxy[:, :, s0:s1], kl_rows[:, :, s0:s1] = combine_kl_lse(kl_plan, sel, kl_part)
     return out, lse, lse_proxy, kl_rows

@@ -160,29 +160,32 @@ def sparse_plan(block_indices: torch.Tensor, block_size: int, seqlen: int, group
 
 # --- partial buffers ---------------------------------------------------------------------------------------------
 
+def kl_groups(block_size: int) -> int:
+    """Key groups of one block whose KL shares the KL pass writes separately: the kernel's 64-key slices times its
+    two key warps (32 keys each), so ceil(Bs / 32)."""
+    return -(-block_size // 32)
+
+
 def partial_shapes(plan: SparsePlan, head_dim: int) -> dict:
-    """Shapes of the buffers the kernel passes write, row e = entry_dest of a sorted entry."""
+    """Shapes of the buffers the kernel passes write, row e = entry_dest of a sorted entry: the forward's o_part and
+    lse_part, and the KL pass's (A, T, L) triple per key group (see combine_kl_lse)."""
     E, G = plan.E, plan.group
-    return {"o_part": (E, G, head_dim), "lse_part": (E, G), "lsep_part": (E,), "kl_part": (E, G)}
+    return {"o_part": (E, G, head_dim), "lse_part": (E, G), "kl_part": (E, 3 * kl_groups(plan.block_size))}
 
 
 def partials_bytes(plan: SparsePlan, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of all partial buffers: o_part in dtype (q's), lse_part, lsep_part and kl_part in fp32.
-
-    kl_part belongs to the second (KL) pass; it may reuse lse_part's storage once the forward combine has run.
-    """
+    """Bytes of all partial buffers: o_part in dtype (q's), lse_part and kl_part in fp32."""
     itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
     n = {name: math.prod(shape) for name, shape in partial_shapes(plan, head_dim).items()}
-    return n["o_part"] * itemsize + 4 * (n["lse_part"] + n["lsep_part"] + n["kl_part"])
+    return n["o_part"] * itemsize + 4 * (n["lse_part"] + n["kl_part"])
 
 
 def empty_forward_partials(plan: SparsePlan, head_dim: int, dtype: torch.dtype, device,
                            stat_dtype: torch.dtype = torch.float32):
-    """Uninitialised (o_part (E, G, D) dtype, lse_part (E, G), lsep_part (E,) stat_dtype) for the forward pass."""
+    """Uninitialised (o_part (E, G, D) dtype, lse_part (E, G) stat_dtype) for the forward pass."""
     shapes = partial_shapes(plan, head_dim)
     return (torch.empty(shapes["o_part"], dtype=dtype, device=device),
-            torch.empty(shapes["lse_part"], dtype=stat_dtype, device=device),
-            torch.empty(shapes["lsep_part"], dtype=stat_dtype, device=device))
+            torch.empty(shapes["lse_part"], dtype=stat_dtype, device=device))
 
 
 # --- combines ----------------------------------------------------------------------------------------------------
@@ -210,17 +213,16 @@ def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def combine_forward(plan: SparsePlan, block_indices: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor,
-                    lsep_part: torch.Tensor):
+def combine_forward(plan: SparsePlan, block_indices: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor):
     """Merge the K per-block partials of each (query, head) row.
 
-    o_part (E, G, D), lse_part (E, G), lsep_part (E,), indexed by entry_dest ((b * Hp + p) * S + i) * K + slot.
+    o_part (E, G, D), lse_part (E, G), indexed by entry_dest ((b * Hp + p) * S + i) * K + slot.
     lse = logsumexp over live slots of lse_part; out = sum over live slots of exp(lse_part - lse) * o_part (each
-    o_part is normalised by its own block's sum); lse_proxy = logsumexp over live slots of lsep_part.
-    -> out (B, S, H, D) in o_part.dtype, lse (B, H, S), lse_proxy (B, Hp, S), h = p * G + g. Statistics and the
-    accumulation are fp32 (fp64 for fp64 partials). A row without live slots gets out = 0, lse = -inf.
-    This combines the whole plan at once, with (E, G, D) fp32 temporaries: a caller that bounds the partials'
-    memory plans and combines a range of queries (or batch rows) at a time.
+    o_part is normalised by its own block's sum).
+    -> out (B, S, H, D) in o_part.dtype, lse (B, H, S), h = p * G + g. Statistics and the accumulation are fp32
+    (fp64 for fp64 partials). A row without live slots gets out = 0, lse = -inf.
+    This combines the whole plan at once, with (E, G, D) fp32 temporaries (the runtime uses the sparse_combine
+    kernel; this is its executable statement and the emulation's combine).
     """
     fn = "combine_forward"
     B, Hp, S, K, G = plan.B, plan.Hp, plan.S, plan.K, plan.group
@@ -231,8 +233,7 @@ def combine_forward(plan: SparsePlan, block_indices: torch.Tensor, o_part: torch
     D = o_part.shape[-1]
     _check_part(fn, "o_part", o_part, (plan.E, G, D))
     _check_part(fn, "lse_part", lse_part, (plan.E, G))
-    _check_part(fn, "lsep_part", lsep_part, (plan.E,))
-    acc = _stat_dtype(o_part, lse_part, lsep_part)
+    acc = _stat_dtype(o_part, lse_part)
     live = live_slots(block_indices, plan.block_size, plan.query_offset)  # (B, Hp, S, K)
     neg_inf = torch.full((), float("-inf"), dtype=acc, device=lse_part.device)
     zero = torch.zeros((), dtype=acc, device=lse_part.device)
@@ -245,26 +246,33 @@ def combine_forward(plan: SparsePlan, block_indices: torch.Tensor, o_part: torch
     out = (weight.unsqueeze(-1) * o).sum(dim=3)  # (B, Hp, S, G, D)
     out = out.permute(0, 2, 1, 3, 4).reshape(B, S, Hp * G, D).to(o_part.dtype)
     lse = lse.permute(0, 1, 3, 2).reshape(B, Hp * G, S)
-    lsep = torch.where(live, lsep_part.view(B, Hp, S, K).to(acc), neg_inf)
-    lse_proxy = torch.logsumexp(lsep, dim=3)
-    return out, lse, lse_proxy
+    return out, lse
 
 
-def combine_kl(plan: SparsePlan, block_indices: torch.Tensor, kl_part: torch.Tensor) -> torch.Tensor:
-    """kl_rows (B, Hp, S): KL_p(i) = sum over live slots and heads g of kl_part (E, G).
+def combine_kl_lse(plan: SparsePlan, block_indices: torch.Tensor, kl_part: torch.Tensor):
+    """(lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) from the KL pass's (A, T, L) triples.
 
-    The KL splits over keys and heads: tau(t) = (1/G) sum_g P_g(t), so sum_t tau (log tau - log pi) =
-    sum_slots sum_g sum_{t in slot} (P_g(t) / G) (log tau(t) - log pi(t)), which the KL pass writes per (entry, g)
-    from the final lse and lse_proxy. fp32 (fp64 for fp64 partials); a row without live slots gets 0.
+    kl_part (E, 3 * n): per entry and key group, in log2 units over the group's causal keys, A = sum_t tau (log2 tau
+    - s_p log2 e), T = sum_t tau and L = log2 sum_t 2^(s_p log2 e), s_p the scaled proxy score. Then lse_proxy =
+    logsumexp over the live slots' groups of L ln 2, and, since ln pi = s_p - lse_p,
+    KL = sum_t tau (ln tau - ln pi) = ln 2 * sum A + lse_p * sum T (sum T = 1 up to rounding, kept exact).
+    A row without live slots gets lse_proxy = -inf and KL = 0. fp32 (fp64 for fp64 parts).
     """
-    fn = "combine_kl"
-    B, Hp, S, K, G = plan.B, plan.Hp, plan.S, plan.K, plan.group
+    fn = "combine_kl_lse"
+    B, Hp, S, K = plan.B, plan.Hp, plan.S, plan.K
     _check_indices(fn, plan, block_indices)
-    # (E, G) from the emulation (one share per head), (E, key slices) from the sparse_kl kernel.
-    cols = kl_part.shape[1] if isinstance(kl_part, torch.Tensor) and kl_part.dim() == 2 else G
-    _check_part(fn, "kl_part", kl_part, (plan.E, cols))
+    if not isinstance(kl_part, torch.Tensor) or kl_part.dim() != 2 or kl_part.shape[1] % 3:
+        raise ValueError(f"{fn}: kl_part must be a (E, 3 * groups) tensor of (A, T, L) triples, got "
+                         f"{tuple(kl_part.shape) if isinstance(kl_part, torch.Tensor) else type(kl_part).__name__}")
+    _check_part(fn, "kl_part", kl_part, (plan.E, kl_part.shape[1]))
     acc = _stat_dtype(kl_part)
-    live = live_slots(block_indices, plan.block_size, plan.query_offset).unsqueeze(-1)
-    kl = torch.where(live, kl_part.view(B, Hp, S, K, cols).to(acc),
-                     torch.zeros((), dtype=acc, device=kl_part.device))
-    return kl.sum(dim=(3, 4))
+    live = live_slots(block_indices, plan.block_size, plan.query_offset).view(B, Hp, S, K, 1)
+    parts = kl_part.view(B, Hp, S, K, -1, 3).to(acc)
+    zero = torch.zeros((), dtype=acc, device=kl_part.device)
+    neg_inf = torch.full((), float("-inf"), dtype=acc, device=kl_part.device)
+    ln2 = math.log(2.0)
+    a = torch.where(live, parts[..., 0], zero).sum(dim=(3, 4))
+    t = torch.where(live, parts[..., 1], zero).sum(dim=(3, 4))
+    lse_proxy = torch.logsumexp(torch.where(live, parts[..., 2] * ln2, neg_inf).flatten(3), dim=3)
+    kl = torch.where(t > 0, ln2 * a + _finite_or_zero(lse_proxy) * t, zero)
+    return lse_proxy, kl

@@ -1,12 +1,11 @@
-"""Merge of the sparse forward's per-block partials into out, lse and lse_proxy (the logsumexp combine).
+"""Merge of the sparse forward's per-block partials into out and lse (the logsumexp combine).
 
 For each (b, p, i) and head g = 0..G-1, over the live slots k (0 <= j = block_indices[b, p, i, k] <= i // Bs) of
 the entry d = ((b * Hp + p) * S + i) * K + k:
   lse[b, p*G + g, i] = logsumexp_k lse_part[d, g],
   out[b, i, p*G + g] = sum_k exp(lse_part[d, g] - lse) * o_part[d, g],    (o_part is normalised per block)
-  lse_proxy[b, p, i] = logsumexp_k lsep_part[d].
-A row without a live slot gets out = 0 and lse = lse_proxy = -inf. The tensors may hold a chunk of queries: row r
-is query i = query_offset + r (for the live rule; out, lse and lse_proxy are the chunk's views).
+A row without a live slot gets out = 0 and lse = -inf. The tensors may hold a chunk of queries: row r is query
+i = query_offset + r (for the live rule; out and lse are the chunk's views). The proxy lse comes from the KL pass.
 One warp per (b, p, i, g) row, one pass with an online rescale; the partial buffers are read once (the op is
 bound by that read, ~2 bytes per partial element).
 This module does not import cutlass.
@@ -70,10 +69,8 @@ def params(config: Config) -> tuple:
         TensorParam("block_indices", "i32", ("B", "Hp", "S", "K"), ("i64", "i64", "i64", 1), align=4),
         TensorParam("o_part", config.dtype, ("E", g, d), (g * d, d, 1), align=16),
         TensorParam("lse_part", "f32", ("E", g), (g, 1), align=4),
-        TensorParam("lsep_part", "f32", ("E",), (1,), align=4),
         TensorParam("out", config.dtype, ("B", "S", "H", d), ("i64", "i64", "i64", 1), align=16),
         TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
-        TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
         ScalarParam("query_offset", "i32"),  # row r is query query_offset + r (the forward runs in query chunks)
     )
 

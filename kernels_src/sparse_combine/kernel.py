@@ -32,17 +32,16 @@ class SparseCombine:
         self.traced = {"smem_bytes": 0}
 
     @cute.jit
-    def __call__(self, block_indices: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor,
-                 lsep_part: cute.Tensor, out: cute.Tensor, lse: cute.Tensor, lse_proxy: cute.Tensor,
-                 query_offset: cutlass.Int32, stream: cuda.CUstream):
+    def __call__(self, block_indices: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, out: cute.Tensor,
+                 lse: cute.Tensor, query_offset: cutlass.Int32, stream: cuda.CUstream):
         B, Hp, S, _ = block_indices.shape
         rows = B * Hp * S * self.group
         warps = self.threads // 32
-        self.kernel(block_indices, o_part, lse_part, lsep_part, out, lse, lse_proxy, query_offset).launch(
+        self.kernel(block_indices, o_part, lse_part, out, lse, query_offset).launch(
             grid=(cute.ceil_div(rows, warps), 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, block_indices, o_part, lse_part, lsep_part, out, lse, lse_proxy, query_offset: cutlass.Int32):
+    def kernel(self, block_indices, o_part, lse_part, out, lse, query_offset: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -61,8 +60,6 @@ class SparseCombine:
             acc.fill(0.0)
             m = neg_inf
             total = cutlass.Float32(0.0)
-            m_p = neg_inf
-            total_p = cutlass.Float32(0.0)
             for k in cutlass.range(K, unroll=1):
                 j = block_indices[b, p, i, k]
                 if j >= 0 and j <= local:
@@ -76,12 +73,6 @@ class SparseCombine:
                     for e in cutlass.range_constexpr(self.per_lane):
                         acc[e] = acc[e] * rescale + w * part[e].to(cutlass.Float32)
                     m = m_new
-                    if g == 0:
-                        lp2 = lsep_part[d] * _LOG2E
-                        mp_new = cute.arch.fmax(m_p, lp2)
-                        total_p = total_p * cute.math.exp2(m_p - mp_new, fastmath=True) + cute.math.exp2(
-                            lp2 - mp_new, fastmath=True)
-                        m_p = mp_new
             inv = cutlass.Float32(0.0)
             if total > 0.0:
                 inv = cute.arch.rcp_approx(total)
@@ -97,10 +88,6 @@ class SparseCombine:
                 lse[b, h, i] = neg_inf
                 if total > 0.0:
                     lse[b, h, i] = (m + cute.math.log2(total, fastmath=True)) * _LN2
-                if g == 0:
-                    lse_proxy[b, p, i] = neg_inf
-                    if total_p > 0.0:
-                        lse_proxy[b, p, i] = (m_p + cute.math.log2(total_p, fastmath=True)) * _LN2
 
 
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name

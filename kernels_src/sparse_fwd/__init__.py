@@ -4,9 +4,9 @@ Work is cut by flash_msa_rt.ops.sparse_plan: an item is one key block j of one (
 queries that selected it. A tile has 128 rows, row r = (query r // G, head p*G + r % G): the G heads of a proxy
 group share the query's blocks, so they fill the matrix units together (architecture.md, "why KV-outer").
 
-Per (entry, head) the kernel writes the one-block partial output O_slot / l_slot and lse_slot, and the proxy's
-lse over the same causal keys; kernels_src.sparse_combine merges each row's K slots (a logsumexp merge), and
-kernels_src.sparse_kl then takes the true KL from the final statistics.
+Per (entry, head) the kernel writes the one-block partial output O_slot / l_slot and lse_slot;
+kernels_src.sparse_combine merges each row's K slots (a logsumexp merge), and kernels_src.sparse_kl then takes
+the proxy lse and the true KL.
 
 This module does not import cutlass.
 """
@@ -35,25 +35,20 @@ class Config:
 
     dtype: str = "bf16"
     head_dim: int = 128  # D
-    proxy_head_dim: int = 128  # Dp
     block_size: int = 128  # Bs: the key block, one per item
     group: int = 4  # G: heads per proxy head; a tile holds 128 // G queries x G heads
     tile_m: int = 128  # rows per tile
     threads: int = 256  # 8 warps x 16 rows
-    stages: int = 2  # gathered q / proxy-q tile buffers: the next tile's gather overlaps this tile's math
+    stages: int = 2  # gathered q tile buffers: the next tile's gather overlaps this tile's math
 
     def variant_name(self, arch: str, op: str = OP) -> str:
         return variant_name(op, dataclasses.asdict(self), arch)
 
-    def smem_bytes(self, with_v: bool = True) -> int:
-        """sQ, sK, [sV], sQp, sKp: 128-row tiles, each 1024-aligned (128B-swizzle atoms). Mirrors SharedStorage."""
+    def smem_bytes(self) -> int:
+        """Staged sQ, sK, sV: 128-row tiles, each 1024-aligned (128B-swizzle atoms). Mirrors SharedStorage."""
         e = _ELEM_BYTES[self.dtype]
-        st = self.stages
-        main = _align(st * self.tile_m * self.head_dim * e, 1024) + _align(self.block_size * self.head_dim * e, 1024)
-        v = _align(self.block_size * self.head_dim * e, 1024) if with_v else 0
-        proxy = _align(st * self.tile_m * self.proxy_head_dim * e, 1024) + _align(
-            self.block_size * self.proxy_head_dim * e, 1024)
-        return main + v + proxy
+        kv = _align(self.block_size * self.head_dim * e, 1024)
+        return _align(self.stages * self.tile_m * self.head_dim * e, 1024) + 2 * kv
 
 
 def _align(x: int, a: int) -> int:
@@ -61,22 +56,22 @@ def _align(x: int, a: int) -> int:
 
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
-    """The default set: bf16 and f16, D = Dp = 128, Bs 128, every G."""
+    """The default set: bf16 and f16, D = 128, Bs 128, every G."""
     dts = tuple(dtypes) if dtypes else DTYPES
     ds = tuple(head_dims) if head_dims else (128,)
     bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(dtype=dt, head_dim=d, proxy_head_dim=d, block_size=bs, group=g)
+    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g)
             for dt in dts for d in ds for bs in bss for g in GROUPS]
 
 
-def can_implement(config: Config, arch: str, with_v: bool = True) -> tuple[bool, str]:
+def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
     if arch not in ARCHS:
         return False, f"arch {arch!r} not in {ARCHS}"
     if c.dtype not in DTYPES:
         return False, f"dtype {c.dtype!r} not supported; supported: {DTYPES}"
-    if c.head_dim not in HEAD_DIMS or c.proxy_head_dim not in HEAD_DIMS:
-        return False, f"head dims D={c.head_dim}, Dp={c.proxy_head_dim} not supported; supported: {HEAD_DIMS}"
+    if c.head_dim not in HEAD_DIMS:
+        return False, f"head dims D={c.head_dim} not supported; supported: {HEAD_DIMS}"
     if c.block_size != 128:
         return False, f"block_size {c.block_size} not supported; supported: 128 (one key block = one MMA tile)"
     if c.group not in GROUPS:
@@ -85,42 +80,31 @@ def can_implement(config: Config, arch: str, with_v: bool = True) -> tuple[bool,
         return False, "tile_m 128 and threads 256 only (8 warps x 16 rows)"
     if c.stages not in (1, 2):
         return False, f"stages {c.stages} not supported; supported: 1, 2"
-    if c.smem_bytes(with_v) > _MAX_SMEM[arch]:
-        return False, f"needs {c.smem_bytes(with_v)} bytes of shared memory, {arch} allows {_MAX_SMEM[arch]}"
+    if c.smem_bytes() > _MAX_SMEM[arch]:
+        return False, f"needs {c.smem_bytes()} bytes of shared memory, {arch} allows {_MAX_SMEM[arch]}"
     return True, ""
 
 
-def operands(config: Config) -> dict:
-    """The tensors both passes read: q, k, v and the proxies (B, S, heads, D) with a unit-stride head dim, and the
-    plan (flash_msa_rt.ops.sparse_plan): entry_query / entry_dest (E,) and items (W, 4)."""
+def params(config: Config) -> tuple:
+    """The kernel param ABI, in PTX .param order: q, k, v (B, S, heads, D) with a unit-stride head dim, the plan
+    (flash_msa_rt.ops.sparse_plan: entry_query / entry_dest (E,), items (W, 4)), the partial buffers, and the
+    scalars (kv head = p // (Hp / Hk); Hp >= Hk is required)."""
     c = config
     bshd = ("i64", "i64", "i64", 1)
-    return {
-        "q": TensorParam("q", c.dtype, ("B", "S", "H", c.head_dim), bshd, align=16),
-        "k": TensorParam("k", c.dtype, ("B", "S", "Hk", c.head_dim), bshd, align=16),
-        "v": TensorParam("v", c.dtype, ("B", "S", "Hk", c.head_dim), bshd, align=16),
-        "q_proxy": TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", c.proxy_head_dim), bshd, align=16),
-        "k_proxy": TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", c.proxy_head_dim), bshd, align=16),
-        "entry_query": TensorParam("entry_query", "i32", ("E",), (1,), align=4),
-        "entry_dest": TensorParam("entry_dest", "i32", ("E",), (1,), align=4),
-        "items": TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
-    }
-
-
-def scalars() -> tuple:
-    # Head maps: kv head = p // (Hp / Hk), proxy key head = p // (Hp / Hpk) (Hp >= Hk is required).
-    return (ScalarParam("scale", "f32"), ScalarParam("hp_per_hk", "i32"), ScalarParam("hp_per_hpk", "i32"))
-
-
-def params(config: Config) -> tuple:
-    """The kernel param ABI, in PTX .param order."""
-    o = operands(config)
-    g, d = config.group, config.head_dim
-    o_part = TensorParam("o_part", config.dtype, ("E", g, d), (g * d, d, 1), align=16)
-    lse_part = TensorParam("lse_part", "f32", ("E", g), (g, 1), align=4)
-    lsep_part = TensorParam("lsep_part", "f32", ("E",), (1,), align=4)
-    return (o["q"], o["k"], o["v"], o["q_proxy"], o["k_proxy"], o["entry_query"], o["entry_dest"], o["items"],
-            o_part, lse_part, lsep_part, *scalars())
+    g, d = c.group, c.head_dim
+    return (
+        TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
+        TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
+        TensorParam("v", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
+        TensorParam("entry_query", "i32", ("E",), (1,), align=4),
+        TensorParam("entry_dest", "i32", ("E",), (1,), align=4),
+        TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
+        TensorParam("o_part", c.dtype, ("E", g, d), (g * d, d, 1), align=16),
+        TensorParam("lse_part", "f32", ("E", g), (g, 1), align=4),
+        ScalarParam("scale", "f32"),
+        ScalarParam("hp", "i32"),
+        ScalarParam("hp_per_hk", "i32"),
+    )
 
 
 def build_spec(config: Config, arch: str) -> BuildSpec:

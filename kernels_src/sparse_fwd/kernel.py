@@ -2,14 +2,14 @@
 
 One CTA per work item (flash_msa_rt.ops.sparse_plan): key block j of (b, p) and up to a few tiles of the queries
 that selected it. Per item:
-  1. cp.async loads the block's K, V (kv head p // (Hp/Hk)) and proxy keys (head p // (Hp/Hpk)) once;
-  2. per tile of 128 rows, row r = (query r // G, head p*G + r % G), cp.async gathers the rows of q and, for the
-     same rows, the query's proxy row (replicated over the G heads so that proxy and main scores share one
-     accumulator layout: the proxy tile costs one extra QK, a simplicity paid for in FLOPs, see NOTES.md);
+  1. cp.async loads the block's K and V (kv head p // (Hp/Hk)) once;
+  2. per tile of 128 rows, row r = (query r // G, head p*G + r % G), cp.async gathers the rows of q (double
+     buffered: the next tile's gather overlaps this tile's math);
   3. 8 warps x 16 rows, ldmatrix + mma.sync 16x8x16: S = Q K^T over the block's 128 keys, causal mask t > i;
-  4. the block's own softmax (one block, so no online rescaling), O_slot = P V / l, lse_slot, and the proxy's
-     lse over the same keys, written at the entry's destination row for the combine kernel's logsumexp merge.
-The KL pass that follows is kernels_src.sparse_kl (on the proxy backward's tiles of distinct queries).
+  4. the block's own softmax (one block, so no online rescaling), O_slot = P V / l and lse_slot, written at the
+     entry's destination row for the combine kernel's logsumexp merge.
+No proxy work here: the KL pass (kernels_src.sparse_kl) also produces the proxy lse, through
+KL = sum_t tau (log tau - s_p) + lse_p * sum_t tau, which needs no lse_p while it runs.
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -36,7 +36,6 @@ class SparseAttention:
         self.cfg = config
         self.dtype = _DTYPES[config.dtype]
         self.head_dim = config.head_dim
-        self.proxy_head_dim = config.proxy_head_dim
         self.block_size = config.block_size
         self.group = config.group
         self.tile_m = config.tile_m
@@ -47,58 +46,34 @@ class SparseAttention:
 
     # ------------------------------------------------------------------ host side
 
-    def _smem_layout(self, rows: int, cols: int, stages: int = 0):
-        return smem_tile(self.dtype, (rows, cols, stages) if stages else (rows, cols))
-
     def _tiled_mma(self):
         # Warps tile M only: each warp owns 16 rows against all 128 keys (QK) or all D columns (PV), so row
-        # statistics need just a quad shuffle and the G rows of one query stay inside one warp.
+        # statistics need just a quad shuffle.
         return warp_mma(self.dtype, self.threads // 32, 1)
-
-    def _gmem_copy(self, cols: int):
-        return cp_async_rows(self.dtype, cols, self.threads)
-
-    def _storage(self, with_v: bool):
-        # Not named like the struct's fields: a class body looks its field names up in its own scope.
-        # Gathered rows are double buffered: tile t + 1 is in flight while tile t computes.
-        l_q = self._smem_layout(self.tile_m, self.head_dim, self.stages)
-        l_k = self._smem_layout(self.block_size, self.head_dim)
-        l_qp = self._smem_layout(self.tile_m, self.proxy_head_dim, self.stages)
-        l_kp = self._smem_layout(self.block_size, self.proxy_head_dim)
-
-        if cutlass.const_expr(with_v):
-            @cute.struct
-            class SharedStorage:
-                s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_q)], 1024]
-                s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
-                s_v: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
-                s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_qp)], 1024]
-                s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kp)], 1024]
-        else:
-            @cute.struct
-            class SharedStorage:
-                s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_q)], 1024]
-                s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
-                s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_qp)], 1024]
-                s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kp)], 1024]
-
-        self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        return (l_q, l_k, l_qp, l_kp), SharedStorage
 
     @cute.jit
     def forward(
         self,
-        q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
+        q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
         entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor,
-        o_part: cute.Tensor, lse_part: cute.Tensor, lsep_part: cute.Tensor,
-        scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+        o_part: cute.Tensor, lse_part: cute.Tensor,
+        scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        layouts, SharedStorage = self._storage(with_v=True)
+        # Not named like the struct's fields: a class body looks its field names up in its own scope.
+        l_q = smem_tile(self.dtype, (self.tile_m, self.head_dim, self.stages))
+        l_k = smem_tile(self.dtype, (self.block_size, self.head_dim))
+
+        @cute.struct
+        class SharedStorage:
+            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_q)], 1024]
+            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
+            s_v: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
+
+        self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_forward(
-            q, k, v, q_proxy, k_proxy, entry_query, entry_dest, items, o_part, lse_part, lsep_part,
-            scale, hp_per_hk, hp_per_hpk, *layouts, self._tiled_mma(), self._gmem_copy(self.head_dim),
-            self._gmem_copy(self.proxy_head_dim), SharedStorage,
+            q, k, v, entry_query, entry_dest, items, o_part, lse_part, scale, hp, hp_per_hk, l_q, l_k,
+            self._tiled_mma(), cp_async_rows(self.dtype, self.head_dim, self.threads), SharedStorage,
         ).launch(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
                  stream=stream)
 
@@ -106,18 +81,16 @@ class SparseAttention:
 
     @cute.kernel
     def kernel_forward(
-        self, q, k, v, q_proxy, k_proxy, entry_query, entry_dest, items, o_part, lse_part, lsep_part,
-        scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+        self, q, k, v, entry_query, entry_dest, items, o_part, lse_part,
+        scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
         s_q_layout: cute.ComposedLayout, s_k_layout: cute.ComposedLayout,
-        s_qp_layout: cute.ComposedLayout, s_kp_layout: cute.ComposedLayout,
-        tiled_mma: cute.TiledMma, gcopy: cute.TiledCopy, gcopy_p: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
+        tiled_mma: cute.TiledMma, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
         if n_entries > 0:
             bp, j, start = items[w, 0], items[w, 1], items[w, 2]
-            hp = q_proxy.shape[2]
             b = bp // hp
             p = bp - b * hp
             t0 = j * self.block_size
@@ -126,15 +99,11 @@ class SparseAttention:
             s_q_all = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
             s_k = storage.s_k.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)
             s_v = storage.s_v.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)
-            s_qp_all = storage.s_qp.get_tensor(s_qp_layout.outer, swizzle=s_qp_layout.inner)
-            s_kp = storage.s_kp.get_tensor(s_kp_layout.outer, swizzle=s_kp_layout.inner)
             # V^T (D, keys) for the PV product's B operand: the same bytes, modes swapped, read by ldmatrix.trans.
             s_vt = storage.s_v.get_tensor(cute.select(s_k_layout.outer, mode=[1, 0]), swizzle=s_k_layout.inner)
 
             self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx, zero_tail=False)
             self.load_block(gcopy, v[b, None, p // hp_per_hk, None], s_v, t0, seqlen, tidx, zero_tail=True)
-            self.load_block(gcopy_p, k_proxy[b, None, p // hp_per_hpk, None], s_kp, t0, seqlen, tidx,
-                            zero_tail=False)
 
             thr_mma = tiled_mma.get_slice(tidx)
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
@@ -147,34 +116,20 @@ class SparseAttention:
             scale_log2 = scale * _LOG2E
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
-            self.gather_tile(gcopy, gcopy_p, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, 0,
-                             tidx)
+            self.gather_tile(gcopy, q, s_q_all, b, p, entry_query, start, n_entries, 0, tidx)
             for tile in cutlass.range(n_tiles, unroll=1):
                 e0 = start + tile * self.tile_queries
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
                 s_q = s_q_all[None, None, tile % self.stages]
-                s_qp = s_qp_all[None, None, tile % self.stages]
                 # Prefetch tile + 1 into the other buffer (an empty group past the last tile keeps the count).
                 if tile + 1 < n_tiles:
-                    self.gather_tile(gcopy, gcopy_p, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start,
-                                     n_entries, tile + 1, tidx)
+                    self.gather_tile(gcopy, q, s_q_all, b, p, entry_query, start, n_entries, tile + 1, tidx)
                 else:
                     cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)
                 cute.arch.sync_threads()
 
-                # Proxy: lse over the block's causal keys, one value per query (the g == 0 row writes it).
-                self.qk(tiled_mma, thr_mma, acc, s_qp, s_kp, tidx)
-                for r in cutlass.range_constexpr(2):
-                    row = coord_mn[r, 0][0]
-                    qi = row // self.group
-                    i = self.row_query(entry_query, e0, qi, n_q, t0)
-                    self.mask_row(acc_mn, coord_mn, r, i - t0)
-                    lse_p = self.row_lse(acc_mn, r, scale_log2)
-                    if qi < n_q and row % self.group == 0 and quad_lane == 0:
-                        lsep_part[entry_dest[e0 + qi]] = lse_p
-
-                # Main: the block's softmax, then O_slot = P V / l.
+                # The block's softmax, then O_slot = P V / l.
                 self.qk(tiled_mma, thr_mma, acc, s_q, s_k, tidx)
                 lse_rows = cute.make_rmem_tensor((2,), cutlass.Float32)
                 inv_l = cute.make_rmem_tensor((2,), cutlass.Float32)
@@ -219,24 +174,13 @@ class SparseAttention:
                 t_s[None, m, None].fill(0)
 
     @cute.jit
-    def gather_tile(self, gcopy, gcopy_p, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, tile,
-                    tidx):
-        """Issue (and commit as one cp.async group) the gathers of tile's q rows and proxy rows into buffer
-        tile % stages."""
+    def gather_tile(self, gcopy, q, s_q_all, b, p, entry_query, start, n_entries, tile, tidx):
+        """cp.async, as one group, tile row r <- q[b, i, p*G + r % G] with i = entry_query[e0 + r // G] into buffer
+        tile % stages. Rows of queries past the tile's count are left as they are (never stored)."""
         e0 = start + tile * self.tile_queries
         n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
-        buf = tile % self.stages
-        self.gather_rows(gcopy, q, s_q_all[None, None, buf], b, p * self.group, entry_query, e0, n_q, tidx,
-                         replicate=False)
-        self.gather_rows(gcopy_p, q_proxy, s_qp_all[None, None, buf], b, p, entry_query, e0, n_q, tidx,
-                         replicate=True)
-        cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def gather_rows(self, gcopy, src: cute.Tensor, s_tile: cute.Tensor, b, head_base, entry_query, e0, n_q, tidx,
-                    replicate: cutlass.Constexpr):
-        """cp.async tile row r <- src[b, i, head, :] with i = entry_query[e0 + r // G] and head = head_base + r % G
-        (replicate: head_base for every r). Rows of queries past n_q are left as they are (never stored)."""
+        s_tile = s_q_all[None, None, tile % self.stages]
+        head_base = p * self.group
         thr = gcopy.get_slice(tidx)
         cols = cute.size(s_tile, mode=[1])
         t_s = thr.partition_D(s_tile)
@@ -246,10 +190,8 @@ class SparseAttention:
             qi = row // self.group
             if qi < n_q:
                 i = entry_query[e0 + qi]
-                head = head_base
-                if cutlass.const_expr(not replicate):
-                    head = head_base + row % self.group
-                copy_row(gcopy, self.dtype, src[b, i, head, None], t_s, t_c, m)
+                copy_row(gcopy, self.dtype, q[b, i, head_base + row % self.group, None], t_s, t_c, m)
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def qk(self, tiled_mma, thr_mma, acc, s_a, s_b, tidx, prefetch: cutlass.Constexpr = True):
@@ -326,35 +268,19 @@ class SparseAttention:
         row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=1)
         return row_max, row_sum
 
-    @cute.jit
-    def row_lse(self, acc_mn, r, scale_log2):
-        """Natural-log logsumexp of scale * s over the row (the accumulator is overwritten)."""
-        row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
-        return (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * _LN2
-
 
 # ---------------------------------------------------------------------- ahead-of-time compile
-
-
-def _decl(params):
-    return {p.name: p for p in params if p.kind == "tensor"}
 
 
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_fwd import params
 
     kernel = SparseAttention(config)
-    d = _decl(params(config))
-    names = ("q", "k", "v", "q_proxy", "k_proxy", "entry_query", "entry_dest", "items", "o_part", "lse_part",
-             "lsep_part")
-    fake = (*(fake_tensor(d[n]) for n in names), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1),
+    decl = {p.name: p for p in params(config) if p.kind == "tensor"}
+    names = ("q", "k", "v", "entry_query", "entry_dest", "items", "o_part", "lse_part")
+    fake = (*(fake_tensor(decl[n]) for n in names), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1),
             make_fake_stream())
     compiled = compile_kernel(kernel, config, arch, fake, entry=kernel.forward)
-    _check_smem(kernel, config, with_v=True)
+    if kernel.traced["smem_bytes"] != config.smem_bytes():
+        raise RuntimeError(f"shared memory: kernel {kernel.traced['smem_bytes']} bytes, spec {config.smem_bytes()}")
     return Compiled(cubin=compiled.cubin, ptx=compiled.ptx, smem_bytes=kernel.traced["smem_bytes"])
-
-
-def _check_smem(kernel, config, with_v: bool) -> None:
-    want = config.smem_bytes(with_v)
-    if kernel.traced["smem_bytes"] != want:
-        raise RuntimeError(f"shared memory: kernel {kernel.traced['smem_bytes']} bytes, spec {want}")

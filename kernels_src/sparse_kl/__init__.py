@@ -1,9 +1,9 @@
-"""MSA KL pass: each (query, slot)'s share of its row's KL (msa-semantics.md, "Proxy KL loss").
+"""MSA KL pass: each (query, slot)'s shares of its row's KL and proxy lse (msa-semantics.md, "Proxy KL loss").
 
 Runs after the forward pass and its combine, over work items of 64 distinct queries per tile (the proxy backward's
-tiles: kernels_src.sparse_bwd_proxy), with the final lse of every main head and of the proxy. For the entry d of
-(b, p, i, slot) and key slice s of the slot's block it adds sum_t tau(t) (log tau(t) - log pi(t)) over the slice's
-causal keys into kl_part[d, s]; the runtime sums the live slots and the slices into kl_rows. Configs: sparse_bwd's.
+tiles: kernels_src.sparse_bwd_proxy), with the final lse of every main head. For the entry d of (b, p, i, slot),
+key slice s of the slot's block and key warp w it writes (A, T, L) to kl_part[d, s, w] (kernel.py says what they
+are); flash_msa_rt.ops.sparse_plan.combine_kl_lse turns them into lse_proxy and kl_rows. Configs: sparse_bwd's.
 This module does not import cutlass.
 """
 
@@ -48,8 +48,8 @@ def params(config) -> tuple:
         TensorParam("entry_dest", "i32", ("E",), (1,), align=4),
         TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
         TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
-        TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
-        TensorParam("kl_part", "f32", ("E", slices), (slices, 1), align=4),
+        # [key slice][key warp][A, T, L]: see kernels_src.sparse_kl.kernel.
+        TensorParam("kl_part", "f32", ("E", slices * 6), (slices * 6, 1), align=4),
         ScalarParam("scale", "f32"),
         ScalarParam("hp_per_hk", "i32"),
         ScalarParam("hp_per_hpk", "i32"),

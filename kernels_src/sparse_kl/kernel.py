@@ -1,10 +1,13 @@
-"""MSA KL pass (CuTeDSL): each (query, slot)'s share of the true KL, on the proxy backward's tiles.
+"""MSA KL pass (CuTeDSL): each (query, slot)'s share of the true KL and of the proxy lse, on the proxy
+backward's tiles.
 
+KL_p(i) = sum_t tau (ln tau - ln pi) with ln pi = s_p - lse_p and sum_t tau = 1 over the selected set, so
+KL = sum_t tau (ln tau - s_p) + lse_p * sum_t tau: each part adds over keys, and lse_p is needed only at the end.
 Per tile of 64 distinct queries and this CTA's 64 keys of the slot's block: tau_sum = sum over the G heads of
-P_h = exp(s_h - lse_h) (the proxy backward's head loop), pi from the proxy row and the final proxy lse, and
-sum_t tau (log tau - log pi) with tau = tau_sum / G (terms with tau = 0 give 0). A query's columns are split over
-the quad's four lanes and the tile's two key warps: the quad sums by shuffles, and the two warps' halves meet in
-kl_part[entry, key slice] by two fp32 additions onto zero (so the result does not depend on their order).
+P_h = exp(s_h - lse_h) (the proxy backward's head loop), then, from the proxy row, per (query, warp of keys)
+A = sum tau (log2 tau - s_p log2 e), T = sum tau and L = the log2-sum-exp2 of s_p log2 e over the causal keys,
+written to kl_part[entry, key slice, key warp, 0:3] (each written once: no atomics, deterministic). The runtime
+merges L into the proxy lse and forms KL = ln 2 * sum A + lse_p * sum T.
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -22,14 +25,13 @@ from kernels_src.spec import Compiled, fake_tensor
 from kernels_src.tiles import acc_rows_cols
 
 _LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 
 
 class SparseKL(SparseProxyBackward):
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor, lse: cute.Tensor,
-                 lse_proxy: cute.Tensor, kl_part: cute.Tensor, scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
+                 kl_part: cute.Tensor, scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
                  hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
@@ -42,13 +44,13 @@ class SparseKL(SparseProxyBackward):
             s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        self.kernel_kl(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, lse_proxy, kl_part, scale,
+        self.kernel_kl(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
                        hp_per_hk, hp_per_hpk, l_kv, l_rows, self._mma(4, 2), self._gmem_copy(), SharedStorage).launch(
             grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
             stream=stream)
 
     @cute.kernel
-    def kernel_kl(self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, lse_proxy, kl_part,
+    def kernel_kl(self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part,
                   scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
                   l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, mma_s: cute.TiledMma,
                   gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
@@ -81,6 +83,7 @@ class SparseKL(SparseProxyBackward):
             log2_g = math.log2(self.group)
             rows_per_thread = cute.size(s_mn, mode=[0])
             quad_lane = tidx % 4
+            warp_n = tidx // 128
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
             n_steps = n_tiles * self.group
@@ -104,25 +107,48 @@ class SparseKL(SparseProxyBackward):
                                     s_k, lse, b, p * self.group + g, entry_query, e0, n_q, t0, scale_log2, tidx)
 
                 if g == self.group - 1:
+                    # Per (query, this warp's keys of the slice), in log2 units: A = sum tau (log2 tau - s_p), T =
+                    # sum tau, and L = log2-sum-exp2 of s_p, each over the causal keys. No lse_p is needed here:
+                    # KL = ln 2 * sum A + lse_p * sum T once the runtime has merged L into lse_p.
                     self.gemm(mma_s, thr_s, acc_s, s_qp_all[None, None, tile % self.stages], s_kp, tidx, False, False)
                     for r in cutlass.range_constexpr(rows_per_thread):
                         qi = coord_s[r, 0][0]
-                        lsep2 = cutlass.Float32(0.0)
+                        key_limit = -1
                         if qi < n_q:
-                            lsep2 = lse_proxy[b, p, entry_query[e0 + qi]] * _LOG2E
-                        total = cutlass.Float32(0.0)
+                            key_limit = entry_query[e0 + qi] - t0
+                        row_max = -cutlass.Float32.inf
                         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                            ts = tau_mn[r, c]
-                            if ts > 0.0:
-                                # log2 units; tau_sum >= FLT_MIN here (exp2.ftz never returns a denormal), whereas
-                                # tau_sum / G could be denormal and flush to zero in lg2.ftz.
-                                log_tau = cute.math.log2(ts, fastmath=True) - log2_g
-                                total += ts * (log_tau - (s_mn[r, c] * scale_log2 - lsep2))
-                        total += cute.arch.shuffle_sync_bfly(total, offset=2)
-                        total += cute.arch.shuffle_sync_bfly(total, offset=1)
+                            if coord_s[0, c][1] <= key_limit:
+                                row_max = cute.arch.fmax(row_max, s_mn[r, c] * scale_log2)
+                        row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
+                        row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
+                        sum_exp = cutlass.Float32(0.0)
+                        a_sum = cutlass.Float32(0.0)
+                        t_sum = cutlass.Float32(0.0)
+                        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                            if coord_s[0, c][1] <= key_limit:
+                                sp2 = s_mn[r, c] * scale_log2
+                                sum_exp += cute.math.exp2(sp2 - row_max, fastmath=True)
+                                ts = tau_mn[r, c]
+                                if ts > 0.0:
+                                    # tau_sum >= FLT_MIN here (exp2.ftz never returns a denormal), whereas
+                                    # tau_sum / G could be denormal and flush to zero in lg2.ftz.
+                                    a_sum += ts * (cute.math.log2(ts, fastmath=True) - log2_g - sp2)
+                                    t_sum += ts
+                        for off in cutlass.range_constexpr(2):
+                            sum_exp += cute.arch.shuffle_sync_bfly(sum_exp, offset=2 >> off)
+                            a_sum += cute.arch.shuffle_sync_bfly(a_sum, offset=2 >> off)
+                            t_sum += cute.arch.shuffle_sync_bfly(t_sum, offset=2 >> off)
                         if qi < n_q and quad_lane == 0:
-                            at = kl_part.iterator + (cutlass.Int64(entry_dest[e0 + qi]) * self.halves + half)
-                            cute.arch.atomic_add(at.llvm_ptr, total * (_LN2 / self.group))
+                            lse2 = -cutlass.Float32.inf
+                            if sum_exp > 0.0:
+                                lse2 = row_max + cute.math.log2(sum_exp, fastmath=True)
+                            # Warps (4, 2) over (queries, keys), column-major: warp w holds key half w // 4.
+                            dest = cutlass.Int64(entry_dest[e0 + qi])
+                            col = half * 6 + warp_n * 3
+                            kl_part[dest, col] = a_sum * (1.0 / self.group)
+                            kl_part[dest, col + 1] = t_sum * (1.0 / self.group)
+                            kl_part[dest, col + 2] = lse2
                 # The next steps' gathers overwrite what this step read.
                 cute.arch.sync_threads()
 
