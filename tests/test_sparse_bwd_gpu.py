@@ -204,3 +204,41 @@ def test_deterministic_mode_runs_the_reproducible_backward():
         torch.use_deterministic_algorithms(False)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+def test_warmup_runs_on_the_sparse_kernels():
+    """Warmup mode is MSA with every causal block selected: until issue 5's dense kernels, dispatch runs it on the
+    sparse kernels; forward and backward match the reference warmup ops (same tolerances as above)."""
+    from flash_msa_rt import reference
+    from flash_msa_rt.ops import dispatch
+    from tests.oracle import assert_close, dtype_error
+
+    for op in ("warmup_forward", "warmup_backward"):
+        config = dict(head_dim=128, proxy_head_dim=128, block_size=None, group=4, kv_group=4, varlen=False)
+        if op == "warmup_backward":
+            config["deterministic"] = False
+        impl = dispatch.implementation(op, torch.device("cuda"), torch.bfloat16, **config)
+        assert impl is not dispatch.reference_impl(op), op
+    qp, kp, q, k, v = _inputs(1, 700, 8, 2, 2, 1, torch.bfloat16, seed=13)
+    scale = 128 ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(14)
+    go = torch.randn(q.shape, device="cuda", generator=g).to(q.dtype)
+    klg = torch.rand(1, 2, 700, device="cuda", generator=g) + 0.5
+    fwd = dispatch.implementation("warmup_forward", torch.device("cuda"), torch.bfloat16, head_dim=128,
+                                  proxy_head_dim=128, block_size=None, group=4, kv_group=4, varlen=False)
+    got_f = fwd(qp, kp, q, k, v, scale)
+    got_b = dispatch.implementation("warmup_backward", torch.device("cuda"), torch.bfloat16, head_dim=128,
+                                    proxy_head_dim=128, block_size=None, group=4, kv_group=4, varlen=False,
+                                    deterministic=False)(qp, kp, q, k, v, *got_f[:3], scale, go, klg)
+
+    def ref(dt):
+        ins = [t.to(dt) for t in (qp, kp, q, k, v)]
+        f = reference.warmup_forward(*ins, scale)
+        return f, reference.warmup_backward(*ins, *f[:3], scale, go.to(dt), klg.to(dt))
+
+    (want_f, want_b), (base_f, base_b) = ref(torch.float64), ref(torch.float32)
+    names = ("out", "lse", "lse_proxy", "kl_rows", "dq_proxy", "dk_proxy", "dq", "dk", "dv")
+    for name, g_, w_, b_ in zip(names, (*got_f, *got_b), (*want_f, *want_b), (*base_f, *base_b)):
+        rounding = [w_.to(q.dtype)] if name not in ("lse", "lse_proxy", "kl_rows") else []
+        mag = w_.abs().max().item()
+        assert_close(name, g_, w_, dtype_error(w_, b_, *rounding), factor=4.0, atol=1e-5 * max(1.0, mag))

@@ -109,12 +109,59 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
                                         block_size, scale, grad_out, kl_grad)
 
 
-_SUPPORTS = {"select_blocks": _select_supports, "msa_forward": _msa_supports, "msa_backward": _msa_supports}
+WARMUP_BLOCK = 128  # warmup selects every causal block; any block size gives the same dense causal result
+_INT32_LIMIT = 1 << 31
+
+
+def _all_causal_blocks(q_proxy: torch.Tensor) -> torch.Tensor:
+    """(B, Hp, S, NB) int32: every block j <= blk(i), -1 after it. Warmup mode is MSA with this selection
+    (msa-semantics.md: A_h(i) = T = {t <= i}), so the sparse kernels compute it exactly until issue 5's dense
+    warmup kernels land (at the sparse kernels' speed: far from cuDNN's)."""
+    B, S, Hp, _ = q_proxy.shape
+    NB = -(-S // WARMUP_BLOCK)
+    j = torch.arange(NB, device=q_proxy.device, dtype=torch.int32)
+    local = torch.arange(S, device=q_proxy.device, dtype=torch.int32) // WARMUP_BLOCK
+    sel = torch.where(j.view(1, NB) <= local.view(S, 1), j.view(1, NB), torch.full((), -1, dtype=torch.int32,
+                                                                                    device=q_proxy.device))
+    return sel.view(1, 1, S, NB).expand(B, Hp, S, NB).contiguous()
+
+
+def _warmup_fits(q_proxy, q) -> bool:
+    """The backward plans every (b, p, i, block) entry at once: E * G must stay below int32."""
+    B, S, Hp, _ = q_proxy.shape
+    return B * Hp * S * -(-S // WARMUP_BLOCK) * (q.shape[2] // Hp) < _INT32_LIMIT
+
+
+def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
+    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    if not _warmup_fits(q_proxy, q):
+        return dispatch.reference_impl("warmup_forward")(q_proxy, k_proxy, q, k, v, scale, cu_seqlens)
+    return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
+
+
+def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None):
+    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    if not _warmup_fits(q_proxy, q):
+        return dispatch.reference_impl("warmup_backward")(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
+                                                          grad_out, kl_grad, cu_seqlens)
+    return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy), WARMUP_BLOCK,
+                         scale, grad_out, kl_grad)
+
+
+def _warmup_supports(problem: dispatch.Problem) -> str | None:
+    op = "msa_forward" if problem.op == "warmup_forward" else "msa_backward"
+    c = dict(problem.config, block_size=WARMUP_BLOCK)
+    return _msa_supports(dispatch.Problem(op, problem.device, problem.dtype, c))
+
+
+_SUPPORTS = {"select_blocks": _select_supports, "msa_forward": _msa_supports, "msa_backward": _msa_supports,
+             "warmup_forward": _warmup_supports, "warmup_backward": _warmup_supports}
 
 KERNELS = dispatch.Backend(
     name="kernels", device_type="cuda",
     supports=lambda problem: _SUPPORTS[problem.op](problem) if problem.op in _SUPPORTS
     else "its kernel is not built yet (issue 4)",
-    ops={"select_blocks": _select_blocks, "msa_forward": _msa_forward, "msa_backward": _msa_backward},
+    ops={"select_blocks": _select_blocks, "msa_forward": _msa_forward, "msa_backward": _msa_backward,
+         "warmup_forward": _warmup_forward, "warmup_backward": _warmup_backward},
 )
 dispatch.register_kernels()  # a no-op when dispatch was imported first and has registered it already

@@ -171,7 +171,9 @@ def warmup_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: T
                     lse_proxy: Tensor, scale: float, grad_out: Optional[Tensor], kl_grad: Optional[Tensor],
                     cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq_proxy, dk_proxy, dq, dk, dv) of warmup_forward."""
-    impl = _impl("warmup_backward", q, _msa_config(q_proxy, q, k, None, cu_seqlens))
+    config = dict(_msa_config(q_proxy, q, k, None, cu_seqlens),
+                  deterministic=torch.are_deterministic_algorithms_enabled())  # as msa_backward
+    impl = _impl("warmup_backward", q, config)
     return _fresh(*impl(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens))
 
 
