@@ -1,10 +1,13 @@
-"""Vector fp32 reductions to global memory (sm90+): one red instruction for two adjacent accumulator columns.
+"""fp32 reductions to global memory (sm90+) for the backward's accumulators.
 
-The mma.sync accumulator gives each thread pairs of adjacent columns, so red.global.add.v2.f32 halves the
-instruction count of the scalar atomics the backward's fp32 accumulators need (dq, dk, dv, and the proxy's).
+- `red_add_v2`: one red instruction for two adjacent accumulator columns (the mma.sync accumulator gives each
+  thread pairs of adjacent columns), for the rows that leave once per work item (dk, dv, dk_p).
+- `bulk_reduce_add_f32`: one cp.reduce.async.bulk per accumulator row, staged in shared memory, for the rows that
+  leave once per tile (dq, dq_p). L2 applies a whole row per request instead of 8 bytes per red, which is what the
+  dq traffic (34 GB at configuration (b), S = 64K) was bound by.
 """
 
-from cutlass import Float32, Int64
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -18,6 +21,26 @@ def red_add_v2(address: Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> 
                    Float32(b).ir_value(loc=loc, ip=ip)],
         asm_string="red.global.add.v2.f32 [$0], {$1, $2};",
         constraints="l,f,f,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(dst: Int64, src: Int32, nbytes: int, *, loc=None, ip=None) -> None:
+    """float dst[nbytes / 4] += shared src[...], asynchronously (bulk_group completion).
+
+    dst: global address, src: shared::cta address, both 16-byte aligned, nbytes a multiple of 16. The issuing
+    thread commits the group and waits for its reads (cp_async_bulk_wait_group(0, read=True)) before the shared
+    source is overwritten; the writer threads fence the generic -> async proxy before the barrier that precedes
+    the issue."""
+    llvm.inline_asm(
+        res=None,
+        operands_=[Int64(dst).ir_value(loc=loc, ip=ip), Int32(src).ir_value(loc=loc, ip=ip)],
+        asm_string=f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], {int(nbytes)};",
+        constraints="l,r,~{memory}",
         has_side_effects=True,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,

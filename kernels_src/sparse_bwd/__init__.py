@@ -6,7 +6,7 @@ p*G + r % G). Per item (key block j of (b, p)), with the saved lse and delta = r
   P = exp(s - lse) (causal), dP = dO V^T, dS = P (dP - delta);
   dV_j += P^T dO and dK_j += scale dS^T Q stay in registers across the item's tiles, then go to fp32 accumulators
   with atomics (items of one block, and proxy heads sharing a KV head, meet there);
-  dQ += scale dS K_j goes to an fp32 accumulator with atomics (a query's K slots meet there).
+  dQ += scale dS K_j goes to an fp32 accumulator with bulk reductions (a query's K slots meet there).
 The proxy's gradients come from kernels_src.sparse_bwd_proxy. This module does not import cutlass.
 """
 
@@ -23,6 +23,9 @@ OP = "sparse_bwd"
 DTYPES = ("bf16", "f16")
 GROUPS = (1, 2, 4, 8, 16)
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
+# fp32 dq staging rows are padded by 8 floats: a warp's store of the accumulator (8 rows x 4 column pairs) then
+# spreads over all 32 banks (unpadded 512-byte rows put the 8 rows on the same banks).
+DQ_ROW_PAD = 8
 _MAX_SMEM = {"sm90a": 227 * 1024, "sm100a": 227 * 1024, "sm100f": 227 * 1024}
 
 
@@ -41,12 +44,18 @@ class Config:
         return variant_name(OP, dataclasses.asdict(self), arch)
 
     def smem_bytes(self) -> int:
-        """sK, sV; staged sQ, sdO; sP^T and sdS^T (keys x rows). Mirrors SharedStorage (1024-aligned)."""
+        """sK, sV; staged sQ, sdO; sP^T and sdS^T (keys x rows); the fp32 dQ staging rows (padded). Mirrors
+        SharedStorage (1024-aligned)."""
         e = _ELEM_BYTES[self.dtype]
         kv = 2 * _align(self.tile_n * self.head_dim * e, 1024)
         rows = 2 * _align(self.stages * self.tile_m * self.head_dim * e, 1024)
         p_ds = 2 * _align(self.tile_n * self.tile_m * e, 1024)
-        return kv + rows + p_ds
+        return kv + rows + p_ds + dq_staging_bytes(self)
+
+
+def dq_staging_bytes(config) -> int:
+    """fp32 rows of head_dim + DQ_ROW_PAD floats, one per tile row, for the bulk reductions."""
+    return _align(config.tile_m * (config.head_dim + DQ_ROW_PAD) * 4, 1024)
 
 
 def _align(x: int, a: int) -> int:

@@ -5,8 +5,10 @@ Two CTAs per work item (key block j of (b, p) and the queries that chose it), ea
   - S = Q K^T and dP = dO V^T with warps 4 (rows) x 2 (keys): 32 fp32 registers each per thread;
   - P = exp(S - lse) on the causal keys, dS = P (dP - delta), both stored to shared memory (rows x keys);
   - dV += P^T dO and dK += dS^T Q with warps 4 (keys) x 2: 32 registers each, kept across the item's tiles;
-  - dQ = dS K with warps 4 x 2, added to the fp32 dq accumulator with vector atomics, times scale;
-  - at the item's end dV and scale * dK go to the fp32 dk / dv accumulators with atomics.
+  - dQ = dS K with warps 4 x 2, times scale, staged in shared memory (fp32, rows padded against bank conflicts)
+    and added to the fp32 dq accumulator with one bulk reduction per row (cp.reduce.async.bulk), which runs
+    while the next tile computes;
+  - at the item's end dV and scale * dK go to the fp32 dk / dv accumulators with vector atomics.
 Transposed operands are transposed views of the same swizzled tiles, read with ldmatrix.trans.
 Rows of queries past the tile's count are zero-filled so that they add exactly nothing.
 """
@@ -21,8 +23,9 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 from cutlass.cute.runtime import make_fake_stream
 
-from kernels_src.atomics import red_add_v2
+from kernels_src.atomics import bulk_reduce_add_f32, red_add_v2
 from kernels_src.block_scores.kernel import compile_kernel
+from kernels_src.sparse_bwd import DQ_ROW_PAD
 from kernels_src.spec import Compiled, fake_tensor
 from kernels_src.tiles import acc_rows_cols, copy_row, cp_async_rows, smem_tile, transposed, warp_mma
 
@@ -56,6 +59,9 @@ class SparseBackward:
     def _gmem_copy(self):
         return cp_async_rows(self.dtype, self.head_dim, self.threads)
 
+    def _dq_layout(self):
+        return cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim + DQ_ROW_PAD, 1))
+
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
                  delta: cute.Tensor, entry_query: cute.Tensor, items: cute.Tensor, dq_acc: cute.Tensor,
@@ -64,6 +70,7 @@ class SparseBackward:
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
         l_p = self._smem_layout((self.tile_m, self.tile_n))
+        l_dq = self._dq_layout()
 
         @cute.struct
         class SharedStorage:
@@ -73,10 +80,11 @@ class SparseBackward:
             s_do: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
             s_p: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
             s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
+            s_dq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_dq)], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, scale, hp, hp_per_hk,
-                    l_kv, l_rows, l_p, self._mma(4, 2), self._mma(4, 2), self._gmem_copy(), SharedStorage).launch(
+                    l_kv, l_rows, l_p, l_dq, self._mma(4, 2), self._mma(4, 2), self._gmem_copy(), SharedStorage).launch(
             grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
             stream=stream)
 
@@ -85,7 +93,7 @@ class SparseBackward:
     @cute.kernel
     def kernel(self, q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc,
                scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
-               l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
+               l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
                mma_s: cute.TiledMma, mma_kv: cute.TiledMma, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -106,6 +114,7 @@ class SparseBackward:
             s_do_all = storage.s_do.get_tensor(l_rows.outer, swizzle=l_rows.inner)
             s_p = storage.s_p.get_tensor(l_p.outer, swizzle=l_p.inner)
             s_ds = storage.s_ds.get_tensor(l_p.outer, swizzle=l_p.inner)
+            s_dq = storage.s_dq.get_tensor(l_dq)
 
             self.load_block(gcopy, k[b, None, kvh, None], s_k, t0, seqlen, tidx)
             self.load_block(gcopy, v[b, None, kvh, None], s_v, t0, seqlen, tidx)
@@ -164,6 +173,7 @@ class SparseBackward:
                         dp_mn[r, c] = pv * (dp_mn[r, c] - dlt)
                         s_p[row, coord_s[0, c][1]] = pv.to(self.dtype)
                         s_ds[row, coord_s[0, c][1]] = dp_mn[r, c].to(self.dtype)
+                self.wait_rows_read(tidx)  # the previous tile's dq rows left s_dq (before its rewrite below)
                 cute.arch.sync_threads()
 
                 # dV += P^T dO, dK += dS^T Q (keys x D, 8 warps on keys); dQ = dS K (rows x D).
@@ -171,18 +181,44 @@ class SparseBackward:
                 self.gemm(mma_kv, thr_kv, acc_dk, transposed(s_ds), transposed(s_q), tidx, True, True,
                           accumulate=True)
                 self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_k), tidx, False, True)
-                for r in cutlass.range_constexpr(cute.size(dq_mn, mode=[0])):
-                    row = coord_dq[r, 0][0]
-                    qi = row // self.group
-                    if qi < n_q:
-                        i = entry_query[e0 + qi]
-                        h = p * self.group + row % self.group
-                        self.red_row(dq_acc[b, i, h, None], dq_mn, coord_dq, r, scale)
-                # The next gather and the next tile's P / dS stores overwrite what this tile read.
+                self.stage_rows(s_dq, dq_mn, coord_dq, scale)
+                # The next gather and the next tile's P / dS stores overwrite what this tile read; s_dq is whole.
                 cute.arch.sync_threads()
+                if tidx < self.tile_m:
+                    qi = tidx // self.group
+                    if qi < n_q:
+                        self.reduce_row(dq_acc[b, entry_query[e0 + qi], p * self.group + tidx % self.group, None],
+                                        s_dq, tidx)
+                    cute.arch.cp_async_bulk_commit_group()
 
             self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[b, None, kvh, None], t0, seqlen, cutlass.Float32(1.0))
             self.flush_block(mma_kv, thr_kv, acc_dk, dk_acc[b, None, kvh, None], t0, seqlen, scale)
+            self.wait_rows_done(tidx)
+
+    @cute.jit
+    def stage_rows(self, s_rows, acc_mn, coord, factor):
+        """acc (rows x D) * factor -> the fp32 staging tile, fenced for the async proxy (the bulk reductions)."""
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                s_rows[coord[r, 0][0], coord[0, c][1]] = acc_mn[r, c] * factor
+        cute.arch.fence_proxy("async.shared", space="cta")
+
+    @cute.jit
+    def reduce_row(self, dst, s_rows, row):
+        """dst (one fp32 row of D) += s_rows[row], one asynchronous bulk reduction (the caller commits)."""
+        bulk_reduce_add_f32(dst.iterator.toint(), s_rows[row, None].iterator.toint(), self.head_dim * 4)
+
+    @cute.jit
+    def wait_rows_read(self, tidx):
+        """The issuing threads (one per staged row) wait until their bulk reductions have read shared memory."""
+        if tidx < self.tile_m:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def wait_rows_done(self, tidx):
+        """Before the CTA exits: every bulk reduction it issued has completed."""
+        if tidx < self.tile_m:
+            cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
     def flush_block(self, mma_kv, thr_kv, acc, g_rows, t0, seqlen, factor):

@@ -25,12 +25,13 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list:
 
 
 def smem_bytes(config) -> int:
-    """sK, sK_p (keys x D); staged sQ, sQ_p (rows x D); sdS_p (rows x keys). Mirrors SharedStorage."""
+    """sK, sK_p (keys x D); staged sQ, sQ_p (rows x D); sdS_p (rows x keys); fp32 dq_p staging rows. Mirrors
+    SharedStorage."""
     e = _ELEM_BYTES[config.dtype]
     a = sparse_bwd._align
     keys = 2 * a(config.tile_n * config.head_dim * e, 1024)
     rows = 2 * a(config.stages * config.tile_m * config.head_dim * e, 1024)
-    return keys + rows + a(config.tile_m * config.tile_n * e, 1024)
+    return keys + rows + a(config.tile_m * config.tile_n * e, 1024) + sparse_bwd.dq_staging_bytes(config)
 
 
 def can_implement(config, arch: str) -> tuple[bool, str]:

@@ -6,7 +6,8 @@ queries (8 warps, 4 x 2 over queries x keys):
      P_g = exp(S_g - lse_g) (causal); tau_sum = sum_g P_g accumulates in registers (same thread, same (i, t)),
      while the next head's rows are in flight (the (tile, head) steps are double buffered); tau = tau_sum / G;
   2. the proxy rows q_proxy[b, i, p] give pi = exp(s_p - lse_p), and dS_p = (pi - tau) * kl_grad[b, p, i];
-  3. dq_p = scale * dS_p K_p (fp32 vector atomics: the K slots of a query meet there) and
+  3. dq_p = scale * dS_p K_p (staged in shared memory, one bulk reduction per query row into the fp32
+     accumulator, where the K slots of a query meet) and
      dk_p += scale * dS_p^T Q_p (registers across the item's tiles, atomics at its end).
 The proxy products run once per query, not once per (query, head): the first version replicated the proxy row
 over the G heads' rows and spent G times the proxy FLOPs (NOTES.md).
@@ -42,6 +43,7 @@ class SparseProxyBackward(SparseBackward):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
         l_p = self._smem_layout((self.tile_m, self.tile_n))
+        l_dq = self._dq_layout()
 
         @cute.struct
         class SharedStorage:
@@ -50,10 +52,11 @@ class SparseProxyBackward(SparseBackward):
             s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
             s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
             s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
+            s_dq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_dq)], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_proxy(q, k, q_proxy, k_proxy, entry_query, items, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
-                          scale, hp_per_hk, hp_per_hpk, l_kv, l_rows, l_p, self._mma(4, 2), self._mma(4, 2),
+                          scale, hp_per_hk, hp_per_hpk, l_kv, l_rows, l_p, l_dq, self._mma(4, 2), self._mma(4, 2),
                           self._gmem_copy(), SharedStorage).launch(
             grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
             stream=stream)
@@ -62,7 +65,7 @@ class SparseProxyBackward(SparseBackward):
     def kernel_proxy(self, q, k, q_proxy, k_proxy, entry_query, items, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
                      scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
                      l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
-                     mma_s: cute.TiledMma, mma_kv: cute.TiledMma, gcopy: cute.TiledCopy,
+                     l_dq: cute.Layout, mma_s: cute.TiledMma, mma_kv: cute.TiledMma, gcopy: cute.TiledCopy,
                      SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -83,6 +86,7 @@ class SparseProxyBackward(SparseBackward):
             s_q_all = storage.s_q.get_tensor(l_rows.outer, swizzle=l_rows.inner)
             s_qp_all = storage.s_qp.get_tensor(l_rows.outer, swizzle=l_rows.inner)
             s_ds = storage.s_ds.get_tensor(l_p.outer, swizzle=l_p.inner)
+            s_dq = storage.s_dq.get_tensor(l_dq)
             self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx)
             self.load_block(gcopy, k_proxy[b, None, pkh, None], s_kp, t0, seqlen, tidx)
 
@@ -143,20 +147,24 @@ class SparseProxyBackward(SparseBackward):
                                 pi = cute.math.exp2(s_mn[r, c] * scale_log2 - lsep2, fastmath=True)
                             s_ds[qi, coord_s[0, c][1]] = ((pi - tau_mn[r, c] * (1.0 / self.group)) * cg).to(
                                 self.dtype)
+                    self.wait_rows_read(tidx)  # the previous tile's dq_p rows left s_dq
                     cute.arch.sync_threads()
 
                     # dq_p = scale * dS_p K_p (this CTA's keys), dk_p += dS_p^T Q_p.
                     self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_kp), tidx, False, True)
-                    for r in cutlass.range_constexpr(cute.size(dq_mn, mode=[0])):
-                        qi = coord_dq[r, 0][0]
-                        if qi < n_q:
-                            self.red_row(dqp_acc[b, entry_query[e0 + qi], p, None], dq_mn, coord_dq, r, scale)
+                    self.stage_rows(s_dq, dq_mn, coord_dq, scale)
                     self.gemm(mma_kv, thr_kv, acc_dkp, transposed(s_ds), transposed(s_qp), tidx, True, True,
                               accumulate=True)
-                # The next steps' gathers and dS_p stores overwrite what this step read.
+                # The next steps' gathers and dS_p stores overwrite what this step read; s_dq is whole.
                 cute.arch.sync_threads()
+                if g == self.group - 1:
+                    if tidx < self.tile_m:
+                        if tidx < n_q:
+                            self.reduce_row(dqp_acc[b, entry_query[e0 + tidx], p, None], s_dq, tidx)
+                        cute.arch.cp_async_bulk_commit_group()
 
             self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
+            self.wait_rows_done(tidx)
 
     @cute.jit
     def accumulate_tau(self, mma_s, thr_s, acc_s, s_mn, tau_mn, coord_s, s_q, s_k, lse, b, h, entry_query, e0, n_q, t0,
