@@ -43,10 +43,15 @@ fi
 if [[ $mode == bench || $mode == all ]]; then
   python3 benchmarks/bench_launch_overhead.py 2>&1 | tee "$out/bench_launch.log"
   # The whole op (select + forward + backward) against cuDNN dense attention, B*S = 128K tokens, and at B = 1
-  # for configuration (a) beside flash-msa 0.1.1's published B = 1 figures. Warmup mode has no kernel yet
-  # (issue 5): its reference op is not timed here.
+  # for configuration (a) beside flash-msa 0.1.1's published B = 1 figures.
   python3 benchmarks/bench_msa.py --configs a,b,c --seqlens 8192,16384,32768,65536,131072 --ops sparse,dense \
     --skewed --out "$out/msa.json" 2>&1 | tee "$out/bench_msa.log"
+  # Warmup mode (issue 5) runs on the sparse kernels with every causal block selected until its dense kernels
+  # land: 8K-32K here (its cost grows with S^2).
+  python3 benchmarks/bench_msa.py --configs a,b,c --seqlens 8192,16384,32768 --ops warmup,dense \
+    --out "$out/warmup.json" 2>&1 | tee "$out/bench_warmup.log"
+  python3 benchmarks/bench_deterministic.py --seqlens 4096,8192 --out "$out/deterministic.json" 2>&1 \
+    | tee "$out/bench_deterministic.log"
   python3 benchmarks/bench_msa.py --configs a --seqlens 8192,16384,32768,65536 --ops sparse,dense --batch1 \
     --out "$out/msa_batch1.json" 2>&1 | tee "$out/bench_msa_batch1.log"
   python3 benchmarks/bench_sparse_fwd.py --configs a,b,c --seqlens 65536 --out "$out/sparse_stages.json" 2>&1 \
