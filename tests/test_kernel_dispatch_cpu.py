@@ -52,3 +52,28 @@ def test_kernel_backend_registers_once_whatever_is_imported_first(first):
             "print(','.join(b.name for b in dispatch.backends()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "kernels,reference"
+
+
+@pytest.mark.parametrize("S", [1, 127, 128, 129, 1000, 4096])
+def test_warmup_entry_count_matches_the_all_causal_selection(S):
+    """_warmup_entries (the int32 guard of the sparse main path) counts the live slots of _all_causal_blocks."""
+    q_proxy = torch.empty(2, S, 3, 8)
+    sel = kernels._all_causal_blocks(q_proxy)
+    assert sel.shape == (2, 3, S, -(-S // kernels.WARMUP_BLOCK))
+    i = torch.arange(S).view(1, 1, S, 1)
+    want = (torch.arange(sel.shape[3]).view(1, 1, 1, -1) <= i // kernels.WARMUP_BLOCK).expand(sel.shape)
+    assert torch.equal(sel >= 0, want)
+    assert kernels._warmup_entries(q_proxy) == int((sel >= 0).sum())
+
+
+def test_cudnn_operators_for_warmup_are_checked_by_schema(monkeypatch):
+    """Warmup's dense main attention needs torch's cuDNN attention operators with the argument lists it calls;
+    a torch without them (or with other arguments) is reported, and warmup then stays on the sparse kernels."""
+    from flash_msa_rt.ops import dense_main
+
+    assert dense_main.available() is None, "the torch this project pins has both operators"
+    monkeypatch.setattr(dense_main, "_BWD_ARGS", dense_main._BWD_ARGS + ("no_such_argument",))
+    reason = dense_main.available()
+    assert reason is not None and "_scaled_dot_product_cudnn_attention_backward" in reason
+    monkeypatch.setattr(kernels.torch.backends.cudnn, "is_available", lambda: True)
+    assert not kernels._dense_main(torch.empty(1))

@@ -1,8 +1,11 @@
 """The CUDA kernel backend: the ops whose AOT kernels are built for the device, registered with dispatch.
 
 Today: selection (flash_msa_rt.ops.select), the MSA sparse forward (flash_msa_rt.ops.sparse_fwd) and backward
-(flash_msa_rt.ops.sparse_bwd). The other ops (warmup, block-sparse, varlen) register here as their kernels land;
-until then they run on the reference and dispatch says so once. A problem a kernel cannot run (dtype, head dim,
+(flash_msa_rt.ops.sparse_bwd), and warmup mode: its dense main attention on cuDNN (flash_msa_rt.ops.dense_main,
+torch's own operators) and its proxy KL pass and proxy backward on the sparse kernels with every causal block
+selected (or everything on the sparse kernels where this torch lacks the cuDNN operators). The other ops
+(block-sparse, varlen) register here as their kernels land; until then they run on the reference and dispatch
+says so once. A problem a kernel cannot run (dtype, head dim,
 block size, K, G, varlen, deterministic mode for the backward, or a variant not built for this GPU) is declined
 with the reason, which dispatch shows with the build command; a declined call is never an error.
 """
@@ -14,7 +17,7 @@ import warnings
 import torch
 
 from flash_msa_rt.errors import FlashMsaError
-from flash_msa_rt.ops import dispatch, select, sparse_bwd, sparse_fwd
+from flash_msa_rt.ops import dense_main, dispatch, select, sparse_bwd, sparse_fwd
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
@@ -115,8 +118,7 @@ _INT32_LIMIT = 1 << 31
 
 def _all_causal_blocks(q_proxy: torch.Tensor) -> torch.Tensor:
     """(B, Hp, S, NB) int32: every block j <= blk(i), -1 after it. Warmup mode is MSA with this selection
-    (msa-semantics.md: A_h(i) = T = {t <= i}), so the sparse kernels compute it exactly until issue 5's dense
-    warmup kernels land (at the sparse kernels' speed: far from cuDNN's)."""
+    (msa-semantics.md: A_h(i) = T = {t <= i}), which is how the proxy's KL pass and backward kernels run it."""
     B, S, Hp, _ = q_proxy.shape
     NB = -(-S // WARMUP_BLOCK)
     j = torch.arange(NB, device=q_proxy.device, dtype=torch.int32)
@@ -126,17 +128,36 @@ def _all_causal_blocks(q_proxy: torch.Tensor) -> torch.Tensor:
     return sel.view(1, 1, S, NB).expand(B, Hp, S, NB).contiguous()
 
 
-def _warmup_fits(q_proxy, q) -> bool:
-    """The backward plans every (b, p, i, block) entry at once: E * G must stay below int32."""
+def _warmup_entries(q_proxy) -> int:
+    """(b, p, i, block) entries of the all-causal selection."""
     B, S, Hp, _ = q_proxy.shape
-    return B * Hp * S * -(-S // WARMUP_BLOCK) * (q.shape[2] // Hp) < _INT32_LIMIT
+    nb = -(-S // WARMUP_BLOCK)
+    return B * Hp * (S * nb - WARMUP_BLOCK * nb * (nb - 1) // 2)
+
+
+def _dense_main(q) -> bool:
+    """cuDNN runs warmup's main attention when this torch has the operators (dense_main.available) and cuDNN
+    is usable; otherwise the sparse kernels run it with every causal block selected."""
+    return dense_main.available() is None and torch.backends.cudnn.is_available()
+
+
+def _warmup_fits(q_proxy, q) -> bool:
+    """The sparse main path plans every (entry, head) row at once, in int32; the cuDNN path plans the proxy's
+    work in chunks of queries (sparse_fwd.msa_kl_cuda, sparse_bwd.proxy_backward_cuda) and always fits."""
+    return _dense_main(q) or _warmup_entries(q_proxy) * (q.shape[2] // q_proxy.shape[2]) < _INT32_LIMIT
 
 
 def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
     assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
     if not _warmup_fits(q_proxy, q):
         return dispatch.reference_impl("warmup_forward")(q_proxy, k_proxy, q, k, v, scale, cu_seqlens)
-    return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
+    if not _dense_main(q):
+        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
+    q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
+    out, lse = dense_main.dense_forward(q, k, v, scale)
+    lse_proxy, kl_rows = sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse, _all_causal_blocks(q_proxy),
+                                                WARMUP_BLOCK, scale)
+    return out, lse, lse_proxy, kl_rows
 
 
 def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None):
@@ -144,8 +165,20 @@ def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad
     if not _warmup_fits(q_proxy, q):
         return dispatch.reference_impl("warmup_backward")(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
                                                           grad_out, kl_grad, cu_seqlens)
-    return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy), WARMUP_BLOCK,
-                         scale, grad_out, kl_grad)
+    if not _dense_main(q):
+        return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy),
+                             WARMUP_BLOCK, scale, grad_out, kl_grad)
+    q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
+    if grad_out is not None:
+        dq, dk, dv = dense_main.dense_backward(q, k, v, out, lse, grad_out, scale)
+    else:
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if kl_grad is not None:
+        dq_proxy, dk_proxy = sparse_bwd.proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy,
+                                                            _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale, kl_grad)
+    else:
+        dq_proxy, dk_proxy = torch.zeros_like(q_proxy), torch.zeros_like(k_proxy)
+    return dq_proxy, dk_proxy, dq, dk, dv
 
 
 def _warmup_supports(problem: dispatch.Problem) -> str | None:

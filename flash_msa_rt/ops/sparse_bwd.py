@@ -3,7 +3,8 @@
   1. delta = rowsum(dO * O) (fp32, torch);
   2. sparse_bwd kernel over a plan of 64-row tiles: dq, dk, dv into fp32 accumulators (atomics);
   3. sparse_bwd_proxy kernel over a plan of 64 distinct queries per tile (it visits the G heads one after
-     another): dq_proxy, dk_proxy from (pi - tau) times the upstream gradient of kl_rows, read from the device;
+     another): dq_proxy, dk_proxy from (pi - tau) times the upstream gradient of kl_rows, read from the device
+     (proxy_backward_cuda, which warmup mode also runs on its own);
   4. the accumulators cast to the input dtypes.
 Internal layout (B, S, heads, D). Atomics make the summation order vary run to run (not bitwise deterministic).
 """
@@ -19,6 +20,7 @@ from flash_msa_rt.ops.sparse_plan import sparse_plan
 TILE_M = 64
 TILES_PER_ITEM = 16  # 1024 rows per item: dk / dv leave registers (atomics) once per 1024 rows
 PROXY_TILES_PER_ITEM = 16  # proxy tiles are 64 queries x G heads of main work: 16 // G of them per item (>= 1)
+PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all-causal selection is chunked)
 
 
 def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, tile_n: int = 64) -> dict:
@@ -37,7 +39,7 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
     """(dq_proxy, dk_proxy, dq, dk, dv). grad_out (B, S, H, D) or None; kl_grad broadcastable to (B, Hp, S) or
     None (a missing gradient gives zeros). Tensors validated, 16-byte aligned, unit-stride head dim."""
     B, S, H, D = q.shape
-    Hp, Hk, Hpk = q_proxy.shape[2], k.shape[2], k_proxy.shape[2]
+    Hp, Hk = q_proxy.shape[2], k.shape[2]
     G = H // Hp
     dt = sparse_fwd.DTYPES[q.dtype]
     dev = q.device
@@ -45,8 +47,6 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
     dq_acc = torch.zeros((B, S, H, D), dtype=f32, device=dev)
     dk_acc = torch.zeros((B, S, Hk, D), dtype=f32, device=dev)
     dv_acc = torch.zeros((B, S, Hk, D), dtype=f32, device=dev)
-    dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
-    dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, TILES_PER_ITEM)
     if grad_out is not None:
         delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, S)
@@ -55,12 +55,39 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
             items=plan.items, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, scale=float(scale), hp=Hp,
             hp_per_hk=Hp // Hk)
     if kl_grad is not None:
-        grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
-        if G > 1:  # the proxy kernel's tiles are 64 distinct queries, whatever G
-            plan = sparse_plan(block_indices, block_size, S, G, TILE_M, max(1, PROXY_TILES_PER_ITEM // G))
-        get_kernel("sparse_bwd_proxy", kernel_config(dt, D, block_size, G), dev)(
-            q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, entry_query=plan.entry_query, items=plan.items,
-            lse=lse.contiguous(), lse_proxy=lse_proxy.contiguous(), kl_grad=grad, dqp_acc=dqp_acc, dkp_acc=dkp_acc,
-            scale=float(scale), hp_per_hk=Hp // Hk, hp_per_hpk=Hp // Hpk)
-    return (dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype), dq_acc.to(q.dtype), dk_acc.to(k.dtype),
-            dv_acc.to(v.dtype))
+        dq_proxy, dk_proxy = proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size,
+                                                 scale, kl_grad, plan if G == 1 else None)
+    else:
+        dq_proxy, dk_proxy = torch.zeros_like(q_proxy), torch.zeros_like(k_proxy)
+    return dq_proxy, dk_proxy, dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size, scale, kl_grad, plan=None):
+    """(dq_proxy, dk_proxy) from (pi - tau) * kl_grad over a selection: the sparse_bwd_proxy kernel alone (warmup
+    mode runs it with every causal block selected, beside cuDNN's dense backward). plan: the main backward's, which
+    is the proxy's when G == 1 (64 queries per tile either way)."""
+    B, S, H, D = q.shape
+    Hp, Hk, Hpk = q_proxy.shape[2], k.shape[2], k_proxy.shape[2]
+    G = H // Hp
+    dev = q.device
+    f32 = torch.float32
+    dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
+    dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
+    grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
+    kernel = get_kernel("sparse_bwd_proxy", kernel_config(sparse_fwd.DTYPES[q.dtype], D, block_size, G), dev)
+    lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
+    K = block_indices.shape[3]
+    # Queries in chunks of at most PLAN_ENTRIES (b, p, i, slot) entries: warmup's all-causal selection has
+    # O(B * Hp * S^2 / Bs) of them (the accumulators sum the chunks' contributions like the items').
+    given = plan
+    chunk = S if given is not None else max(block_size, PLAN_ENTRIES // max(1, B * Hp * K) // block_size * block_size)
+    for s0 in range(0, S, chunk):
+        s1 = min(S, s0 + chunk)
+        if given is None:  # the proxy kernel's tiles are 64 distinct queries, whatever G
+            sel = block_indices[:, :, s0:s1].contiguous()
+            plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M, max(1, PROXY_TILES_PER_ITEM // G),
+                               query_offset=s0)
+        kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, entry_query=plan.entry_query, items=plan.items, lse=lse,
+               lse_proxy=lse_proxy, kl_grad=grad, dqp_acc=dqp_acc, dkp_acc=dkp_acc, scale=float(scale),
+               hp_per_hk=Hp // Hk, hp_per_hpk=Hp // Hpk)
+    return dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype)

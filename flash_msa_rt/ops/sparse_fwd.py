@@ -103,13 +103,44 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
         sel = block_indices[:, :, s0:s1].contiguous()
         plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
         E = plan.E
-        o_part, lse_part, kl_part = o_buf[:E], lse_buf[:E], kl_buf[:E]
+        o_part, lse_part = o_buf[:E], lse_buf[:E]
         fwd(q=q, k=k, v=v, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=Hp, hp_per_hk=Hp // k.shape[2],
             **_plan_args(plan))
         combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out[:, s0:s1], lse=lse[:, :, s0:s1],
                 query_offset=s0)
-        kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, max(1, KL_TILES_PER_ITEM // G),
-                              query_offset=s0)
-        kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
-        lse_proxy[:, :, s0:s1], kl_rows[:, :, s0:s1] = combine_kl_lse(kl_plan, sel, kl_part)
+        lse_proxy[:, :, s0:s1], kl_rows[:, :, s0:s1] = _kl_chunk(kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size,
+                                                                  G, kl_buf, scale)
     return out, lse, lse_proxy, kl_rows
+
+
+def _kl_chunk(kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale):
+    """The KL pass over queries [s0, s0 + sel.shape[2]) given the final main lse -> (lse_proxy, kl_rows) there."""
+    kl_plan = sparse_plan(sel, block_size, sel.shape[2], G, KL_TILE, max(1, KL_TILES_PER_ITEM // G), query_offset=s0)
+    kl_part = kl_buf[:kl_plan.E]
+    kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
+    return combine_kl_lse(kl_plan, sel, kl_part)
+
+
+def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
+    """(lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) of a selection, given the main attention's final lse (B, H, S):
+    the KL pass alone, for a main attention computed elsewhere (warmup mode: cuDNN's dense attention). Queries run
+    in chunks whose (A, T, L) partials fit PARTIALS_BUDGET."""
+    B, S, H, D = q.shape
+    Hp, K = q_proxy.shape[2], block_indices.shape[3]
+    G = H // Hp
+    dev = q.device
+    kl = get_kernel("sparse_kl", kl_config(DTYPES[q.dtype], D, block_size, G), dev)
+    lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
+    kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev)
+    if S == 0 or B == 0:
+        return lse_proxy, kl_rows
+    per_query = B * Hp * K * 4 * 3 * kl_groups(block_size)
+    chunk = max(block_size, PARTIALS_BUDGET // per_query // block_size * block_size)
+    kl_buf = torch.empty((B * Hp * min(chunk, S) * K, 3 * kl_groups(block_size)), dtype=torch.float32, device=dev)
+    lse = lse.contiguous()
+    for s0 in range(0, S, chunk):
+        s1 = min(S, s0 + chunk)
+        sel = block_indices[:, :, s0:s1].contiguous()
+        lse_proxy[:, :, s0:s1], kl_rows[:, :, s0:s1] = _kl_chunk(kl, q_proxy, k_proxy, q, k, lse, sel, s0,
+                                                                  block_size, G, kl_buf, scale)
+    return lse_proxy, kl_rows

@@ -1,0 +1,184 @@
+"""Warmup mode on the H200 (issue 5): dense causal main attention on cuDNN (flash_msa_rt.ops.dense_main) and the
+proxy's KL pass and backward on the sparse kernels with every causal block selected, against the reference
+warmup ops. Tolerances as the sparse kernels' tests: 4x the error of the same computation in float32 plus the
+input dtype's rounding, against float64; S = 16K against float32 (float64 would take minutes)."""
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+NAMES = ("out", "lse", "lse_proxy", "kl_rows", "dq_proxy", "dk_proxy", "dq", "dk", "dv")
+# (B, S, H, Hk, Hp, Hpk): G = H / Hp in {1, 4, 8}; GQA and MHA main heads; odd S
+SHAPES = [
+    (1, 700, 8, 2, 2, 1),
+    (2, 1537, 8, 8, 8, 1),
+    (1, 2049, 16, 2, 2, 1),
+    (1, 1000, 16, 4, 4, 2),
+]
+
+
+def _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed, D=128):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+    return rnd(B, S, Hp, D), rnd(B, S, Hpk, D), rnd(B, S, H, D), rnd(B, S, Hk, D), rnd(B, S, Hk, D)
+
+
+def _impl(op, G, kv_group):
+    from flash_msa_rt.ops import dispatch
+
+    config = dict(head_dim=128, proxy_head_dim=128, block_size=None, group=G, kv_group=kv_group, varlen=False)
+    if op == "warmup_backward":
+        config["deterministic"] = False
+    return dispatch.implementation(op, torch.device("cuda"), torch.bfloat16, **config)
+
+
+def _run(qp, kp, q, k, v, scale, go, klg):
+    G, kv_group = q.shape[2] // qp.shape[2], q.shape[2] // k.shape[2]
+    got_f = _impl("warmup_forward", G, kv_group)(qp, kp, q, k, v, scale)
+    got_b = _impl("warmup_backward", G, kv_group)(qp, kp, q, k, v, *got_f[:3], scale, go, klg)
+    return got_f, got_b
+
+
+def _reference(qp, kp, q, k, v, scale, go, klg, dt):
+    from flash_msa_rt import reference
+
+    ins = [t.to(dt) for t in (qp, kp, q, k, v)]
+    f = reference.warmup_forward(*ins, scale)
+    return f, reference.warmup_backward(*ins, *f[:3], scale, go.to(dt), klg.to(dt))
+
+
+def test_warmup_main_attention_runs_on_cudnn():
+    """This machine's torch has the cuDNN operators warmup's main attention uses, and dispatch routes both warmup
+    ops to the kernel backend (not the reference)."""
+    from flash_msa_rt.ops import dense_main, dispatch, kernels
+
+    assert dense_main.available() is None, dense_main.available()
+    assert kernels._dense_main(torch.empty(1, device="cuda"))
+    for op in ("warmup_forward", "warmup_backward"):
+        assert _impl(op, 4, 4) is not dispatch.reference_impl(op), op
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_H{}_Hk{}_Hp{}_Hpk{}".format(*s))
+def test_warmup_matches_reference(shape, dtype):
+    _check_against_float64(shape, dtype)
+
+
+def test_warmup_without_cudnn_runs_the_sparse_main_path(monkeypatch):
+    """Where torch lacks the cuDNN operators, the main attention runs on the sparse kernels with every causal
+    block selected: same results."""
+    from flash_msa_rt.ops import kernels
+
+    monkeypatch.setattr(kernels, "_dense_main", lambda q: False)
+    _check_against_float64((1, 700, 8, 2, 2, 1), torch.bfloat16)
+
+
+def _check_against_float64(shape, dtype):
+    from tests.oracle import assert_close, dtype_error
+
+    B, S, H, Hk, Hp, Hpk = shape
+    qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=S)
+    scale = 128 ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(S + 1)
+    go = torch.randn(q.shape, device="cuda", generator=g).to(dtype)
+    klg = torch.rand(B, Hp, S, device="cuda", generator=g) + 0.5
+    got_f, got_b = _run(qp, kp, q, k, v, scale, go, klg)
+    (want_f, want_b) = _reference(qp, kp, q, k, v, scale, go, klg, torch.float64)
+    (base_f, base_b) = _reference(qp, kp, q, k, v, scale, go, klg, torch.float32)
+    for name, g_, w_, b_ in zip(NAMES, (*got_f, *got_b), (*want_f, *want_b), (*base_f, *base_b)):
+        rounding = [w_.to(dtype)] if name not in ("lse", "lse_proxy", "kl_rows") else []
+        mag = w_.abs().max().item()
+        assert_close(name, g_, w_, dtype_error(w_, b_, *rounding), factor=4.0, atol=1e-5 * max(1.0, mag))
+
+
+def test_warmup_16k_against_float32():
+    """S = 16K, configuration (a)'s head ratio at half the heads, bf16: forward within 4x the output's bf16
+    rounding and the statistics within 1e-3 relative; gradients within 2 % of their scale, against float32."""
+    B, S, H, Hk, Hp, Hpk = 1, 16384, 8, 1, 2, 1
+    qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, torch.bfloat16, seed=16)
+    scale = 128 ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(17)
+    go = torch.randn(q.shape, device="cuda", generator=g).to(torch.bfloat16)
+    klg = torch.full((B, Hp, S), 1.0 / S, device="cuda")
+    got_f, got_b = _run(qp, kp, q, k, v, scale, go, klg)
+    want_f, want_b = _reference(qp, kp, q, k, v, scale, go, klg, torch.float32)
+    out_err = (got_f[0].float() - want_f[0]).abs().max().item()
+    rounding = (want_f[0].to(torch.bfloat16).float() - want_f[0]).abs().max().item()
+    assert out_err <= 4 * rounding, (out_err, rounding)
+    for name, g_, w_ in zip(NAMES[1:4], got_f[1:], want_f[1:]):
+        err = (g_ - w_).abs().max().item()
+        assert err <= 1e-3 * max(1.0, w_.abs().max().item()), (name, err)
+    for name, g_, w_ in zip(NAMES[4:], got_b, want_b):
+        err = (g_.float() - w_.float()).abs().max().item()
+        assert err <= 2e-2 * w_.float().abs().max().item(), (name, err)
+
+
+def test_warmup_training_steps_match_the_reference():
+    """A small attention layer trained in warmup mode, 10 SGD steps through flash_msa_warmup_func on CUDA:
+    kernels (cuDNN main + proxy kernels) vs the reference backend, same data; parameters within 1e-2 of their
+    scale."""
+    import flash_msa_rt
+    from flash_msa_rt.ops import dispatch, kernels
+
+    B, S, dm, H, Hk, Hp, D = 1, 700, 256, 4, 1, 1, 128
+
+    def make():
+        torch.manual_seed(1)
+        return torch.nn.ModuleDict({n: torch.nn.Linear(dm, h * D, bias=False) for n, h in
+                                    (("q", H), ("k", Hk), ("v", Hk), ("qp", Hp), ("kp", Hp))}).cuda().bfloat16()
+
+    torch.manual_seed(0)
+    x = torch.randn(10, B, S, dm, device="cuda").bfloat16()
+
+    def train(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step in range(10):
+            def heads(n, h):
+                return model[n](x[step]).view(B, S, h, D)
+            out, kl = flash_msa_rt.flash_msa_warmup_func(heads("qp", Hp), heads("kp", Hp), heads("q", H),
+                                                         heads("k", Hk), heads("v", Hk), 256, D ** -0.5,
+                                                         layout="bshd")
+            loss = out.float().pow(2).mean() + 0.1 * kl
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return [p.detach().float() for p in model.parameters()]
+
+    with_kernels = train(make())
+    dispatch.unregister_backend(kernels.KERNELS.name)
+    try:
+        with_reference = train(make())
+    finally:
+        dispatch.register_backend(kernels.KERNELS)
+    for a, b in zip(with_kernels, with_reference):
+        assert (a - b).abs().max().item() <= 1e-2 * b.abs().max().item()
+
+
+def test_warmup_fwd_bwd_capture_in_a_cuda_graph():
+    """The warmup op's forward and backward (cuDNN + proxy kernels) are captured in one CUDA graph and replayed
+    on new inputs with the results of an eager run: no host synchronisation inside."""
+    B, S, H, Hk, Hp, Hpk = 1, 1000, 8, 2, 2, 1
+    scale = 128 ** -0.5
+    static = list(_inputs(B, S, H, Hk, Hp, Hpk, torch.bfloat16, seed=21))
+    go = torch.randn(B, S, H, 128, device="cuda").to(torch.bfloat16)
+    klg = torch.full((B, Hp, S), 0.5, device="cuda")
+    _run(*static, scale, go, klg)  # loads the kernels and warms cuDNN up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got_f, got_b = _run(*static, scale, go, klg)
+    fresh = _inputs(B, S, H, Hk, Hp, Hpk, torch.bfloat16, seed=22)
+    for dst, src in zip(static, fresh):
+        dst.copy_(src)
+    graph.replay()
+    want_f, want_b = _run(*fresh, scale, go, klg)
+    for name, g_, w_ in zip(NAMES, (*got_f, *got_b), (*want_f, *want_b)):
+        tol = 0.0 if name in ("out", "lse") else 1e-2 * max(1e-6, w_.float().abs().max().item())
+        assert (g_.float() - w_.float()).abs().max().item() <= tol, name
