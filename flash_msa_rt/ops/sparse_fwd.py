@@ -26,7 +26,6 @@ TILE_M = 128
 TILES_PER_ITEM = 8  # a work item is one key block and at most 8 tiles of its queries: bounds the hot blocks
 KL_TILE = 64  # distinct queries per KL tile; the tile visits the G heads one after another
 KL_TILES_PER_ITEM = 16  # main work per item ~ 16 // G tiles of 64 queries x G heads (at least one tile)
-KL_TILE_N = 128  # keys per KL CTA: the whole block (64: two CTAs per item, 64 keys each; NOTES.md)
 PARTIALS_BUDGET = 1 << 30  # bytes of per-slot partials one forward chunk may hold (see query_chunk)
 
 
@@ -43,7 +42,7 @@ def combine_config(dtype: str, head_dim: int, block_size: int, group: int) -> di
 def kl_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
     """The KL pass runs on the proxy backward's tiles (64 distinct queries, 64 keys per CTA)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": KL_TILE,
-            "tile_n": KL_TILE_N, "threads": 256, "stages": 2}
+            "tile_n": 64, "threads": 256, "stages": 2}
 
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int) -> list[tuple[str, dict]]:

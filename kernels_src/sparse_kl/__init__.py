@@ -2,14 +2,12 @@
 
 Runs after the forward pass and its combine, over work items of 64 distinct queries per tile (the proxy backward's
 tiles: kernels_src.sparse_bwd_proxy), with the final lse of every main head. For the entry d of (b, p, i, slot),
-key group g of the slot's block (32 of its keys) it writes (A, T, L) to kl_part[d, g] (kernel.py says what they
+key slice s of the slot's block and key warp w it writes (A, T, L) to kl_part[d, s, w] (kernel.py says what they
 are); flash_msa_rt.ops.sparse_plan.combine_kl_lse turns them into lse_proxy and kl_rows. Configs: sparse_bwd's.
 This module does not import cutlass.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam
 from kernels_src import sparse_bwd
@@ -18,12 +16,7 @@ from kernels_src.spec import ARCHS, BuildSpec, family_spec
 OP = "sparse_kl"
 
 Config = sparse_bwd.Config
-TILE_NS = (64, 128)  # keys per CTA: a block's two 64-key slices on two CTAs, or the whole block on one
-
-
-def configs(head_dims=None, block_sizes=None, dtypes=None) -> list:
-    return [dataclasses.replace(c, tile_n=t) for c in sparse_bwd.configs(head_dims, block_sizes, dtypes)
-            for t in TILE_NS]
+configs = sparse_bwd.configs
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
 
 
@@ -45,7 +38,7 @@ def params(config) -> tuple:
     c = config
     bshd = ("i64", "i64", "i64", 1)
     d = c.head_dim
-    groups = c.block_size // 32  # key groups of 32 (see kernel.py), whatever tile_n
+    slices = c.block_size // c.tile_n
     return (
         TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
         TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
@@ -55,8 +48,8 @@ def params(config) -> tuple:
         TensorParam("entry_dest", "i32", ("E",), (1,), align=4),
         TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
         TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
-        # [key group][A, T, L]: see kernels_src.sparse_kl.kernel.
-        TensorParam("kl_part", "f32", ("E", groups * 3), (groups * 3, 1), align=4),
+        # [key slice][key warp][A, T, L]: see kernels_src.sparse_kl.kernel.
+        TensorParam("kl_part", "f32", ("E", slices * 6), (slices * 6, 1), align=4),
         ScalarParam("scale", "f32"),
         ScalarParam("hp_per_hk", "i32"),
         ScalarParam("hp_per_hpk", "i32"),

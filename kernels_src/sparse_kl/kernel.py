@@ -83,11 +83,7 @@ class SparseKL(SparseProxyBackward):
             log2_g = math.log2(self.group)
             rows_per_thread = cute.size(s_mn, mode=[0])
             quad_lane = tidx % 4
-            warp_n = tidx // 128  # warps (4, 2) over (queries, keys), column-major: key warp = tidx // 128
-            # A thread's key columns in groups of 32 keys per warp (any partition works: the runtime merges the
-            # groups): one group per warp for 64-key slices, two for the whole 128-key block.
-            groups_per_warp = self.tile_n // 64
-            cols_per_group = cute.size(s_mn, mode=[1]) // groups_per_warp
+            warp_n = tidx // 128
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
             n_steps = n_tiles * self.group
@@ -120,51 +116,41 @@ class SparseKL(SparseProxyBackward):
                         key_limit = -1
                         if qi < n_q:
                             key_limit = entry_query[e0 + qi] - t0
-                        for grp in cutlass.range_constexpr(groups_per_warp):
-                            self.write_group(kl_part, entry_dest, s_mn, tau_mn, coord_s, r, grp, cols_per_group,
-                                             key_limit, n_q, quad_lane, e0, qi,
-                                             ((half * 2 + warp_n) * groups_per_warp + grp) * 3, scale_log2, log2_g)
+                        row_max = -cutlass.Float32.inf
+                        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                            if coord_s[0, c][1] <= key_limit:
+                                row_max = cute.arch.fmax(row_max, s_mn[r, c] * scale_log2)
+                        row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
+                        row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
+                        sum_exp = cutlass.Float32(0.0)
+                        a_sum = cutlass.Float32(0.0)
+                        t_sum = cutlass.Float32(0.0)
+                        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                            if coord_s[0, c][1] <= key_limit:
+                                sp2 = s_mn[r, c] * scale_log2
+                                sum_exp += cute.math.exp2(sp2 - row_max, fastmath=True)
+                                ts = tau_mn[r, c]
+                                if ts > 0.0:
+                                    # tau_sum >= FLT_MIN here (exp2.ftz never returns a denormal), whereas
+                                    # tau_sum / G could be denormal and flush to zero in lg2.ftz.
+                                    a_sum += ts * (cute.math.log2(ts, fastmath=True) - log2_g - sp2)
+                                    t_sum += ts
+                        for off in cutlass.range_constexpr(2):
+                            sum_exp += cute.arch.shuffle_sync_bfly(sum_exp, offset=2 >> off)
+                            a_sum += cute.arch.shuffle_sync_bfly(a_sum, offset=2 >> off)
+                            t_sum += cute.arch.shuffle_sync_bfly(t_sum, offset=2 >> off)
+                        if qi < n_q and quad_lane == 0:
+                            lse2 = -cutlass.Float32.inf
+                            if sum_exp > 0.0:
+                                lse2 = row_max + cute.math.log2(sum_exp, fastmath=True)
+                            # Warps (4, 2) over (queries, keys), column-major: warp w holds key half w // 4.
+                            dest = cutlass.Int64(entry_dest[e0 + qi])
+                            col = half * 6 + warp_n * 3
+                            kl_part[dest, col] = a_sum * (1.0 / self.group)
+                            kl_part[dest, col + 1] = t_sum * (1.0 / self.group)
+                            kl_part[dest, col + 2] = lse2
                 # The next steps' gathers overwrite what this step read.
                 cute.arch.sync_threads()
-
-    @cute.jit
-    def write_group(self, kl_part, entry_dest, s_mn, tau_mn, coord_s, r, grp: cutlass.Constexpr,
-                    cols_per_group: cutlass.Constexpr, key_limit, n_q, quad_lane, e0, qi, col, scale_log2, log2_g):
-        """(A, T, L) of row r over the thread's columns [grp * cols_per_group, ...) and the same columns of its
-        quad (one group of 32 keys of the warp), in log2 units; lane 0 of the quad writes kl_part[dest, col:+3]."""
-        c0 = grp * cols_per_group
-        row_max = -cutlass.Float32.inf
-        for c in cutlass.range_constexpr(c0, c0 + cols_per_group):
-            if coord_s[0, c][1] <= key_limit:
-                row_max = cute.arch.fmax(row_max, s_mn[r, c] * scale_log2)
-        row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
-        row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
-        sum_exp = cutlass.Float32(0.0)
-        a_sum = cutlass.Float32(0.0)
-        t_sum = cutlass.Float32(0.0)
-        for c in cutlass.range_constexpr(c0, c0 + cols_per_group):
-            if coord_s[0, c][1] <= key_limit:
-                sp2 = s_mn[r, c] * scale_log2
-                sum_exp += cute.math.exp2(sp2 - row_max, fastmath=True)
-                ts = tau_mn[r, c]
-                if ts > 0.0:
-                    # tau_sum >= FLT_MIN here (exp2.ftz never returns a denormal), whereas tau_sum / G could be
-                    # denormal and flush to zero in lg2.ftz.
-                    a_sum += ts * (cute.math.log2(ts, fastmath=True) - log2_g - sp2)
-                    t_sum += ts
-        for off in cutlass.range_constexpr(2):
-            sum_exp += cute.arch.shuffle_sync_bfly(sum_exp, offset=2 >> off)
-            a_sum += cute.arch.shuffle_sync_bfly(a_sum, offset=2 >> off)
-            t_sum += cute.arch.shuffle_sync_bfly(t_sum, offset=2 >> off)
-        if qi < n_q:
-            if quad_lane == 0:
-                lse2 = -cutlass.Float32.inf
-                if sum_exp > 0.0:
-                    lse2 = row_max + cute.math.log2(sum_exp, fastmath=True)
-                dest = cutlass.Int64(entry_dest[e0 + qi])
-                kl_part[dest, col] = a_sum * (1.0 / self.group)
-                kl_part[dest, col + 1] = t_sum * (1.0 / self.group)
-                kl_part[dest, col + 2] = lse2
 
 
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
