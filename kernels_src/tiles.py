@@ -3,12 +3,16 @@
 - shared-memory tiles: K-major 128B-swizzled layouts, and their transposed views for ldmatrix.trans;
 - the warp-level MMA (m16n8k16) tiled over warps, and views of its accumulator: rows x columns of one thread,
   and the same registers as the A operand of the next product (register reuse of P);
-- cp.async of 16-byte chunks, and one gathered gmem row into a thread's smem partition.
+- cp.async of 16-byte chunks, and one gathered gmem row into a thread's smem partition;
+- the build entry point's common part: compile on fake arguments and check the traced shared memory.
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.runtime import make_fake_stream
+
+from kernels_src.spec import Compiled, fake_tensor
 
 
 def smem_tile(dtype, shape):
@@ -70,3 +74,15 @@ def copy_row(gcopy, dtype: cutlass.Constexpr, g_row: cute.Tensor, t_s, t_c, m):
     chunks = cute.tiled_divide(cute.make_tensor(ptr, cute.make_layout(cute.size(g_row))), (8,))
     for kk in cutlass.range_constexpr(cute.size(t_s, mode=[2])):
         cute.copy(gcopy, chunks[None, t_c[0, 0, kk][1] // 8], t_s[None, m, kk])
+
+
+def compile_tile_kernel(kernel, config, arch: str, tensor_params, scalars, smem_bytes: int, entry=None) -> Compiled:
+    """Compile kernel for arch on fake tensors of tensor_params (in the launch order), then scalars and a stream;
+    the shared memory it traced must be what the spec declares (the launcher allocates the spec's figure)."""
+    from kernels_src.block_scores.kernel import compile_kernel  # block_scores.kernel imports this module
+
+    fake = (*(fake_tensor(p) for p in tensor_params), *scalars, make_fake_stream())
+    compiled = compile_kernel(kernel, config, arch, fake, entry=entry)
+    if kernel.traced["smem_bytes"] != smem_bytes:
+        raise RuntimeError(f"shared memory: kernel {kernel.traced['smem_bytes']} bytes, spec {smem_bytes}")
+    return compiled

@@ -142,39 +142,10 @@ def test_training_steps_match_the_reference():
     """A small MSA attention layer, 10 SGD steps through flash_msa_func on CUDA: kernels vs the reference
     backend, same data; parameters agree within 1e-2 of their scale."""
     import flash_msa_rt
-    from flash_msa_rt.ops import dispatch, kernels
+    from tests.training import assert_training_matches_reference
 
-    torch.manual_seed(0)
-    B, S, dm, H, Hk, Hp, D = 1, 700, 256, 4, 1, 1, 128
-
-    def make():
-        torch.manual_seed(1)
-        return torch.nn.ModuleDict({n: torch.nn.Linear(dm, h * D, bias=False) for n, h in
-                                    (("q", H), ("k", Hk), ("v", Hk), ("qp", Hp), ("kp", Hp))}).cuda().bfloat16()
-
-    x = torch.randn(10, B, S, dm, device="cuda").bfloat16()
-
-    def train(model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        for step in range(10):
-            def heads(n, h):
-                return model[n](x[step]).view(B, S, h, D)
-            out, kl = flash_msa_rt.flash_msa_func(heads("qp", Hp), heads("kp", Hp), heads("q", H), heads("k", Hk),
-                                                  heads("v", Hk), 256, D ** -0.5, layout="bshd")
-            loss = out.float().pow(2).mean() + 0.1 * kl
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return [p.detach().float() for p in model.parameters()]
-
-    with_kernels = train(make())
-    dispatch.unregister_backend(kernels.KERNELS.name)
-    try:
-        with_reference = train(make())
-    finally:
-        dispatch.register_backend(kernels.KERNELS)
-    for a, b in zip(with_kernels, with_reference):
-        assert (a - b).abs().max().item() <= 1e-2 * b.abs().max().item()
+    assert_training_matches_reference(
+        lambda qp, kp, q, k, v: flash_msa_rt.flash_msa_func(qp, kp, q, k, v, 256, 128 ** -0.5, layout="bshd"))
 
 
 def test_deterministic_mode_runs_the_reproducible_backward():

@@ -21,13 +21,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
-from cutlass.cute.runtime import make_fake_stream
 
 from kernels_src.atomics import bulk_reduce_add_f32, red_add_v2
-from kernels_src.block_scores.kernel import compile_kernel
 from kernels_src.sparse_bwd import DQ_ROW_PAD
-from kernels_src.spec import Compiled, fake_tensor
-from kernels_src.tiles import acc_rows_cols, copy_row, cp_async_rows, smem_tile, transposed, warp_mma
+from kernels_src.spec import Compiled
+from kernels_src.tiles import (acc_rows_cols, compile_tile_kernel, copy_row, cp_async_rows, smem_tile, transposed,
+                               warp_mma)
 
 _DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
 _LOG2E = math.log2(math.e)
@@ -301,11 +300,6 @@ class SparseBackward:
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_bwd import params
 
-    kernel = SparseBackward(config)
-    decl = params(config)
-    fake = (*(fake_tensor(p) for p in decl if p.kind == "tensor"), cutlass.Float32(1.0), cutlass.Int32(1),
-            cutlass.Int32(1), make_fake_stream())
-    compiled = compile_kernel(kernel, config, arch, fake)
-    if kernel.traced["smem_bytes"] != config.smem_bytes():
-        raise RuntimeError(f"shared memory: kernel {kernel.traced['smem_bytes']} bytes, spec {config.smem_bytes()}")
-    return compiled
+    return compile_tile_kernel(SparseBackward(config), config, arch,
+                               [p for p in params(config) if p.kind == "tensor"],
+                               (cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)), config.smem_bytes())

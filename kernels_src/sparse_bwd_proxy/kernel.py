@@ -20,12 +20,10 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream
 
-from kernels_src.block_scores.kernel import compile_kernel
 from kernels_src.sparse_bwd.kernel import SparseBackward
-from kernels_src.spec import Compiled, fake_tensor
-from kernels_src.tiles import acc_rows_cols, copy_row, transposed
+from kernels_src.spec import Compiled
+from kernels_src.tiles import acc_rows_cols, compile_tile_kernel, copy_row, transposed
 
 _LOG2E = math.log2(math.e)
 
@@ -213,10 +211,6 @@ class SparseProxyBackward(SparseBackward):
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_bwd_proxy import params, smem_bytes
 
-    kernel = SparseProxyBackward(config)
-    fake = (*(fake_tensor(p) for p in params(config) if p.kind == "tensor"), cutlass.Float32(1.0),
-            cutlass.Int32(1), cutlass.Int32(1), make_fake_stream())
-    compiled = compile_kernel(kernel, config, arch, fake)
-    if kernel.traced["smem_bytes"] != smem_bytes(config):
-        raise RuntimeError(f"shared memory: kernel {kernel.traced['smem_bytes']} bytes, spec {smem_bytes(config)}")
-    return compiled
+    return compile_tile_kernel(SparseProxyBackward(config), config, arch,
+                               [p for p in params(config) if p.kind == "tensor"],
+                               (cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)), smem_bytes(config))

@@ -20,11 +20,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
-from cutlass.cute.runtime import make_fake_stream
 
-from kernels_src.block_scores.kernel import compile_kernel
-from kernels_src.spec import Compiled, fake_tensor
-from kernels_src.tiles import acc_as_frg_a, acc_rows_cols, copy_row, cp_async_rows, smem_tile, warp_mma
+from kernels_src.spec import Compiled
+from kernels_src.tiles import (acc_as_frg_a, acc_rows_cols, compile_tile_kernel, copy_row, cp_async_rows, smem_tile,
+                               warp_mma)
 
 _DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
 _LOG2E = math.log2(math.e)
@@ -278,9 +277,6 @@ def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entr
     kernel = SparseAttention(config)
     decl = {p.name: p for p in params(config) if p.kind == "tensor"}
     names = ("q", "k", "v", "entry_query", "entry_dest", "items", "o_part", "lse_part")
-    fake = (*(fake_tensor(decl[n]) for n in names), cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1),
-            make_fake_stream())
-    compiled = compile_kernel(kernel, config, arch, fake, entry=kernel.forward)
-    if kernel.traced["smem_bytes"] != config.smem_bytes():
-        raise RuntimeError(f"shared memory: kernel {kernel.traced['smem_bytes']} bytes, spec {config.smem_bytes()}")
-    return Compiled(cubin=compiled.cubin, ptx=compiled.ptx, smem_bytes=kernel.traced["smem_bytes"])
+    return compile_tile_kernel(kernel, config, arch, [decl[n] for n in names],
+                               (cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)), config.smem_bytes(),
+                               entry=kernel.forward)
