@@ -47,12 +47,15 @@ def build_fingerprint() -> dict[str, str]:
 
 
 _IMPORTED_FAMILY = re.compile(r"\bkernels_src\.(\w+)")
+_IMPORT_STATEMENT = re.compile(r"^\s*(?:from|import)\s+kernels_src\.(\w+)", re.M)
 
 
 def family_packages(op: str) -> list[str]:
     """The kernels_src packages a family's cubins depend on: its own and, transitively, every kernels_src package
-    its sources import (select builds on block_scores' score tiles, sparse_kl on sparse_fwd's kernel class)."""
-    seen, todo = set(), [op]
+    its sources import (select builds on block_scores' score tiles, sparse_kl on sparse_fwd's kernel class), and
+    those kernels_src's top-level modules import (every family depends on those modules: see common_hash)."""
+    shared = [name for f in sorted(KERNELS_SRC.glob("*.py")) for name in _IMPORT_STATEMENT.findall(f.read_text())]
+    seen, todo = set(), [op, *shared]
     while todo:
         name = todo.pop()
         pkg = KERNELS_SRC / name
