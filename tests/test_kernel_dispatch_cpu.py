@@ -77,3 +77,51 @@ def test_cudnn_operators_for_warmup_are_checked_by_schema(monkeypatch):
     assert reason is not None and "_scaled_dot_product_cudnn_attention_backward" in reason
     monkeypatch.setattr(kernels.torch.backends.cudnn, "is_available", lambda: True)
     assert not kernels._dense_main(torch.empty(1))
+
+
+def test_warmup_falls_back_to_the_sparse_main_path_when_cudnn_refuses(monkeypatch):
+    """A cuDNN that refuses its attention (e.g. no SDPA support) must not break warmup mode: the call runs the
+    main attention on the sparse kernels instead, says so once, and the device stays on that path (forward and
+    backward). Checked with the GPU calls replaced by recorders."""
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append("cudnn")
+        raise RuntimeError("cuDNN Frontend error: no valid engine configs")
+
+    monkeypatch.setattr(kernels, "_cudnn_failed", {})
+    monkeypatch.setattr(kernels.dense_main, "available", lambda: None)
+    monkeypatch.setattr(kernels.torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(kernels.dense_main, "dense_forward", refuse)
+    monkeypatch.setattr(kernels.dense_main, "dense_backward", refuse)
+    monkeypatch.setattr(kernels, "_msa_forward", lambda *a: calls.append("sparse_fwd") or "fwd")
+    monkeypatch.setattr(kernels, "_msa_backward", lambda *a: calls.append("sparse_bwd") or "bwd")
+    qp = torch.zeros(1, 300, 2, 128)
+    q = torch.zeros(1, 300, 8, 128)
+    with pytest.warns(RuntimeWarning, match="cuDNN attention failed"):
+        assert kernels._warmup_forward(qp, qp, q, qp, qp, 0.1) == "fwd"
+    assert calls == ["cudnn", "sparse_fwd"]
+    assert not kernels._dense_main(q)  # remembered: the next calls go straight to the sparse path
+    assert kernels._warmup_backward(qp, qp, q, qp, qp, q, None, None, 0.1, q, None) == "bwd"
+    assert calls == ["cudnn", "sparse_fwd", "sparse_bwd"]
+
+
+def test_warmup_backward_falls_back_when_only_cudnn_backward_refuses(monkeypatch):
+    """out and lse are exact whichever path made them: a cuDNN forward followed by a refused cuDNN backward runs
+    the sparse backward on them."""
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append("cudnn_bwd")
+        raise RuntimeError("cuDNN Frontend error")
+
+    monkeypatch.setattr(kernels, "_cudnn_failed", {})
+    monkeypatch.setattr(kernels.dense_main, "available", lambda: None)
+    monkeypatch.setattr(kernels.torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(kernels.dense_main, "dense_backward", refuse)
+    monkeypatch.setattr(kernels, "_msa_backward", lambda *a: calls.append("sparse_bwd") or "bwd")
+    qp = torch.zeros(1, 300, 2, 128)
+    q = torch.zeros(1, 300, 8, 128)
+    with pytest.warns(RuntimeWarning, match="cuDNN attention failed"):
+        assert kernels._warmup_backward(qp, qp, q, qp, qp, q, None, None, 0.1, q, None) == "bwd"
+    assert calls == ["cudnn_bwd", "sparse_bwd"]

@@ -135,10 +135,24 @@ def _warmup_entries(q_proxy) -> int:
     return B * Hp * (S * nb - WARMUP_BLOCK * nb * (nb - 1) // 2)
 
 
+_cudnn_failed: dict = {}  # device index -> the error cuDNN's attention raised there (then: the sparse main path)
+
+
 def _dense_main(q) -> bool:
-    """cuDNN runs warmup's main attention when this torch has the operators (dense_main.available) and cuDNN
-    is usable; otherwise the sparse kernels run it with every causal block selected."""
-    return dense_main.available() is None and torch.backends.cudnn.is_available()
+    """cuDNN runs warmup's main attention when this torch has the operators (dense_main.available), cuDNN is
+    usable and has not refused this device; otherwise the sparse kernels run it with every causal block
+    selected."""
+    index = q.device.index if q.device.type == "cuda" and q.device.index is not None else 0
+    return dense_main.available() is None and torch.backends.cudnn.is_available() and index not in _cudnn_failed
+
+
+def _cudnn_refused(q, error: RuntimeError) -> None:
+    """Remember that cuDNN's attention refused this device (e.g. a cuDNN without SDPA support) and say so once;
+    warmup then runs its main attention on the sparse kernels there (the same results, about 2x slower)."""
+    index = q.device.index if q.device.index is not None else 0
+    _cudnn_failed[index] = error
+    warnings.warn(f"flash_msa: cuDNN attention failed on cuda:{index} ({str(error).splitlines()[0][:200]}); warmup "
+                  f"mode runs its main attention on the sparse kernels there instead", RuntimeWarning, stacklevel=4)
 
 
 def _warmup_fits(q_proxy, q) -> bool:
@@ -154,7 +168,11 @@ def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
     if not _dense_main(q):
         return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
     q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
-    out, lse = dense_main.dense_forward(q, k, v, scale)
+    try:
+        out, lse = dense_main.dense_forward(q, k, v, scale)
+    except RuntimeError as e:
+        _cudnn_refused(q, e)
+        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
     lse_proxy, kl_rows = sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse, _all_causal_blocks(q_proxy),
                                                 WARMUP_BLOCK, scale)
     return out, lse, lse_proxy, kl_rows
@@ -170,7 +188,12 @@ def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad
                              WARMUP_BLOCK, scale, grad_out, kl_grad)
     q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
     if grad_out is not None:
-        dq, dk, dv = dense_main.dense_backward(q, k, v, out, lse, grad_out, scale)
+        try:
+            dq, dk, dv = dense_main.dense_backward(q, k, v, out, lse, grad_out, scale)
+        except RuntimeError as e:  # out and lse are exact whichever path made them: the sparse backward takes them
+            _cudnn_refused(q, e)
+            return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy),
+                                 WARMUP_BLOCK, scale, grad_out, kl_grad)
     else:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if kl_grad is not None:
