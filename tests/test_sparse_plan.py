@@ -14,8 +14,8 @@ import torch
 
 import oracle
 from flash_msa_rt.ops.sparse_emulate import emulate_forward, emulate_kl
-from flash_msa_rt.ops.sparse_plan import (SparsePlan, combine_forward, combine_kl_lse, live_slots, partials_bytes,
-                                          sparse_plan)
+from flash_msa_rt.ops.sparse_plan import (SparsePlan, combine_forward, combine_kl_lse, kl_groups, live_slots,
+                                          partials_bytes, sparse_plan)
 from flash_msa_rt.reference.msa import msa_forward
 from flash_msa_rt.reference.selection import select_blocks
 
@@ -337,3 +337,41 @@ def test_forward_query_chunk_fits_the_budget():
     assert chunk % 128 == 0 and chunk * per_query <= PARTIALS_BUDGET < (chunk + 128) * per_query
     assert query_chunk(1, 300, 1, 1, 1, 128, 128) == 384  # small problems: one chunk covering every block
     assert query_chunk(B, S, Hp, K, G, D, 128, budget=1) == 128  # at least one block per chunk
+
+
+def test_warmup_kl_pass_in_query_chunks_matches_the_reference(monkeypatch):
+    """Warmup's KL pass (sparse_fwd.msa_kl_cuda over every causal block, given the main lse) in several query
+    chunks, with the kernel replaced by its emulated contract: lse_proxy and kl_rows are the reference warmup
+    forward's (float64)."""
+    from flash_msa_rt import reference
+    from flash_msa_rt.ops import kernels, sparse_fwd
+
+    gen = torch.Generator().manual_seed(31)
+    B, S, H, Hk, Hp, Hpk, D = 2, 300, 4, 2, 2, 1, 16
+    qp, kp, q, k, v = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (Hp, Hpk, H, Hk, Hk))
+    scale = D ** -0.5
+    _, lse, want_lsep, want_kl = reference.warmup_forward(qp, kp, q, k, v, scale)
+
+    plans = []
+
+    def recorded_plan(*args, **kwargs):
+        plans.append(sparse_plan(*args, **kwargs))
+        return plans[-1]
+
+    def emulated_kernel(op, config, device):
+        assert op == "sparse_kl"
+
+        def launch(lse, kl_part, q, k, q_proxy, k_proxy, scale, **_):
+            kl_part.copy_(emulate_kl(plans[-1], q, k, q_proxy, k_proxy, lse, scale))
+        return launch
+
+    monkeypatch.setattr(sparse_fwd, "sparse_plan", recorded_plan)
+    monkeypatch.setattr(sparse_fwd, "get_kernel", emulated_kernel)
+    monkeypatch.setattr(sparse_fwd, "DTYPES", {torch.float64: "f64"})
+    # three chunks of 128 queries: the budget holds one chunk's (A, T, L) partials
+    monkeypatch.setattr(sparse_fwd, "PARTIALS_BUDGET", B * Hp * 3 * 4 * 3 * kl_groups(128) * 128)
+    sel = kernels._all_causal_blocks(qp)
+    lsep, kl = sparse_fwd.msa_kl_cuda(qp, kp, q, k, lse, sel, kernels.WARMUP_BLOCK, scale)
+    assert len(plans) == 3 and [int(p.entry_query.min()) for p in plans] == [0, 128, 256]
+    torch.testing.assert_close(lsep, want_lsep.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kl, want_kl.float(), rtol=1e-5, atol=1e-6)
