@@ -66,6 +66,18 @@ def test_warmup_entry_count_matches_the_all_causal_selection(S):
     assert kernels._warmup_entries(q_proxy) == int((sel >= 0).sum())
 
 
+def test_all_causal_blocks_are_made_per_slice():
+    """AllCausalBlocks hands out the rows [s0, s1) of the whole selection, and refuses any other indexing."""
+    q_proxy = torch.empty(2, 1000, 3, 8)
+    lazy = kernels.AllCausalBlocks(q_proxy, kernels.WARMUP_BLOCK)
+    whole = kernels._all_causal_blocks(q_proxy)
+    assert lazy.shape == tuple(whole.shape)
+    for s0, s1 in ((0, 1000), (0, 128), (128, 600), (999, 1000), (500, 500)):
+        assert torch.equal(lazy[:, :, s0:s1].contiguous(), whole[:, :, s0:s1])
+    with pytest.raises(TypeError, match="AllCausalBlocks supports"):
+        lazy[0]
+
+
 def test_cudnn_operators_for_warmup_are_checked_by_schema(monkeypatch):
     """Warmup's dense main attention needs torch's cuDNN attention operators with the argument lists it calls;
     a torch without them (or with other arguments) is reported, and warmup then stays on the sparse kernels."""

@@ -370,8 +370,49 @@ def test_warmup_kl_pass_in_query_chunks_matches_the_reference(monkeypatch):
     monkeypatch.setattr(sparse_fwd, "DTYPES", {torch.float64: "f64"})
     # three chunks of 128 queries: the budget holds one chunk's (A, T, L) partials
     monkeypatch.setattr(sparse_fwd, "PARTIALS_BUDGET", B * Hp * 3 * 4 * 3 * kl_groups(128) * 128)
-    sel = kernels._all_causal_blocks(qp)
+    sel = kernels.AllCausalBlocks(qp, kernels.WARMUP_BLOCK)  # rows made per chunk, as warmup runs it
     lsep, kl = sparse_fwd.msa_kl_cuda(qp, kp, q, k, lse, sel, kernels.WARMUP_BLOCK, scale)
     assert len(plans) == 3 and [int(p.entry_query.min()) for p in plans] == [0, 128, 256]
     torch.testing.assert_close(lsep, want_lsep.float(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(kl, want_kl.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_warmup_proxy_backward_in_query_chunks_matches_the_reference(monkeypatch):
+    """Warmup's proxy backward (sparse_bwd.proxy_backward_cuda over every causal block) in several query chunks,
+    with the kernel replaced by its emulated contract: dq_proxy and dk_proxy are the reference warmup backward's
+    (float64)."""
+    from flash_msa_rt import reference
+    from flash_msa_rt.ops import kernels, sparse_bwd, sparse_fwd
+    from flash_msa_rt.ops.sparse_emulate import emulate_proxy_backward
+
+    gen = torch.Generator().manual_seed(32)
+    B, S, H, Hk, Hp, Hpk, D = 2, 300, 4, 2, 2, 1, 16
+    qp, kp, q, k, v = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (Hp, Hpk, H, Hk, Hk))
+    kl_grad = torch.rand(B, Hp, S, generator=gen, dtype=torch.float64) + 0.5
+    scale = D ** -0.5
+    out, lse, lse_p, _ = reference.warmup_forward(qp, kp, q, k, v, scale)
+    want = reference.warmup_backward(qp, kp, q, k, v, out, lse, lse_p, scale, torch.zeros_like(q), kl_grad)[:2]
+
+    plans = []
+
+    def recorded_plan(*args, **kwargs):
+        plans.append(sparse_plan(*args, **kwargs))
+        return plans[-1]
+
+    def emulated_kernel(op, config, device):
+        assert op == "sparse_bwd_proxy"
+
+        def launch(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale, **_):
+            emulate_proxy_backward(plans[-1], q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, scale, dqp_acc,
+                                   dkp_acc)
+        return launch
+
+    monkeypatch.setattr(sparse_bwd, "sparse_plan", recorded_plan)
+    monkeypatch.setattr(sparse_bwd, "get_kernel", emulated_kernel)
+    monkeypatch.setattr(sparse_fwd, "DTYPES", {torch.float64: "f64"})
+    monkeypatch.setattr(sparse_bwd, "PLAN_ENTRIES", B * Hp * 3 * 128)  # chunks of 128 queries (3 blocks each)
+    got = sparse_bwd.proxy_backward_cuda(qp, kp, q, k, lse, lse_p, kernels.AllCausalBlocks(qp, kernels.WARMUP_BLOCK),
+                                         kernels.WARMUP_BLOCK, scale, kl_grad)
+    assert len(plans) == 3 and [int(p.entry_query.min()) for p in plans] == [0, 128, 256]
+    for g, w in zip(got, want):  # float32 accumulators and kl_grad, as the kernel's: float32 rounding
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -116,16 +116,35 @@ WARMUP_BLOCK = 128  # warmup selects every causal block; any block size gives th
 _INT32_LIMIT = 1 << 31
 
 
+class AllCausalBlocks:
+    """Warmup's selection, (B, Hp, S, NB) int32: every block j <= blk(i), -1 after it. Warmup mode is MSA with this
+    selection (msa-semantics.md: A_h(i) = T = {t <= i}), which is how the proxy's KL pass and backward kernels run
+    it. Rows are made when sliced ([:, :, s0:s1], what the query-chunked launchers take), so the whole
+    O(B * Hp * S^2 / Bs) tensor never exists (2.1 GB at B = 2, Hp = 8, S = 64K)."""
+
+    def __init__(self, q_proxy: torch.Tensor, block_size: int):
+        B, S, Hp, _ = q_proxy.shape
+        self.shape = (B, Hp, S, -(-S // block_size))
+        self.block_size = block_size
+        self.device = q_proxy.device
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if not (isinstance(index, tuple) and len(index) == 3 and index[0] == slice(None) and index[1] == slice(None)
+                and isinstance(index[2], slice) and index[2].step in (None, 1)):
+            raise TypeError(f"AllCausalBlocks supports [:, :, s0:s1] only, got {index!r}")
+        B, Hp, S, NB = self.shape
+        s0, s1, _ = index[2].indices(S)
+        j = torch.arange(NB, device=self.device, dtype=torch.int32)
+        local = torch.arange(s0, max(s0, s1), device=self.device, dtype=torch.int32) // self.block_size
+        sel = torch.where(j.view(1, NB) <= local.view(-1, 1), j.view(1, NB),
+                          torch.full((), -1, dtype=torch.int32, device=self.device))
+        return sel.view(1, 1, -1, NB).expand(B, Hp, -1, NB)
+
+
 def _all_causal_blocks(q_proxy: torch.Tensor) -> torch.Tensor:
-    """(B, Hp, S, NB) int32: every block j <= blk(i), -1 after it. Warmup mode is MSA with this selection
-    (msa-semantics.md: A_h(i) = T = {t <= i}), which is how the proxy's KL pass and backward kernels run it."""
-    B, S, Hp, _ = q_proxy.shape
-    NB = -(-S // WARMUP_BLOCK)
-    j = torch.arange(NB, device=q_proxy.device, dtype=torch.int32)
-    local = torch.arange(S, device=q_proxy.device, dtype=torch.int32) // WARMUP_BLOCK
-    sel = torch.where(j.view(1, NB) <= local.view(S, 1), j.view(1, NB), torch.full((), -1, dtype=torch.int32,
-                                                                                    device=q_proxy.device))
-    return sel.view(1, 1, S, NB).expand(B, Hp, S, NB).contiguous()
+    """AllCausalBlocks, whole (the sparse main path plans every row at once)."""
+    sel = AllCausalBlocks(q_proxy, WARMUP_BLOCK)
+    return sel[:, :, 0:sel.shape[2]].contiguous()
 
 
 def _warmup_entries(q_proxy) -> int:
@@ -173,7 +192,7 @@ def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
     except RuntimeError as e:
         _cudnn_refused(q, e)
         return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
-    lse_proxy, kl_rows = sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse, _all_causal_blocks(q_proxy),
+    lse_proxy, kl_rows = sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse, AllCausalBlocks(q_proxy, WARMUP_BLOCK),
                                                 WARMUP_BLOCK, scale)
     return out, lse, lse_proxy, kl_rows
 
@@ -198,7 +217,8 @@ def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if kl_grad is not None:
         dq_proxy, dk_proxy = sparse_bwd.proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy,
-                                                            _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale, kl_grad)
+                                                            AllCausalBlocks(q_proxy, WARMUP_BLOCK), WARMUP_BLOCK,
+                                                            scale, kl_grad)
     else:
         dq_proxy, dk_proxy = torch.zeros_like(q_proxy), torch.zeros_like(k_proxy)
     return dq_proxy, dk_proxy, dq, dk, dv

@@ -1,4 +1,5 @@
-"""TEST CODE: a pure-torch emulation of the KV-outer sparse forward kernel's two passes, item by item.
+"""TEST CODE: a pure-torch emulation of the KV-outer sparse kernels' contracts (forward, KL pass, proxy backward),
+item by item.
 
 This is the executable spec of the kernel's contract with flash_msa_rt.ops.sparse_plan, not a fast path: it loops
 over the plan's items in Python and SYNCHRONISES the host with the device (it reads the items with .tolist()).
@@ -107,3 +108,23 @@ def emulate_kl(plan: SparsePlan, q, k, q_proxy, k_proxy, lse, scale: float):
                     torch.full((len(e),), float("-inf"), dtype=dt, device=q.device)
             kl_part[plan.entry_dest[e].long()] = parts.view(len(e), -1)
     return kl_part
+
+
+def emulate_proxy_backward(plan: SparsePlan, q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, scale: float,
+                           dqp_acc, dkp_acc):
+    """The proxy backward kernel's contract (kernels_src.sparse_bwd_proxy), added into the fp32 accumulators as
+    the kernel's reductions do: per tile, dS_p = (pi - tau) * kl_grad[b, p, i] with pi = exp(s_p - lse_p) and tau
+    the mean over the G heads of exp(s_h - lse_h), then dq_p[b, i, p] += scale dS_p K_p and
+    dk_p[b, t, p // (Hp / Hpk)] += scale dS_p^T Q_p. lse (B, H, S), lse_proxy and kl_grad (B, Hp, S)."""
+    dt = compute_dtype(q, k, q_proxy, k_proxy)
+    G, Hp, Hpk = plan.group, q_proxy.shape[2], k_proxy.shape[2]
+    with _ieee_fp32_matmul():
+        for b, p, j, e in _tiles(plan):
+            s, sp, i, t0, t1 = _tile_scores(plan, q, k, q_proxy, k_proxy, b, p, j, e, scale, dt)
+            lse_rows = lse[b, p * G:(p + 1) * G][:, i].T.to(dt)  # (rows, G)
+            tau = torch.exp(s - finite_or_zero(lse_rows).unsqueeze(-1)).mean(dim=1)  # (rows, keys)
+            pi = torch.exp(sp - finite_or_zero(lse_proxy[b, p, i].to(dt)).unsqueeze(-1))
+            ds = (pi - tau) * kl_grad[b, p, i].to(dt).unsqueeze(-1)
+            pkh = p // (Hp // Hpk)
+            dqp_acc[b, i, p] += (scale * ds @ k_proxy[b, t0:t1, pkh].to(dt)).to(dqp_acc.dtype)
+            dkp_acc[b, t0:t1, pkh] += (scale * ds.T @ q_proxy[b, i, p].to(dt)).to(dkp_acc.dtype)
