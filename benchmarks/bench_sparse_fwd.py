@@ -31,7 +31,7 @@ def nnz_of(sel: torch.Tensor, S: int, G: int, Bs: int = 128) -> int:
     return int(torch.where(sel >= 0, keys, torch.zeros_like(keys)).sum().item()) * G
 
 
-def run(cfg: str, S: int, tokens: int):
+def run(cfg: str, S: int, tokens: int, mma: str = "auto"):
     from flash_msa_rt.loader import get_kernel
     from flash_msa_rt.ops import sparse_fwd as sf
     from flash_msa_rt.ops.select import select_blocks_cuda
@@ -54,7 +54,8 @@ def run(cfg: str, S: int, tokens: int):
     lse_part = torch.empty((E, G), dtype=torch.float32, device="cuda")
     kl_plan = sparse_plan(sel, 128, S, G, sf.KL_TILE, max(1, sf.KL_TILES_PER_ITEM // G))
     kl_part = torch.empty((E, 3 * kl_groups(128)), dtype=torch.float32, device="cuda")
-    fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G), q.device)
+    mma = sf._device_mma(q.device.index or 0) if mma == "auto" else mma
+    fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G, mma), q.device)
     kl = get_kernel("sparse_kl", sf.kl_config("bf16", D, 128, G), q.device)
     kl_args = sf._kl_args(qp, kp, q, k, kl_plan, scale)
     out = torch.empty_like(q)
@@ -96,6 +97,8 @@ def main(argv=None):
     ap.add_argument("--configs", default="a,b,c")
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--mma", default="auto", help="the sparse_fwd kernel of the stage timing: auto (the one the "
+                    "runtime picks), sync or wgmma (sm90a); comma-separated for both in one run")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_sparse_fwd: no CUDA device", file=sys.stderr)
@@ -104,11 +107,11 @@ def main(argv=None):
           f"{PEAK_TFLOPS:.0f} TFLOP/s")
     rows = []
     for cfg in a.configs.split(","):
-        for S in (int(s) for s in a.seqlens.split(",")):
+        for S, mma in ((int(s), m) for s in a.seqlens.split(",") for m in a.mma.split(",")):
             torch.cuda.reset_peak_memory_stats()
-            r = run(cfg, S, a.tokens)
+            r = dict(run(cfg, S, a.tokens, mma), mma=mma)
             rows.append(r)
-            print(f"({cfg}) S={S:6d} B={r['B']:2d} items={r['items']:7d} | "
+            print(f"({cfg}) S={S:6d} B={r['B']:2d} mma={mma} items={r['items']:7d} | "
                   + " ".join(f"{n}={r[n + '_ms']:.2f}ms" for n in ("plan", "fwd_kernel", "combine", "kl_kernel",
                                                                   "combine_kl", "whole", "backward"))
                   + f" | fwd kernel {r['fwd_kernel_tflops_vs_fwd_flops']:.0f} TF/s, whole "

@@ -323,6 +323,7 @@ NAME_TAGS: dict[str, str] = {
     "group": "g",
     "threads": "t",
     "stages": "s",
+    "mma": "mma",  # mmasync (mma.sync) or mmawgmma (Hopper warpgroup MMA)
 }
 
 

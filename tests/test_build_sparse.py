@@ -3,6 +3,7 @@ with no GPU: PTX params equal the declared ABI, no local memory, shared memory a
 (the others differ in constants only; the catalogue builds them all)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,9 @@ FAMILIES = ("sparse_fwd", "sparse_combine", "sparse_kl", "sparse_bwd", "sparse_b
 @pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
 def test_sparse_kernels_build(tmp_path, arch):
     specs = [s for s in variants((arch,), only=["sparse_*_bf16_*g4_*"]) if s.op in FAMILIES]
-    assert sorted(s.op for s in specs) == sorted(FAMILIES)
+    # sm90a builds the forward twice: mma.sync and wgmma (Hopper only)
+    extra = ["sparse_fwd"] if arch == "sm90a" else []
+    assert sorted(s.op for s in specs) == sorted([*FAMILIES, *extra])
     outcomes = build(specs, tmp_path, jobs=2, progress=False)
     assert all(o.status == "built" for o in outcomes), outcomes
     manifest = Manifest.from_json(json.loads((tmp_path / arch / "manifest.json").read_text()))
@@ -41,3 +44,21 @@ def test_sparse_kernels_refuse_what_they_cannot_run():
     assert not ok and "block_size 64" in reason
     ok, reason = sparse_fwd.can_implement(sparse_fwd.Config(dtype="f32"), "sm90a")
     assert not ok and "dtype" in reason
+    ok, reason = sparse_fwd.can_implement(sparse_fwd.Config(mma="wgmma"), "sm100a")
+    assert not ok and "sm90a only" in reason
+
+
+def test_wgmma_forward_reuses_the_score_registers_as_the_pv_operand():
+    """The wgmma forward feeds P to the PV product straight from the QK accumulator's registers: for all 256
+    threads, each A-fragment position must hold the (row, key) the PV MMA expects (checked on cute's layouts).
+    In a fresh process: wgmma atoms trace only under sm_90a, and this one may have compiled for sm_100a."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    code = "from kernels_src.sparse_fwd.wgmma_check import mismatches; e = mismatches(); print(len(e)); print(e[:3])"
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines()[0] == "0", run.stdout

@@ -13,6 +13,8 @@ Internal layout (B, S, heads, D); the public API validates user input and routes
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flash_msa_rt.loader import get_kernel
@@ -29,10 +31,23 @@ KL_TILES_PER_ITEM = 16  # main work per item ~ 16 // G tiles of 64 queries x G h
 PARTIALS_BUDGET = 1 << 30  # bytes of per-slot partials one forward chunk may hold (see query_chunk)
 
 
-def kernel_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
-    """The variant launched for a problem; fields in the order the build names them."""
+def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
+    """The variant launched for a problem; fields in the order the build names them. mma: forward_mma(arch)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
-            "threads": 256, "stages": 2}
+            "threads": 256, "stages": 2, "mma": mma}
+
+
+def forward_mma(arch: str) -> str:
+    """The sparse_fwd kernel an arch runs: Hopper's warpgroup MMA on sm90a, mma.sync elsewhere (Blackwell has
+    no wgmma)."""
+    return "wgmma" if arch == "sm90a" else "sync"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_mma(index: int) -> str:
+    from flash_msa_rt.loader import device_arch
+
+    return forward_mma(device_arch(index))
 
 
 def combine_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
@@ -45,9 +60,10 @@ def kl_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
             "tile_n": 64, "threads": 256, "stages": 2}
 
 
-def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int) -> list[tuple[str, dict]]:
-    """Every (op, config) one forward launches."""
-    return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group)),
+def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
+             arch: str = "sm90a") -> list[tuple[str, dict]]:
+    """Every (op, config) one forward launches on arch."""
+    return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, forward_mma(arch))),
             ("sparse_kl", kl_config(dtype, head_dim, block_size, group)),
             ("sparse_combine", combine_config(dtype, head_dim, block_size, group))]
 
@@ -84,7 +100,8 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     G = H // Hp
     dt = DTYPES[q.dtype]
     dev = q.device
-    fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G), dev)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, _device_mma(index)), dev)
     kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G), dev)
     combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -24,6 +24,7 @@ OP = "sparse_fwd"
 DTYPES = ("bf16", "f16")
 HEAD_DIMS = (128,)
 GROUPS = (1, 2, 4, 8, 16)  # G = H / Hp: a power of two that divides the 16 rows of one warp's MMA slab
+MMAS = ("sync", "wgmma")
 
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
 _MAX_SMEM = {"sm90a": 227 * 1024, "sm100a": 227 * 1024, "sm100f": 227 * 1024}
@@ -40,6 +41,7 @@ class Config:
     tile_m: int = 128  # rows per tile
     threads: int = 256  # 8 warps x 16 rows
     stages: int = 2  # gathered q tile buffers: the next tile's gather overlaps this tile's math
+    mma: str = "sync"  # "sync": mma.sync (sm90a, sm100a); "wgmma": warpgroup MMA (sm90a only, kernel wgmma.py)
 
     def variant_name(self, arch: str, op: str = OP) -> str:
         return variant_name(op, dataclasses.asdict(self), arch)
@@ -60,8 +62,8 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else DTYPES
     ds = tuple(head_dims) if head_dims else (128,)
     bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g)
-            for dt in dts for d in ds for bs in bss for g in GROUPS]
+    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, mma=m)
+            for dt in dts for d in ds for bs in bss for g in GROUPS for m in MMAS]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
@@ -78,6 +80,10 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
         return False, f"group (H / Hp) {c.group} not supported; supported: {GROUPS}"
     if c.tile_m != 128 or c.threads != 256:
         return False, "tile_m 128 and threads 256 only (8 warps x 16 rows)"
+    if c.mma not in MMAS:
+        return False, f"mma {c.mma!r} not supported; supported: {MMAS}"
+    if c.mma == "wgmma" and arch != "sm90a":
+        return False, f"mma 'wgmma' is Hopper's warpgroup MMA: sm90a only, not {arch}"
     if c.stages not in (1, 2):
         return False, f"stages {c.stages} not supported; supported: 1, 2"
     if c.smem_bytes() > _MAX_SMEM[arch]:

@@ -50,6 +50,14 @@ class SparseAttention:
         # statistics need just a quad shuffle.
         return warp_mma(self.dtype, self.threads // 32, 1)
 
+    def _tiled_mma_pv(self):
+        """The PV product's MMA: the same warp MMA here (P is reused from the QK accumulator's registers)."""
+        return self._tiled_mma()
+
+    def rows_cols(self, t: cute.Tensor) -> cute.Tensor:
+        """The rows x columns one thread holds of an accumulator (or of its coordinates)."""
+        return acc_rows_cols(t)
+
     @cute.jit
     def forward(
         self,
@@ -72,7 +80,7 @@ class SparseAttention:
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_forward(
             q, k, v, entry_query, entry_dest, items, o_part, lse_part, scale, hp, hp_per_hk, l_q, l_k,
-            self._tiled_mma(), cp_async_rows(self.dtype, self.head_dim, self.threads), SharedStorage,
+            cp_async_rows(self.dtype, self.head_dim, self.threads), SharedStorage,
         ).launch(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
                  stream=stream)
 
@@ -83,7 +91,7 @@ class SparseAttention:
         self, q, k, v, entry_query, entry_dest, items, o_part, lse_part,
         scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
         s_q_layout: cute.ComposedLayout, s_k_layout: cute.ComposedLayout,
-        tiled_mma: cute.TiledMma, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
+        gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         w, _, _ = cute.arch.block_idx()
@@ -104,13 +112,17 @@ class SparseAttention:
             self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx, zero_tail=False)
             self.load_block(gcopy, v[b, None, p // hp_per_hk, None], s_v, t0, seqlen, tidx, zero_tail=True)
 
+            # Made here, not passed in: wgmma's tiled MMA carries runtime state (its accumulate flag), which would
+            # become kernel parameters.
+            tiled_mma, tiled_mma_pv = self._tiled_mma(), self._tiled_mma_pv()
             thr_mma = tiled_mma.get_slice(tidx)
+            thr_pv = tiled_mma_pv.get_slice(tidx)
             acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
-            acc_mn = acc_rows_cols(acc)
-            coord_mn = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
-            acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
-            acc_o_mn = acc_rows_cols(acc_o)
-            coord_o = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+            acc_mn = self.rows_cols(acc)
+            coord_mn = self.rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
+            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
+            acc_o_mn = self.rows_cols(acc_o)
+            coord_o = self.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
             quad_lane = tidx % 4
             scale_log2 = scale * _LOG2E
 
@@ -126,6 +138,7 @@ class SparseAttention:
                 else:
                     cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)
+                self.publish_async_copies()
                 cute.arch.sync_threads()
 
                 # The block's softmax, then O_slot = P V / l.
@@ -139,7 +152,7 @@ class SparseAttention:
                     row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
                     lse_rows[r] = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * _LN2
                     inv_l[r] = cute.arch.rcp_approx(row_sum)
-                self.pv(tiled_mma, thr_mma, acc, acc_o, s_vt, tidx)
+                self.pv(tiled_mma_pv, thr_pv, acc, acc_o, s_vt, tidx)
 
                 for r in cutlass.range_constexpr(2):
                     row = coord_mn[r, 0][0]
@@ -156,6 +169,12 @@ class SparseAttention:
                 cute.arch.sync_threads()
 
     # ------------------------------------------------------------------ device side: shared pieces
+
+    @cute.jit
+    def publish_async_copies(self):
+        """Between a thread's completed cp.async writes and the barrier before the MMAs read them: nothing for
+        ldmatrix (generic proxy); the wgmma subclass fences them into the async proxy."""
+        pass
 
     @cute.jit
     def load_block(self, gcopy, g_rows: cute.Tensor, s_tile: cute.Tensor, t0, seqlen, tidx, zero_tail):
@@ -274,7 +293,12 @@ class SparseAttention:
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_fwd import params
 
-    kernel = SparseAttention(config)
+    if config.mma == "wgmma":
+        from kernels_src.sparse_fwd.wgmma import SparseAttentionWG
+
+        kernel = SparseAttentionWG(config)
+    else:
+        kernel = SparseAttention(config)
     decl = {p.name: p for p in params(config) if p.kind == "tensor"}
     names = ("q", "k", "v", "entry_query", "entry_dest", "items", "o_part", "lse_part")
     return compile_tile_kernel(kernel, config, arch, [decl[n] for n in names],
