@@ -38,8 +38,8 @@ def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: s
 
 
 def forward_mma(arch: str) -> str:
-    """The sparse_fwd kernel an arch runs: Hopper's warpgroup MMA on sm90a, mma.sync elsewhere (Blackwell has
-    no wgmma)."""
+    """The sparse_fwd and sparse_kl kernels an arch runs: Hopper's warpgroup MMA on sm90a, mma.sync elsewhere
+    (Blackwell has no wgmma)."""
     return "wgmma" if arch == "sm90a" else "sync"
 
 
@@ -54,17 +54,17 @@ def combine_config(dtype: str, head_dim: int, block_size: int, group: int) -> di
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "threads": 256}
 
 
-def kl_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
+def kl_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
     """The KL pass runs on the proxy backward's tiles (64 distinct queries, 64 keys per CTA)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": KL_TILE,
-            "tile_n": 64, "threads": 256, "stages": 2}
+            "tile_n": 64, "threads": 256, "stages": 2, "mma": mma}
 
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
              arch: str = "sm90a") -> list[tuple[str, dict]]:
     """Every (op, config) one forward launches on arch."""
     return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, forward_mma(arch))),
-            ("sparse_kl", kl_config(dtype, head_dim, block_size, group)),
+            ("sparse_kl", kl_config(dtype, head_dim, block_size, group, forward_mma(arch))),
             ("sparse_combine", combine_config(dtype, head_dim, block_size, group))]
 
 
@@ -102,7 +102,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     dev = q.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, _device_mma(index)), dev)
-    kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G), dev)
+    kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G, _device_mma(index)), dev)
     combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=dev)
@@ -146,7 +146,8 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
     dev = q.device
-    kl = get_kernel("sparse_kl", kl_config(DTYPES[q.dtype], D, block_size, G), dev)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    kl = get_kernel("sparse_kl", kl_config(DTYPES[q.dtype], D, block_size, G, _device_mma(index)), dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
     kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev)
     if S == 0 or B == 0:

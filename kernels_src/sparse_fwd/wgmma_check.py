@@ -1,13 +1,18 @@
-"""Host-side check of the wgmma forward's register reuse (build-time, no GPU): for every thread, the P operand
-built from the QK accumulator by wgmma.wg_acc_as_a reads, at each A-fragment position, the accumulator register
-whose (row, key) is the one the PV MMA expects there; and wg_acc_rows_cols splits the accumulator into rows and
-columns. Run by tests/test_build_sparse.py (CUTE_DSL_ARCH=sm_90a: wgmma atoms need it when traced on a CPU)."""
+"""Host-side checks of the wgmma kernels' register layouts (build-time, no GPU), on cute's own partitions:
+- forward: for every thread, the P operand built from the QK accumulator by wgmma.wg_acc_as_a reads, at each
+  A-fragment position, the accumulator register whose (row, key) is the one the PV MMA expects there; and
+  wg_acc_rows_cols splits the accumulator into rows and columns;
+- KL pass: a thread's score columns lie in its warpgroup's 32 keys (the key group its (A, T, L) shares are written
+  for) and each quad of lanes covers those 32 keys of its rows exactly once (the quad shuffles sum a group).
+Run by tests/test_build_sparse.py (CUTE_DSL_ARCH=sm_90a: wgmma atoms need it when traced on a CPU)."""
 
 import cutlass
 import cutlass.cute as cute
 
+from kernels_src import sparse_kl
 from kernels_src.sparse_fwd import Config
 from kernels_src.sparse_fwd.wgmma import SparseAttentionWG, wg_acc_as_a, wg_acc_rows_cols
+from kernels_src.sparse_kl.wgmma import SparseKLWG
 
 
 @cute.jit
@@ -40,4 +45,34 @@ def mismatches() -> list[str]:
                 errors.append(f"thread {t}: row {r} spans several rows {sorted({x[0] for x in row})}")
         if len({x[1] for x in rows[0]}) != len(rows[0]):
             errors.append(f"thread {t}: the columns of a row repeat")
+    return errors
+
+
+@cute.jit
+def _collect_kl(out: cutlass.Constexpr):
+    kernel = SparseKLWG(sparse_kl.Config(mma="wgmma"))
+    mma = kernel._score_mma()
+    for t in cutlass.range_constexpr(kernel.threads):
+        mn = wg_acc_rows_cols(mma.get_slice(t).partition_C(cute.make_identity_tensor((kernel.tile_m,
+                                                                                       kernel.tile_n))))
+        out.append([[mn[r, k] for k in range(cute.size(mn, mode=[1]))] for r in range(cute.size(mn, mode=[0]))])
+
+
+def kl_mismatches() -> list[str]:
+    """Empty when every thread's KL score columns sit in its warpgroup's key group and quads cover it once."""
+    per_thread: list = []
+    _collect_kl(per_thread)
+    errors = []
+    for t, rows in enumerate(per_thread):
+        group = t // 128
+        for r, row in enumerate(rows):
+            if len({x[0] for x in row}) != 1:
+                errors.append(f"thread {t}: row {r} spans several queries")
+            if any(not 32 * group <= x[1] < 32 * group + 32 for x in row):
+                errors.append(f"thread {t}: keys {sorted(x[1] for x in row)} outside group {group}")
+    for quad in range(0, len(per_thread), 4):
+        for r in range(len(per_thread[quad])):
+            keys = sorted(x[1] for t in range(quad, quad + 4) for x in per_thread[t][r])
+            if keys != list(range(32 * (quad // 128), 32 * (quad // 128) + 32)):
+                errors.append(f"quad {quad // 4}, row {r}: keys {keys[:6]}... do not cover the group once")
     return errors

@@ -26,6 +26,20 @@ _LOG2E = math.log2(math.e)
 
 
 class SparseKL(SparseProxyBackward):
+    def _score_mma(self):
+        """The MMA of the score products (tiles of queries x this CTA's keys): warps 4 x 2 of mma.sync."""
+        return self._mma(4, 2)
+
+    def rows_cols(self, t: cute.Tensor) -> cute.Tensor:
+        """The rows x columns one thread holds of an accumulator (or of its coordinates)."""
+        return acc_rows_cols(t)
+
+    @cute.jit
+    def publish_async_copies(self):
+        """Between a thread's completed cp.async writes and the barrier before the MMAs: nothing for ldmatrix;
+        the wgmma subclass fences them into the async proxy."""
+        pass
+
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor, lse: cute.Tensor,
@@ -43,15 +57,15 @@ class SparseKL(SparseProxyBackward):
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_kl(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
-                       hp_per_hk, hp_per_hpk, l_kv, l_rows, self._mma(4, 2), self._gmem_copy(), SharedStorage).launch(
+                       hp_per_hk, hp_per_hpk, l_kv, l_rows, self._gmem_copy(), SharedStorage).launch(
             grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
             stream=stream)
 
     @cute.kernel
     def kernel_kl(self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part,
                   scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
-                  l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, mma_s: cute.TiledMma,
-                  gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+                  l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, gcopy: cute.TiledCopy,
+                  SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         w = cta // self.halves
@@ -72,11 +86,12 @@ class SparseKL(SparseProxyBackward):
             self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx)
             self.load_block(gcopy, k_proxy[b, None, p // hp_per_hpk, None], s_kp, t0, seqlen, tidx)
 
+            mma_s = self._score_mma()  # made here: a wgmma TiledMma's runtime state would become kernel parameters
             thr_s = mma_s.get_slice(tidx)
             acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
             tau = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
-            s_mn, tau_mn = acc_rows_cols(acc_s), acc_rows_cols(tau)
-            coord_s = acc_rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            s_mn, tau_mn = self.rows_cols(acc_s), self.rows_cols(tau)
+            coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             scale_log2 = scale * _LOG2E
             log2_g = math.log2(self.group)
             rows_per_thread = cute.size(s_mn, mode=[0])
@@ -97,6 +112,7 @@ class SparseKL(SparseProxyBackward):
                 else:
                     cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)
+                self.publish_async_copies()
                 cute.arch.sync_threads()
 
                 if g == 0:
@@ -154,5 +170,11 @@ class SparseKL(SparseProxyBackward):
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_kl import params, smem_bytes
 
-    return compile_tile_kernel(SparseKL(config), config, arch, [p for p in params(config) if p.kind == "tensor"],
+    if config.mma == "wgmma":
+        from kernels_src.sparse_kl.wgmma import SparseKLWG
+
+        kernel = SparseKLWG(config)
+    else:
+        kernel = SparseKL(config)
+    return compile_tile_kernel(kernel, config, arch, [p for p in params(config) if p.kind == "tensor"],
                                (cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)), smem_bytes(config))
