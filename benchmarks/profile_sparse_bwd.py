@@ -13,7 +13,7 @@ from benchmarks.common import cuda_time_ms  # noqa: E402
 
 
 def main():
-    from flash_msa_rt.loader import get_kernel
+    from flash_msa_rt.loader import device_arch, get_kernel
     from flash_msa_rt.ops import sparse_bwd as sb
     from flash_msa_rt.ops.select import select_blocks_cuda
     from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
@@ -39,7 +39,8 @@ def main():
     delta = (go.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
     klg = torch.full((B, Hp, S), 1e-6, device="cuda")
     main_k = get_kernel("sparse_bwd", sb.kernel_config("bf16", D, 128, G), q.device)
-    prox_k = get_kernel("sparse_bwd_proxy", sb.kernel_config("bf16", D, 128, G), q.device)
+    mmas = ["sync", "wgmma"] if device_arch(q.device.index or 0) == "sm90a" else ["sync"]
+    prox = {m: get_kernel("sparse_bwd_proxy", sb.proxy_config("bf16", D, 128, G, m), q.device) for m in mmas}
     stages = {
         "delta": lambda: (go.float() * out.float()).sum(-1).transpose(1, 2).contiguous(),
         "plan": lambda: sparse_plan(sel, 128, S, G, sb.TILE_M // G, sb.TILES_PER_ITEM),
@@ -47,14 +48,18 @@ def main():
         "sparse_bwd": lambda: main_k(q=q, k=k, v=v, dout=go, lse=lse, delta=delta, entry_query=plan.entry_query,
                                      items=plan.items, dq_acc=dq, dk_acc=dk, dv_acc=dv, scale=scale, hp=Hp,
                                      hp_per_hk=Hp // Hk),
-        "sparse_bwd_proxy": lambda: prox_k(q=q, k=k, q_proxy=qp, k_proxy=kp, entry_query=plan.entry_query,
-                                           items=plan.items, lse=lse, lse_proxy=lse_p, kl_grad=klg, dqp_acc=dqp,
-                                           dkp_acc=dkp, scale=scale, hp_per_hk=Hp // Hk, hp_per_hpk=Hp // Hpk),
     }
+    proxy_plan = sparse_plan(sel, 128, S, G, sb.TILE_M, max(1, sb.PROXY_TILES_PER_ITEM // G))
+    for m, kernel in prox.items():
+        stages[f"sparse_bwd_proxy ({m})"] = (
+            lambda kernel=kernel: kernel(q=q, k=k, q_proxy=qp, k_proxy=kp, entry_query=proxy_plan.entry_query,
+                                         items=proxy_plan.items, lse=lse, lse_proxy=lse_p, kl_grad=klg,
+                                         dqp_acc=dqp, dkp_acc=dkp, scale=scale, hp_per_hk=Hp // Hk,
+                                         hp_per_hpk=Hp // Hpk))
     print(f"config ({cfg}) B={B} S={S} nnz={nnz}: main bwd FLOPs 10*D*nnz = {10 * D * nnz:.3e}")
     for name, fn in stages.items():
         ms = cuda_time_ms(fn, warmup=2, reps=5)
-        print(f"  {name:18s} {ms:8.2f} ms   {10 * D * nnz / ms / 1e9:7.0f} TF/s of the main bwd FLOPs", flush=True)
+        print(f"  {name:26s} {ms:8.2f} ms   {10 * D * nnz / ms / 1e9:7.0f} TF/s of the main bwd FLOPs", flush=True)
 
 
 if __name__ == "__main__":

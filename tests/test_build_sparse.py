@@ -21,8 +21,8 @@ FAMILIES = ("sparse_fwd", "sparse_combine", "sparse_kl", "sparse_bwd", "sparse_b
 @pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
 def test_sparse_kernels_build(tmp_path, arch):
     specs = [s for s in variants((arch,), only=["sparse_*_bf16_*g4_*"]) if s.op in FAMILIES]
-    # sm90a builds the forward and the KL pass twice: mma.sync and wgmma (Hopper only)
-    extra = ["sparse_fwd", "sparse_kl"] if arch == "sm90a" else []
+    # sm90a builds the forward, the KL pass and the proxy backward twice: mma.sync and wgmma (Hopper only)
+    extra = ["sparse_fwd", "sparse_kl", "sparse_bwd_proxy"] if arch == "sm90a" else []
     assert sorted(s.op for s in specs) == sorted([*FAMILIES, *extra])
     outcomes = build(specs, tmp_path, jobs=2, progress=False)
     assert all(o.status == "built" for o in outcomes), outcomes
@@ -51,15 +51,16 @@ def test_sparse_kernels_refuse_what_they_cannot_run():
 def test_wgmma_register_layouts():
     """The wgmma forward feeds P to the PV product straight from the QK accumulator's registers: for all 256
     threads, each A-fragment position must hold the (row, key) the PV MMA expects; the wgmma KL pass's key groups
-    are one warpgroup's 32 keys, covered once by each quad (checked on cute's layouts).
+    are one warpgroup's 32 keys, covered once by each quad; the proxy backward's dq_p MMA partitions its
+    accumulator as the score MMA (checked on cute's layouts).
     In a fresh process: wgmma atoms trace only under sm_90a, and this one may have compiled for sm_100a."""
     import os
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    code = ("from kernels_src.sparse_fwd.wgmma_check import kl_mismatches, mismatches; "
-            "e = mismatches() + kl_mismatches(); print(len(e)); print(e[:3])")
+    code = ("from kernels_src.sparse_fwd.wgmma_check import kl_mismatches, mismatches, proxy_mismatches; "
+            "e = mismatches() + kl_mismatches() + proxy_mismatches(); print(len(e)); print(e[:3])")
     run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)})
     assert run.returncode == 0, run.stderr[-2000:]

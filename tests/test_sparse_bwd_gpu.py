@@ -76,6 +76,23 @@ def test_backward_matches_reference(shape, dtype):
     _check_backward(qp, kp, q, k, v, _selection(qp, kp, K, scale), scale)
 
 
+@pytest.mark.parametrize("mma", ["sync", "wgmma"])
+@pytest.mark.parametrize("G", [1, 4, 16])
+def test_both_proxy_kernels_match_reference(mma, G, monkeypatch):
+    """Hopper builds the KL pass and the proxy backward twice (mma.sync, and wgmma which the runtime picks
+    there): both are checked, on odd S, whatever the device's default."""
+    from flash_msa_rt.loader import device_arch
+    from flash_msa_rt.ops import sparse_fwd
+
+    if mma == "wgmma" and device_arch(0) != "sm90a":
+        pytest.skip("wgmma is sm90a only")
+    monkeypatch.setattr(sparse_fwd, "_device_mma", lambda index: mma)
+    H = 16
+    qp, kp, q, k, v = _inputs(1, 1500, H, 1, H // G, 1, torch.bfloat16, seed=G + 40)
+    scale = 128 ** -0.5
+    _check_backward(qp, kp, q, k, v, _selection(qp, kp, 6, scale), scale)
+
+
 def test_backward_skewed_selection():
     """Every query keeps block 0: block 0's list spans all queries, cut into many items that meet in atomics."""
     B, S, H, Hk, Hp, Hpk, K = 1, 3000, 8, 2, 2, 1, 4

@@ -79,12 +79,11 @@ def _msa_supports(problem: dispatch.Problem) -> str | None:
     if kv_group % g:
         return (f"H / Hk = {kv_group} is not a multiple of G = H / Hp = {g}: the sparse forward kernel needs "
                 f"Hp >= Hk with Hp a multiple of Hk")
-    if problem.op == "msa_forward":
-        from flash_msa_rt.loader import device_arch
+    from flash_msa_rt.loader import device_arch
 
-        index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
-        return _built(problem, sparse_fwd.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g, device_arch(index)))
-    return _built(problem, sparse_bwd.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g))
+    index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
+    family = sparse_fwd if problem.op == "msa_forward" else sparse_bwd
+    return _built(problem, family.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g, device_arch(index)))
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,15 @@ def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, tile_n
             "tile_n": tile_n, "threads": 256, "stages": 2}
 
 
-def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int) -> list[tuple[str, dict]]:
+def proxy_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
+    """The proxy backward: the main backward's tiles, and its MMA (sparse_fwd.forward_mma: wgmma on sm90a)."""
+    return dict(kernel_config(dtype, head_dim, block_size, group), mma=mma)
+
+
+def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
+             arch: str = "sm90a") -> list[tuple[str, dict]]:
     return [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group)),
-            ("sparse_bwd_proxy", kernel_config(dtype, head_dim, block_size, group))]
+            ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, sparse_fwd.forward_mma(arch)))]
 
 
 def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
@@ -74,7 +80,9 @@ def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, b
     dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
     dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
-    kernel = get_kernel("sparse_bwd_proxy", kernel_config(sparse_fwd.DTYPES[q.dtype], D, block_size, G), dev)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    kernel = get_kernel("sparse_bwd_proxy", proxy_config(sparse_fwd.DTYPES[q.dtype], D, block_size, G,
+                                                         sparse_fwd._device_mma(index)), dev)
     lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
     K = block_indices.shape[3]
     # Queries in chunks of at most PLAN_ENTRIES (b, p, i, slot) entries: warmup's all-causal selection has

@@ -70,6 +70,32 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
             for g in GROUPS]
 
 
+MMAS = ("sync", "wgmma")
+
+
+@dataclass(frozen=True)
+class MmaConfig(Config):
+    """The same tiles plus the products' MMA, for the families that have a wgmma kernel (sparse_bwd_proxy,
+    sparse_kl): "sync" (mma.sync, sm90a and sm100a) or "wgmma" (warpgroup MMA, sm90a only)."""
+
+    mma: str = "sync"
+
+
+def mma_configs(head_dims=None, block_sizes=None, dtypes=None) -> list[MmaConfig]:
+    return [MmaConfig(**dataclasses.asdict(c), mma=m) for c in configs(head_dims, block_sizes, dtypes)
+            for m in MMAS]
+
+
+def mma_refusal(config, arch: str) -> str | None:
+    """Why config's MMA cannot run on arch, or None."""
+    mma = getattr(config, "mma", "sync")
+    if mma not in MMAS:
+        return f"mma {mma!r} not supported; supported: {MMAS}"
+    if mma == "wgmma" and arch != "sm90a":
+        return f"mma 'wgmma' is Hopper's warpgroup MMA: sm90a only, not {arch}"
+    return None
+
+
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
     if arch not in ARCHS:

@@ -58,6 +58,10 @@ class SparseBackward:
     def _gmem_copy(self):
         return cp_async_rows(self.dtype, self.head_dim, self.threads)
 
+    def rows_cols(self, t: cute.Tensor) -> cute.Tensor:
+        """The rows x columns one thread holds of an accumulator (or of its coordinates)."""
+        return acc_rows_cols(t)
+
     def _dq_layout(self):
         return cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim + DQ_ROW_PAD, 1))
 
@@ -222,9 +226,9 @@ class SparseBackward:
     @cute.jit
     def flush_block(self, mma_kv, thr_kv, acc, g_rows, t0, seqlen, factor):
         """acc (keys x D) * factor -> atomics into the fp32 rows t0 + key of one head (keys past S skipped)."""
-        acc_mn = acc_rows_cols(acc)
+        acc_mn = self.rows_cols(acc)
         cols = cute.size(g_rows, mode=[1])
-        coord = acc_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((self.tile_n, cols))))
+        coord = self.rows_cols(thr_kv.partition_C(cute.make_identity_tensor((self.tile_n, cols))))
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             t = t0 + coord[r, 0][0]
             if t < seqlen:

@@ -9,19 +9,15 @@ Configs: kernels_src.sparse_bwd's (64 keys per CTA). This module does not import
 
 from __future__ import annotations
 
-
 from flash_msa_rt.manifest import ScalarParam, TensorParam
 from kernels_src import sparse_bwd
 from kernels_src.spec import ARCHS, BuildSpec, family_spec
 
 OP = "sparse_bwd_proxy"
 
-Config = sparse_bwd.Config
+Config = sparse_bwd.MmaConfig  # mma "sync" (mma.sync) or "wgmma" (kernel wgmma.py, sm90a only)
+configs = sparse_bwd.mma_configs
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
-
-
-def configs(head_dims=None, block_sizes=None, dtypes=None) -> list:
-    return sparse_bwd.configs(head_dims, block_sizes, dtypes)
 
 
 def smem_bytes(config) -> int:
@@ -37,6 +33,9 @@ def smem_bytes(config) -> int:
 def can_implement(config, arch: str) -> tuple[bool, str]:
     if arch not in ARCHS:
         return False, f"arch {arch!r} not in {ARCHS}"
+    refusal = sparse_bwd.mma_refusal(config, arch)
+    if refusal:
+        return False, refusal
     ok, reason = sparse_bwd.can_implement(config, arch)
     if ok and smem_bytes(config) > 227 * 1024:
         return False, f"needs {smem_bytes(config)} bytes of shared memory, {arch} allows {227 * 1024}"

@@ -23,7 +23,7 @@ import cutlass.cute as cute
 
 from kernels_src.sparse_bwd.kernel import SparseBackward
 from kernels_src.spec import Compiled
-from kernels_src.tiles import acc_rows_cols, compile_tile_kernel, copy_row, transposed
+from kernels_src.tiles import compile_tile_kernel, copy_row, transposed
 
 _LOG2E = math.log2(math.e)
 
@@ -32,6 +32,20 @@ class SparseProxyBackward(SparseBackward):
     def __init__(self, config):
         super().__init__(config)
         self.tile_queries = config.tile_m  # distinct queries per tile (not (query, head) rows)
+
+    def _score_mma(self):
+        """The MMA of the (queries x keys) products S_g, S_p and of dq_p = dS_p K_p: warps 4 x 2 of mma.sync."""
+        return self._mma(4, 2)
+
+    def _kv_mma(self):
+        """The MMA of dk_p += dS_p^T Q_p (keys x D): warps 4 x 2 of mma.sync."""
+        return self._mma(4, 2)
+
+    @cute.jit
+    def publish_async_copies(self):
+        """Between a thread's completed cp.async writes and the barrier before the MMAs: nothing for ldmatrix;
+        the wgmma subclasses fence them into the async proxy."""
+        pass
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
@@ -54,8 +68,8 @@ class SparseProxyBackward(SparseBackward):
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_proxy(q, k, q_proxy, k_proxy, entry_query, items, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
-                          scale, hp_per_hk, hp_per_hpk, l_kv, l_rows, l_p, l_dq, self._mma(4, 2), self._mma(4, 2),
-                          self._gmem_copy(), SharedStorage).launch(
+                          scale, hp_per_hk, hp_per_hpk, l_kv, l_rows, l_p, l_dq, self._gmem_copy(),
+                          SharedStorage).launch(
             grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
             stream=stream)
 
@@ -63,8 +77,7 @@ class SparseProxyBackward(SparseBackward):
     def kernel_proxy(self, q, k, q_proxy, k_proxy, entry_query, items, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
                      scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
                      l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
-                     l_dq: cute.Layout, mma_s: cute.TiledMma, mma_kv: cute.TiledMma, gcopy: cute.TiledCopy,
-                     SharedStorage: cutlass.Constexpr):
+                     l_dq: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         w = cta // self.halves
@@ -88,15 +101,17 @@ class SparseProxyBackward(SparseBackward):
             self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx)
             self.load_block(gcopy, k_proxy[b, None, pkh, None], s_kp, t0, seqlen, tidx)
 
+            # Made here: a wgmma TiledMma's runtime state (its accumulate flag) would become kernel parameters.
+            mma_s, mma_kv = self._score_mma(), self._kv_mma()
             thr_s = mma_s.get_slice(tidx)
             thr_kv = mma_kv.get_slice(tidx)
             acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
             tau = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
-            s_mn, tau_mn = acc_rows_cols(acc_s), acc_rows_cols(tau)
-            coord_s = acc_rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            s_mn, tau_mn = self.rows_cols(acc_s), self.rows_cols(tau)
+            coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
-            dq_mn = acc_rows_cols(acc_dq)
-            coord_dq = acc_rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+            dq_mn = self.rows_cols(acc_dq)
+            coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
             acc_dkp = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
             acc_dkp.fill(0.0)
             scale_log2 = scale * _LOG2E
@@ -117,6 +132,7 @@ class SparseProxyBackward(SparseBackward):
                 else:
                     cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)
+                self.publish_async_copies()
                 cute.arch.sync_threads()
 
                 # tau_sum += P_g on the causal keys of each query (rows past n_q: nothing).
@@ -211,6 +227,12 @@ class SparseProxyBackward(SparseBackward):
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_bwd_proxy import params, smem_bytes
 
-    return compile_tile_kernel(SparseProxyBackward(config), config, arch,
+    if config.mma == "wgmma":
+        from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
+
+        kernel = SparseProxyBackwardWG(config)
+    else:
+        kernel = SparseProxyBackward(config)
+    return compile_tile_kernel(kernel, config, arch,
                                [p for p in params(config) if p.kind == "tensor"],
                                (cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)), smem_bytes(config))

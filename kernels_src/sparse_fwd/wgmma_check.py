@@ -3,7 +3,9 @@
   A-fragment position, the accumulator register whose (row, key) is the one the PV MMA expects there; and
   wg_acc_rows_cols splits the accumulator into rows and columns;
 - KL pass: a thread's score columns lie in its warpgroup's 32 keys (the key group its (A, T, L) shares are written
-  for) and each quad of lanes covers those 32 keys of its rows exactly once (the quad shuffles sum a group).
+  for) and each quad of lanes covers those 32 keys of its rows exactly once (the quad shuffles sum a group);
+- proxy backward: dq_p's MMA (B MN-major) partitions its (queries x D) accumulator exactly as the score MMA whose
+  partition the kernel uses for the dq_p staging coordinates.
 Run by tests/test_build_sparse.py (CUTE_DSL_ARCH=sm_90a: wgmma atoms need it when traced on a CPU)."""
 
 import cutlass
@@ -12,6 +14,7 @@ import cutlass.cute as cute
 from kernels_src import sparse_kl
 from kernels_src.sparse_fwd import Config
 from kernels_src.sparse_fwd.wgmma import SparseAttentionWG, wg_acc_as_a, wg_acc_rows_cols
+from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
 from kernels_src.sparse_kl.wgmma import SparseKLWG
 
 
@@ -76,3 +79,22 @@ def kl_mismatches() -> list[str]:
             if keys != list(range(32 * (quad // 128), 32 * (quad // 128) + 32)):
                 errors.append(f"quad {quad // 4}, row {r}: keys {keys[:6]}... do not cover the group once")
     return errors
+
+
+@cute.jit
+def _collect_proxy(out: cutlass.Constexpr):
+    kernel = SparseProxyBackwardWG(sparse_kl.Config(mma="wgmma"))
+    score, dq = kernel._score_mma(), kernel._dq_mma()
+    shape = (kernel.tile_m, kernel.head_dim)
+    for t in cutlass.range_constexpr(kernel.threads):
+        a = score.get_slice(t).partition_C(cute.make_identity_tensor(shape))
+        b = dq.get_slice(t).partition_C(cute.make_identity_tensor(shape))
+        out.append(([a[j] for j in range(cute.size(a))], [b[j] for j in range(cute.size(b))]))
+
+
+def proxy_mismatches() -> list[str]:
+    """Empty when the dq_p MMA's accumulator partition is the score MMA's, thread by thread."""
+    per_thread: list = []
+    _collect_proxy(per_thread)
+    return [f"thread {t}: dq_p partition {b[:3]}... != score partition {a[:3]}..."
+            for t, (a, b) in enumerate(per_thread) if [tuple(x) for x in a] != [tuple(x) for x in b]]

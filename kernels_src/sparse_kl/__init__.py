@@ -9,31 +9,14 @@ This module does not import cutlass.
 
 from __future__ import annotations
 
-import dataclasses
-
-from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from flash_msa_rt.manifest import ScalarParam, TensorParam
 from kernels_src import sparse_bwd
 from kernels_src.spec import ARCHS, BuildSpec, family_spec
 
 OP = "sparse_kl"
 
-MMAS = ("sync", "wgmma")
-
-
-@dataclasses.dataclass(frozen=True)
-class Config(sparse_bwd.Config):
-    """sparse_bwd's tiles, plus the score products' MMA: "sync" (mma.sync, sm90a and sm100a) or "wgmma"
-    (warpgroup MMA, sm90a only: kernel wgmma.py)."""
-
-    mma: str = "sync"
-
-    def variant_name(self, arch: str) -> str:
-        return variant_name(OP, dataclasses.asdict(self), arch)
-
-
-def configs(head_dims=None, block_sizes=None, dtypes=None) -> list:
-    return [Config(**dataclasses.asdict(c), mma=m) for c in sparse_bwd.configs(head_dims, block_sizes, dtypes)
-            for m in MMAS]
+Config = sparse_bwd.MmaConfig
+configs = sparse_bwd.mma_configs
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
 
 
@@ -48,11 +31,9 @@ def smem_bytes(config) -> int:
 def can_implement(config, arch: str) -> tuple[bool, str]:
     if arch not in ARCHS:
         return False, f"arch {arch!r} not in {ARCHS}"
-    mma = getattr(config, "mma", "sync")
-    if mma not in MMAS:
-        return False, f"mma {mma!r} not supported; supported: {MMAS}"
-    if mma == "wgmma" and arch != "sm90a":
-        return False, f"mma 'wgmma' is Hopper's warpgroup MMA: sm90a only, not {arch}"
+    refusal = sparse_bwd.mma_refusal(config, arch)
+    if refusal:
+        return False, refusal
     return sparse_bwd.can_implement(config, arch)
 
 

@@ -20,26 +20,12 @@ import cutlass.cute as cute
 
 from kernels_src.sparse_bwd_proxy.kernel import SparseProxyBackward
 from kernels_src.spec import Compiled
-from kernels_src.tiles import acc_rows_cols, compile_tile_kernel
+from kernels_src.tiles import compile_tile_kernel
 
 _LOG2E = math.log2(math.e)
 
 
 class SparseKL(SparseProxyBackward):
-    def _score_mma(self):
-        """The MMA of the score products (tiles of queries x this CTA's keys): warps 4 x 2 of mma.sync."""
-        return self._mma(4, 2)
-
-    def rows_cols(self, t: cute.Tensor) -> cute.Tensor:
-        """The rows x columns one thread holds of an accumulator (or of its coordinates)."""
-        return acc_rows_cols(t)
-
-    @cute.jit
-    def publish_async_copies(self):
-        """Between a thread's completed cp.async writes and the barrier before the MMAs: nothing for ldmatrix;
-        the wgmma subclass fences them into the async proxy."""
-        pass
-
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor, lse: cute.Tensor,
