@@ -38,17 +38,19 @@ def main():
     dqp, dkp = (torch.zeros(t.shape, dtype=f32, device="cuda") for t in (qp, kp))
     delta = (go.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
     klg = torch.full((B, Hp, S), 1e-6, device="cuda")
-    main_k = get_kernel("sparse_bwd", sb.kernel_config("bf16", D, 128, G), q.device)
     mmas = ["sync", "wgmma"] if device_arch(q.device.index or 0) == "sm90a" else ["sync"]
-    prox = {m: get_kernel("sparse_bwd_proxy", sb.proxy_config("bf16", D, 128, G, m), q.device) for m in mmas}
+    main = {m: get_kernel("sparse_bwd", sb.kernel_config("bf16", D, 128, G, m), q.device) for m in mmas}
+    prox = {m: get_kernel("sparse_bwd_proxy", sb.kernel_config("bf16", D, 128, G, m), q.device) for m in mmas}
     stages = {
         "delta": lambda: (go.float() * out.float()).sum(-1).transpose(1, 2).contiguous(),
         "plan": lambda: sparse_plan(sel, 128, S, G, sb.TILE_M // G, sb.TILES_PER_ITEM),
         "zeros": lambda: [torch.zeros(t.shape, dtype=f32, device="cuda") for t in (q, k, v, qp, kp)],
-        "sparse_bwd": lambda: main_k(q=q, k=k, v=v, dout=go, lse=lse, delta=delta, entry_query=plan.entry_query,
-                                     items=plan.items, dq_acc=dq, dk_acc=dk, dv_acc=dv, scale=scale, hp=Hp,
-                                     hp_per_hk=Hp // Hk),
     }
+    for m, kernel in main.items():
+        stages[f"sparse_bwd ({m})"] = (
+            lambda kernel=kernel: kernel(q=q, k=k, v=v, dout=go, lse=lse, delta=delta, entry_query=plan.entry_query,
+                                         items=plan.items, dq_acc=dq, dk_acc=dk, dv_acc=dv, scale=scale, hp=Hp,
+                                         hp_per_hk=Hp // Hk))
     proxy_plan = sparse_plan(sel, 128, S, G, sb.TILE_M, max(1, sb.PROXY_TILES_PER_ITEM // G))
     for m, kernel in prox.items():
         stages[f"sparse_bwd_proxy ({m})"] = (

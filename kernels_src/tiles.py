@@ -4,7 +4,9 @@
 - the warp-level MMA (m16n8k16) tiled over warps, and views of its accumulator: rows x columns of one thread,
   and the same registers as the A operand of the next product (register reuse of P);
 - cp.async of 16-byte chunks, and one gathered gmem row into a thread's smem partition;
-- the build entry point's common part: compile on fake arguments and check the traced shared memory.
+- the build entry point's common part: compile on fake arguments and check the traced shared memory;
+- for the wgmma kernels (sm90a): views of the warpgroup MMA accumulator (rows x columns, and as the register A
+  operand of the next product).
 """
 
 import cutlass
@@ -74,6 +76,31 @@ def copy_row(gcopy, dtype: cutlass.Constexpr, g_row: cute.Tensor, t_s, t_c, m):
     chunks = cute.tiled_divide(cute.make_tensor(ptr, cute.make_layout(cute.size(g_row))), (8,))
     for kk in cutlass.range_constexpr(cute.size(t_s, mode=[2])):
         cute.copy(gcopy, chunks[None, t_c[0, 0, kk][1] // 8], t_s[None, m, kk])
+
+
+WARPGROUP_ROWS = 64
+
+
+def wg_acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """wgmma accumulator ((2, 2, N/8), MMA_M, MMA_N) -> ((2, MMA_M), (2, N/8, MMA_N)): rows x columns of one
+    thread. Value modes: column pair, row + 8, n8 tile (cute's GMMA C layout), as mma.sync's plus the n8 tiles."""
+    lay = t.layout
+    v_shape, v_stride = lay.shape[0], lay.stride[0]
+    mn = cute.make_layout(
+        ((v_shape[1], lay.shape[1]), (v_shape[0], v_shape[2], lay.shape[2])),
+        stride=((v_stride[1], lay.stride[1]), (v_stride[0], v_stride[2], lay.stride[2])),
+    )
+    return cute.make_tensor(t.iterator, mn)
+
+
+def wg_acc_as_a(lay):
+    """wgmma accumulator layout ((2, 2, N/8), MMA_M, MMA_N) -> the register A operand's ((2, 2, 2), MMA_M,
+    (MMA_N, N/16)): the k16 step k reads n8 tiles 2k and 2k + 1 (A values: k pair, row + 8, k + 8)."""
+    v_shape, v_stride = lay.shape[0], lay.stride[0]
+    return cute.make_layout(
+        ((v_shape[0], v_shape[1], 2), lay.shape[1], (lay.shape[2], v_shape[2] // 2)),
+        stride=((v_stride[0], v_stride[1], v_stride[2]), lay.stride[1], (lay.stride[2], 2 * v_stride[2])),
+    )
 
 
 def compile_tile_kernel(kernel, config, arch: str, tensor_params, scalars, smem_bytes: int, entry=None) -> Compiled:

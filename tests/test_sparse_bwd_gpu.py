@@ -78,9 +78,9 @@ def test_backward_matches_reference(shape, dtype):
 
 @pytest.mark.parametrize("mma", ["sync", "wgmma"])
 @pytest.mark.parametrize("G", [1, 4, 16])
-def test_both_proxy_kernels_match_reference(mma, G, monkeypatch):
-    """Hopper builds the KL pass and the proxy backward twice (mma.sync, and wgmma which the runtime picks
-    there): both are checked, on odd S, whatever the device's default."""
+def test_both_backward_kernels_match_reference(mma, G, monkeypatch):
+    """Hopper builds the KL pass and both backward kernels twice (mma.sync, and wgmma which the runtime picks
+    there): both sets are checked, on odd S, whatever the device's default."""
     from flash_msa_rt.loader import device_arch
     from flash_msa_rt.ops import sparse_fwd
 

@@ -23,21 +23,19 @@ PROXY_TILES_PER_ITEM = 16  # proxy tiles are 64 queries x G heads of main work: 
 PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all-causal selection is chunked)
 
 
-def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, tile_n: int = 64) -> dict:
-    """Both backward kernels split a key block over block_size // tile_n CTAs (64 keys each)."""
+def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
+                  tile_n: int = 64) -> dict:
+    """Both backward kernels split a key block over block_size // tile_n CTAs (64 keys each); mma: "sync" or
+    "wgmma" (sparse_fwd.forward_mma: wgmma on sm90a)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
-            "tile_n": tile_n, "threads": 256, "stages": 2}
-
-
-def proxy_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
-    """The proxy backward: the main backward's tiles, and its MMA (sparse_fwd.forward_mma: wgmma on sm90a)."""
-    return dict(kernel_config(dtype, head_dim, block_size, group), mma=mma)
+            "tile_n": tile_n, "threads": 256, "stages": 2, "mma": mma}
 
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
              arch: str = "sm90a") -> list[tuple[str, dict]]:
-    return [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group)),
-            ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, sparse_fwd.forward_mma(arch)))]
+    mma = sparse_fwd.forward_mma(arch)
+    return [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, mma)),
+            ("sparse_bwd_proxy", kernel_config(dtype, head_dim, block_size, group, mma))]
 
 
 def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
@@ -56,7 +54,8 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
     plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, TILES_PER_ITEM)
     if grad_out is not None:
         delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, S)
-        get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G), dev)(
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, sparse_fwd._device_mma(index)), dev)(
             q=q, k=k, v=v, dout=grad_out, lse=lse.contiguous(), delta=delta, entry_query=plan.entry_query,
             items=plan.items, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, scale=float(scale), hp=Hp,
             hp_per_hk=Hp // Hk)
@@ -81,8 +80,8 @@ def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, b
     dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    kernel = get_kernel("sparse_bwd_proxy", proxy_config(sparse_fwd.DTYPES[q.dtype], D, block_size, G,
-                                                         sparse_fwd._device_mma(index)), dev)
+    kernel = get_kernel("sparse_bwd_proxy", kernel_config(sparse_fwd.DTYPES[q.dtype], D, block_size, G,
+                                                          sparse_fwd._device_mma(index)), dev)
     lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
     K = block_indices.shape[3]
     # Queries in chunks of at most PLAN_ENTRIES (b, p, i, slot) entries: warmup's all-causal selection has

@@ -62,7 +62,7 @@ def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
-def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
+def tile_configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else DTYPES
     ds = tuple(head_dims) if head_dims else (128,)
     bss = tuple(block_sizes) if block_sizes else (128,)
@@ -81,8 +81,9 @@ class MmaConfig(Config):
     mma: str = "sync"
 
 
-def mma_configs(head_dims=None, block_sizes=None, dtypes=None) -> list[MmaConfig]:
-    return [MmaConfig(**dataclasses.asdict(c), mma=m) for c in configs(head_dims, block_sizes, dtypes)
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[MmaConfig]:
+    """Every tile config with each MMA (can_implement refuses wgmma off sm90a)."""
+    return [MmaConfig(**dataclasses.asdict(c), mma=m) for c in tile_configs(head_dims, block_sizes, dtypes)
             for m in MMAS]
 
 
@@ -100,6 +101,9 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
     if arch not in ARCHS:
         return False, f"arch {arch!r} not in {ARCHS}"
+    refusal = mma_refusal(c, arch)
+    if refusal:
+        return False, refusal
     if c.dtype not in DTYPES:
         return False, f"dtype {c.dtype!r} not supported; supported: {DTYPES}"
     if c.head_dim != 128 or c.block_size != 128:

@@ -62,6 +62,21 @@ class SparseBackward:
         """The rows x columns one thread holds of an accumulator (or of its coordinates)."""
         return acc_rows_cols(t)
 
+    def _score_mma(self):
+        """The MMA of the (rows x keys) products and of dQ = dS K: warps 4 x 2 of mma.sync."""
+        return self._mma(4, 2)
+
+    def _kv_mma(self):
+        """The MMA of the (keys x D) products dV += P^T dO, dK += dS^T Q: warps 4 x 2 of mma.sync."""
+        return self._mma(4, 2)
+
+    @cute.jit
+    def publish_async_copies(self):
+        """Between a thread's shared-memory writes (cp.async completed, or P / dS stored) and the barrier before
+        the MMAs read them: nothing for ldmatrix (generic proxy); the wgmma subclasses fence them into the async
+        proxy."""
+        pass
+
     def _dq_layout(self):
         return cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim + DQ_ROW_PAD, 1))
 
@@ -87,7 +102,7 @@ class SparseBackward:
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, scale, hp, hp_per_hk,
-                    l_kv, l_rows, l_p, l_dq, self._mma(4, 2), self._mma(4, 2), self._gmem_copy(), SharedStorage).launch(
+                    l_kv, l_rows, l_p, l_dq, self._gmem_copy(), SharedStorage).launch(
             grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
             stream=stream)
 
@@ -97,7 +112,7 @@ class SparseBackward:
     def kernel(self, q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc,
                scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
                l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
-               mma_s: cute.TiledMma, mma_kv: cute.TiledMma, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+               gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         w = cta // self.halves
@@ -122,6 +137,8 @@ class SparseBackward:
             self.load_block(gcopy, k[b, None, kvh, None], s_k, t0, seqlen, tidx)
             self.load_block(gcopy, v[b, None, kvh, None], s_v, t0, seqlen, tidx)
 
+            # Made here: a wgmma TiledMma's runtime state (its accumulate flag) would become kernel parameters.
+            mma_s, mma_kv = self._score_mma(), self._kv_mma()
             thr_s = mma_s.get_slice(tidx)
             thr_kv = mma_kv.get_slice(tidx)
             acc_dv = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
@@ -130,11 +147,11 @@ class SparseBackward:
             acc_dk.fill(0.0)
             acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
             acc_dp = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
-            s_mn, dp_mn = acc_rows_cols(acc_s), acc_rows_cols(acc_dp)
-            coord_s = acc_rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            s_mn, dp_mn = self.rows_cols(acc_s), self.rows_cols(acc_dp)
+            coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
-            dq_mn = acc_rows_cols(acc_dq)
-            coord_dq = acc_rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+            dq_mn = self.rows_cols(acc_dq)
+            coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
             scale_log2 = scale * _LOG2E
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
@@ -150,6 +167,7 @@ class SparseBackward:
                 else:
                     cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)
+                self.publish_async_copies()
                 cute.arch.sync_threads()
 
                 # S = Q K^T -> P; dP = dO V^T -> dS = P (dP - delta). Rows past n_q: P = dS = 0.
@@ -177,6 +195,7 @@ class SparseBackward:
                         s_p[row, coord_s[0, c][1]] = pv.to(self.dtype)
                         s_ds[row, coord_s[0, c][1]] = dp_mn[r, c].to(self.dtype)
                 self.wait_rows_read(tidx)  # the previous tile's dq rows left s_dq (before its rewrite below)
+                self.publish_async_copies()  # P and dS, read next by the MMAs
                 cute.arch.sync_threads()
 
                 # dV += P^T dO, dK += dS^T Q (keys x D, 8 warps on keys); dQ = dS K (rows x D).
@@ -304,6 +323,12 @@ class SparseBackward:
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_bwd import params
 
-    return compile_tile_kernel(SparseBackward(config), config, arch,
+    if config.mma == "wgmma":
+        from kernels_src.sparse_bwd.wgmma import SparseBackwardWG
+
+        kernel = SparseBackwardWG(config)
+    else:
+        kernel = SparseBackward(config)
+    return compile_tile_kernel(kernel, config, arch,
                                [p for p in params(config) if p.kind == "tensor"],
                                (cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)), config.smem_bytes())

@@ -16,7 +16,7 @@ from kernels_src.spec import ARCHS, BuildSpec, family_spec
 OP = "sparse_bwd_proxy"
 
 Config = sparse_bwd.MmaConfig  # mma "sync" (mma.sync) or "wgmma" (kernel wgmma.py, sm90a only)
-configs = sparse_bwd.mma_configs
+configs = sparse_bwd.configs
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
 
 
@@ -33,9 +33,6 @@ def smem_bytes(config) -> int:
 def can_implement(config, arch: str) -> tuple[bool, str]:
     if arch not in ARCHS:
         return False, f"arch {arch!r} not in {ARCHS}"
-    refusal = sparse_bwd.mma_refusal(config, arch)
-    if refusal:
-        return False, refusal
     ok, reason = sparse_bwd.can_implement(config, arch)
     if ok and smem_bytes(config) > 227 * 1024:
         return False, f"needs {smem_bytes(config)} bytes of shared memory, {arch} allows {227 * 1024}"

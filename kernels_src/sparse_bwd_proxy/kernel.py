@@ -33,20 +33,6 @@ class SparseProxyBackward(SparseBackward):
         super().__init__(config)
         self.tile_queries = config.tile_m  # distinct queries per tile (not (query, head) rows)
 
-    def _score_mma(self):
-        """The MMA of the (queries x keys) products S_g, S_p and of dq_p = dS_p K_p: warps 4 x 2 of mma.sync."""
-        return self._mma(4, 2)
-
-    def _kv_mma(self):
-        """The MMA of dk_p += dS_p^T Q_p (keys x D): warps 4 x 2 of mma.sync."""
-        return self._mma(4, 2)
-
-    @cute.jit
-    def publish_async_copies(self):
-        """Between a thread's completed cp.async writes and the barrier before the MMAs: nothing for ldmatrix;
-        the wgmma subclasses fence them into the async proxy."""
-        pass
-
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  entry_query: cute.Tensor, items: cute.Tensor, lse: cute.Tensor, lse_proxy: cute.Tensor,
@@ -162,6 +148,7 @@ class SparseProxyBackward(SparseBackward):
                             s_ds[qi, coord_s[0, c][1]] = ((pi - tau_mn[r, c] * (1.0 / self.group)) * cg).to(
                                 self.dtype)
                     self.wait_rows_read(tidx)  # the previous tile's dq_p rows left s_dq
+                    self.publish_async_copies()  # dS_p, read next by the MMAs
                     cute.arch.sync_threads()
 
                     # dq_p = scale * dS_p K_p (this CTA's keys), dk_p += dS_p^T Q_p.

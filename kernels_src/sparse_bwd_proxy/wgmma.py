@@ -1,83 +1,10 @@
-"""The proxy backward on Hopper's warpgroup MMA (wgmma, sm90a only), and the warpgroup pieces it shares with the
-KL pass (kernels_src.sparse_kl.wgmma): same tiles (64 distinct queries x this CTA's 64 keys, heads visited in
-turn), same dS_p, staging and reductions as the mma.sync kernel; the four products are issued by warpgroups.
-
-Two warpgroups split the N dimension of every product (atom layout (1, 2, 1)), all operands by descriptor:
-  - S_g = Q_g K^T and S_p = Q_p K_p^T: m64n32k16, Q and K K-major (tiles.smem_tile), warpgroup w on keys
-    [32 w, 32 w + 32) (so a KL key group is one warpgroup's keys);
-  - dq_p = dS_p K_p: m64n32k16 over D in two n32 tiles per warpgroup, dS_p K-major, K_p^T MN-major (the
-    transposed view of the K-major key tile is wgmma's canonical MN-major 128B-swizzled layout);
-  - dk_p += dS_p^T Q_p: m64n64k16, keys x D, both operands MN-major transposed views (dS_p^T, Q_p^T), accumulated
-    in registers across the item as before.
-The tiled MMAs are made where they are used: a wgmma TiledMma carries its accumulate flag as state, which must not
-become a kernel parameter nor outlive the loop body that sets it. cp.async writes reach wgmma through a
-generic -> async proxy fence before the barrier. Blackwell has no wgmma.
+"""The proxy backward on Hopper's warpgroup MMA (wgmma, sm90a only): the mma.sync kernel's tiles (64 distinct queries
+x this CTA's 64 keys, heads visited in turn), dS_p, staging and reductions, with its four products (S_g, S_p,
+dq_p = dS_p K_p, dk_p += dS_p^T Q_p) issued by warpgroups through kernels_src.sparse_bwd.wgmma.WarpgroupTiles.
 """
 
-# No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
-import cutlass
-import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import warpgroup
-
+from kernels_src.sparse_bwd.wgmma import WarpgroupTiles
 from kernels_src.sparse_bwd_proxy.kernel import SparseProxyBackward
-from kernels_src.sparse_fwd.wgmma import WARPGROUP_ROWS, wg_acc_rows_cols
-
-_K, _MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-
-
-class WarpgroupTiles:
-    """Mixin over SparseProxyBackward (and SparseKL): the wgmma versions of its MMA hooks and of gemm."""
-
-    def _check_wg_tiles(self, family: str):
-        if self.tile_m != WARPGROUP_ROWS or self.tile_n != 64 or self.threads != 256:
-            raise ValueError(f"{family} wgmma: tile_m {self.tile_m}, tile_n {self.tile_n}, threads {self.threads}; "
-                             f"64, 64 and 256 only (two warpgroups)")
-
-    def _wg_mma(self, a_major, b_major, n: int):
-        warpgroups = self.threads // 128
-        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, a_major, b_major, cutlass.Float32,
-                                                 (1, warpgroups, 1), (WARPGROUP_ROWS, n // warpgroups))
-
-    def _score_mma(self):
-        return self._wg_mma(_K, _K, self.tile_n)
-
-    def _dq_mma(self):
-        return self._wg_mma(_K, _MN, self.tile_n)  # same atoms as _score_mma: the same C partition
-
-    def _kv_mma(self):
-        return self._wg_mma(_MN, _MN, self.head_dim)
-
-    def rows_cols(self, t: cute.Tensor) -> cute.Tensor:
-        return wg_acc_rows_cols(t)
-
-    @cute.jit
-    def publish_async_copies(self):
-        cute.arch.fence_view_async_shared()
-
-    @cute.jit
-    def gemm(self, tiled_mma, thr_mma, acc, s_a, s_b, tidx, trans_a: cutlass.Constexpr, trans_b: cutlass.Constexpr,
-             accumulate: cutlass.Constexpr = False):
-        """acc (+)= A B^T, wgmma by descriptor, waited for. The caller's MMA stands for the product's shape; the
-        one issued is made here from (trans_a, trans_b): (no, no) S = Q K^T, (no, yes) dq_p = dS_p K_p, (yes, yes)
-        dk_p += dS_p^T Q_p."""
-        if cutlass.const_expr(not trans_a and not trans_b):
-            mma = self._score_mma()
-        elif cutlass.const_expr(not trans_a and trans_b):
-            mma = self._dq_mma()
-        elif cutlass.const_expr(trans_a and trans_b):
-            mma = self._kv_mma()
-        else:
-            raise NotImplementedError("wgmma tiles: A^T B^T with a K-major B is not a product of these kernels")
-        thr = mma.get_slice(tidx)
-        t_ra = thr.make_fragment_A(thr.partition_A(s_a))
-        t_rb = thr.make_fragment_B(thr.partition_B(s_b))
-        warpgroup.fence()
-        for kk in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
-            mma.set(warpgroup.Field.ACCUMULATE, accumulate or kk != 0)
-            cute.gemm(mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
 
 
 class SparseProxyBackwardWG(WarpgroupTiles, SparseProxyBackward):

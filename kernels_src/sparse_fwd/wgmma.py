@@ -19,31 +19,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
 from kernels_src.sparse_fwd.kernel import SparseAttention
-
-WARPGROUP_ROWS = 64
-
-
-def wg_acc_rows_cols(t: cute.Tensor) -> cute.Tensor:
-    """wgmma accumulator ((2, 2, N/8), MMA_M, MMA_N) -> ((2, MMA_M), (2, N/8, MMA_N)): rows x columns of one
-    thread. Value modes: column pair, row + 8, n8 tile (cute's GMMA C layout), as mma.sync's plus the n8 tiles."""
-    lay = t.layout
-    v_shape, v_stride = lay.shape[0], lay.stride[0]
-    mn = cute.make_layout(
-        ((v_shape[1], lay.shape[1]), (v_shape[0], v_shape[2], lay.shape[2])),
-        stride=((v_stride[1], lay.stride[1]), (v_stride[0], v_stride[2], lay.stride[2])),
-    )
-    return cute.make_tensor(t.iterator, mn)
-
-
-def wg_acc_as_a(lay):
-    """wgmma accumulator layout ((2, 2, N/8), MMA_M, MMA_N) -> the register A operand's ((2, 2, 2), MMA_M,
-    (MMA_N, N/16)): the k16 step k reads n8 tiles 2k and 2k + 1 (A values: k pair, row + 8, k + 8)."""
-    v_shape, v_stride = lay.shape[0], lay.stride[0]
-    return cute.make_layout(
-        ((v_shape[0], v_shape[1], 2), lay.shape[1], (lay.shape[2], v_shape[2] // 2)),
-        stride=((v_stride[0], v_stride[1], v_stride[2]), lay.stride[1], (lay.stride[2], 2 * v_stride[2])),
-    )
-
+from kernels_src.tiles import WARPGROUP_ROWS, wg_acc_as_a, wg_acc_rows_cols
 
 class SparseAttentionWG(SparseAttention):
     def __init__(self, config):

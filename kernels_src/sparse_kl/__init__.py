@@ -16,7 +16,7 @@ from kernels_src.spec import ARCHS, BuildSpec, family_spec
 OP = "sparse_kl"
 
 Config = sparse_bwd.MmaConfig
-configs = sparse_bwd.mma_configs
+configs = sparse_bwd.configs
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
 
 
@@ -31,9 +31,6 @@ def smem_bytes(config) -> int:
 def can_implement(config, arch: str) -> tuple[bool, str]:
     if arch not in ARCHS:
         return False, f"arch {arch!r} not in {ARCHS}"
-    refusal = sparse_bwd.mma_refusal(config, arch)
-    if refusal:
-        return False, refusal
     return sparse_bwd.can_implement(config, arch)
 
 
