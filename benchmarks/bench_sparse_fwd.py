@@ -54,7 +54,7 @@ def run(cfg: str, S: int, tokens: int, mma: str = "auto"):
     lse_part = torch.empty((E, G), dtype=torch.float32, device="cuda")
     kl_plan = sparse_plan(sel, 128, S, G, sf.KL_TILE, max(1, sf.KL_TILES_PER_ITEM // G))
     kl_part = torch.empty((E, 3 * kl_groups(128)), dtype=torch.float32, device="cuda")
-    mma = sf._device_mma(q.device.index or 0) if mma == "auto" else mma
+    mma = sf.device_mma(q.device) if mma == "auto" else mma
     fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G, mma), q.device)
     kl = get_kernel("sparse_kl", sf.kl_config("bf16", D, 128, G, mma), q.device)
     kl_args = sf._kl_args(qp, kp, q, k, kl_plan, scale)

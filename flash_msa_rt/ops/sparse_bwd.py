@@ -54,8 +54,7 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
     plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, TILES_PER_ITEM)
     if grad_out is not None:
         delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, S)
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, sparse_fwd._device_mma(index)), dev)(
+        get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, sparse_fwd.device_mma(dev)), dev)(
             q=q, k=k, v=v, dout=grad_out, lse=lse.contiguous(), delta=delta, entry_query=plan.entry_query,
             items=plan.items, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, scale=float(scale), hp=Hp,
             hp_per_hk=Hp // Hk)
@@ -79,9 +78,8 @@ def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, b
     dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
     dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
     kernel = get_kernel("sparse_bwd_proxy", kernel_config(sparse_fwd.DTYPES[q.dtype], D, block_size, G,
-                                                          sparse_fwd._device_mma(index)), dev)
+                                                          sparse_fwd.device_mma(dev)), dev)
     lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
     K = block_indices.shape[3]
     # Queries in chunks of at most PLAN_ENTRIES (b, p, i, slot) entries: warmup's all-causal selection has

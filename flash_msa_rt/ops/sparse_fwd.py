@@ -50,6 +50,13 @@ def _device_mma(index: int) -> str:
     return forward_mma(device_arch(index))
 
 
+def device_mma(device: torch.device) -> str:
+    """forward_mma of the device's arch (cached per device); "sync" off CUDA (emulated kernels in CPU tests)."""
+    if device.type != "cuda":
+        return "sync"
+    return _device_mma(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def combine_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "threads": 256}
 
@@ -100,9 +107,9 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     G = H // Hp
     dt = DTYPES[q.dtype]
     dev = q.device
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, _device_mma(index)), dev)
-    kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G, _device_mma(index)), dev)
+    mma = device_mma(dev)
+    fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, mma), dev)
+    kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G, mma), dev)
     combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=dev)
@@ -146,8 +153,7 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
     dev = q.device
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    kl = get_kernel("sparse_kl", kl_config(DTYPES[q.dtype], D, block_size, G, _device_mma(index)), dev)
+    kl = get_kernel("sparse_kl", kl_config(DTYPES[q.dtype], D, block_size, G, device_mma(dev)), dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
     kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev)
     if S == 0 or B == 0:
