@@ -54,9 +54,9 @@ def run(cfg: str, S: int, tokens: int, mma: str = "auto"):
     lse_part = torch.empty((E, G), dtype=torch.float32, device="cuda")
     kl_plan = sparse_plan(sel, 128, S, G, sf.KL_TILE, max(1, sf.KL_TILES_PER_ITEM // G))
     kl_part = torch.empty((E, 3 * kl_groups(128)), dtype=torch.float32, device="cuda")
-    mma = sf.device_mma(q.device) if mma == "auto" else mma
-    fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G, mma), q.device)
-    kl = get_kernel("sparse_kl", sf.kl_config("bf16", D, 128, G, mma), q.device)
+    fwd_mma, kl_mma = ((sf.device_mma(q.device, op) if mma == "auto" else mma) for op in ("sparse_fwd", "sparse_kl"))
+    fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G, fwd_mma), q.device)
+    kl = get_kernel("sparse_kl", sf.kl_config("bf16", D, 128, G, kl_mma), q.device)
     kl_args = sf._kl_args(qp, kp, q, k, kl_plan, scale)
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device="cuda")
@@ -97,8 +97,8 @@ def main(argv=None):
     ap.add_argument("--configs", default="a,b,c")
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--mma", default="auto", help="the sparse_fwd kernel of the stage timing: auto (the one the "
-                    "runtime picks), sync or wgmma (sm90a); comma-separated for both in one run")
+    ap.add_argument("--mma", default="auto", help="the sparse_fwd and sparse_kl kernels of the stage timing: auto "
+                    "(the ones the runtime picks), sync or wgmma (sm90a); comma-separated for both in one run")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_sparse_fwd: no CUDA device", file=sys.stderr)

@@ -23,6 +23,8 @@ if [[ $mode == tests || $mode == all ]]; then
     for tool in memcheck racecheck synccheck initcheck; do
       timeout 200 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 python3 -c "
 import torch, flash_msa_rt
+from flash_msa_rt.loader import device_arch
+from flash_msa_rt.ops import sparse_fwd
 from flash_msa_rt.ops.select import select_blocks_cuda
 from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
 from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
@@ -32,8 +34,10 @@ select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1)
 sel = select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
 m = torch.randn(2, 333, 8, 128, device='cuda').to(torch.bfloat16)
 kv = torch.randn(2, 333, 2, 128, device='cuda').to(torch.bfloat16)
-o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
-msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
+for mma in ['sync', 'wgmma'] if device_arch(0) == 'sm90a' else ['sync']:  # every kernel kind sm90a builds
+    sparse_fwd.FORCE_MMA = mma
+    o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
+    msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
 torch.cuda.synchronize()
 " 2>&1 | tail -3 | sed "s/^/[$tool] /" | tee -a "$out/sanitizer.log" || status=1
     done
@@ -57,5 +61,6 @@ if [[ $mode == bench || $mode == all ]]; then
   python3 benchmarks/bench_sparse_fwd.py --configs a,b,c --seqlens 65536 --out "$out/sparse_stages.json" 2>&1 \
     | tee "$out/bench_sparse_stages.log"
   python3 benchmarks/profile_sparse_bwd.py b 65536 2>&1 | tee "$out/profile_sparse_bwd.log"
+  python3 benchmarks/profile_msa.py b 65536 --out "$out/profile_msa.json" 2>&1 | tee "$out/profile_msa.log"
 fi
 exit $status

@@ -94,7 +94,7 @@ def test_both_forward_kernels_match_reference(mma, G, monkeypatch):
 
     if mma == "wgmma" and device_arch(0) != "sm90a":
         pytest.skip("wgmma is sm90a only")
-    monkeypatch.setattr(sparse_fwd, "_device_mma", lambda index: mma)
+    monkeypatch.setattr(sparse_fwd, "FORCE_MMA", mma)
     H = 16
     qp, kp, q, k, v = _inputs(1, 1500, H, 1, H // G, 1, torch.bfloat16, seed=G)
     scale = 128 ** -0.5

@@ -26,16 +26,15 @@ PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all
 def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
                   tile_n: int = 64) -> dict:
     """Both backward kernels split a key block over block_size // tile_n CTAs (64 keys each); mma: "sync" or
-    "wgmma" (sparse_fwd.forward_mma: wgmma on sm90a)."""
+    "wgmma" (sparse_fwd.forward_mma)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
             "tile_n": tile_n, "threads": 256, "stages": 2, "mma": mma}
 
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
              arch: str = "sm90a") -> list[tuple[str, dict]]:
-    mma = sparse_fwd.forward_mma(arch)
-    return [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, mma)),
-            ("sparse_bwd_proxy", kernel_config(dtype, head_dim, block_size, group, mma))]
+    return [(op, kernel_config(dtype, head_dim, block_size, group, sparse_fwd.forward_mma(arch, op)))
+            for op in ("sparse_bwd", "sparse_bwd_proxy")]
 
 
 def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
@@ -54,7 +53,7 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
     plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, TILES_PER_ITEM)
     if grad_out is not None:
         delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, S)
-        get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, sparse_fwd.device_mma(dev)), dev)(
+        get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, sparse_fwd.device_mma(dev, "sparse_bwd")), dev)(
             q=q, k=k, v=v, dout=grad_out, lse=lse.contiguous(), delta=delta, entry_query=plan.entry_query,
             items=plan.items, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, scale=float(scale), hp=Hp,
             hp_per_hk=Hp // Hk)
@@ -79,7 +78,7 @@ def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, b
     dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
     kernel = get_kernel("sparse_bwd_proxy", kernel_config(sparse_fwd.DTYPES[q.dtype], D, block_size, G,
-                                                          sparse_fwd.device_mma(dev)), dev)
+                                                          sparse_fwd.device_mma(dev, "sparse_bwd_proxy")), dev)
     lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
     K = block_indices.shape[3]
     # Queries in chunks of at most PLAN_ENTRIES (b, p, i, slot) entries: warmup's all-causal selection has

@@ -32,29 +32,40 @@ PARTIALS_BUDGET = 1 << 30  # bytes of per-slot partials one forward chunk may ho
 
 
 def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
-    """The variant launched for a problem; fields in the order the build names them. mma: forward_mma(arch)."""
+    """The variant launched for a problem; fields in the order the build names them.
+    mma: forward_mma(arch, "sparse_fwd")."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
             "threads": 256, "stages": 2, "mma": mma}
 
 
-def forward_mma(arch: str) -> str:
-    """The sparse_fwd and sparse_kl kernels an arch runs: Hopper's warpgroup MMA on sm90a, mma.sync elsewhere
-    (Blackwell has no wgmma)."""
-    return "wgmma" if arch == "sm90a" else "sync"
+# The MMA each family runs on sm90a, by measurement ((b) S = 64K B = 2, kernels_src/sparse_fwd/NOTES.md): wgmma
+# takes sparse_fwd from 26.4 to 23.1 ms and sparse_bwd from 67.4 to 57.0; the KL pass is no faster on it (19.3 ->
+# 19.1) and slower at (c) (29.1 -> 31.6), so it keeps mma.sync. Elsewhere every family runs mma.sync (Blackwell
+# has no wgmma). Both kinds are built for sm90a, and the GPU tests check both.
+SM90_MMA = {"sparse_fwd": "wgmma", "sparse_kl": "sync", "sparse_bwd": "wgmma", "sparse_bwd_proxy": "wgmma"}
+FORCE_MMA: str | None = None  # tests and benchmarks: run every family on this MMA instead ("sync" | "wgmma")
+
+
+def forward_mma(arch: str, op: str) -> str:
+    """The MMA kind op's kernel uses on arch."""
+    if arch != "sm90a":
+        return "sync"
+    return FORCE_MMA or SM90_MMA[op]
 
 
 @functools.lru_cache(maxsize=None)
-def _device_mma(index: int) -> str:
+def _device_arch(index: int) -> str:
     from flash_msa_rt.loader import device_arch
 
-    return forward_mma(device_arch(index))
+    return device_arch(index)
 
 
-def device_mma(device: torch.device) -> str:
-    """forward_mma of the device's arch (cached per device); "sync" off CUDA (emulated kernels in CPU tests)."""
+def device_mma(device: torch.device, op: str) -> str:
+    """forward_mma of the device's arch for op (the arch cached per device); "sync" off CUDA (emulated kernels in
+    CPU tests)."""
     if device.type != "cuda":
         return "sync"
-    return _device_mma(device.index if device.index is not None else torch.cuda.current_device())
+    return forward_mma(_device_arch(device.index if device.index is not None else torch.cuda.current_device()), op)
 
 
 def combine_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
@@ -70,8 +81,8 @@ def kl_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str =
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
              arch: str = "sm90a") -> list[tuple[str, dict]]:
     """Every (op, config) one forward launches on arch."""
-    return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, forward_mma(arch))),
-            ("sparse_kl", kl_config(dtype, head_dim, block_size, group, forward_mma(arch))),
+    return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, forward_mma(arch, "sparse_fwd"))),
+            ("sparse_kl", kl_config(dtype, head_dim, block_size, group, forward_mma(arch, "sparse_kl"))),
             ("sparse_combine", combine_config(dtype, head_dim, block_size, group))]
 
 
@@ -107,9 +118,8 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     G = H // Hp
     dt = DTYPES[q.dtype]
     dev = q.device
-    mma = device_mma(dev)
-    fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, mma), dev)
-    kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G, mma), dev)
+    fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, device_mma(dev, "sparse_fwd")), dev)
+    kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G, device_mma(dev, "sparse_kl")), dev)
     combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=dev)
@@ -153,7 +163,7 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
     dev = q.device
-    kl = get_kernel("sparse_kl", kl_config(DTYPES[q.dtype], D, block_size, G, device_mma(dev)), dev)
+    kl = get_kernel("sparse_kl", kl_config(DTYPES[q.dtype], D, block_size, G, device_mma(dev, "sparse_kl")), dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
     kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev)
     if S == 0 or B == 0:
