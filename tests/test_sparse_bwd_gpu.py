@@ -192,3 +192,26 @@ def test_deterministic_mode_runs_the_reproducible_backward():
         torch.use_deterministic_algorithms(False)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 333, 3), (1, 4099, 32)])
+def test_delta_kernel_matches_float64(shape, dtype):
+    """bwd_delta = rowsum(dO * O) in fp32, (B, H, S): against float64 on the same inputs, with O a transposed
+    (B, H, S, D) view (the kernel takes any 16-byte strides) and rows of both signs. A sum of D products in fp32
+    errs by at most ~D * 2^-24 of the sum of their magnitudes."""
+    from flash_msa_rt.loader import get_kernel
+    from flash_msa_rt.ops import sparse_bwd
+
+    B, S, H = shape
+    g = torch.Generator(device="cuda").manual_seed(S + H)
+    do = (torch.randn(B, S, H, 128, device="cuda", generator=g) * 3).to(dtype)
+    out = torch.randn(B, H, S, 128, device="cuda", generator=g).to(dtype).transpose(1, 2)
+    delta = torch.full((B, H, S), float("nan"), device="cuda")
+    get_kernel("bwd_delta", sparse_bwd.delta_config(sparse_bwd.sparse_fwd.DTYPES[dtype], 128), do.device)(
+        dout=do, out=out, delta=delta)
+    terms = do.double() * out.double()
+    want = terms.sum(-1).transpose(1, 2)
+    bound = 128 * 2.0 ** -24 * terms.abs().sum(-1).transpose(1, 2)
+    assert torch.isfinite(delta).all()
+    assert ((delta.double() - want).abs() <= bound + 1e-30).all()

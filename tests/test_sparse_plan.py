@@ -330,11 +330,18 @@ def test_query_chunks_equal_the_whole_plan():
 def test_forward_query_chunk_fits_the_budget():
     from flash_msa_rt.ops.sparse_fwd import PARTIALS_BUDGET, query_chunk
 
-    # Configuration (b) at 128K tokens: the whole selection's partials would take ~17 GB.
+    # Configuration (b) at 128K tokens: the whole selection's partials would take ~17 GB; a chunk's may take as
+    # much as the backward's fp32 dq accumulator (2 GiB here).
     B, S, Hp, K, G, D = 2, 65536, 8, 16, 4, 128
+    budget = 4 * B * S * Hp * G * D
     chunk = query_chunk(B, S, Hp, K, G, D, 128)
     per_query = B * Hp * K * (G * D * 2 + 4 * (G + 12))
-    assert chunk % 128 == 0 and chunk * per_query <= PARTIALS_BUDGET < (chunk + 128) * per_query
+    assert budget > PARTIALS_BUDGET
+    assert chunk % 128 == 0 and chunk * per_query <= budget < (chunk + 128) * per_query
+    # Smaller problems keep the least budget (configuration (a) at 16K tokens: dq would take 128 MiB).
+    chunk = query_chunk(1, 16384, 4, K, 4, D, 128)
+    per_query = 4 * K * (4 * D * 2 + 4 * (4 + 12))
+    assert min(16384, chunk) * per_query <= PARTIALS_BUDGET
     assert query_chunk(1, 300, 1, 1, 1, 128, 128) == 384  # small problems: one chunk covering every block
     assert query_chunk(B, S, Hp, K, G, D, 128, budget=1) == 128  # at least one block per chunk
 

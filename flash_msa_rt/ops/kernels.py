@@ -109,7 +109,7 @@ def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu
 def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
                   kl_grad, cu_seqlens=None):
     assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
-    q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
+    q_proxy, k_proxy, q, k, v, out = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v, out))
     grad_out = _tma_ready(grad_out) if grad_out is not None else None
     return sparse_bwd.msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices.contiguous(),
                                         block_size, scale, grad_out, kl_grad)

@@ -1,6 +1,6 @@
 """The sparse backward's launcher: main dq, dk, dv and proxy dq, dk on the GPU, KV-outer, no host sync.
 
-  1. delta = rowsum(dO * O) (fp32, torch);
+  1. delta = rowsum(dO * O) in fp32 (bwd_delta kernel: dO and O read once);
   2. sparse_bwd kernel over a plan of 64-row tiles: dq, dk, dv into fp32 accumulators (atomics);
   3. sparse_bwd_proxy kernel over a plan of 64 distinct queries per tile (it visits the G heads one after
      another): dq_proxy, dk_proxy from (pi - tau) times the upstream gradient of kl_rows, read from the device
@@ -31,10 +31,14 @@ def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: s
             "tile_n": tile_n, "threads": 256, "stages": 2, "mma": mma}
 
 
+def delta_config(dtype: str, head_dim: int) -> dict:
+    return {"dtype": dtype, "head_dim": head_dim, "threads": 256}
+
+
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
              arch: str = "sm90a") -> list[tuple[str, dict]]:
     return [(op, kernel_config(dtype, head_dim, block_size, group, sparse_fwd.forward_mma(arch, op)))
-            for op in ("sparse_bwd", "sparse_bwd_proxy")]
+            for op in ("sparse_bwd", "sparse_bwd_proxy")] + [("bwd_delta", delta_config(dtype, head_dim))]
 
 
 def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
@@ -52,7 +56,8 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
     dv_acc = torch.zeros((B, S, Hk, D), dtype=f32, device=dev)
     plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, TILES_PER_ITEM)
     if grad_out is not None:
-        delta = (grad_out.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, S)
+        delta = torch.empty((B, H, S), dtype=f32, device=dev)
+        get_kernel("bwd_delta", delta_config(dt, D), dev)(dout=grad_out, out=out, delta=delta)
         get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, sparse_fwd.device_mma(dev, "sparse_bwd")), dev)(
             q=q, k=k, v=v, dout=grad_out, lse=lse.contiguous(), delta=delta, entry_query=plan.entry_query,
             items=plan.items, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, scale=float(scale), hp=Hp,

@@ -28,7 +28,7 @@ TILE_M = 128
 TILES_PER_ITEM = 8  # a work item is one key block and at most 8 tiles of its queries: bounds the hot blocks
 KL_TILE = 64  # distinct queries per KL tile; the tile visits the G heads one after another
 KL_TILES_PER_ITEM = 16  # main work per item ~ 16 // G tiles of 64 queries x G heads (at least one tile)
-PARTIALS_BUDGET = 1 << 30  # bytes of per-slot partials one forward chunk may hold (see query_chunk)
+PARTIALS_BUDGET = 1 << 30  # the least bytes of per-slot partials one forward chunk may hold (partials_budget)
 
 
 def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
@@ -96,12 +96,21 @@ def _kl_args(q_proxy, k_proxy, q, k, plan, scale) -> dict:
                 hp_per_hpk=Hp // k_proxy.shape[2], **_plan_args(plan))
 
 
+def partials_budget(B: int, S: int, H: int, D: int) -> int:
+    """Bytes one forward chunk's partials may hold: PARTIALS_BUDGET, or the backward's fp32 dq accumulator
+    (4 * B * S * H * D bytes) where that is larger, since training needs that much later anyway. Fewer chunks
+    cost less host work and fewer grid tails: (b) S = 64K B = 2 forward 66.9 ms in 18 chunks of 1 GiB, 59.3 in 9
+    of 2 GiB, 56.9 in 5 of 4 GiB (benchmarks/profile_msa.py)."""
+    return max(PARTIALS_BUDGET, 4 * B * S * H * D)
+
+
 def query_chunk(B: int, S: int, Hp: int, K: int, G: int, D: int, block_size: int,
                 budget: int | None = None) -> int:
     """Queries per forward chunk: the partial buffers (o_part in 2 bytes; lse_part and the KL pass's (A, T, L)
-    triples in fp32) of one chunk stay within PARTIALS_BUDGET bytes; a multiple of block_size, at least one block."""
+    triples in fp32) of one chunk stay within budget bytes (default partials_budget); a multiple of block_size,
+    at least one block."""
     per_query = B * Hp * K * (G * D * 2 + 4 * (G + 3 * kl_groups(block_size)))
-    chunk = (budget or PARTIALS_BUDGET) // per_query // block_size * block_size
+    chunk = (budget or partials_budget(B, S, Hp * G, D)) // per_query // block_size * block_size
     return max(block_size, min(chunk, -(-S // block_size) * block_size))
 
 
@@ -109,7 +118,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     """(out (B, S, H, D), lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) on a CUDA device.
 
     The caller has validated shapes and made every tensor 16-byte aligned with a unit-stride head dim.
-    Queries run in chunks whose per-slot partial outputs fit PARTIALS_BUDGET: a row's K slots all belong to its
+    Queries run in chunks whose per-slot partial outputs fit partials_budget: a row's K slots all belong to its
     chunk, so each chunk is planned, computed, combined and its KL taken on its own; extra memory is the plan
     (O(B*Hp*S*K) int32) plus one chunk's partials, whatever S.
     """
