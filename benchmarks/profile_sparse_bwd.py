@@ -15,6 +15,7 @@ from benchmarks.common import cuda_time_ms  # noqa: E402
 def main():
     from flash_msa_rt.loader import device_arch, get_kernel
     from flash_msa_rt.ops import sparse_bwd as sb
+    from flash_msa_rt.ops import sparse_fwd as sf
     from flash_msa_rt.ops.select import select_blocks_cuda
     from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
     from flash_msa_rt.ops.sparse_plan import sparse_plan
@@ -42,7 +43,9 @@ def main():
     main = {m: get_kernel("sparse_bwd", sb.kernel_config("bf16", D, 128, G, m), q.device) for m in mmas}
     prox = {m: get_kernel("sparse_bwd_proxy", sb.kernel_config("bf16", D, 128, G, m), q.device) for m in mmas}
     stages = {
-        "delta": lambda: (go.float() * out.float()).sum(-1).transpose(1, 2).contiguous(),
+        "delta (torch, fp32 copies)": lambda: (go.float() * out.float()).sum(-1).transpose(1, 2).contiguous(),
+        "delta (bwd_delta kernel)": lambda: get_kernel("bwd_delta", sb.delta_config("bf16", D), q.device)(
+            dout=go, out=out, delta=delta),
         "plan": lambda: sparse_plan(sel, 128, S, G, sb.TILE_M // G, sb.TILES_PER_ITEM),
         "zeros": lambda: [torch.zeros(t.shape, dtype=f32, device="cuda") for t in (q, k, v, qp, kp)],
     }
@@ -51,7 +54,7 @@ def main():
             lambda kernel=kernel: kernel(q=q, k=k, v=v, dout=go, lse=lse, delta=delta, entry_query=plan.entry_query,
                                          items=plan.items, dq_acc=dq, dk_acc=dk, dv_acc=dv, scale=scale, hp=Hp,
                                          hp_per_hk=Hp // Hk))
-    proxy_plan = sparse_plan(sel, 128, S, G, sb.TILE_M, max(1, sb.PROXY_TILES_PER_ITEM // G))
+    proxy_plan = sparse_plan(sel, 128, S, G, sb.TILE_M, sf.per_group_tiles(sb.PROXY_MAIN_TILES_PER_ITEM, G))
     for m, kernel in prox.items():
         stages[f"sparse_bwd_proxy ({m})"] = (
             lambda kernel=kernel: kernel(q=q, k=k, q_proxy=qp, k_proxy=kp, entry_query=proxy_plan.entry_query,

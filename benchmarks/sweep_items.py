@@ -78,9 +78,9 @@ def main(argv=None):
 
     # (kernel, launch, queries per tile, what the runtime ships, how the runtime turns T into the plan's T)
     kernels = (("sparse_fwd", fwd, sf.TILE_M // G, sf.TILES_PER_ITEM),
-               ("sparse_kl", kl, sf.KL_TILE, max(1, sf.KL_TILES_PER_ITEM // G)),
+               ("sparse_kl", kl, sf.KL_TILE, sf.per_group_tiles(sf.KL_MAIN_TILES_PER_ITEM, G)),
                ("sparse_bwd", bwd, sb.TILE_M // G, sb.TILES_PER_ITEM),
-               ("sparse_bwd_proxy", prox, sb.TILE_M, max(1, sb.PROXY_TILES_PER_ITEM // G)))
+               ("sparse_bwd_proxy", prox, sb.TILE_M, sf.per_group_tiles(sb.PROXY_MAIN_TILES_PER_ITEM, G)))
     result = {"commit": commit(), "device": torch.cuda.get_device_name(), "config": a.config, "B": B, "S": S,
               "G": G, "rows": []}
     print(f"config ({a.config}) B={B} S={S} G={G}: kernel ms by tiles per item (plan T; * = shipped)")

@@ -18,8 +18,11 @@ from flash_msa_rt.ops import sparse_fwd
 from flash_msa_rt.ops.sparse_plan import sparse_plan
 
 TILE_M = 64
-TILES_PER_ITEM = 16  # 1024 rows per item: dk / dv leave registers (atomics) once per 1024 rows
-PROXY_TILES_PER_ITEM = 16  # proxy tiles are 64 queries x G heads of main work: 16 // G of them per item (>= 1)
+# Rows per item: dk / dv leave registers (atomics) once per item. benchmarks/sweep_items.py, (b) S = 64K:
+# sparse_bwd 60.4 ms at 8 tiles, 56.1 at 16, 53.5 at 32; sparse_bwd_proxy 38.5 at 4 tiles (of 64 queries x G
+# heads), 36.8 at 16, 36.3 at 32.
+TILES_PER_ITEM = 32  # 2048 rows
+PROXY_MAIN_TILES_PER_ITEM = 64  # proxy tiles are 64 queries x G heads: sparse_fwd.per_group_tiles(64, G) per item
 PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all-causal selection is chunked)
 
 
@@ -94,7 +97,7 @@ def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, b
         s1 = min(S, s0 + chunk)
         if given is None:  # the proxy kernel's tiles are 64 distinct queries, whatever G
             sel = block_indices[:, :, s0:s1].contiguous()
-            plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M, max(1, PROXY_TILES_PER_ITEM // G),
+            plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M, sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, G),
                                query_offset=s0)
         kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, entry_query=plan.entry_query, items=plan.items, lse=lse,
                lse_proxy=lse_proxy, kl_grad=grad, dqp_acc=dqp_acc, dkp_acc=dkp_acc, scale=float(scale),

@@ -25,9 +25,12 @@ HEAD_DIMS = (128,)
 BLOCK_SIZES = (128,)
 GROUPS = (1, 2, 4, 8, 16)
 TILE_M = 128
-TILES_PER_ITEM = 8  # a work item is one key block and at most 8 tiles of its queries: bounds the hot blocks
+# Work items: one key block and at most this many tiles of its queries (bounds the hot blocks). Larger items load
+# their key block for more tiles; measured by benchmarks/sweep_items.py ((b) S = 64K: sparse_fwd 23.1 ms at 8
+# tiles, 22.5 at 16, 22.1 at 32; the KL pass 19.2 at 4, 18.7 at 16).
+TILES_PER_ITEM = 16
 KL_TILE = 64  # distinct queries per KL tile; the tile visits the G heads one after another
-KL_TILES_PER_ITEM = 16  # main work per item ~ 16 // G tiles of 64 queries x G heads (at least one tile)
+KL_MAIN_TILES_PER_ITEM = 64  # KL items: ~64 // G tiles of 64 queries x G heads, 1 to 32 tiles (per_group_tiles)
 PARTIALS_BUDGET = 1 << 30  # the least bytes of per-slot partials one forward chunk may hold (partials_budget)
 
 
@@ -66,6 +69,12 @@ def device_mma(device: torch.device, op: str) -> str:
     if device.type != "cuda":
         return "sync"
     return forward_mma(_device_arch(device.index if device.index is not None else torch.cuda.current_device()), op)
+
+
+def per_group_tiles(main_tiles: int, group: int) -> int:
+    """Tiles per item for kernels whose tile visits the G heads in turn (KL pass, proxy backward): about
+    main_tiles // G, between 1 and 32."""
+    return max(1, min(32, main_tiles // group))
 
 
 def combine_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
@@ -158,7 +167,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
 
 def _kl_chunk(kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale):
     """The KL pass over queries [s0, s0 + sel.shape[2]) given the final main lse -> (lse_proxy, kl_rows) there."""
-    kl_plan = sparse_plan(sel, block_size, sel.shape[2], G, KL_TILE, max(1, KL_TILES_PER_ITEM // G), query_offset=s0)
+    kl_plan = sparse_plan(sel, block_size, sel.shape[2], G, KL_TILE, per_group_tiles(KL_MAIN_TILES_PER_ITEM, G), query_offset=s0)
     kl_part = kl_buf[:kl_plan.E]
     kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
     return combine_kl_lse(kl_plan, sel, kl_part)
