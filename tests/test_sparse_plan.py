@@ -15,7 +15,7 @@ import torch
 import oracle
 from flash_msa_rt.ops.sparse_emulate import emulate_forward, emulate_kl
 from flash_msa_rt.ops.sparse_plan import (SparsePlan, combine_forward, combine_kl_lse, kl_groups, live_slots,
-                                          partials_bytes, sparse_plan)
+                                          partials_bytes, recut, sparse_plan)
 from flash_msa_rt.reference.msa import msa_forward
 from flash_msa_rt.reference.selection import select_blocks
 
@@ -96,6 +96,24 @@ def test_plan_matches_python_lists(name):
     gen = torch.Generator().manual_seed(len(name))
     idx = random_indices(gen, B, Hp, S, K, Bs)
     check_plan(sparse_plan(idx, Bs, S, 4, tq, T), idx, Bs, tq, T)
+
+
+@pytest.mark.parametrize("name", list(PLAN_CASES))
+def test_recut_equals_a_fresh_plan(name):
+    """The KL pass and the proxy backward recut the forward's / main backward's sorted lists into their own
+    tiles: the items are those a fresh plan of those tiles gives, and meet the list contract."""
+    B, Hp, S, K, Bs, tq, T = PLAN_CASES[name]
+    gen = torch.Generator().manual_seed(len(name) + 1)
+    idx = random_indices(gen, B, Hp, S, K, Bs)
+    base = sparse_plan(idx, Bs, S, 4, tq, T, query_offset=Bs)
+    for tq2, T2 in ((1, 1), (tq + 3, 2 * T + 1), (64, 16)):
+        got, want = recut(base, tq2, T2), sparse_plan(idx, Bs, S, 4, tq2, T2, query_offset=Bs)
+        assert (got.W, got.tile_queries, got.tiles_per_item, got.query_offset) == (want.W, tq2, T2, Bs)
+        for field in ("entry_query", "entry_dest", "items", "item_count", "list_bounds"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
+    check_plan(recut(sparse_plan(idx, Bs, S, 4, tq, T), 5, 2), idx, Bs, 5, 2)
+    with pytest.raises(ValueError, match="tiles_per_item = 0"):
+        recut(base, tq, 0)
 
 
 def test_plan_of_reference_selection():

@@ -15,7 +15,7 @@ import torch
 
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops import sparse_fwd
-from flash_msa_rt.ops.sparse_plan import sparse_plan
+from flash_msa_rt.ops.sparse_plan import recut, sparse_plan
 
 TILE_M = 64
 # Rows per item: dk / dv leave registers (atomics) once per item. benchmarks/sweep_items.py, (b) S = 64K:
@@ -66,8 +66,10 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
             items=plan.items, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, scale=float(scale), hp=Hp,
             hp_per_hk=Hp // Hk)
     if kl_grad is not None:
+        # The main plan's sorted lists, cut into the proxy kernel's tiles (64 distinct queries): no second sort.
+        proxy_plan = recut(plan, TILE_M, sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, G))
         dq_proxy, dk_proxy = proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size,
-                                                 scale, kl_grad, plan if G == 1 else None)
+                                                 scale, kl_grad, proxy_plan)
     else:
         dq_proxy, dk_proxy = torch.zeros_like(q_proxy), torch.zeros_like(k_proxy)
     return dq_proxy, dk_proxy, dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
@@ -75,8 +77,9 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
 
 def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size, scale, kl_grad, plan=None):
     """(dq_proxy, dk_proxy) from (pi - tau) * kl_grad over a selection: the sparse_bwd_proxy kernel alone (warmup
-    mode runs it with every causal block selected, beside cuDNN's dense backward). plan: the main backward's, which
-    is the proxy's when G == 1 (64 queries per tile either way)."""
+    mode runs it with every causal block selected, beside cuDNN's dense backward). plan: the whole selection's plan
+    in the proxy kernel's tiles (64 distinct queries; msa_backward_cuda recuts its main plan), or None to plan here
+    in query chunks."""
     B, S, H, D = q.shape
     Hp, Hk, Hpk = q_proxy.shape[2], k.shape[2], k_proxy.shape[2]
     G = H // Hp
@@ -97,8 +100,8 @@ def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, b
         s1 = min(S, s0 + chunk)
         if given is None:  # the proxy kernel's tiles are 64 distinct queries, whatever G
             sel = block_indices[:, :, s0:s1].contiguous()
-            plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M, sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, G),
-                               query_offset=s0)
+            plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M,
+                               sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, G), query_offset=s0)
         kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, entry_query=plan.entry_query, items=plan.items, lse=lse,
                lse_proxy=lse_proxy, kl_grad=grad, dqp_acc=dqp_acc, dkp_acc=dkp_acc, scale=float(scale),
                hp_per_hk=Hp // Hk, hp_per_hpk=Hp // Hpk)

@@ -18,7 +18,7 @@ import functools
 import torch
 
 from flash_msa_rt.loader import get_kernel
-from flash_msa_rt.ops.sparse_plan import combine_kl_lse, kl_groups, sparse_plan
+from flash_msa_rt.ops.sparse_plan import combine_kl_lse, kl_groups, recut, sparse_plan
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 HEAD_DIMS = (128,)
@@ -161,13 +161,18 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
         combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out[:, s0:s1], lse=lse[:, :, s0:s1],
                 query_offset=s0)
         lse_proxy[:, :, s0:s1], kl_rows[:, :, s0:s1] = _kl_chunk(kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size,
-                                                                  G, kl_buf, scale)
+                                                                  G, kl_buf, scale, plan)
     return out, lse, lse_proxy, kl_rows
 
 
-def _kl_chunk(kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale):
-    """The KL pass over queries [s0, s0 + sel.shape[2]) given the final main lse -> (lse_proxy, kl_rows) there."""
-    kl_plan = sparse_plan(sel, block_size, sel.shape[2], G, KL_TILE, per_group_tiles(KL_MAIN_TILES_PER_ITEM, G), query_offset=s0)
+def _kl_chunk(kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale, plan=None):
+    """The KL pass over queries [s0, s0 + sel.shape[2]) given the final main lse -> (lse_proxy, kl_rows) there.
+    plan: the forward's plan of the same chunk, recut into the KL pass's tiles (no second sort), if there is one."""
+    tiles = per_group_tiles(KL_MAIN_TILES_PER_ITEM, G)
+    if plan is not None:
+        kl_plan = recut(plan, KL_TILE, tiles)
+    else:
+        kl_plan = sparse_plan(sel, block_size, sel.shape[2], G, KL_TILE, tiles, query_offset=s0)
     kl_part = kl_buf[:kl_plan.E]
     kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
     return combine_kl_lse(kl_plan, sel, kl_part)

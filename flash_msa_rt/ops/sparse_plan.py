@@ -44,12 +44,15 @@ class SparsePlan:
     items int32 [W, 4]: (bp, j, entry_start, n_entries), list-major (bp, then j, then chunk); n_entries <=
         tiles_per_item * tile_queries; rows past the real count have n_entries = 0 and (0, 0, 0, 0).
     item_count int32 [1]: the real number of items, on the device (a persistent scheduler may read it).
+    list_bounds int64 [L + 1]: list l = bp * NB + j holds sorted entries [list_bounds[l], list_bounds[l + 1])
+        (recut cuts the same sorted lists into other items).
     """
 
     entry_query: torch.Tensor
     entry_dest: torch.Tensor
     items: torch.Tensor
     item_count: torch.Tensor
+    list_bounds: torch.Tensor
     E: int
     W: int
     K: int
@@ -121,8 +124,6 @@ def sparse_plan(block_indices: torch.Tensor, block_size: int, seqlen: int, group
         raise ValueError(f"{fn}: query_offset must be a non-negative int, got {query_offset!r}")
     NB = -(-(query_offset + S) // Bs)
     L = B * Hp * NB  # lists, one per (bp, j)
-    C = T * tq  # entries per item at most
-    W = -(-E // C) + L
     dev = block_indices.device
 
     # List id bp * NB + j of each entry in (bp, i, slot) order; dead entries go to the spare list L (sorted last).
@@ -137,6 +138,26 @@ def sparse_plan(block_indices: torch.Tensor, block_size: int, seqlen: int, group
 
     # List boundaries by binary search on the sorted ids: contention-free even when one list holds every query.
     bounds = torch.searchsorted(sorted_list, torch.arange(L + 1, device=dev, dtype=torch.int32))
+    items, item_count, W = _cut_items(bounds, NB, E, tq * T)
+    return SparsePlan(entry_query=entry_query, entry_dest=entry_dest, items=items, item_count=item_count,
+                      list_bounds=bounds, E=E, W=W, K=K, Hp=Hp, S=S, B=B, NB=NB, block_size=Bs, group=G,
+                      tile_queries=tq, tiles_per_item=T, query_offset=query_offset)
+
+
+def recut(plan: SparsePlan, tile_queries: int, tiles_per_item: int) -> SparsePlan:
+    """The same sorted lists cut into items of another kernel's tiles (the KL pass after the forward, the proxy
+    backward after the main one): no second sort."""
+    tq = _positive_int("recut", "tile_queries", tile_queries)
+    T = _positive_int("recut", "tiles_per_item", tiles_per_item)
+    items, item_count, W = _cut_items(plan.list_bounds, plan.NB, plan.E, tq * T)
+    return dataclasses.replace(plan, items=items, item_count=item_count, W=W, tile_queries=tq, tiles_per_item=T)
+
+
+def _cut_items(bounds: torch.Tensor, NB: int, E: int, C: int):
+    """(items [W, 4], item_count [1], W): every list cut into items of at most C entries (see sparse_plan)."""
+    L = bounds.shape[0] - 1
+    W = -(-E // C) + L
+    dev = bounds.device
     list_start, counts = bounds[:-1], bounds[1:] - bounds[:-1]  # int64 (L,)
     chunks = torch.div(counts + (C - 1), C, rounding_mode="floor")
     chunk_end = torch.cumsum(chunks, 0)  # items up to and including list l
@@ -152,10 +173,7 @@ def sparse_plan(block_indices: torch.Tensor, block_size: int, seqlen: int, group
         torch.where(real, list_start[lc] + chunk * C, zero),
         torch.where(real, (counts[lc] - chunk * C).clamp(0, C), zero),
     ], dim=1).to(torch.int32)
-    item_count = chunk_end[-1:].to(torch.int32)
-    return SparsePlan(entry_query=entry_query, entry_dest=entry_dest, items=items, item_count=item_count, E=E,
-                      W=W, K=K, Hp=Hp, S=S, B=B, NB=NB, block_size=Bs, group=G, tile_queries=tq,
-                      tiles_per_item=T, query_offset=query_offset)
+    return items, chunk_end[-1:].to(torch.int32), W
 
 
 # --- partial buffers ---------------------------------------------------------------------------------------------
