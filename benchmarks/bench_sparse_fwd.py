@@ -23,6 +23,18 @@ from benchmarks.common import PEAK_TFLOPS, commit, cuda_time_ms, write_results  
 CONFIGS = {"a": (16, 2, 4, 1), "b": (32, 8, 8, 1), "c": (64, 4, 4, 1)}
 
 
+def random_problem(cfg: str, S: int, tokens: int = 131072, device="cuda", seed: int = 0) -> dict:
+    """The benchmarks' inputs for configuration cfg at length S: B = tokens // S (at least 1), D = Dp = 128, bf16
+    standard normal q_proxy, k_proxy, q, k, v drawn in that order after torch.manual_seed(seed)."""
+    H, Hk, Hp, Hpk = CONFIGS[cfg]
+    B, D = max(1, tokens // S), 128
+    torch.manual_seed(seed)
+    qp, kp = (torch.randn(B, S, h, D, device=device, dtype=torch.bfloat16) for h in (Hp, Hpk))
+    q = torch.randn(B, S, H, D, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, S, Hk, D, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return dict(B=B, S=S, H=H, Hk=Hk, Hp=Hp, Hpk=Hpk, D=D, G=H // Hp, scale=D ** -0.5, qp=qp, kp=kp, q=q, k=k, v=v)
+
+
 def nnz_of(sel: torch.Tensor, S: int, G: int, Bs: int = 128) -> int:
     """sum over (b, h, i) of |A_h(i)|: causal keys of each live selected block, times G heads."""
     i = torch.arange(S, device=sel.device).view(1, 1, S, 1)
@@ -38,13 +50,10 @@ def run(cfg: str, S: int, tokens: int, mma: str = "auto"):
     from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
     from flash_msa_rt.ops.sparse_plan import combine_kl_lse, kl_groups, sparse_plan
 
-    H, Hk, Hp, Hpk = CONFIGS[cfg]
-    B, D, K, G = max(1, tokens // S), 128, 16, H // Hp
-    torch.manual_seed(0)
-    qp, kp = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16) for h in (Hp, Hpk))
-    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    scale = D ** -0.5
+    x = random_problem(cfg, S, tokens)
+    B, H, Hk, Hp, Hpk, D, G, scale = (x[n] for n in ("B", "H", "Hk", "Hp", "Hpk", "D", "G", "scale"))
+    qp, kp, q, k, v = (x[n] for n in ("qp", "kp", "q", "k", "v"))
+    K = 16
     sel = select_blocks_cuda(qp, kp, K, 128, scale)
     nnz = nnz_of(sel, S, G)
     flops = 4 * D * nnz

@@ -8,7 +8,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sparse_fwd import CONFIGS, nnz_of  # noqa: E402
+from benchmarks.bench_sparse_fwd import nnz_of, random_problem  # noqa: E402
 from benchmarks.common import cuda_time_ms  # noqa: E402
 
 
@@ -22,13 +22,9 @@ def main():
 
     cfg = sys.argv[1] if len(sys.argv) > 1 else "a"
     S = int(sys.argv[2]) if len(sys.argv) > 2 else 65536
-    H, Hk, Hp, Hpk = CONFIGS[cfg]
-    B, D, G = max(1, 131072 // S), 128, H // Hp
-    torch.manual_seed(0)
-    qp, kp = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16) for h in (Hp, Hpk))
-    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    scale = D ** -0.5
+    x = random_problem(cfg, S)
+    B, S, H, Hk, Hp, Hpk, D, G, scale = (x[n] for n in ("B", "S", "H", "Hk", "Hp", "Hpk", "D", "G", "scale"))
+    qp, kp, q, k, v = (x[n] for n in ("qp", "kp", "q", "k", "v"))
     sel = select_blocks_cuda(qp, kp, 16, 128, scale)
     nnz = nnz_of(sel, S, G)
     out, lse, lse_p, _ = msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale)

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sparse_fwd import CONFIGS  # noqa: E402
+from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
 from benchmarks.common import commit, cuda_time_ms  # noqa: E402
 
 SWEEP = (2, 4, 8, 16, 32)
@@ -33,14 +33,9 @@ def main(argv=None):
     ap.add_argument("S", nargs="?", type=int, default=65536)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    H, Hk, Hp, Hpk = CONFIGS[a.config]
-    S, D, G = a.S, 128, H // Hp
-    B = max(1, 131072 // S)
-    torch.manual_seed(0)
-    qp, kp = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16) for h in (Hp, Hpk))
-    q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    scale = D ** -0.5
+    x = random_problem(a.config, a.S)
+    B, S, H, Hk, Hp, Hpk, D, G, scale = (x[n] for n in ("B", "S", "H", "Hk", "Hp", "Hpk", "D", "G", "scale"))
+    qp, kp, q, k, v = (x[n] for n in ("qp", "kp", "q", "k", "v"))
     sel = select_blocks_cuda(qp, kp, 16, 128, scale)
     dev = q.device
     out, lse, lse_p, _ = sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale)

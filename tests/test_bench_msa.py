@@ -198,3 +198,18 @@ def test_plot_renders_png(tmp_path):
     out = tmp_path / "msa.png"
     plot_msa.main([str(path), "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("cfg", ["a", "b", "c"])
+def test_stage_benchmarks_inputs(cfg):
+    """bench_sparse_fwd.random_problem, which the stage, sweep and profile benchmarks share: issue 4's head
+    counts, B = tokens // S (at least 1), bf16, and the same tensors for the same seed."""
+    from benchmarks.bench_sparse_fwd import CONFIGS, random_problem
+
+    x = random_problem(cfg, 256, tokens=1024, device="cpu")
+    H, Hk, Hp, Hpk = CONFIGS[cfg]
+    assert (x["B"], x["G"], x["D"]) == (4, H // Hp, 128) and x["scale"] == 128 ** -0.5
+    for name, heads in (("qp", Hp), ("kp", Hpk), ("q", H), ("k", Hk), ("v", Hk)):
+        assert x[name].shape == (4, 256, heads, 128) and x[name].dtype == torch.bfloat16
+    assert random_problem(cfg, 512, tokens=256, device="cpu")["B"] == 1
+    assert torch.equal(random_problem(cfg, 256, tokens=1024, device="cpu")["v"], x["v"])
