@@ -1,6 +1,6 @@
 """Where the whole sparse op's time goes, beyond its kernels: one forward + backward under torch.profiler (every
-kernel and torch op on the device, by total CUDA time), the forward at several PARTIALS_BUDGET sizes (query
-chunks against peak memory), and the backward's delta = rowsum(dO * O) computed two ways.
+kernel and torch op on the device, by total CUDA time), the forward at several partial-buffer budgets (query
+chunks against peak memory; the runtime's is sparse_fwd.partials_budget), and the backward's delta = rowsum(dO * O) computed two ways.
 Usage: python benchmarks/profile_msa.py [config a|b|c] [S] [--budgets 1,2,4,8] [--out FILE] (B*S = 128K tokens).
 """
 
@@ -38,7 +38,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default="b")
     ap.add_argument("S", nargs="?", type=int, default=65536)
-    ap.add_argument("--budgets", default="1,2,4,8", help="PARTIALS_BUDGET sizes to time the forward at, in GiB")
+    ap.add_argument("--budgets", default="1,2,4,8", help="partial-buffer budgets to time the forward at, in GiB")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     x = random_problem(a.config, a.S)
@@ -58,10 +58,12 @@ def main(argv=None):
         return msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, scale, go, kl_grad)
 
     # The forward at each budget: fewer, larger chunks against the memory one chunk's partials take.
-    default = sf.PARTIALS_BUDGET
+    default = sf.partials_budget
+    result["runtime_budget_gib"] = default(B, S, H, D) / 2 ** 30
+    print(f"the runtime's budget here: {result['runtime_budget_gib']:.2f} GiB")
     result["budgets"] = []
     for gib in (float(x) for x in a.budgets.split(",")):
-        sf.PARTIALS_BUDGET = int(gib * 2 ** 30)
+        sf.partials_budget = lambda *shape, nbytes=int(gib * 2 ** 30): nbytes
         chunk = sf.query_chunk(B, S, Hp, 16, G, D, 128)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -70,9 +72,9 @@ def main(argv=None):
         extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
         result["budgets"].append({"budget_gib": gib, "chunks": -(-S // chunk), "forward_ms": ms,
                                   "forward_extra_peak_gib": extra})
-        print(f"PARTIALS_BUDGET {gib:4.1f} GiB: {-(-S // chunk):3d} chunks, forward {ms:7.2f} ms, "
+        print(f"partials budget {gib:4.1f} GiB: {-(-S // chunk):3d} chunks, forward {ms:7.2f} ms, "
               f"peak beyond the inputs {extra:5.2f} GiB", flush=True)
-    sf.PARTIALS_BUDGET = default
+    sf.partials_budget = default
 
     # delta two ways, against float64.
     exact = (go.double() * out.double()).sum(-1)
