@@ -29,7 +29,7 @@ PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all
 def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
                   tile_n: int = 64) -> dict:
     """Both backward kernels split a key block over block_size // tile_n CTAs (64 keys each); mma: "sync" or
-    "wgmma" (sparse_fwd.forward_mma)."""
+    "wgmma" (sparse_fwd.family_mma)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
             "tile_n": tile_n, "threads": 256, "stages": 2, "mma": mma}
 
@@ -40,7 +40,7 @@ def delta_config(dtype: str, head_dim: int) -> dict:
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
              arch: str = "sm90a") -> list[tuple[str, dict]]:
-    return [(op, kernel_config(dtype, head_dim, block_size, group, sparse_fwd.forward_mma(arch, op)))
+    return [(op, kernel_config(dtype, head_dim, block_size, group, sparse_fwd.family_mma(arch, op)))
             for op in ("sparse_bwd", "sparse_bwd_proxy")] + [("bwd_delta", delta_config(dtype, head_dim))]
 
 

@@ -36,7 +36,7 @@ PARTIALS_BUDGET = 1 << 30  # the least bytes of per-slot partials one forward ch
 
 def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
     """The variant launched for a problem; fields in the order the build names them.
-    mma: forward_mma(arch, "sparse_fwd")."""
+    mma: family_mma(arch, "sparse_fwd")."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
             "threads": 256, "stages": 2, "mma": mma}
 
@@ -49,8 +49,8 @@ SM90_MMA = {"sparse_fwd": "wgmma", "sparse_kl": "sync", "sparse_bwd": "wgmma", "
 FORCE_MMA: str | None = None  # tests and benchmarks: run every family on this MMA instead ("sync" | "wgmma")
 
 
-def forward_mma(arch: str, op: str) -> str:
-    """The MMA kind op's kernel uses on arch."""
+def family_mma(arch: str, op: str) -> str:
+    """The MMA kind the kernel of family op (sparse_fwd, sparse_kl, sparse_bwd, sparse_bwd_proxy) uses on arch."""
     if arch != "sm90a":
         return "sync"
     return FORCE_MMA or SM90_MMA[op]
@@ -64,11 +64,11 @@ def _device_arch(index: int) -> str:
 
 
 def device_mma(device: torch.device, op: str) -> str:
-    """forward_mma of the device's arch for op (the arch cached per device); "sync" off CUDA (emulated kernels in
+    """family_mma of the device's arch for op (the arch cached per device); "sync" off CUDA (emulated kernels in
     CPU tests)."""
     if device.type != "cuda":
         return "sync"
-    return forward_mma(_device_arch(device.index if device.index is not None else torch.cuda.current_device()), op)
+    return family_mma(_device_arch(device.index if device.index is not None else torch.cuda.current_device()), op)
 
 
 def per_group_tiles(main_tiles: int, group: int) -> int:
@@ -90,8 +90,8 @@ def kl_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str =
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
              arch: str = "sm90a") -> list[tuple[str, dict]]:
     """Every (op, config) one forward launches on arch."""
-    return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, forward_mma(arch, "sparse_fwd"))),
-            ("sparse_kl", kl_config(dtype, head_dim, block_size, group, forward_mma(arch, "sparse_kl"))),
+    return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_fwd"))),
+            ("sparse_kl", kl_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_kl"))),
             ("sparse_combine", combine_config(dtype, head_dim, block_size, group))]
 
 
