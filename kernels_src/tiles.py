@@ -4,6 +4,9 @@
 - the warp-level MMA (m16n8k16) tiled over warps, and views of its accumulator: rows x columns of one thread,
   and the same registers as the A operand of the next product (register reuse of P);
 - cp.async of 16-byte chunks, and one gathered gmem row into a thread's smem partition;
+- row scalars staged beside a gathered tile: one 4-byte cp.async per (row, scalar) into a small smem table, so the
+  per-row statistics (lse, delta, destinations) are in shared memory when the tile's barrier passes instead of
+  being two dependent global loads after the tile's products;
 - the build entry point's common part: compile on fake arguments and check the traced shared memory;
 - for the wgmma kernels (sm90a): views of the warpgroup MMA accumulator (rows x columns, and as the register A
   operand of the next product).
@@ -76,6 +79,26 @@ def copy_row(gcopy, dtype: cutlass.Constexpr, g_row: cute.Tensor, t_s, t_c, m):
     chunks = cute.tiled_divide(cute.make_tensor(ptr, cute.make_layout(cute.size(g_row))), (8,))
     for kk in cutlass.range_constexpr(cute.size(t_s, mode=[2])):
         cute.copy(gcopy, chunks[None, t_c[0, 0, kk][1] // 8], t_s[None, m, kk])
+
+
+def cp_async_word(dtype):
+    """cp.async of one 4-byte element (.ca: the only cache mode cp.async has below 16 bytes)."""
+    return cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), dtype,
+                               num_bits_per_copy=32)
+
+
+def row_table(rows: int, stages: int, fields: int):
+    """(rows, stages, fields) compact layout of a staged per-row scalar table (one 4-byte word per entry)."""
+    return cute.make_layout((rows, stages, fields))
+
+
+@cute.jit
+def copy_word(atom, g_vec: cute.Tensor, index, s_table: cute.Tensor, row, stage, field: cutlass.Constexpr):
+    """cp.async g_vec[index] -> s_table[row, stage, field]; g_vec is a unit-stride 1-D gmem view (a (b, h) row of
+    an lse-like (B, heads, S) tensor, or the plan's entry list)."""
+    src = cute.make_tensor(g_vec.iterator + index, cute.make_layout(1))
+    dst = cute.make_tensor(s_table.iterator + cute.crd2idx((row, stage, field), s_table.layout), cute.make_layout(1))
+    cute.copy(atom, src, dst)
 
 
 WARPGROUP_ROWS = 64

@@ -44,18 +44,25 @@ class Config:
         return variant_name(OP, dataclasses.asdict(self), arch)
 
     def smem_bytes(self) -> int:
-        """sK, sV; staged sQ, sdO; sP^T and sdS^T (keys x rows); the fp32 dQ staging rows (padded). Mirrors
-        SharedStorage (1024-aligned)."""
+        """sK, sV; staged sQ, sdO; sP^T and sdS^T (keys x rows); the fp32 dQ staging rows (padded); the row
+        scalars (query; lse, delta). Mirrors SharedStorage (1024-aligned)."""
         e = _ELEM_BYTES[self.dtype]
         kv = 2 * _align(self.tile_n * self.head_dim * e, 1024)
         rows = 2 * _align(self.stages * self.tile_m * self.head_dim * e, 1024)
         p_ds = 2 * _align(self.tile_n * self.tile_m * e, 1024)
-        return kv + rows + p_ds + dq_staging_bytes(self)
+        return kv + rows + p_ds + dq_staging_bytes(self) + row_table_bytes(self, ints=1, floats=2)
 
 
 def dq_staging_bytes(config) -> int:
     """fp32 rows of head_dim + DQ_ROW_PAD floats, one per tile row, for the bulk reductions."""
     return _align(config.tile_m * (config.head_dim + DQ_ROW_PAD) * 4, 1024)
+
+
+def row_table_bytes(config, ints: int, floats: int) -> int:
+    """The staged row-scalar tables (tiles.row_table): ints and floats 4-byte fields per (row, stage), each
+    table 1024-aligned like the tiles around it."""
+    return (_align(config.tile_m * config.stages * ints * 4, 1024)
+            + _align(config.tile_m * config.stages * floats * 4, 1024))
 
 
 def _align(x: int, a: int) -> int:

@@ -57,8 +57,9 @@ class WarpgroupTiles:
 
     @cute.jit
     def gemm(self, tiled_mma, thr_mma, acc, s_a, s_b, tidx, trans_a: cutlass.Constexpr, trans_b: cutlass.Constexpr,
-             accumulate: cutlass.Constexpr = False):
-        """acc (+)= A B^T, wgmma by descriptor, waited for. The caller's MMA stands for the product's shape; the
+             accumulate: cutlass.Constexpr = False, wait: cutlass.Constexpr = True):
+        """acc (+)= A B^T, wgmma by descriptor, one commit group, waited for unless wait=False (then the caller
+        waits with wait_products before it touches acc). The caller's MMA stands for the product's shape; the
         one issued is made here from (trans_a, trans_b): (no, no) S = Q K^T, (no, yes) dQ = dS K, (yes, yes)
         dK += dS^T Q."""
         if cutlass.const_expr(not trans_a and not trans_b):
@@ -77,7 +78,12 @@ class WarpgroupTiles:
             mma.set(warpgroup.Field.ACCUMULATE, accumulate or kk != 0)
             cute.gemm(mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        if cutlass.const_expr(wait):
+            warpgroup.wait_group(0)
+
+    @cute.jit
+    def wait_products(self, pending: cutlass.Constexpr):
+        warpgroup.wait_group(pending)
 
 
 class SparseBackwardWG(WarpgroupTiles, SparseBackward):

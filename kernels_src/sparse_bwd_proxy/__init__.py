@@ -21,13 +21,14 @@ _ELEM_BYTES = {"bf16": 2, "f16": 2}
 
 
 def smem_bytes(config) -> int:
-    """sK, sK_p (keys x D); staged sQ, sQ_p (rows x D); sdS_p (rows x keys); fp32 dq_p staging rows. Mirrors
-    SharedStorage."""
+    """sK, sK_p (keys x D); staged sQ, sQ_p (rows x D); sdS_p (rows x keys); fp32 dq_p staging rows; the row
+    scalars (query; lse_g, lse_p, kl_grad). Mirrors SharedStorage."""
     e = _ELEM_BYTES[config.dtype]
     a = sparse_bwd._align
     keys = 2 * a(config.tile_n * config.head_dim * e, 1024)
     rows = 2 * a(config.stages * config.tile_m * config.head_dim * e, 1024)
-    return keys + rows + a(config.tile_m * config.tile_n * e, 1024) + sparse_bwd.dq_staging_bytes(config)
+    return (keys + rows + a(config.tile_m * config.tile_n * e, 1024) + sparse_bwd.dq_staging_bytes(config)
+            + sparse_bwd.row_table_bytes(config, ints=1, floats=3))
 
 
 def can_implement(config, arch: str) -> tuple[bool, str]:

@@ -11,6 +11,9 @@ queries (8 warps, 4 x 2 over queries x keys):
      dk_p += scale * dS_p^T Q_p (registers across the item's tiles, atomics at its end).
 The proxy products run once per query, not once per (query, head): the first version replicated the proxy row
 over the G heads' rows and spent G times the proxy FLOPs (NOTES.md).
+Row scalars travel with the gathers (tiles.copy_word): the tile's query indices (read from the plan once per tile,
+at g = 0; the later heads' gathers take them from shared memory), each step's lse_g, and the query's lse_p and
+kl_grad, so no step waits on a chain of global loads between its product and its exponentials.
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -23,15 +26,24 @@ import cutlass.cute as cute
 
 from kernels_src.sparse_bwd.kernel import SparseBackward
 from kernels_src.spec import Compiled
-from kernels_src.tiles import compile_tile_kernel, copy_row, transposed
+from kernels_src.tiles import compile_tile_kernel, copy_row, copy_word, cp_async_word, transposed
 
 _LOG2E = math.log2(math.e)
 
 
+# The staged row-scalar tables (rows = the tile's distinct queries): ints [query, ...], floats [lse_g of the step,
+# ...]; the query fields live in buffer tile % stages, the step's lse_g in buffer step % stages.
+QUERY, LSE_G, LSE_P, KL_GRAD = 0, 0, 1, 2
+
+
 class SparseProxyBackward(SparseBackward):
+    query_ints = 1  # the query index
+    row_floats = 3  # lse_g, lse_p, kl_grad
+
     def __init__(self, config):
         super().__init__(config)
         self.tile_queries = config.tile_m  # distinct queries per tile (not (query, head) rows)
+
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
@@ -42,6 +54,7 @@ class SparseProxyBackward(SparseBackward):
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
         l_p = self._smem_layout((self.tile_m, self.tile_n))
         l_dq = self._dq_layout()
+        l_ri, l_rf = self._row_tables()
 
         @cute.struct
         class SharedStorage:
@@ -51,6 +64,8 @@ class SparseProxyBackward(SparseBackward):
             s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
             s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
             s_dq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_dq)], 1024]
+            s_ri: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, cute.cosize(l_ri)], 1024]
+            s_rf: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_rf)], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_proxy(q, k, q_proxy, k_proxy, entry_query, items, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
@@ -84,6 +99,9 @@ class SparseProxyBackward(SparseBackward):
             s_qp_all = storage.s_qp.get_tensor(l_rows.outer, swizzle=l_rows.inner)
             s_ds = storage.s_ds.get_tensor(l_p.outer, swizzle=l_p.inner)
             s_dq = storage.s_dq.get_tensor(l_dq)
+            l_ri, l_rf = self._row_tables()
+            s_ri = storage.s_ri.get_tensor(l_ri)
+            s_rf = storage.s_rf.get_tensor(l_rf)
             self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx)
             self.load_block(gcopy, k_proxy[b, None, pkh, None], s_kp, t0, seqlen, tidx)
 
@@ -102,19 +120,21 @@ class SparseProxyBackward(SparseBackward):
             acc_dkp.fill(0.0)
             scale_log2 = scale * _LOG2E
             rows_per_thread = cute.size(s_mn, mode=[0])
+            query_srcs = (lse_proxy[b, p, None], kl_grad[b, p, None])
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
             n_steps = n_tiles * self.group  # (tile, head) steps: step = tile * G + g
-            self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, 0, tidx)
+            self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, lse, query_srcs, b, p, entry_query,
+                             start, n_entries, 0, tidx)
             for step in cutlass.range(n_steps, unroll=1):
                 tile = step // self.group
                 g = step - tile * self.group
-                e0 = start + tile * self.tile_queries
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                tb = tile % self.stages
                 s_q = s_q_all[None, None, step % self.stages]
                 if step + 1 < n_steps:
-                    self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries,
-                                     step + 1, tidx)
+                    self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, lse, query_srcs, b, p,
+                                     entry_query, start, n_entries, step + 1, tidx)
                 else:
                     cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)
@@ -124,23 +144,20 @@ class SparseProxyBackward(SparseBackward):
                 # tau_sum += P_g on the causal keys of each query (rows past n_q: nothing).
                 if g == 0:
                     tau.fill(0.0)
-                self.accumulate_tau(mma_s, thr_s, acc_s, s_mn, tau_mn, coord_s, s_q, s_k, lse, b, p * self.group + g,
-                                    entry_query, e0, n_q, t0, scale_log2, tidx)
+                self.accumulate_tau(mma_s, thr_s, acc_s, s_mn, tau_mn, coord_s, s_q, s_k, s_ri, s_rf, tb,
+                                    step % self.stages, t0, scale_log2, tidx)
 
+                # This thread's dq_p row (read before the barrier below: the next gathers may overwrite it).
+                i_row = s_ri[tidx % self.tile_m, tb, QUERY]
                 if g == self.group - 1:
                     # dS_p = (pi - tau) * kl_grad on the tile's distinct queries.
-                    s_qp = s_qp_all[None, None, tile % self.stages]
+                    s_qp = s_qp_all[None, None, tb]
                     self.gemm(mma_s, thr_s, acc_s, s_qp, s_kp, tidx, False, False)
                     for r in cutlass.range_constexpr(rows_per_thread):
                         qi = coord_s[r, 0][0]
-                        lsep2 = cutlass.Float32(0.0)
-                        cg = cutlass.Float32(0.0)
-                        key_limit = -1
-                        if qi < n_q:
-                            i = entry_query[e0 + qi]
-                            lsep2 = lse_proxy[b, p, i] * _LOG2E
-                            cg = kl_grad[b, p, i]
-                            key_limit = i - t0
+                        lsep2 = s_rf[qi, tb, LSE_P] * _LOG2E
+                        cg = s_rf[qi, tb, KL_GRAD]
+                        key_limit = s_ri[qi, tb, QUERY] - t0  # the query is -1 past n_q: no key
                         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                             pi = cutlass.Float32(0.0)
                             if coord_s[0, c][1] <= key_limit:
@@ -152,62 +169,93 @@ class SparseProxyBackward(SparseBackward):
                     cute.arch.sync_threads()
 
                     # dq_p = scale * dS_p K_p (this CTA's keys), dk_p += dS_p^T Q_p.
-                    self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_kp), tidx, False, True)
-                    self.stage_rows(s_dq, dq_mn, coord_dq, scale)
+                    self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_kp), tidx, False, True, wait=False)
                     self.gemm(mma_kv, thr_kv, acc_dkp, transposed(s_ds), transposed(s_qp), tidx, True, True,
-                              accumulate=True)
+                              accumulate=True, wait=False)
+                    self.wait_products(1)
+                    self.stage_rows(s_dq, dq_mn, coord_dq, scale)  # while dk_p finishes
+                    self.wait_products(0)
                 # The next steps' gathers and dS_p stores overwrite what this step read; s_dq is whole.
                 cute.arch.sync_threads()
                 if g == self.group - 1:
                     if tidx < self.tile_m:
                         if tidx < n_q:
-                            self.reduce_row(dqp_acc[b, entry_query[e0 + tidx], p, None], s_dq, tidx)
+                            self.reduce_row(dqp_acc[b, i_row, p, None], s_dq, tidx)
                         cute.arch.cp_async_bulk_commit_group()
 
             self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
             self.wait_rows_done(tidx)
 
     @cute.jit
-    def accumulate_tau(self, mma_s, thr_s, acc_s, s_mn, tau_mn, coord_s, s_q, s_k, lse, b, h, entry_query, e0, n_q, t0,
+    def accumulate_tau(self, mma_s, thr_s, acc_s, s_mn, tau_mn, coord_s, s_q, s_k, s_ri, s_rf, tb, sb, t0,
                        scale_log2, tidx):
-        """tau_sum += exp(s_h - lse_h) over the tile's queries and this CTA's keys (causal; rows past n_q: 0)."""
+        """tau_sum += exp(s_g - lse_g) over the tile's queries and this CTA's keys (causal; rows past n_q, whose
+        staged query is -1: nothing). The queries and lse_g come from the staged row tables."""
         self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             qi = coord_s[r, 0][0]
-            lse2 = cutlass.Float32(0.0)
-            key_limit = -1
-            if qi < n_q:
-                i = entry_query[e0 + qi]
-                lse2 = lse[b, h, i] * _LOG2E
-                key_limit = i - t0
+            lse2 = s_rf[qi, sb, LSE_G] * _LOG2E
+            key_limit = s_ri[qi, tb, QUERY] - t0
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 if coord_s[0, c][1] <= key_limit:
                     tau_mn[r, c] += cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
 
     @cute.jit
-    def gather_step(self, gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, step, tidx):
+    def stage_query(self, word_f, word_i, s_ri, s_rf, query_srcs, qi, tb, i, e):
+        """The tile's per-query scalars beyond the query itself (tile buffer tb): lse_p and kl_grad of query i."""
+        copy_word(word_f, query_srcs[0], i, s_rf, qi, tb, LSE_P)
+        copy_word(word_f, query_srcs[1], i, s_rf, qi, tb, KL_GRAD)
+
+    @cute.jit
+    def clear_query(self, s_ri, s_rf, qi, tb):
+        """A row past the tile's queries: no key is visible (query -1) and its scalars are zero."""
+        s_ri[qi, tb, QUERY] = -1
+        s_rf[qi, tb, LSE_P] = 0.0
+        s_rf[qi, tb, KL_GRAD] = 0.0
+
+    @cute.jit
+    def gather_step(self, gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, lse, query_srcs, b, p, entry_query,
+                    start, n_entries, step, tidx):
         """cp.async, as one group, row r <- q[b, i_r, p*G + g] (i_r = entry_query[e0 + r]) for step = tile*G + g into
         q buffer step % stages and, at g = 0, row r <- q_proxy[b, i_r, p] into proxy buffer tile % stages. Rows past
-        the tile's queries are zero-filled."""
+        the tile's queries are zero-filled. The first thread of each row stages the row's scalars with the same
+        group: at g = 0 the query (a plain store, read by the later heads' gathers after this step's barrier) and
+        the query's scalars (stage_query), at every step lse_g[i_r]."""
         tile = step // self.group
         g = step - tile * self.group
         e0 = start + tile * self.tile_queries
         n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+        tb = tile % self.stages
+        sb = step % self.stages
+        word_f, word_i = cp_async_word(cutlass.Float32), cp_async_word(cutlass.Int32)
+        lse_g = lse[b, p * self.group + g, None]
         thr = gcopy.get_slice(tidx)
         t_c = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        t_sq = thr.partition_D(s_q_all[None, None, step % self.stages])
-        t_sqp = thr.partition_D(s_qp_all[None, None, tile % self.stages])
+        t_sq = thr.partition_D(s_q_all[None, None, sb])
+        t_sqp = thr.partition_D(s_qp_all[None, None, tb])
         for m in cutlass.range_constexpr(cute.size(t_sq, mode=[1])):
             qi = t_c[0, m, 0][0]
+            lead = t_c[0, m, 0][1] == 0
             if qi < n_q:
-                i = entry_query[e0 + qi]
+                i = s_ri[qi, tb, QUERY]
+                if g == 0:
+                    i = entry_query[e0 + qi]
                 copy_row(gcopy, self.dtype, q[b, i, p * self.group + g, None], t_sq, t_c, m)
+                if lead:
+                    copy_word(word_f, lse_g, i, s_rf, qi, sb, LSE_G)
                 if g == 0:
                     copy_row(gcopy, self.dtype, q_proxy[b, i, p, None], t_sqp, t_c, m)
+                    if lead:
+                        s_ri[qi, tb, QUERY] = i
+                        self.stage_query(word_f, word_i, s_ri, s_rf, query_srcs, qi, tb, i, e0 + qi)
             else:
                 t_sq[None, m, None].fill(0)
+                if lead:
+                    s_rf[qi, sb, LSE_G] = 0.0
                 if g == 0:
                     t_sqp[None, m, None].fill(0)
+                    if lead:
+                        self.clear_query(s_ri, s_rf, qi, tb)
         cute.arch.cp_async_commit_group()
 
 

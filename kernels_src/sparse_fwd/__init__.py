@@ -47,10 +47,12 @@ class Config:
         return variant_name(op, dataclasses.asdict(self), arch)
 
     def smem_bytes(self) -> int:
-        """Staged sQ, sK, sV: 128-row tiles, each 1024-aligned (128B-swizzle atoms). Mirrors SharedStorage."""
+        """Staged sQ, sK, sV: 128-row tiles, each 1024-aligned (128B-swizzle atoms), and the staged row table.
+        Mirrors SharedStorage."""
         e = _ELEM_BYTES[self.dtype]
         kv = _align(self.block_size * self.head_dim * e, 1024)
-        return _align(self.stages * self.tile_m * self.head_dim * e, 1024) + 2 * kv
+        rows = _align(self.tile_m * self.stages * 2 * 4, 1024)  # the row table: query, destination
+        return _align(self.stages * self.tile_m * self.head_dim * e, 1024) + 2 * kv + rows
 
 
 def _align(x: int, a: int) -> int:

@@ -18,14 +18,19 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from kernels_src.sparse_bwd_proxy.kernel import SparseProxyBackward
+from kernels_src.sparse_bwd_proxy.kernel import QUERY, SparseProxyBackward
 from kernels_src.spec import Compiled
-from kernels_src.tiles import compile_tile_kernel
+from kernels_src.tiles import compile_tile_kernel, copy_word
+
+DEST = 1  # the entry's destination row of kl_part, beside the query in the staged int table
 
 _LOG2E = math.log2(math.e)
 
 
 class SparseKL(SparseProxyBackward):
+    query_ints = 2  # the query, its entry's destination
+    row_floats = 1  # lse_g
+
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor, lse: cute.Tensor,
@@ -33,6 +38,7 @@ class SparseKL(SparseProxyBackward):
                  hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
+        l_ri, l_rf = self._row_tables()
 
         @cute.struct
         class SharedStorage:
@@ -40,12 +46,16 @@ class SparseKL(SparseProxyBackward):
             s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
             s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
             s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+            s_ri: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, cute.cosize(l_ri)], 1024]
+            s_rf: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_rf)], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_kl(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
                        hp_per_hk, hp_per_hpk, l_kv, l_rows, self._gmem_copy(), SharedStorage).launch(
             grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
-            stream=stream)
+            # Two CTAs per SM (at most 128 registers) beat one larger (NOTES.md). The carveout (a percentage) is
+            # given so that the compile asks no GPU for it; the runtime's launches do not read it.
+            stream=stream, min_blocks_per_mp=2, preferred_smem_carveout=100)
 
     @cute.kernel
     def kernel_kl(self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part,
@@ -69,6 +79,10 @@ class SparseKL(SparseProxyBackward):
             s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
             s_q_all = storage.s_q.get_tensor(l_rows.outer, swizzle=l_rows.inner)
             s_qp_all = storage.s_qp.get_tensor(l_rows.outer, swizzle=l_rows.inner)
+            l_ri, l_rf = self._row_tables()
+            s_ri = storage.s_ri.get_tensor(l_ri)
+            s_rf = storage.s_rf.get_tensor(l_rf)
+            query_srcs = (entry_dest,)
             self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx)
             self.load_block(gcopy, k_proxy[b, None, p // hp_per_hpk, None], s_kp, t0, seqlen, tidx)
 
@@ -86,15 +100,15 @@ class SparseKL(SparseProxyBackward):
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
             n_steps = n_tiles * self.group
-            self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries, 0, tidx)
+            self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, lse, query_srcs, b, p, entry_query,
+                             start, n_entries, 0, tidx)
             for step in cutlass.range(n_steps, unroll=1):
                 tile = step // self.group
                 g = step - tile * self.group
-                e0 = start + tile * self.tile_queries
-                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                tb = tile % self.stages
                 if step + 1 < n_steps:
-                    self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries,
-                                     step + 1, tidx)
+                    self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, lse, query_srcs, b, p,
+                                     entry_query, start, n_entries, step + 1, tidx)
                 else:
                     cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)
@@ -104,18 +118,17 @@ class SparseKL(SparseProxyBackward):
                 if g == 0:
                     tau.fill(0.0)
                 self.accumulate_tau(mma_s, thr_s, acc_s, s_mn, tau_mn, coord_s, s_q_all[None, None, step % self.stages],
-                                    s_k, lse, b, p * self.group + g, entry_query, e0, n_q, t0, scale_log2, tidx)
+                                    s_k, s_ri, s_rf, tb, step % self.stages, t0, scale_log2, tidx)
 
                 if g == self.group - 1:
                     # Per (query, this warp's keys of the slice), in log2 units: A = sum tau (log2 tau - s_p), T =
                     # sum tau, and L = log2-sum-exp2 of s_p, each over the causal keys. No lse_p is needed here:
                     # KL = ln 2 * sum A + lse_p * sum T once the runtime has merged L into lse_p.
-                    self.gemm(mma_s, thr_s, acc_s, s_qp_all[None, None, tile % self.stages], s_kp, tidx, False, False)
+                    self.gemm(mma_s, thr_s, acc_s, s_qp_all[None, None, tb], s_kp, tidx, False, False)
                     for r in cutlass.range_constexpr(rows_per_thread):
                         qi = coord_s[r, 0][0]
-                        key_limit = -1
-                        if qi < n_q:
-                            key_limit = entry_query[e0 + qi] - t0
+                        i_q = s_ri[qi, tb, QUERY]  # -1 past the tile's queries: no key, nothing written
+                        key_limit = i_q - t0
                         row_max = -cutlass.Float32.inf
                         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                             if coord_s[0, c][1] <= key_limit:
@@ -139,18 +152,29 @@ class SparseKL(SparseProxyBackward):
                             sum_exp += cute.arch.shuffle_sync_bfly(sum_exp, offset=2 >> off)
                             a_sum += cute.arch.shuffle_sync_bfly(a_sum, offset=2 >> off)
                             t_sum += cute.arch.shuffle_sync_bfly(t_sum, offset=2 >> off)
-                        if qi < n_q and quad_lane == 0:
+                        if i_q >= 0 and quad_lane == 0:
                             lse2 = -cutlass.Float32.inf
                             if sum_exp > 0.0:
                                 lse2 = row_max + cute.math.log2(sum_exp, fastmath=True)
                             # Warps (4, 2) over (queries, keys), column-major: warp w holds key half w // 4.
-                            dest = cutlass.Int64(entry_dest[e0 + qi])
+                            dest = cutlass.Int64(s_ri[qi, tb, DEST])
                             col = half * 6 + warp_n * 3
                             kl_part[dest, col] = a_sum * (1.0 / self.group)
                             kl_part[dest, col + 1] = t_sum * (1.0 / self.group)
                             kl_part[dest, col + 2] = lse2
                 # The next steps' gathers overwrite what this step read.
                 cute.arch.sync_threads()
+
+    @cute.jit
+    def stage_query(self, word_f, word_i, s_ri, s_rf, query_srcs, qi, tb, i, e):
+        """The tile's per-query scalar beyond the query itself (tile buffer tb): entry e's kl_part row."""
+        copy_word(word_i, query_srcs[0], e, s_ri, qi, tb, DEST)
+
+    @cute.jit
+    def clear_query(self, s_ri, s_rf, qi, tb):
+        """A row past the tile's queries: no key is visible (query -1); it writes nothing."""
+        s_ri[qi, tb, QUERY] = -1
+        s_ri[qi, tb, DEST] = 0
 
 
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
