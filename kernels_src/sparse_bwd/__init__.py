@@ -73,8 +73,11 @@ def tile_configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else DTYPES
     ds = tuple(head_dims) if head_dims else (128,)
     bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g) for dt in dts for d in ds for bs in bss
-            for g in GROUPS]
+    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, stages=st) for dt in dts for d in ds
+            for bs in bss for g in GROUPS for st in STAGES]
+
+
+STAGES = (2, 3)  # gathered q / dO buffers built (stages - 1 tiles or steps in flight ahead of the one computed)
 
 
 MMAS = ("sync", "wgmma")
@@ -117,8 +120,8 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
         return False, f"head_dim {c.head_dim}, block_size {c.block_size}: supported 128, 128"
     if c.group not in GROUPS:
         return False, f"group {c.group} not supported; supported: {GROUPS}"
-    if c.tile_m != 64 or c.tile_n not in (64, 128) or c.threads != 256 or c.stages not in (1, 2):
-        return False, "tile_m 64, tile_n 64 or 128, threads 256, stages 1 or 2 only"
+    if c.tile_m != 64 or c.tile_n not in (64, 128) or c.threads != 256 or c.stages not in (1, 2, 3):
+        return False, "tile_m 64, tile_n 64 or 128, threads 256, stages 1, 2 or 3 only"
     if c.smem_bytes() > _MAX_SMEM[arch]:
         return False, f"needs {c.smem_bytes()} bytes of shared memory, {arch} allows {_MAX_SMEM[arch]}"
     return True, ""

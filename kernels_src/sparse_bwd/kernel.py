@@ -181,18 +181,23 @@ class SparseBackward:
             scale_log2 = scale * _LOG2E
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
-            self.gather_tile(gcopy, q, dout, s_q_all, s_do_all, s_ri, s_rf, lse, delta, b, p, entry_query, start,
-                             n_entries, 0, tidx)
+            ahead = self.stages - 1  # tiles gathered ahead of the one computed (empty groups past the last)
+            for t in cutlass.range_constexpr(ahead):
+                if t < n_tiles:
+                    self.gather_tile(gcopy, q, dout, s_q_all, s_do_all, s_ri, s_rf, lse, delta, b, p, entry_query,
+                                     start, n_entries, t, tidx)
+                else:
+                    cute.arch.cp_async_commit_group()
             for tile in cutlass.range(n_tiles, unroll=1):
                 buf = tile % self.stages
                 s_q = s_q_all[None, None, buf]
                 s_do = s_do_all[None, None, buf]
-                if tile + 1 < n_tiles:
+                if tile + ahead < n_tiles:
                     self.gather_tile(gcopy, q, dout, s_q_all, s_do_all, s_ri, s_rf, lse, delta, b, p, entry_query,
-                                     start, n_entries, tile + 1, tidx)
+                                     start, n_entries, tile + ahead, tidx)
                 else:
                     cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(1)
+                cute.arch.cp_async_wait_group(ahead)
                 self.publish_async_copies()
                 cute.arch.sync_threads()
 

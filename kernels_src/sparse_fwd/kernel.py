@@ -3,8 +3,8 @@
 One CTA per work item (flash_msa_rt.ops.sparse_plan): key block j of (b, p) and up to a few tiles of the queries
 that selected it. Per item:
   1. cp.async loads the block's K and V (kv head p // (Hp/Hk)) once;
-  2. per tile of 128 rows, row r = (query r // G, head p*G + r % G), cp.async gathers the rows of q (double
-     buffered: the next tile's gather overlaps this tile's math);
+  2. per tile of 128 rows, row r = (query r // G, head p*G + r % G), cp.async gathers the rows of q (stages
+     buffers: the next stages - 1 tiles' gathers are in flight during this tile's math);
   3. 8 warps x 16 rows, ldmatrix + mma.sync 16x8x16: S = Q K^T over the block's 128 keys, causal mask t > i;
   4. the block's own softmax (one block, so no online rescaling), O_slot = P V / l and lse_slot, written at the
      entry's destination row for the combine kernel's logsumexp merge.
@@ -133,17 +133,23 @@ class SparseAttention:
             scale_log2 = scale * _LOG2E
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
-            self.gather_tile(gcopy, q, s_q_all, s_ri, b, p, entry_query, entry_dest, start, n_entries, 0, tidx)
+            # stages - 1 tiles in flight ahead of the one computed; an empty group past the last tile keeps the
+            # group count that cp_async_wait_group relies on.
+            ahead = self.stages - 1
+            for t in cutlass.range_constexpr(ahead):
+                if t < n_tiles:
+                    self.gather_tile(gcopy, q, s_q_all, s_ri, b, p, entry_query, entry_dest, start, n_entries, t, tidx)
+                else:
+                    cute.arch.cp_async_commit_group()
             for tile in cutlass.range(n_tiles, unroll=1):
                 buf = tile % self.stages
                 s_q = s_q_all[None, None, buf]
-                # Prefetch tile + 1 into the other buffer (an empty group past the last tile keeps the count).
-                if tile + 1 < n_tiles:
+                if tile + ahead < n_tiles:
                     self.gather_tile(gcopy, q, s_q_all, s_ri, b, p, entry_query, entry_dest, start, n_entries,
-                                     tile + 1, tidx)
+                                     tile + ahead, tidx)
                 else:
                     cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(1)
+                cute.arch.cp_async_wait_group(ahead)
                 self.publish_async_copies()
                 cute.arch.sync_threads()
 
@@ -169,7 +175,7 @@ class SparseAttention:
                             lse_part[dest, g] = lse_rows[r]
                         for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                             o_part[dest, g, coord_o[0, c][1]] = (acc_o_mn[r, c] * inv_l[r]).to(self.dtype)
-                # Every warp is past its reads of this buffer before the gather of tile + 2 overwrites it.
+                # Every warp is past its reads of this buffer before the gather of tile + stages overwrites it.
                 cute.arch.sync_threads()
 
     # ------------------------------------------------------------------ device side: shared pieces

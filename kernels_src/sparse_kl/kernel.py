@@ -100,18 +100,23 @@ class SparseKL(SparseProxyBackward):
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
             n_steps = n_tiles * self.group
-            self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, lse, query_srcs, b, p, entry_query,
-                             start, n_entries, 0, tidx)
+            ahead = self.stages - 1  # steps gathered ahead, as the proxy backward
+            for t in cutlass.range_constexpr(ahead):
+                if t < n_steps:
+                    self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, lse, query_srcs, b, p,
+                                     entry_query, start, n_entries, t, tidx)
+                else:
+                    cute.arch.cp_async_commit_group()
             for step in cutlass.range(n_steps, unroll=1):
                 tile = step // self.group
                 g = step - tile * self.group
                 tb = tile % self.stages
-                if step + 1 < n_steps:
+                if step + ahead < n_steps:
                     self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, lse, query_srcs, b, p,
-                                     entry_query, start, n_entries, step + 1, tidx)
+                                     entry_query, start, n_entries, step + ahead, tidx)
                 else:
                     cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(1)
+                cute.arch.cp_async_wait_group(ahead)
                 self.publish_async_copies()
                 cute.arch.sync_threads()
 
