@@ -1,9 +1,7 @@
-"""Tiles per work item and gathered-tile stages, swept per sparse kernel. Tiles per item is a runtime plan
-parameter (no rebuild): a larger item loads its key block once for more tiles (and keeps dk / dv in registers longer
-in the backward) but makes fewer, longer CTAs whose tail is a larger share of the grid. Stages is a build choice
-(kernels_src STAGES; both built): stages - 1 tiles' gathers in flight ahead of the one computed.
-Usage: python benchmarks/sweep_items.py [config a|b|c] [S] [--tiles 2,4,..] [--stages 2,3] [--out FILE]
-(B*S = 128K tokens).
+"""Tiles per work item, swept per sparse kernel (a runtime plan parameter: no rebuild). A larger item loads its key
+block once for more tiles (and keeps dk / dv in registers longer in the backward) but makes fewer, longer CTAs whose
+tail is a larger share of the grid.
+Usage: python benchmarks/sweep_items.py [config a|b|c] [S] [--out FILE] (B*S = 128K tokens).
 """
 
 from __future__ import annotations
@@ -33,8 +31,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default="b")
     ap.add_argument("S", nargs="?", type=int, default=65536)
-    ap.add_argument("--tiles", default=",".join(map(str, SWEEP)), help="tiles per item (the shipped T is added)")
-    ap.add_argument("--stages", default=None, help="gathered-tile stages (default: each family's shipped one)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     x = random_problem(a.config, a.S)
@@ -53,26 +49,24 @@ def main(argv=None):
     o_part = torch.empty((E, G, D), dtype=q.dtype, device=dev)
     lse_part = torch.empty((E, G), dtype=f32, device=dev)
     kl_part = torch.empty((E, 3 * kl_groups(128)), dtype=f32, device=dev)
-    def kernel(op, stages):
-        mma = sf.device_mma(dev, op)
-        if op == "sparse_fwd":
-            return get_kernel(op, sf.kernel_config("bf16", D, 128, G, mma, stages=stages), dev)
-        if op == "sparse_kl":
-            return get_kernel(op, sf.kl_config("bf16", D, 128, G, mma, stages=stages), dev)
-        return get_kernel(op, sb.kernel_config("bf16", D, 128, G, mma, stages=stages, op=op), dev)
+    k_fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_fwd")), dev)
+    k_kl = get_kernel("sparse_kl", sf.kl_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_kl")), dev)
+    k_bwd = get_kernel("sparse_bwd", sb.kernel_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_bwd")), dev)
+    k_prox = get_kernel("sparse_bwd_proxy", sb.kernel_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_bwd_proxy")),
+                        dev)
 
-    def fwd(k_fwd, plan):
+    def fwd(plan):
         k_fwd(q=q, k=k, v=v, o_part=o_part, lse_part=lse_part, scale=scale, hp=Hp, hp_per_hk=Hp // Hk,
               entry_query=plan.entry_query, entry_dest=plan.entry_dest, items=plan.items)
 
-    def kl(k_kl, plan):
+    def kl(plan):
         k_kl(lse=lse, kl_part=kl_part, **sf._kl_args(qp, kp, q, k, plan, scale))
 
-    def bwd(k_bwd, plan):
+    def bwd(plan):
         k_bwd(q=q, k=k, v=v, dout=go, lse=lse, delta=delta, entry_query=plan.entry_query, items=plan.items,
               dq_acc=dq, dk_acc=dk, dv_acc=dv, scale=scale, hp=Hp, hp_per_hk=Hp // Hk)
 
-    def prox(k_prox, plan):
+    def prox(plan):
         k_prox(q=q, k=k, q_proxy=qp, k_proxy=kp, entry_query=plan.entry_query, items=plan.items, lse=lse,
                lse_proxy=lse_p, kl_grad=klg, dqp_acc=dqp, dkp_acc=dkp, scale=scale, hp_per_hk=Hp // Hk,
                hp_per_hpk=Hp // Hpk)
@@ -84,18 +78,15 @@ def main(argv=None):
                ("sparse_bwd_proxy", prox, sb.TILE_M, sf.per_group_tiles(sb.PROXY_MAIN_TILES_PER_ITEM, G)))
     result = {"commit": commit(), "device": torch.cuda.get_device_name(), "config": a.config, "B": B, "S": S,
               "G": G, "rows": []}
-    print(f"config ({a.config}) B={B} S={S} G={G}: kernel ms by tiles per item (plan T; * = shipped) and stages")
-    tiles = [int(t) for t in a.tiles.split(",")]
+    print(f"config ({a.config}) B={B} S={S} G={G}: kernel ms by tiles per item (plan T; * = shipped)")
     for name, launch, tq, shipped in kernels:
-        for st in ([int(x) for x in a.stages.split(",")] if a.stages else [sf.family_stages(name)]):
-            cells, k_op = [], kernel(name, st)
-            for T in sorted(set(tiles) | {shipped}):
-                plan = sparse_plan(sel, 128, S, G, tq, T)
-                ms = cuda_time_ms(lambda plan=plan: launch(k_op, plan), warmup=1, reps=3)
-                result["rows"].append({"kernel": name, "stages": st, "tiles_per_item": T, "ms": ms,
-                                       "shipped": T == shipped and st == sf.family_stages(name)})
-                cells.append(f"T={T}{'*' if T == shipped else ''}: {ms:.2f}")
-            print(f"  {name:18s} stages={st} " + "  ".join(cells), flush=True)
+        cells = []
+        for T in sorted(set(SWEEP) | {shipped}):
+            plan = sparse_plan(sel, 128, S, G, tq, T)
+            ms = cuda_time_ms(lambda plan=plan: launch(plan), warmup=1, reps=3)
+            result["rows"].append({"kernel": name, "tiles_per_item": T, "ms": ms, "shipped": T == shipped})
+            cells.append(f"T={T}{'*' if T == shipped else ''}: {ms:.2f}")
+        print(f"  {name:18s} " + "  ".join(cells), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -27,11 +27,11 @@ PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all
 
 
 def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
-                  tile_n: int = 64, stages: int | None = None, op: str = "sparse_bwd") -> dict:
+                  tile_n: int = 64) -> dict:
     """Both backward kernels split a key block over block_size // tile_n CTAs (64 keys each); mma: "sync" or
-    "wgmma" (sparse_fwd.family_mma); stages: sparse_fwd.family_stages(op) unless given."""
+    "wgmma" (sparse_fwd.family_mma)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
-            "tile_n": tile_n, "threads": 256, "stages": stages or sparse_fwd.family_stages(op), "mma": mma}
+            "tile_n": tile_n, "threads": 256, "stages": 2, "mma": mma}
 
 
 def delta_config(dtype: str, head_dim: int) -> dict:
@@ -40,7 +40,7 @@ def delta_config(dtype: str, head_dim: int) -> dict:
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
              arch: str = "sm90a") -> list[tuple[str, dict]]:
-    return [(op, kernel_config(dtype, head_dim, block_size, group, sparse_fwd.family_mma(arch, op), op=op))
+    return [(op, kernel_config(dtype, head_dim, block_size, group, sparse_fwd.family_mma(arch, op)))
             for op in ("sparse_bwd", "sparse_bwd_proxy")] + [("bwd_delta", delta_config(dtype, head_dim))]
 
 
@@ -89,8 +89,7 @@ def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, b
     dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
     kernel = get_kernel("sparse_bwd_proxy", kernel_config(sparse_fwd.DTYPES[q.dtype], D, block_size, G,
-                                                          sparse_fwd.device_mma(dev, "sparse_bwd_proxy"),
-                                                          op="sparse_bwd_proxy"), dev)
+                                                          sparse_fwd.device_mma(dev, "sparse_bwd_proxy")), dev)
     lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
     K = block_indices.shape[3]
     # Queries in chunks of at most PLAN_ENTRIES (b, p, i, slot) entries: warmup's all-causal selection has

@@ -34,21 +34,11 @@ KL_MAIN_TILES_PER_ITEM = 64  # KL items: ~64 // G tiles of 64 queries x G heads,
 PARTIALS_BUDGET = 1 << 30  # the least bytes of per-slot partials one forward chunk may hold (partials_budget)
 
 
-def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
-                  stages: int | None = None) -> dict:
+def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
     """The variant launched for a problem; fields in the order the build names them.
-    mma: family_mma(arch, "sparse_fwd"); stages: family_stages("sparse_fwd") unless given."""
+    mma: family_mma(arch, "sparse_fwd")."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
-            "threads": 256, "stages": stages or family_stages("sparse_fwd"), "mma": mma}
-
-
-# Gathered tile buffers per family (stages - 1 tiles or steps in flight ahead of the one computed).
-STAGES = {"sparse_fwd": 2, "sparse_kl": 2, "sparse_bwd": 2, "sparse_bwd_proxy": 2}
-FORCE_STAGES: int | None = None  # benchmarks: every family on this many stages instead
-
-
-def family_stages(op: str) -> int:
-    return FORCE_STAGES or STAGES[op]
+            "threads": 256, "stages": 2, "mma": mma}
 
 
 # The MMA each family runs on sm90a, by measurement ((b) S = 64K B = 2, kernels_src/sparse_fwd/NOTES.md): wgmma
@@ -91,11 +81,10 @@ def combine_config(dtype: str, head_dim: int, block_size: int, group: int) -> di
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "threads": 256}
 
 
-def kl_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
-              stages: int | None = None) -> dict:
+def kl_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
     """The KL pass runs on the proxy backward's tiles (64 distinct queries, 64 keys per CTA)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": KL_TILE,
-            "tile_n": 64, "threads": 256, "stages": stages or family_stages("sparse_kl"), "mma": mma}
+            "tile_n": 64, "threads": 256, "stages": 2, "mma": mma}
 
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,

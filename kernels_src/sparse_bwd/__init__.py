@@ -44,25 +44,18 @@ class Config:
         return variant_name(OP, dataclasses.asdict(self), arch)
 
     def smem_bytes(self) -> int:
-        """sK, sV; staged sQ, sdO; sP^T and sdS^T (keys x rows); the fp32 dQ staging rows (padded); the row
-        scalars (query; lse, delta). Mirrors SharedStorage (1024-aligned)."""
+        """sK, sV; staged sQ, sdO; sP^T and sdS^T (keys x rows); the fp32 dQ staging rows (padded). Mirrors
+        SharedStorage (1024-aligned)."""
         e = _ELEM_BYTES[self.dtype]
         kv = 2 * _align(self.tile_n * self.head_dim * e, 1024)
         rows = 2 * _align(self.stages * self.tile_m * self.head_dim * e, 1024)
         p_ds = 2 * _align(self.tile_n * self.tile_m * e, 1024)
-        return kv + rows + p_ds + dq_staging_bytes(self) + row_table_bytes(self, ints=1, floats=2)
+        return kv + rows + p_ds + dq_staging_bytes(self)
 
 
 def dq_staging_bytes(config) -> int:
     """fp32 rows of head_dim + DQ_ROW_PAD floats, one per tile row, for the bulk reductions."""
     return _align(config.tile_m * (config.head_dim + DQ_ROW_PAD) * 4, 1024)
-
-
-def row_table_bytes(config, ints: int, floats: int) -> int:
-    """The staged row-scalar tables (tiles.row_table): ints and floats 4-byte fields per (row, stage), each
-    table 1024-aligned like the tiles around it."""
-    return (_align(config.tile_m * config.stages * ints * 4, 1024)
-            + _align(config.tile_m * config.stages * floats * 4, 1024))
 
 
 def _align(x: int, a: int) -> int:
@@ -73,11 +66,8 @@ def tile_configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else DTYPES
     ds = tuple(head_dims) if head_dims else (128,)
     bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, stages=st) for dt in dts for d in ds
-            for bs in bss for g in GROUPS for st in STAGES]
-
-
-STAGES = (2, 3)  # gathered q / dO buffers built (stages - 1 tiles or steps in flight ahead of the one computed)
+    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g) for dt in dts for d in ds for bs in bss
+            for g in GROUPS]
 
 
 MMAS = ("sync", "wgmma")
@@ -120,8 +110,8 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
         return False, f"head_dim {c.head_dim}, block_size {c.block_size}: supported 128, 128"
     if c.group not in GROUPS:
         return False, f"group {c.group} not supported; supported: {GROUPS}"
-    if c.tile_m != 64 or c.tile_n not in (64, 128) or c.threads != 256 or c.stages not in (1, 2, 3):
-        return False, "tile_m 64, tile_n 64 or 128, threads 256, stages 1, 2 or 3 only"
+    if c.tile_m != 64 or c.tile_n not in (64, 128) or c.threads != 256 or c.stages not in (1, 2):
+        return False, "tile_m 64, tile_n 64 or 128, threads 256, stages 1 or 2 only"
     if c.smem_bytes() > _MAX_SMEM[arch]:
         return False, f"needs {c.smem_bytes()} bytes of shared memory, {arch} allows {_MAX_SMEM[arch]}"
     return True, ""

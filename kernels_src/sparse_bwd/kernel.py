@@ -11,10 +11,6 @@ Two CTAs per work item (key block j of (b, p) and the queries that chose it), ea
   - at the item's end dV and scale * dK go to the fp32 dk / dv accumulators with vector atomics.
 Transposed operands are transposed views of the same swizzled tiles, read with ldmatrix.trans.
 Rows of queries past the tile's count are zero-filled so that they add exactly nothing.
-Each row's query, lse and delta travel with the tile's gather into a small shared table (tiles.copy_word), so
-the exponentials after S and dP read shared memory instead of waiting on two dependent global loads; on wgmma
-the independent products of a phase are issued together and waited for once (P is formed while dP finishes,
-dQ is staged while dV and dK finish).
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -29,20 +25,14 @@ from cutlass.cute.nvgpu import warp
 from kernels_src.atomics import bulk_reduce_add_f32, red_add_v2
 from kernels_src.sparse_bwd import DQ_ROW_PAD
 from kernels_src.spec import Compiled
-from kernels_src.tiles import (acc_rows_cols, compile_tile_kernel, copy_row, copy_word, cp_async_rows, cp_async_word,
-                               row_table, smem_tile, transposed, warp_mma)
+from kernels_src.tiles import (acc_rows_cols, compile_tile_kernel, copy_row, cp_async_rows, smem_tile, transposed,
+                               warp_mma)
 
 _DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
 _LOG2E = math.log2(math.e)
-# The staged row tables of a tile (tiles.row_table, rows = the tile's (query, head) rows): ints [query],
-# floats [lse, delta].
-ROW_QUERY, ROW_LSE, ROW_DELTA = 0, 0, 1
 
 
 class SparseBackward:
-    query_ints = 1
-    row_floats = 2
-
     def __init__(self, config):
         self.cfg = config
         self.dtype = _DTYPES[config.dtype]
@@ -87,14 +77,10 @@ class SparseBackward:
         proxy."""
         pass
 
-    def _row_tables(self):
-        return (row_table(self.tile_m, self.stages, self.query_ints),
-                row_table(self.tile_m, self.stages, self.row_floats))
-
     @cute.jit
     def wait_products(self, pending: cutlass.Constexpr):
-        """Until at most `pending` of the products issued with wait=False are in flight: nothing for mma.sync
-        (synchronous); the wgmma subclasses wait on their commit groups."""
+        """Until at most `pending` of the products issued with gemm(wait=False) are in flight: nothing for
+        mma.sync (synchronous); the wgmma subclasses wait on their commit groups."""
         pass
 
     def _dq_layout(self):
@@ -109,7 +95,6 @@ class SparseBackward:
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
         l_p = self._smem_layout((self.tile_m, self.tile_n))
         l_dq = self._dq_layout()
-        l_ri, l_rf = self._row_tables()
 
         @cute.struct
         class SharedStorage:
@@ -120,8 +105,6 @@ class SparseBackward:
             s_p: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
             s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
             s_dq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_dq)], 1024]
-            s_ri: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, cute.cosize(l_ri)], 1024]
-            s_rf: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_rf)], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, scale, hp, hp_per_hk,
@@ -156,9 +139,6 @@ class SparseBackward:
             s_p = storage.s_p.get_tensor(l_p.outer, swizzle=l_p.inner)
             s_ds = storage.s_ds.get_tensor(l_p.outer, swizzle=l_p.inner)
             s_dq = storage.s_dq.get_tensor(l_dq)
-            l_ri, l_rf = self._row_tables()
-            s_ri = storage.s_ri.get_tensor(l_ri)
-            s_rf = storage.s_rf.get_tensor(l_rf)
 
             self.load_block(gcopy, k[b, None, kvh, None], s_k, t0, seqlen, tidx)
             self.load_block(gcopy, v[b, None, kvh, None], s_v, t0, seqlen, tidx)
@@ -181,67 +161,62 @@ class SparseBackward:
             scale_log2 = scale * _LOG2E
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
-            ahead = self.stages - 1  # tiles gathered ahead of the one computed (empty groups past the last)
-            for t in cutlass.range_constexpr(ahead):
-                if t < n_tiles:
-                    self.gather_tile(gcopy, q, dout, s_q_all, s_do_all, s_ri, s_rf, lse, delta, b, p, entry_query,
-                                     start, n_entries, t, tidx)
-                else:
-                    cute.arch.cp_async_commit_group()
+            self.gather_tile(gcopy, q, dout, s_q_all, s_do_all, b, p, entry_query, start, n_entries, 0, tidx)
             for tile in cutlass.range(n_tiles, unroll=1):
-                buf = tile % self.stages
-                s_q = s_q_all[None, None, buf]
-                s_do = s_do_all[None, None, buf]
-                if tile + ahead < n_tiles:
-                    self.gather_tile(gcopy, q, dout, s_q_all, s_do_all, s_ri, s_rf, lse, delta, b, p, entry_query,
-                                     start, n_entries, tile + ahead, tidx)
+                e0 = start + tile * self.tile_queries
+                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                s_q = s_q_all[None, None, tile % self.stages]
+                s_do = s_do_all[None, None, tile % self.stages]
+                if tile + 1 < n_tiles:
+                    self.gather_tile(gcopy, q, dout, s_q_all, s_do_all, b, p, entry_query, start, n_entries,
+                                     tile + 1, tidx)
                 else:
                     cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(ahead)
+                cute.arch.cp_async_wait_group(1)
                 self.publish_async_copies()
                 cute.arch.sync_threads()
 
-                # S = Q K^T -> P while dP = dO V^T finishes, then dS = P (dP - delta). Rows past n_q (staged query
-                # -1, lse and delta 0): P = dS = 0.
-                self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False, wait=False)
-                self.gemm(mma_s, thr_s, acc_dp, s_do, s_v, tidx, False, False, wait=False)
-                i_row = s_ri[tidx % self.tile_m, buf, ROW_QUERY]  # this thread's dq row, read before the barriers
-                self.wait_products(1)
+                # S = Q K^T -> P; dP = dO V^T -> dS = P (dP - delta). Rows past n_q: P = dS = 0.
+                self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False)
+                self.gemm(mma_s, thr_s, acc_dp, s_do, s_v, tidx, False, False)
                 for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
                     row = coord_s[r, 0][0]
-                    lse2 = s_rf[row, buf, ROW_LSE] * _LOG2E
-                    key_limit = s_ri[row, buf, ROW_QUERY] - t0
+                    qi = row // self.group
+                    h = p * self.group + row % self.group
+                    i = t0 + self.tile_n
+                    lse2 = cutlass.Float32(0.0)
+                    dlt = cutlass.Float32(0.0)
+                    key_limit = -1  # nothing visible: the row adds nothing
+                    if qi < n_q:
+                        i = entry_query[e0 + qi]
+                        lse2 = lse[b, h, i] * _LOG2E
+                        dlt = delta[b, h, i]
+                        key_limit = i - t0
                     for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                         pv = cutlass.Float32(0.0)
                         if coord_s[0, c][1] <= key_limit:
                             pv = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
                         s_mn[r, c] = pv
+                        dp_mn[r, c] = pv * (dp_mn[r, c] - dlt)
                         s_p[row, coord_s[0, c][1]] = pv.to(self.dtype)
-                self.wait_products(0)
-                for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                    row = coord_s[r, 0][0]
-                    dlt = s_rf[row, buf, ROW_DELTA]
-                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                        dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - dlt)
                         s_ds[row, coord_s[0, c][1]] = dp_mn[r, c].to(self.dtype)
                 self.wait_rows_read(tidx)  # the previous tile's dq rows left s_dq (before its rewrite below)
                 self.publish_async_copies()  # P and dS, read next by the MMAs
                 cute.arch.sync_threads()
 
-                # dQ = dS K (rows x D), staged while dV += P^T dO and dK += dS^T Q (keys x D, 8 warps on keys) finish.
-                self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_k), tidx, False, True, wait=False)
-                self.gemm(mma_kv, thr_kv, acc_dv, transposed(s_p), transposed(s_do), tidx, True, True, accumulate=True,
-                          wait=False)
+                # dV += P^T dO, dK += dS^T Q (keys x D, 8 warps on keys); dQ = dS K (rows x D).
+                self.gemm(mma_kv, thr_kv, acc_dv, transposed(s_p), transposed(s_do), tidx, True, True, accumulate=True)
                 self.gemm(mma_kv, thr_kv, acc_dk, transposed(s_ds), transposed(s_q), tidx, True, True,
-                          accumulate=True, wait=False)
-                self.wait_products(2)
+                          accumulate=True)
+                self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_k), tidx, False, True)
                 self.stage_rows(s_dq, dq_mn, coord_dq, scale)
-                self.wait_products(0)
                 # The next gather and the next tile's P / dS stores overwrite what this tile read; s_dq is whole.
                 cute.arch.sync_threads()
                 if tidx < self.tile_m:
-                    if i_row >= 0:
-                        self.reduce_row(dq_acc[b, i_row, p * self.group + tidx % self.group, None], s_dq, tidx)
+                    qi = tidx // self.group
+                    if qi < n_q:
+                        self.reduce_row(dq_acc[b, entry_query[e0 + qi], p * self.group + tidx % self.group, None],
+                                        s_dq, tidx)
                     cute.arch.cp_async_bulk_commit_group()
 
             self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[b, None, kvh, None], t0, seqlen, cutlass.Float32(1.0))
@@ -327,40 +302,27 @@ class SparseBackward:
                 t_s[None, m, None].fill(0)
 
     @cute.jit
-    def gather_tile(self, gcopy, q, dout, s_q_all, s_do_all, s_ri, s_rf, lse, delta, b, p, entry_query, start,
-                    n_entries, tile, tidx):
+    def gather_tile(self, gcopy, q, dout, s_q_all, s_do_all, b, p, entry_query, start, n_entries, tile, tidx):
         """cp.async tile row r <- q / dout[b, i, p*G + r % G] with i = entry_query[e0 + r // G], into buffer
-        tile % stages, as one group; rows past the tile's queries are zero-filled. The first thread of each row
-        stages the row's query (a plain store, read after the tile's barrier) and its lse and delta (cp.async in
-        the same group); past the tile's queries: query -1, lse = delta = 0."""
+        tile % stages, as one group; rows past the tile's queries are zero-filled."""
         e0 = start + tile * self.tile_queries
         n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
         buf = tile % self.stages
-        word = cp_async_word(cutlass.Float32)
         thr = gcopy.get_slice(tidx)
         t_c = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
         t_sq = thr.partition_D(s_q_all[None, None, buf])
         t_sdo = thr.partition_D(s_do_all[None, None, buf])
         for m in cutlass.range_constexpr(cute.size(t_sq, mode=[1])):
             row = t_c[0, m, 0][0]
-            lead = t_c[0, m, 0][1] == 0
             qi = row // self.group
             if qi < n_q:
                 i = entry_query[e0 + qi]
                 h = p * self.group + row % self.group
                 copy_row(gcopy, self.dtype, q[b, i, h, None], t_sq, t_c, m)
                 copy_row(gcopy, self.dtype, dout[b, i, h, None], t_sdo, t_c, m)
-                if lead:
-                    s_ri[row, buf, ROW_QUERY] = i
-                    copy_word(word, lse[b, h, None], i, s_rf, row, buf, ROW_LSE)
-                    copy_word(word, delta[b, h, None], i, s_rf, row, buf, ROW_DELTA)
             else:
                 t_sq[None, m, None].fill(0)
                 t_sdo[None, m, None].fill(0)
-                if lead:
-                    s_ri[row, buf, ROW_QUERY] = -1
-                    s_rf[row, buf, ROW_LSE] = 0.0
-                    s_rf[row, buf, ROW_DELTA] = 0.0
         cute.arch.cp_async_commit_group()
 
 

@@ -28,7 +28,14 @@ def smem_bytes(config) -> int:
     keys = 2 * a(config.tile_n * config.head_dim * e, 1024)
     rows = 2 * a(config.stages * config.tile_m * config.head_dim * e, 1024)
     return (keys + rows + a(config.tile_m * config.tile_n * e, 1024) + sparse_bwd.dq_staging_bytes(config)
-            + sparse_bwd.row_table_bytes(config, ints=1, floats=3))
+            + row_table_bytes(config, ints=1, floats=3))
+
+
+def row_table_bytes(config, ints: int, floats: int) -> int:
+    """The staged row-scalar tables (tiles.row_table): ints and floats 4-byte fields per (row, stage), each
+    table 1024-aligned like the tiles around it."""
+    a = sparse_bwd._align
+    return a(config.tile_m * config.stages * ints * 4, 1024) + a(config.tile_m * config.stages * floats * 4, 1024)
 
 
 def can_implement(config, arch: str) -> tuple[bool, str]:

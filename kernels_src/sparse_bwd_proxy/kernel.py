@@ -26,7 +26,7 @@ import cutlass.cute as cute
 
 from kernels_src.sparse_bwd.kernel import SparseBackward
 from kernels_src.spec import Compiled
-from kernels_src.tiles import compile_tile_kernel, copy_row, copy_word, cp_async_word, transposed
+from kernels_src.tiles import compile_tile_kernel, copy_row, copy_word, cp_async_word, row_table, transposed
 
 _LOG2E = math.log2(math.e)
 
@@ -43,6 +43,10 @@ class SparseProxyBackward(SparseBackward):
     def __init__(self, config):
         super().__init__(config)
         self.tile_queries = config.tile_m  # distinct queries per tile (not (query, head) rows)
+
+    def _row_tables(self):
+        return (row_table(self.tile_m, self.stages, self.query_ints),
+                row_table(self.tile_m, self.stages, self.row_floats))
 
 
     @cute.jit

@@ -40,22 +40,17 @@ class Config:
     group: int = 4  # G: heads per proxy head; a tile holds 128 // G queries x G heads
     tile_m: int = 128  # rows per tile
     threads: int = 256  # 8 warps x 16 rows
-    stages: int = 2  # gathered q tile buffers: the next stages - 1 tiles' gathers overlap this tile's math
+    stages: int = 2  # gathered q tile buffers: the next tile's gather overlaps this tile's math
     mma: str = "sync"  # "sync": mma.sync (sm90a, sm100a); "wgmma": warpgroup MMA (sm90a only, kernel wgmma.py)
 
     def variant_name(self, arch: str, op: str = OP) -> str:
         return variant_name(op, dataclasses.asdict(self), arch)
 
     def smem_bytes(self) -> int:
-        """Staged sQ, sK, sV: 128-row tiles, each 1024-aligned (128B-swizzle atoms), and the staged row table.
-        Mirrors SharedStorage."""
+        """Staged sQ, sK, sV: 128-row tiles, each 1024-aligned (128B-swizzle atoms). Mirrors SharedStorage."""
         e = _ELEM_BYTES[self.dtype]
         kv = _align(self.block_size * self.head_dim * e, 1024)
-        rows = _align(self.tile_m * self.stages * 2 * 4, 1024)  # the row table: query, destination
-        return _align(self.stages * self.tile_m * self.head_dim * e, 1024) + 2 * kv + rows
-
-
-STAGES = (2, 3)  # gathered tile buffers built (stages - 1 tiles in flight ahead of the one computed)
+        return _align(self.stages * self.tile_m * self.head_dim * e, 1024) + 2 * kv
 
 
 def _align(x: int, a: int) -> int:
@@ -67,8 +62,8 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else DTYPES
     ds = tuple(head_dims) if head_dims else (128,)
     bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, mma=m, stages=st)
-            for dt in dts for d in ds for bs in bss for g in GROUPS for m in MMAS for st in STAGES]
+    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, mma=m)
+            for dt in dts for d in ds for bs in bss for g in GROUPS for m in MMAS]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
@@ -89,8 +84,8 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
         return False, f"mma {c.mma!r} not supported; supported: {MMAS}"
     if c.mma == "wgmma" and arch != "sm90a":
         return False, f"mma 'wgmma' is Hopper's warpgroup MMA: sm90a only, not {arch}"
-    if c.stages not in (1, 2, 3):
-        return False, f"stages {c.stages} not supported; supported: 1, 2, 3"
+    if c.stages not in (1, 2):
+        return False, f"stages {c.stages} not supported; supported: 1, 2"
     if c.smem_bytes() > _MAX_SMEM[arch]:
         return False, f"needs {c.smem_bytes()} bytes of shared memory, {arch} allows {_MAX_SMEM[arch]}"
     return True, ""

@@ -3,15 +3,13 @@
 One CTA per work item (flash_msa_rt.ops.sparse_plan): key block j of (b, p) and up to a few tiles of the queries
 that selected it. Per item:
   1. cp.async loads the block's K and V (kv head p // (Hp/Hk)) once;
-  2. per tile of 128 rows, row r = (query r // G, head p*G + r % G), cp.async gathers the rows of q (stages
-     buffers: the next stages - 1 tiles' gathers are in flight during this tile's math);
+  2. per tile of 128 rows, row r = (query r // G, head p*G + r % G), cp.async gathers the rows of q (double
+     buffered: the next tile's gather overlaps this tile's math);
   3. 8 warps x 16 rows, ldmatrix + mma.sync 16x8x16: S = Q K^T over the block's 128 keys, causal mask t > i;
   4. the block's own softmax (one block, so no online rescaling), O_slot = P V / l and lse_slot, written at the
      entry's destination row for the combine kernel's logsumexp merge.
 No proxy work here: the KL pass (kernels_src.sparse_kl) also produces the proxy lse, through
 KL = sum_t tau (log tau - s_p) + lse_p * sum_t tau, which needs no lse_p while it runs.
-Each row's query and destination travel with the gather into a small shared table (tiles.copy_word): the mask
-and the epilogue read shared memory, not the plan's lists after the products.
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -24,13 +22,12 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
 from kernels_src.spec import Compiled
-from kernels_src.tiles import (acc_as_frg_a, acc_rows_cols, compile_tile_kernel, copy_row, copy_word, cp_async_rows,
-                               cp_async_word, row_table, smem_tile, warp_mma)
+from kernels_src.tiles import (acc_as_frg_a, acc_rows_cols, compile_tile_kernel, copy_row, cp_async_rows, smem_tile,
+                               warp_mma)
 
 _DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-ROW_QUERY, ROW_DEST = 0, 1  # the staged row table: the row's query (-1 past the tile's queries), its entry's dest
 
 
 class SparseAttention:
@@ -73,14 +70,12 @@ class SparseAttention:
         # Not named like the struct's fields: a class body looks its field names up in its own scope.
         l_q = smem_tile(self.dtype, (self.tile_m, self.head_dim, self.stages))
         l_k = smem_tile(self.dtype, (self.block_size, self.head_dim))
-        l_ri = row_table(self.tile_m, self.stages, 2)
 
         @cute.struct
         class SharedStorage:
             s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_q)], 1024]
             s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
             s_v: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
-            s_ri: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, cute.cosize(l_ri)], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_forward(
@@ -113,7 +108,6 @@ class SparseAttention:
             s_v = storage.s_v.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)
             # V^T (D, keys) for the PV product's B operand: the same bytes, modes swapped, read by ldmatrix.trans.
             s_vt = storage.s_v.get_tensor(cute.select(s_k_layout.outer, mode=[1, 0]), swizzle=s_k_layout.inner)
-            s_ri = storage.s_ri.get_tensor(row_table(self.tile_m, self.stages, 2))
 
             self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx, zero_tail=False)
             self.load_block(gcopy, v[b, None, p // hp_per_hk, None], s_v, t0, seqlen, tidx, zero_tail=True)
@@ -133,23 +127,17 @@ class SparseAttention:
             scale_log2 = scale * _LOG2E
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
-            # stages - 1 tiles in flight ahead of the one computed; an empty group past the last tile keeps the
-            # group count that cp_async_wait_group relies on.
-            ahead = self.stages - 1
-            for t in cutlass.range_constexpr(ahead):
-                if t < n_tiles:
-                    self.gather_tile(gcopy, q, s_q_all, s_ri, b, p, entry_query, entry_dest, start, n_entries, t, tidx)
-                else:
-                    cute.arch.cp_async_commit_group()
+            self.gather_tile(gcopy, q, s_q_all, b, p, entry_query, start, n_entries, 0, tidx)
             for tile in cutlass.range(n_tiles, unroll=1):
-                buf = tile % self.stages
-                s_q = s_q_all[None, None, buf]
-                if tile + ahead < n_tiles:
-                    self.gather_tile(gcopy, q, s_q_all, s_ri, b, p, entry_query, entry_dest, start, n_entries,
-                                     tile + ahead, tidx)
+                e0 = start + tile * self.tile_queries
+                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                s_q = s_q_all[None, None, tile % self.stages]
+                # Prefetch tile + 1 into the other buffer (an empty group past the last tile keeps the count).
+                if tile + 1 < n_tiles:
+                    self.gather_tile(gcopy, q, s_q_all, b, p, entry_query, start, n_entries, tile + 1, tidx)
                 else:
                     cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(ahead)
+                cute.arch.cp_async_wait_group(1)
                 self.publish_async_copies()
                 cute.arch.sync_threads()
 
@@ -158,7 +146,8 @@ class SparseAttention:
                 lse_rows = cute.make_rmem_tensor((2,), cutlass.Float32)
                 inv_l = cute.make_rmem_tensor((2,), cutlass.Float32)
                 for r in cutlass.range_constexpr(2):
-                    i = self.row_query(s_ri, coord_mn[r, 0][0], buf, t0)
+                    qi = coord_mn[r, 0][0] // self.group
+                    i = self.row_query(entry_query, e0, qi, n_q, t0)
                     self.mask_row(acc_mn, coord_mn, r, i - t0)
                     row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
                     lse_rows[r] = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * _LN2
@@ -167,15 +156,16 @@ class SparseAttention:
 
                 for r in cutlass.range_constexpr(2):
                     row = coord_mn[r, 0][0]
-                    if s_ri[row, buf, ROW_QUERY] >= 0:
+                    qi = row // self.group
+                    if qi < n_q:
                         # 64-bit: the (E, G, D) partial buffer passes 2**31 elements at benchmark sizes.
-                        dest = cutlass.Int64(s_ri[row, buf, ROW_DEST])
+                        dest = cutlass.Int64(entry_dest[e0 + qi])
                         g = row % self.group
                         if quad_lane == 0:
                             lse_part[dest, g] = lse_rows[r]
                         for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                             o_part[dest, g, coord_o[0, c][1]] = (acc_o_mn[r, c] * inv_l[r]).to(self.dtype)
-                # Every warp is past its reads of this buffer before the gather of tile + stages overwrites it.
+                # Every warp is past its reads of this buffer before the gather of tile + 2 overwrites it.
                 cute.arch.sync_threads()
 
     # ------------------------------------------------------------------ device side: shared pieces
@@ -202,16 +192,12 @@ class SparseAttention:
                 t_s[None, m, None].fill(0)
 
     @cute.jit
-    def gather_tile(self, gcopy, q, s_q_all, s_ri, b, p, entry_query, entry_dest, start, n_entries, tile, tidx):
+    def gather_tile(self, gcopy, q, s_q_all, b, p, entry_query, start, n_entries, tile, tidx):
         """cp.async, as one group, tile row r <- q[b, i, p*G + r % G] with i = entry_query[e0 + r // G] into buffer
-        tile % stages. Rows of queries past the tile's count are left as they are (never stored). The first
-        thread of each row stages its query (a plain store; -1 past the tile's queries) and, by cp.async in the
-        same group, its entry's destination."""
+        tile % stages. Rows of queries past the tile's count are left as they are (never stored)."""
         e0 = start + tile * self.tile_queries
         n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
-        buf = tile % self.stages
-        s_tile = s_q_all[None, None, buf]
-        word = cp_async_word(cutlass.Int32)
+        s_tile = s_q_all[None, None, tile % self.stages]
         head_base = p * self.group
         thr = gcopy.get_slice(tidx)
         cols = cute.size(s_tile, mode=[1])
@@ -219,16 +205,10 @@ class SparseAttention:
         t_c = thr.partition_S(cute.make_identity_tensor((self.tile_m, cols)))
         for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
             row = t_c[0, m, 0][0]
-            lead = t_c[0, m, 0][1] == 0
             qi = row // self.group
             if qi < n_q:
                 i = entry_query[e0 + qi]
                 copy_row(gcopy, self.dtype, q[b, i, head_base + row % self.group, None], t_s, t_c, m)
-                if lead:
-                    s_ri[row, buf, ROW_QUERY] = i
-                    copy_word(word, entry_dest, e0 + qi, s_ri, row, buf, ROW_DEST)
-            elif lead:
-                s_ri[row, buf, ROW_QUERY] = -1
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -276,12 +256,11 @@ class SparseAttention:
             cute.gemm(tiled_mma, acc_o, t_rp[None, None, kk], t_rv[None, None, kk], acc_o)
 
     @cute.jit
-    def row_query(self, s_ri, row, buf, t0):
-        """The staged query of a tile row; past the tile's queries, a position that masks nothing (the row is
-        never stored)."""
-        i = s_ri[row, buf, ROW_QUERY]
-        if i < 0:
-            i = t0 + self.block_size
+    def row_query(self, entry_query, e0, qi, n_q, t0):
+        """The query of tile query qi; past n_q, a position that masks nothing (the row is never stored)."""
+        i = t0 + self.block_size
+        if qi < n_q:
+            i = entry_query[e0 + qi]
         return i
 
     @cute.jit

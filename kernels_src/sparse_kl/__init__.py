@@ -21,13 +21,11 @@ _ELEM_BYTES = {"bf16": 2, "f16": 2}
 
 
 def smem_bytes(config) -> int:
-    """sK, sK_p (keys x D); staged sQ, sQ_p (queries x D); the row scalars (query, destination; lse_g). Mirrors
-    SharedStorage."""
+    """sK, sK_p (keys x D); staged sQ, sQ_p (queries x D). Mirrors SharedStorage."""
     e = _ELEM_BYTES[config.dtype]
     a = sparse_bwd._align
-    return (2 * a(config.tile_n * config.head_dim * e, 1024)
-            + 2 * a(config.stages * config.tile_m * config.head_dim * e, 1024)
-            + sparse_bwd.row_table_bytes(config, ints=2, floats=1))
+    return 2 * a(config.tile_n * config.head_dim * e, 1024) + 2 * a(config.stages * config.tile_m *
+                                                                      config.head_dim * e, 1024)
 
 
 def can_implement(config, arch: str) -> tuple[bool, str]:
