@@ -82,7 +82,22 @@ class MmaConfig(Config):
 
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[MmaConfig]:
-    """Every tile config with each MMA (can_implement refuses wgmma off sm90a)."""
+    """The backward kernels' variants (can_implement refuses wgmma off sm90a): mma.sync on 64-key slices (two
+    CTAs per key block: 128 keys spill there), wgmma on the whole key block (one CTA; dK, dV or dk_p of 128 keys in
+    registers, 255 / 210 registers, no spills). The whole block halves the gathers and the dq reductions per
+    FLOP: (b) S = 64K, sparse_bwd 53.5 -> 37.6 ms, sparse_bwd_proxy 31.9 -> 19.5 (NOTES.md)."""
+    return [MmaConfig(**dict(dataclasses.asdict(c), tile_n=tile_n_for(m, c.block_size)), mma=m)
+            for c in tile_configs(head_dims, block_sizes, dtypes) for m in MMAS]
+
+
+def tile_n_for(mma: str, block_size: int) -> int:
+    """Keys per CTA of the backward kernels: the whole block on wgmma, 64-key slices on mma.sync."""
+    return block_size if mma == "wgmma" else 64
+
+
+def key_slice_configs(head_dims=None, block_sizes=None, dtypes=None) -> list[MmaConfig]:
+    """64-key slices on both MMAs: the KL pass's variants (its (A, T, L) shares are laid out per 64-key slice,
+    and it runs two CTAs per SM at that size)."""
     return [MmaConfig(**dataclasses.asdict(c), mma=m) for c in tile_configs(head_dims, block_sizes, dtypes)
             for m in MMAS]
 

@@ -1,14 +1,15 @@
 """The sparse backward's products on Hopper's warpgroup MMA (wgmma, sm90a only): the `WarpgroupTiles` mixin that
 the main backward, the proxy backward and the KL pass share, and the main backward on it.
 
-The tiles stay the mma.sync kernels' (64 rows x this CTA's 64 keys); two warpgroups split the N dimension of
-every product (atom layout (1, 2, 1)) and read every operand by descriptor:
-  - (rows x keys) S = Q K^T, dP = dO V^T (and the proxy's S_g, S_p): m64n32k16, Q / dO / K / V K-major
-    (tiles.smem_tile), warpgroup w on keys [32 w, 32 w + 32);
-  - (rows x D) dQ = dS K: m64n32k16 over D in two n32 tiles per warpgroup, dS K-major, K^T MN-major (the transposed
-    view of a K-major tile is wgmma's canonical MN-major 128B-swizzled layout);
-  - (keys x D) dV += P^T dO, dK += dS^T Q: m64n64k16, both operands MN-major transposed views, accumulated in
-    registers across the item as before.
+Tiles of 64 rows x this CTA's keys: the whole 128-key block for sparse_bwd and sparse_bwd_proxy (one CTA per item;
+the mma.sync kernels take 64-key slices, two CTAs per item), 64-key slices for the KL pass. Two warpgroups split
+the N dimension of every product (atom layout (1, 2, 1)) and read every operand by descriptor:
+  - (rows x keys) S = Q K^T, dP = dO V^T (and the proxy's S_g, S_p): m64n(keys/2)k16, Q / dO / K / V K-major
+    (tiles.smem_tile), warpgroup w on keys [w keys/2, (w + 1) keys/2);
+  - (rows x D) dQ = dS K: the same atoms tiled over D, dS K-major, K^T MN-major (the transposed view of a K-major
+    tile is wgmma's canonical MN-major 128B-swizzled layout);
+  - (keys x D) dV += P^T dO, dK += dS^T Q: m64n64k16 tiled over the keys, both operands MN-major transposed views,
+    accumulated in registers across the item (128 keys: 64 + 64 registers per thread).
 The tiled MMAs are made where they are used: a wgmma TiledMma carries its accumulate flag as state, which must not
 become a kernel parameter nor outlive the loop body that sets it. Shared-memory writes (cp.async, and the P / dS
 stores) reach wgmma through a generic -> async proxy fence before the barrier. Blackwell has no wgmma.
@@ -30,7 +31,7 @@ class WarpgroupTiles:
     """Mixin over SparseBackward and its subclasses: the wgmma versions of the MMA hooks and of gemm."""
 
     def _check_wg_tiles(self, family: str):
-        if self.tile_m != WARPGROUP_ROWS or self.tile_n != 64 or self.threads != 256:
+        if self.tile_m != WARPGROUP_ROWS or self.tile_n not in (64, 128) or self.threads != 256:
             raise ValueError(f"{family} wgmma: tile_m {self.tile_m}, tile_n {self.tile_n}, threads {self.threads}; "
                              f"64, 64 and 256 only (two warpgroups)")
 

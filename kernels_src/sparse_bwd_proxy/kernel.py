@@ -248,9 +248,12 @@ class SparseProxyBackward(SparseBackward):
             qi = t_c[0, m, 0][0]
             lead = t_c[0, m, 0][1] == 0
             if qi < n_q:
-                i = s_ri[qi, tb, QUERY]
+                # The query: from the plan at g = 0, else from the table (never read while the lead writes it).
+                i = cutlass.Int32(0)
                 if g == 0:
                     i = entry_query[e0 + qi]
+                else:
+                    i = s_ri[qi, tb, QUERY]
                 copy_row(gcopy, self.dtype, q[b, i, p * self.group + g, None], t_sq, t_c, m)
                 if lead:
                     copy_word(word_f, lse_g, i, s_rf, qi, sb, LSE_G)
