@@ -125,6 +125,7 @@ class SparseProxyBackward(SparseBackward):
             scale_log2 = scale * _LOG2E
             rows_per_thread = cute.size(s_mn, mode=[0])
             query_srcs = (lse_proxy[b, p, None], kl_grad[b, p, None])
+            i_rows = cute.make_rmem_tensor((self.tile_m * self.head_dim // 8 // self.threads,), cutlass.Int32)
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
             n_steps = n_tiles * self.group  # (tile, head) steps: step = tile * G + g
@@ -133,7 +134,7 @@ class SparseProxyBackward(SparseBackward):
             ahead = self.stages - 1
             for t in cutlass.range_constexpr(ahead):
                 if t < n_steps:
-                    self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, lse, query_srcs, b, p,
+                    self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, i_rows, lse, query_srcs, b, p,
                                      entry_query, start, n_entries, t, tidx)
                 else:
                     cute.arch.cp_async_commit_group()
@@ -144,7 +145,7 @@ class SparseProxyBackward(SparseBackward):
                 tb = tile % self.stages
                 s_q = s_q_all[None, None, step % self.stages]
                 if step + ahead < n_steps:
-                    self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, lse, query_srcs, b, p,
+                    self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, i_rows, lse, query_srcs, b, p,
                                      entry_query, start, n_entries, step + ahead, tidx)
                 else:
                     cute.arch.cp_async_commit_group()
@@ -225,13 +226,14 @@ class SparseProxyBackward(SparseBackward):
         s_rf[qi, tb, KL_GRAD] = 0.0
 
     @cute.jit
-    def gather_step(self, gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, lse, query_srcs, b, p, entry_query,
-                    start, n_entries, step, tidx):
+    def gather_step(self, gcopy, q, q_proxy, s_q_all, s_qp_all, s_ri, s_rf, i_rows, lse, query_srcs, b, p,
+                    entry_query, start, n_entries, step, tidx):
         """cp.async, as one group, row r <- q[b, i_r, p*G + g] (i_r = entry_query[e0 + r]) for step = tile*G + g into
         q buffer step % stages and, at g = 0, row r <- q_proxy[b, i_r, p] into proxy buffer tile % stages. Rows past
         the tile's queries are zero-filled. The first thread of each row stages the row's scalars with the same
-        group: at g = 0 the query (a plain store, read by the later heads' gathers after this step's barrier) and
-        the query's scalars (stage_query), at every step lse_g[i_r]."""
+        group: at g = 0 the query (a plain store, read after this step's barrier) and the query's scalars
+        (stage_query), at every step lse_g[i_r]. i_rows: this thread's rows' queries, read from the plan at g = 0
+        and reused by the tile's later heads."""
         tile = step // self.group
         g = step - tile * self.group
         e0 = start + tile * self.tile_queries
@@ -248,12 +250,10 @@ class SparseProxyBackward(SparseBackward):
             qi = t_c[0, m, 0][0]
             lead = t_c[0, m, 0][1] == 0
             if qi < n_q:
-                # The query: from the plan at g = 0, else from the table (never read while the lead writes it).
-                i = cutlass.Int32(0)
+                # The query: from the plan at g = 0, kept in this thread's registers for the tile's later heads.
                 if g == 0:
-                    i = entry_query[e0 + qi]
-                else:
-                    i = s_ri[qi, tb, QUERY]
+                    i_rows[m] = entry_query[e0 + qi]
+                i = i_rows[m]
                 copy_row(gcopy, self.dtype, q[b, i, p * self.group + g, None], t_sq, t_c, m)
                 if lead:
                     copy_word(word_f, lse_g, i, s_rf, qi, sb, LSE_G)
