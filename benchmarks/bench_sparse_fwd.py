@@ -48,7 +48,7 @@ def run(cfg: str, S: int, tokens: int, mma: str = "auto"):
     from flash_msa_rt.ops import sparse_fwd as sf
     from flash_msa_rt.ops.select import select_blocks_cuda
     from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
-    from flash_msa_rt.ops.sparse_plan import combine_kl_lse, kl_groups, sparse_plan
+    from flash_msa_rt.ops.sparse_plan import combine_kl_lse, sparse_plan
 
     x = random_problem(cfg, S, tokens)
     B, H, Hk, Hp, Hpk, D, G, scale = (x[n] for n in ("B", "H", "Hk", "Hp", "Hpk", "D", "G", "scale"))
@@ -62,8 +62,8 @@ def run(cfg: str, S: int, tokens: int, mma: str = "auto"):
     o_part = torch.empty((E, G, D), dtype=q.dtype, device="cuda")
     lse_part = torch.empty((E, G), dtype=torch.float32, device="cuda")
     kl_plan = sparse_plan(sel, 128, S, G, sf.KL_TILE, sf.per_group_tiles(sf.KL_MAIN_TILES_PER_ITEM, G))
-    kl_part = torch.empty((E, 3 * kl_groups(128)), dtype=torch.float32, device="cuda")
     fwd_mma, kl_mma = ((sf.device_mma(q.device, op) if mma == "auto" else mma) for op in ("sparse_fwd", "sparse_kl"))
+    kl_part = torch.empty((E, 3 * sf.kl_part_groups(128, kl_mma)), dtype=torch.float32, device="cuda")
     fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G, fwd_mma), q.device)
     kl = get_kernel("sparse_kl", sf.kl_config("bf16", D, 128, G, kl_mma), q.device)
     kl_args = sf._kl_args(qp, kp, q, k, kl_plan, scale)

@@ -26,7 +26,7 @@ def main(argv=None):
     from flash_msa_rt.ops import sparse_bwd as sb
     from flash_msa_rt.ops import sparse_fwd as sf
     from flash_msa_rt.ops.select import select_blocks_cuda
-    from flash_msa_rt.ops.sparse_plan import kl_groups, sparse_plan
+    from flash_msa_rt.ops.sparse_plan import sparse_plan
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default="b")
@@ -48,7 +48,7 @@ def main(argv=None):
     E = B * Hp * S * 16
     o_part = torch.empty((E, G, D), dtype=q.dtype, device=dev)
     lse_part = torch.empty((E, G), dtype=f32, device=dev)
-    kl_part = torch.empty((E, 3 * kl_groups(128)), dtype=f32, device=dev)
+    kl_part = torch.empty((E, 3 * sf.kl_part_groups(128, sf.device_mma(dev, "sparse_kl"))), dtype=f32, device=dev)
     k_fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_fwd")), dev)
     k_kl = get_kernel("sparse_kl", sf.kl_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_kl")), dev)
     k_bwd = get_kernel("sparse_bwd", sb.kernel_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_bwd")), dev)

@@ -26,18 +26,11 @@ PROXY_MAIN_TILES_PER_ITEM = 64  # proxy tiles are 64 queries x G heads: sparse_f
 PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all-causal selection is chunked)
 
 
-def tile_n_for(mma: str, block_size: int) -> int:
-    """Keys per CTA of both backward kernels (kernels_src.sparse_bwd.tile_n_for): the whole key block on wgmma
-    (dK, dV or dk_p of 128 keys in registers; (b) S = 64K: sparse_bwd 53.5 -> 37.6 ms, sparse_bwd_proxy 31.9 ->
-    19.5 against two CTAs of 64 keys), 64-key slices on mma.sync (128 keys spill there)."""
-    return block_size if mma == "wgmma" else 64
-
-
 def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
     """The variant of either backward kernel: a key block split over block_size // tile_n CTAs; mma: "sync" or
     "wgmma" (sparse_fwd.family_mma)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
-            "tile_n": tile_n_for(mma, block_size), "threads": 256, "stages": 2, "mma": mma}
+            "tile_n": sparse_fwd.tile_n_for(mma, block_size), "threads": 256, "stages": 2, "mma": mma}
 
 
 def delta_config(dtype: str, head_dim: int) -> dict:

@@ -81,10 +81,22 @@ def combine_config(dtype: str, head_dim: int, block_size: int, group: int) -> di
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "threads": 256}
 
 
+def tile_n_for(mma: str, block_size: int) -> int:
+    """Keys per CTA of the kernels on 64-query tiles (KL pass, both backward kernels): the whole key block on wgmma
+    (dK, dV or dk_p of 128 keys in registers; (b) S = 64K: sparse_bwd 53.5 -> 37.6 ms, sparse_bwd_proxy 31.9 ->
+    19.5 against two CTAs of 64 keys), 64-key slices on mma.sync (128 keys spill there)."""
+    return block_size if mma == "wgmma" else 64
+
+
 def kl_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
-    """The KL pass runs on the proxy backward's tiles (64 distinct queries, 64 keys per CTA)."""
+    """The KL pass runs on the proxy backward's tiles (64 distinct queries x tile_n_for(mma) keys per CTA)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": KL_TILE,
-            "tile_n": 64, "threads": 256, "stages": 2, "mma": mma}
+            "tile_n": tile_n_for(mma, block_size), "threads": 256, "stages": 2, "mma": mma}
+
+
+def kl_part_groups(block_size: int, mma: str) -> int:
+    """Key groups (A, T, L triples) per entry that the KL pass of this MMA writes."""
+    return kl_groups(block_size, tile_n_for(mma, block_size))
 
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
@@ -137,7 +149,8 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     dt = DTYPES[q.dtype]
     dev = q.device
     fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, device_mma(dev, "sparse_fwd")), dev)
-    kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G, device_mma(dev, "sparse_kl")), dev)
+    kl_mma = device_mma(dev, "sparse_kl")
+    kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G, kl_mma), dev)
     combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=dev)
@@ -149,7 +162,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     E_max = B * Hp * min(chunk, S) * K
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
-    kl_buf = torch.empty((E_max, 3 * kl_groups(block_size)), dtype=torch.float32, device=dev)
+    kl_buf = torch.empty((E_max, 3 * kl_part_groups(block_size, kl_mma)), dtype=torch.float32, device=dev)
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         sel = block_indices[:, :, s0:s1].contiguous()
@@ -186,14 +199,16 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
     dev = q.device
-    kl = get_kernel("sparse_kl", kl_config(DTYPES[q.dtype], D, block_size, G, device_mma(dev, "sparse_kl")), dev)
+    kl_mma = device_mma(dev, "sparse_kl")
+    kl = get_kernel("sparse_kl", kl_config(DTYPES[q.dtype], D, block_size, G, kl_mma), dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
     kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev)
     if S == 0 or B == 0:
         return lse_proxy, kl_rows
-    per_query = B * Hp * K * 4 * 3 * kl_groups(block_size)
+    groups = kl_part_groups(block_size, kl_mma)
+    per_query = B * Hp * K * 4 * 3 * groups
     chunk = max(block_size, PARTIALS_BUDGET // per_query // block_size * block_size)
-    kl_buf = torch.empty((B * Hp * min(chunk, S) * K, 3 * kl_groups(block_size)), dtype=torch.float32, device=dev)
+    kl_buf = torch.empty((B * Hp * min(chunk, S) * K, 3 * groups), dtype=torch.float32, device=dev)
     lse = lse.contiguous()
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)

@@ -178,10 +178,11 @@ def _cut_items(bounds: torch.Tensor, NB: int, E: int, C: int):
 
 # --- partial buffers ---------------------------------------------------------------------------------------------
 
-def kl_groups(block_size: int) -> int:
-    """Key groups of one block whose KL shares the KL pass writes separately: the kernel's 64-key slices times its
-    two key warps (32 keys each), so ceil(Bs / 32)."""
-    return -(-block_size // 32)
+def kl_groups(block_size: int, tile_n: int = 64) -> int:
+    """Key groups of one block whose KL shares the KL pass writes separately: the kernel's key slices of tile_n
+    keys (one CTA each) times the two key halves of a slice (two warp columns, or two warpgroups), so
+    ceil(Bs / (tile_n / 2))."""
+    return -(-block_size // (tile_n // 2))
 
 
 def partial_shapes(plan: SparsePlan, head_dim: int) -> dict:

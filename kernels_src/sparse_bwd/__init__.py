@@ -95,13 +95,6 @@ def tile_n_for(mma: str, block_size: int) -> int:
     return block_size if mma == "wgmma" else 64
 
 
-def key_slice_configs(head_dims=None, block_sizes=None, dtypes=None) -> list[MmaConfig]:
-    """64-key slices on both MMAs: the KL pass's variants (its (A, T, L) shares are laid out per 64-key slice,
-    and it runs two CTAs per SM at that size)."""
-    return [MmaConfig(**dataclasses.asdict(c), mma=m) for c in tile_configs(head_dims, block_sizes, dtypes)
-            for m in MMAS]
-
-
 def mma_refusal(config, arch: str) -> str | None:
     """Why config's MMA cannot run on arch, or None."""
     mma = getattr(config, "mma", "sync")

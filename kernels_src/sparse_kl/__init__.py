@@ -16,7 +16,7 @@ from kernels_src.spec import ARCHS, BuildSpec, family_spec
 OP = "sparse_kl"
 
 Config = sparse_bwd.MmaConfig
-configs = sparse_bwd.key_slice_configs
+configs = sparse_bwd.configs
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
 
 

@@ -143,9 +143,10 @@ class SparseKL(SparseProxyBackward):
                             lse2 = -cutlass.Float32.inf
                             if sum_exp > 0.0:
                                 lse2 = row_max + cute.math.log2(sum_exp, fastmath=True)
-                            # Warps (4, 2) over (queries, keys), column-major: warp w holds key half w // 4.
+                            # Key group = (slice, key half): warps (4, 2) over (queries, keys), column-major,
+                            # hold key half w // 4 = tidx // 128, as the wgmma kernel's warpgroups do.
                             dest = cutlass.Int64(entry_dest[e0 + qi])
-                            col = half * 6 + warp_n * 3
+                            col = (half * 2 + warp_n) * 3
                             kl_part[dest, col] = a_sum * (1.0 / self.group)
                             kl_part[dest, col + 1] = t_sum * (1.0 / self.group)
                             kl_part[dest, col + 2] = lse2
