@@ -1,7 +1,11 @@
 """Does cuDNN's attention take a value head dim of D + Dp (v = [v, k_proxy]) beside q, k of D, forward and
-backward, and what does it cost? Warmup's proxy gradient splits into attention outputs (flash_msa_rt.ops.
-warmup_proxy): the tau terms ride on the main attention with its value widened, the pi terms on the proxy's own
-attention. This probe checks the widened calls against float32 math and times them beside the plain ones.
+backward, and what does it cost? Warmup's proxy gradient (pi - tau) is linear in tau = mean_g P_g, so its tau terms
+are attention products of the main heads: sum_t tau k_p = E_P[k_p] (the forward with v widened by k_p) and
+sum_i tau q_p (dV of a backward with v = [v, 0], out = [out, 0], dO = [dO, q_p]); the pi terms come from the
+proxy's own attention. This probe checks the widened calls against float32 math and times them beside the plain
+ones. Measured at 326f92b (results/probe_cudnn_dv_326f92b.json): correct, but the widened backward costs 2.5x the
+plain one ((b) S = 64K: 828 vs 325 ms), as much as the proxy kernel it would replace, so warmup does not use it
+(kernels_src/sparse_kl/NOTES.md).
 
     python benchmarks/probe_cudnn_dv.py [--seqlen 65536] [--out results.json]
 """
