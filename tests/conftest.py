@@ -58,3 +58,18 @@ def artifact_dir_env(monkeypatch):
     artifacts.load_manifest.cache_clear()
     loader._by_request.clear()
     loader._kernels.clear()
+
+
+@pytest.fixture
+def force_mma(monkeypatch):
+    """force_mma(kind): every sparse kernel family runs on that MMA ("sync" or "wgmma") for the test, so both
+    builds are checked whatever the runtime picks; wgmma skips off sm90a."""
+    def force(mma: str) -> None:
+        from flash_msa_rt.loader import device_arch
+        from flash_msa_rt.ops import sparse_fwd
+
+        if mma == "wgmma" and device_arch(0) != "sm90a":
+            pytest.skip("wgmma is sm90a only")
+        monkeypatch.setattr(sparse_fwd, "FORCE_MMA", mma)
+
+    return force

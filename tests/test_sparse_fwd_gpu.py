@@ -86,15 +86,10 @@ def test_forward_matches_reference(shape, dtype):
 
 @pytest.mark.parametrize("mma", ["sync", "wgmma"])
 @pytest.mark.parametrize("G", [1, 4, 16])
-def test_both_forward_kernels_match_reference(mma, G, monkeypatch):
+def test_both_forward_kernels_match_reference(mma, G, force_mma):
     """Hopper builds the forward twice (mma.sync, and wgmma which the runtime picks there): both are checked, on
     odd S, whatever the device's default."""
-    from flash_msa_rt.loader import device_arch
-    from flash_msa_rt.ops import sparse_fwd
-
-    if mma == "wgmma" and device_arch(0) != "sm90a":
-        pytest.skip("wgmma is sm90a only")
-    monkeypatch.setattr(sparse_fwd, "FORCE_MMA", mma)
+    force_mma(mma)
     H = 16
     qp, kp, q, k, v = _inputs(1, 1500, H, 1, H // G, 1, torch.bfloat16, seed=G)
     scale = 128 ** -0.5
