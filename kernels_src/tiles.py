@@ -126,12 +126,17 @@ def wg_acc_as_a(lay):
     )
 
 
-def compile_tile_kernel(kernel, config, arch: str, tensor_params, scalars, smem_bytes: int, entry=None) -> Compiled:
-    """Compile kernel for arch on fake tensors of tensor_params (in the launch order), then scalars and a stream;
-    the shared memory it traced must be what the spec declares (the launcher allocates the spec's figure)."""
+_FAKE_SCALARS = {"f32": lambda: cutlass.Float32(1.0), "i32": lambda: cutlass.Int32(1), "i64": lambda: cutlass.Int64(1)}
+
+
+def compile_tile_kernel(kernel, config, arch: str, params, smem_bytes: int, entry=None) -> Compiled:
+    """Compile kernel for arch on a fake argument per declared param (the family's ABI, in launch order: tensors
+    of its declared shapes, scalars of its declared types), then a stream; the shared memory it traced must be
+    what the spec declares (the launcher allocates the spec's figure)."""
     from kernels_src.block_scores.kernel import compile_kernel  # block_scores.kernel imports this module
 
-    fake = (*(fake_tensor(p) for p in tensor_params), *scalars, make_fake_stream())
+    fake = (*(fake_tensor(p) if p.kind == "tensor" else _FAKE_SCALARS[p.ctype]() for p in params),
+            make_fake_stream())
     compiled = compile_kernel(kernel, config, arch, fake, entry=entry)
     if kernel.traced["smem_bytes"] != smem_bytes:
         raise RuntimeError(f"shared memory: kernel {kernel.traced['smem_bytes']} bytes, spec {smem_bytes}")

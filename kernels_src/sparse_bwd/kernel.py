@@ -335,6 +335,4 @@ def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entr
         kernel = SparseBackwardWG(config)
     else:
         kernel = SparseBackward(config)
-    return compile_tile_kernel(kernel, config, arch,
-                               [p for p in params(config) if p.kind == "tensor"],
-                               (cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)), config.smem_bytes())
+    return compile_tile_kernel(kernel, config, arch, params(config), config.smem_bytes())

@@ -282,6 +282,4 @@ def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entr
         kernel = SparseProxyBackwardWG(config)
     else:
         kernel = SparseProxyBackward(config)
-    return compile_tile_kernel(kernel, config, arch,
-                               [p for p in params(config) if p.kind == "tensor"],
-                               (cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)), smem_bytes(config))
+    return compile_tile_kernel(kernel, config, arch, params(config), smem_bytes(config))

@@ -299,8 +299,4 @@ def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entr
         kernel = SparseAttentionWG(config)
     else:
         kernel = SparseAttention(config)
-    decl = {p.name: p for p in params(config) if p.kind == "tensor"}
-    names = ("q", "k", "v", "entry_query", "entry_dest", "items", "o_part", "lse_part")
-    return compile_tile_kernel(kernel, config, arch, [decl[n] for n in names],
-                               (cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)), config.smem_bytes(),
-                               entry=kernel.forward)
+    return compile_tile_kernel(kernel, config, arch, params(config), config.smem_bytes(), entry=kernel.forward)
