@@ -99,6 +99,35 @@ def family_spec(op: str, config: Any, arch: str, can_implement: Callable[[Any, s
     )
 
 
+# Dynamic shared memory one CTA may opt into (227 KB on sm90a and sm100a/f).
+MAX_SMEM = {"sm90a": 227 * 1024, "sm100a": 227 * 1024, "sm100f": 227 * 1024}
+
+
+def refusal(config: Any, arch: str, notes: dict[str, str] | None = None, **supported) -> str | None:
+    """Why a family cannot build config for arch, or None as far as these checks go: arch must be one of ARCHS
+    and each named field one of its supported values (checked in the order given); notes[field] says why a
+    field is limited. A family's can_implement adds what no list of values expresses, then smem_refusal."""
+    if arch not in ARCHS:
+        return f"arch {arch!r} not in {ARCHS}"
+    for field_name, values in supported.items():
+        value = getattr(config, field_name)
+        if value not in values:
+            note = f" ({notes[field_name]})" if notes and field_name in notes else ""
+            return f"{field_name} {value!r} not supported; supported: {', '.join(map(repr, values))}{note}"
+    return None
+
+
+def smem_refusal(smem_bytes: int, arch: str) -> str | None:
+    if smem_bytes > MAX_SMEM[arch]:
+        return f"needs {smem_bytes} bytes of shared memory, {arch} allows {MAX_SMEM[arch]}"
+    return None
+
+
+def verdict(reason: str | None) -> tuple[bool, str]:
+    """can_implement's (ok, reason) from the first refusal found (None: ok)."""
+    return reason is None, reason or ""
+
+
 def dtype_tag(dtype: str) -> str:
     return {"bf16": "bf16", "f16": "f16"}[dtype]
 

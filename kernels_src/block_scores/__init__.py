@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, TmaCoordParam, TmaParam, variant_name
-from kernels_src.spec import ARCHS, BuildSpec, family_spec
+from kernels_src.spec import BuildSpec, family_spec, refusal, smem_refusal, verdict
 
 OP = "block_scores"
 
@@ -28,7 +28,6 @@ SWIZZLE_BYTES = 128
 SWIZZLE_ELEMS = 64
 
 _ELEM_BYTES = {"bf16": 2}
-_MAX_SMEM = {"sm90a": 227 * 1024, "sm100a": 227 * 1024, "sm100f": 227 * 1024}  # opt-in dynamic shared memory per CTA
 
 
 @dataclass(frozen=True)
@@ -75,25 +74,13 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
-    if arch not in ARCHS:
-        return False, f"arch {arch!r} not in {ARCHS}"
-    if c.dtype not in DTYPES:
-        return False, f"dtype {c.dtype!r} not supported; supported: {DTYPES}"
-    if c.head_dim not in HEAD_DIMS:
-        return False, f"head_dim (Dp) {c.head_dim} not supported; supported: {HEAD_DIMS}"
-    if c.block_size not in BLOCK_SIZES:
-        return False, f"block_size (Bs) {c.block_size} not supported; supported: {BLOCK_SIZES}"
-    if c.tile_m not in TILE_MS:
-        return False, f"tile_m {c.tile_m} not supported; supported: {TILE_MS}"
-    if c.tile_m % c.block_size != 0:
-        return False, f"tile_m {c.tile_m} must be a multiple of block_size {c.block_size} (tiles start on block edges)"
-    if c.threads != 128:
-        return False, f"threads {c.threads} not supported; supported: 128 (4 warps x 32 rows: each lane of a quad stores one row)"
-    if c.stages not in (2, 3):
-        return False, f"stages {c.stages} not supported; supported: 2, 3"
-    if c.smem_bytes() > _MAX_SMEM[arch]:
-        return False, f"needs {c.smem_bytes()} bytes of shared memory, {arch} allows {_MAX_SMEM[arch]}"
-    return True, ""
+    reason = refusal(c, arch, dtype=DTYPES, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, tile_m=TILE_MS,
+                     threads=(128,), stages=(2, 3),
+                     notes={"head_dim": "Dp", "block_size": "Bs",
+                            "threads": "4 warps x 32 rows: each lane of a quad stores one row"})
+    if reason is None and c.tile_m % c.block_size != 0:
+        reason = f"tile_m {c.tile_m} must be a multiple of block_size {c.block_size} (tiles start on block edges)"
+    return verdict(reason or smem_refusal(c.smem_bytes(), arch))
 
 
 def proxy_operands(config) -> dict:

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import TensorParam, variant_name
-from kernels_src.spec import ARCHS, BuildSpec, family_spec
+from kernels_src.spec import BuildSpec, family_spec, refusal, verdict
 
 OP = "bwd_delta"
 
@@ -47,16 +47,7 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
-    c = config
-    if arch not in ARCHS:
-        return False, f"arch {arch!r} not in {ARCHS}"
-    if c.dtype not in DTYPES:
-        return False, f"dtype {c.dtype!r} not supported; supported: {DTYPES}"
-    if c.head_dim not in HEAD_DIMS:
-        return False, f"head_dim {c.head_dim} not supported; supported: {HEAD_DIMS}"
-    if c.threads != 256:
-        return False, f"threads {c.threads} not supported; supported: 256"
-    return True, ""
+    return verdict(refusal(config, arch, dtype=DTYPES, head_dim=HEAD_DIMS, threads=(256,)))
 
 
 def params(config: Config) -> tuple:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
 from kernels_src.block_scores import proxy_operands
-from kernels_src.spec import ARCHS, BuildSpec, family_spec
+from kernels_src.spec import BuildSpec, family_spec, refusal, smem_refusal, verdict
 
 OP = "select"
 
@@ -27,7 +27,6 @@ MAX_KS = (16, 32, 64)  # slots kept per row (K <= max_k at run time); 16 covers 
 MAX_BLOCKS = 1 << 15  # slot block indices are int16 in shared memory: S < 32768 * Bs
 
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
-_MAX_SMEM = {"sm90a": 227 * 1024, "sm100a": 227 * 1024, "sm100f": 227 * 1024}
 
 
 @dataclass(frozen=True)
@@ -72,23 +71,11 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
-    if arch not in ARCHS:
-        return False, f"arch {arch!r} not in {ARCHS}"
-    if c.dtype not in DTYPES:
-        return False, f"dtype {c.dtype!r} not supported; supported: {DTYPES}"
-    if c.head_dim not in HEAD_DIMS:
-        return False, f"head_dim (Dp) {c.head_dim} not supported; supported: {HEAD_DIMS}"
-    if c.block_size not in BLOCK_SIZES:
-        return False, f"block_size (Bs) {c.block_size} not supported; supported: {BLOCK_SIZES}"
-    if c.max_k not in MAX_KS:
-        return False, f"max_k {c.max_k} not supported; supported: {MAX_KS}"
-    if c.tile_m != 128 or c.threads != 128:
-        return False, "tile_m and threads must be 128: each thread owns one query row of the tile"
-    if c.stages not in (2, 3):
-        return False, f"stages {c.stages} not supported; supported: 2, 3"
-    if c.smem_bytes() > _MAX_SMEM[arch]:
-        return False, f"needs {c.smem_bytes()} bytes of shared memory, {arch} allows {_MAX_SMEM[arch]}"
-    return True, ""
+    reason = refusal(c, arch, dtype=DTYPES, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, max_k=MAX_KS, tile_m=(128,),
+                     threads=(128,), stages=(2, 3),
+                     notes={"head_dim": "Dp", "block_size": "Bs", "tile_m": "each thread owns one query row",
+                            "threads": "each thread owns one query row"})
+    return verdict(reason or smem_refusal(c.smem_bytes(), arch))
 
 
 def params(config: Config) -> tuple:

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.spec import ARCHS, BuildSpec, family_spec
+from kernels_src.spec import BuildSpec, family_spec, refusal, smem_refusal, verdict
 
 OP = "sparse_bwd"
 
@@ -26,7 +26,6 @@ _ELEM_BYTES = {"bf16": 2, "f16": 2}
 # fp32 dq staging rows are padded by 8 floats: a warp's store of the accumulator (8 rows x 4 column pairs) then
 # spreads over all 32 banks (unpadded 512-byte rows put the 8 rows on the same banks).
 DQ_ROW_PAD = 8
-_MAX_SMEM = {"sm90a": 227 * 1024, "sm100a": 227 * 1024, "sm100f": 227 * 1024}
 
 
 @dataclass(frozen=True)
@@ -107,22 +106,10 @@ def mma_refusal(config, arch: str) -> str | None:
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
-    if arch not in ARCHS:
-        return False, f"arch {arch!r} not in {ARCHS}"
-    refusal = mma_refusal(c, arch)
-    if refusal:
-        return False, refusal
-    if c.dtype not in DTYPES:
-        return False, f"dtype {c.dtype!r} not supported; supported: {DTYPES}"
-    if c.head_dim != 128 or c.block_size != 128:
-        return False, f"head_dim {c.head_dim}, block_size {c.block_size}: supported 128, 128"
-    if c.group not in GROUPS:
-        return False, f"group {c.group} not supported; supported: {GROUPS}"
-    if c.tile_m != 64 or c.tile_n not in (64, 128) or c.threads != 256 or c.stages not in (1, 2):
-        return False, "tile_m 64, tile_n 64 or 128, threads 256, stages 1 or 2 only"
-    if c.smem_bytes() > _MAX_SMEM[arch]:
-        return False, f"needs {c.smem_bytes()} bytes of shared memory, {arch} allows {_MAX_SMEM[arch]}"
-    return True, ""
+    reason = refusal(c, arch) or mma_refusal(c, arch) or refusal(
+        c, arch, dtype=DTYPES, head_dim=(128,), block_size=(128,), group=GROUPS, tile_m=(64,), tile_n=(64, 128),
+        threads=(256,), stages=(1, 2))
+    return verdict(reason or smem_refusal(c.smem_bytes(), arch))
 
 
 def params(config: Config) -> tuple:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam
 from kernels_src import sparse_bwd
-from kernels_src.spec import ARCHS, BuildSpec, family_spec
+from kernels_src.spec import BuildSpec, family_spec, smem_refusal, verdict
 
 OP = "sparse_bwd_proxy"
 
@@ -39,12 +39,8 @@ def row_table_bytes(config, ints: int, floats: int) -> int:
 
 
 def can_implement(config, arch: str) -> tuple[bool, str]:
-    if arch not in ARCHS:
-        return False, f"arch {arch!r} not in {ARCHS}"
-    ok, reason = sparse_bwd.can_implement(config, arch)
-    if ok and smem_bytes(config) > 227 * 1024:
-        return False, f"needs {smem_bytes(config)} bytes of shared memory, {arch} allows {227 * 1024}"
-    return ok, reason
+    ok, reason = sparse_bwd.can_implement(config, arch)  # its smem check is the main kernel's
+    return verdict(reason or smem_refusal(smem_bytes(config), arch)) if ok else (ok, reason)
 
 
 def params(config) -> tuple:

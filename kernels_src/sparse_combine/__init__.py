@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.spec import ARCHS, BuildSpec, family_spec
+from kernels_src.spec import BuildSpec, family_spec, refusal, verdict
 
 OP = "sparse_combine"
 
@@ -47,20 +47,9 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
-    c = config
-    if arch not in ARCHS:
-        return False, f"arch {arch!r} not in {ARCHS}"
-    if c.dtype not in DTYPES:
-        return False, f"dtype {c.dtype!r} not supported; supported: {DTYPES}"
-    if c.head_dim not in (64, 128):
-        return False, f"head_dim {c.head_dim} not supported; supported: 64, 128 (32 lanes x 2 or 4 elements)"
-    if c.block_size not in (64, 128):
-        return False, f"block_size {c.block_size} not supported; supported: 64, 128"
-    if c.group not in GROUPS:
-        return False, f"group {c.group} not supported; supported: {GROUPS}"
-    if c.threads != 32 * ROWS_PER_CTA:
-        return False, f"threads must be {32 * ROWS_PER_CTA} (one warp per row)"
-    return True, ""
+    return verdict(refusal(config, arch, dtype=DTYPES, head_dim=(64, 128), block_size=(64, 128), group=GROUPS,
+                           threads=(32 * ROWS_PER_CTA,),
+                           notes={"head_dim": "32 lanes x 2 or 4 elements", "threads": "one warp per row"}))
 
 
 def params(config: Config) -> tuple:

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.spec import ARCHS, BuildSpec, family_spec
+from kernels_src.spec import BuildSpec, family_spec, refusal, smem_refusal, verdict
 
 OP = "sparse_fwd"
 
@@ -27,7 +27,6 @@ GROUPS = (1, 2, 4, 8, 16)  # G = H / Hp: a power of two that divides the 16 rows
 MMAS = ("sync", "wgmma")
 
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
-_MAX_SMEM = {"sm90a": 227 * 1024, "sm100a": 227 * 1024, "sm100f": 227 * 1024}
 
 
 @dataclass(frozen=True)
@@ -68,27 +67,13 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
-    if arch not in ARCHS:
-        return False, f"arch {arch!r} not in {ARCHS}"
-    if c.dtype not in DTYPES:
-        return False, f"dtype {c.dtype!r} not supported; supported: {DTYPES}"
-    if c.head_dim not in HEAD_DIMS:
-        return False, f"head dims D={c.head_dim} not supported; supported: {HEAD_DIMS}"
-    if c.block_size != 128:
-        return False, f"block_size {c.block_size} not supported; supported: 128 (one key block = one MMA tile)"
-    if c.group not in GROUPS:
-        return False, f"group (H / Hp) {c.group} not supported; supported: {GROUPS}"
-    if c.tile_m != 128 or c.threads != 256:
-        return False, "tile_m 128 and threads 256 only (8 warps x 16 rows)"
-    if c.mma not in MMAS:
-        return False, f"mma {c.mma!r} not supported; supported: {MMAS}"
-    if c.mma == "wgmma" and arch != "sm90a":
-        return False, f"mma 'wgmma' is Hopper's warpgroup MMA: sm90a only, not {arch}"
-    if c.stages not in (1, 2):
-        return False, f"stages {c.stages} not supported; supported: 1, 2"
-    if c.smem_bytes() > _MAX_SMEM[arch]:
-        return False, f"needs {c.smem_bytes()} bytes of shared memory, {arch} allows {_MAX_SMEM[arch]}"
-    return True, ""
+    reason = refusal(c, arch, dtype=DTYPES, head_dim=HEAD_DIMS, block_size=(128,), group=GROUPS, tile_m=(128,),
+                     threads=(256,), mma=MMAS, stages=(1, 2),
+                     notes={"block_size": "one key block = one MMA tile", "group": "G = H / Hp",
+                            "tile_m": "8 warps x 16 rows", "threads": "8 warps x 16 rows"})
+    if reason is None and c.mma == "wgmma" and arch != "sm90a":
+        reason = f"mma 'wgmma' is Hopper's warpgroup MMA: sm90a only, not {arch}"
+    return verdict(reason or smem_refusal(c.smem_bytes(), arch))
 
 
 def params(config: Config) -> tuple:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam
 from kernels_src import sparse_bwd
-from kernels_src.spec import ARCHS, BuildSpec, family_spec
+from kernels_src.spec import BuildSpec, family_spec, smem_refusal, verdict
 
 OP = "sparse_kl"
 
@@ -29,9 +29,8 @@ def smem_bytes(config) -> int:
 
 
 def can_implement(config, arch: str) -> tuple[bool, str]:
-    if arch not in ARCHS:
-        return False, f"arch {arch!r} not in {ARCHS}"
-    return sparse_bwd.can_implement(config, arch)
+    ok, reason = sparse_bwd.can_implement(config, arch)  # its smem check is the main backward's
+    return verdict(reason or smem_refusal(smem_bytes(config), arch)) if ok else (ok, reason)
 
 
 def params(config) -> tuple:
