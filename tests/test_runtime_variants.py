@@ -1,0 +1,41 @@
+"""The variants the runtime launches are the ones the build catalogue makes, on every arch and G, and the buffers
+the runtime sizes by its own rules match the kernels' declared ABI. The runtime may not import kernels_src, so
+these rules live on both sides; a drift between them would otherwise show only on a GPU (a missing variant, or a
+buffer the loader refuses)."""
+
+import pytest
+
+from flash_msa_rt.manifest import variant_name
+from flash_msa_rt.ops import select as rt_select
+from flash_msa_rt.ops import sparse_bwd as rt_bwd
+from flash_msa_rt.ops import sparse_fwd as rt_fwd
+from kernels_src import sparse_bwd, sparse_kl
+from kernels_src.catalogue import variants
+
+DTYPES = ("bf16", "f16")
+
+
+@pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
+def test_every_launched_variant_is_in_the_catalogue(arch):
+    built = {s.name for s in variants((arch,))}
+    launched = [("select", rt_select.kernel_config(dt, 128, 128, rt_select.max_k_for(16))) for dt in DTYPES]
+    for dt in DTYPES:
+        for G in rt_fwd.GROUPS:
+            launched += rt_fwd.variants(dt, 128, 128, 128, G, arch) + rt_bwd.variants(dt, 128, 128, 128, G, arch)
+    missing = [variant_name(op, cfg, arch) for op, cfg in launched if variant_name(op, cfg, arch) not in built]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("mma", ["sync", "wgmma"])
+def test_kl_part_columns_are_the_kernels(mma):
+    """The KL pass writes (A, T, L) per key group: 64-key slices x 2 halves on mma.sync, the whole block x 2
+    warpgroups on wgmma. The runtime allocates kl_part from kl_part_groups; the kernel declares its columns."""
+    config = sparse_bwd.MmaConfig(**rt_fwd.kl_config("bf16", 128, 128, 4, mma))
+    kl_part = next(p for p in sparse_kl.params(config) if p.name == "kl_part")
+    assert kl_part.shape[1] == 3 * rt_fwd.kl_part_groups(128, mma)
+
+
+@pytest.mark.parametrize("mma", ["sync", "wgmma"])
+def test_backward_keys_per_cta_agree(mma):
+    assert rt_fwd.tile_n_for(mma, 128) == sparse_bwd.tile_n_for(mma, 128)
+    assert rt_bwd.kernel_config("bf16", 128, 128, 4, mma)["tile_n"] == sparse_bwd.tile_n_for(mma, 128)
