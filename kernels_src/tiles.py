@@ -4,9 +4,9 @@
 - the warp-level MMA (m16n8k16) tiled over warps, and views of its accumulator: rows x columns of one thread,
   and the same registers as the A operand of the next product (register reuse of P);
 - cp.async of 16-byte chunks, and one gathered gmem row into a thread's smem partition;
-- row scalars staged beside a gathered tile: one 4-byte cp.async per (row, scalar) into a small smem table, so the
-  per-row statistics (lse, delta, destinations) are in shared memory when the tile's barrier passes instead of
-  being two dependent global loads after the tile's products;
+- row scalars staged beside a gathered tile: one 4-byte cp.async per (row, scalar) into a small smem table, so a
+  row's statistics (the proxy backward's lse_g, lse_p, kl_grad) are in shared memory when the tile's barrier
+  passes instead of being two dependent global loads after the tile's product;
 - the build entry point's common part: compile on fake arguments and check the traced shared memory;
 - for the wgmma kernels (sm90a): views of the warpgroup MMA accumulator (rows x columns, and as the register A
   operand of the next product).

@@ -33,7 +33,7 @@ class WarpgroupTiles:
     def _check_wg_tiles(self, family: str):
         if self.tile_m != WARPGROUP_ROWS or self.tile_n not in (64, 128) or self.threads != 256:
             raise ValueError(f"{family} wgmma: tile_m {self.tile_m}, tile_n {self.tile_n}, threads {self.threads}; "
-                             f"64, 64 and 256 only (two warpgroups)")
+                             f"tile_m 64, tile_n 64 or 128, threads 256 only (two warpgroups)")
 
     def _wg_mma(self, a_major, b_major, n: int):
         warpgroups = self.threads // 128
