@@ -7,7 +7,7 @@ ones. Measured at 326f92b (results/probe_cudnn_dv_326f92b.json): correct, but th
 plain one ((b) S = 64K: 828 vs 325 ms), as much as the proxy kernel it would replace, so warmup does not use it
 (kernels_src/sparse_kl/NOTES.md).
 
-    python benchmarks/probe_cudnn_dv.py [--seqlen 65536] [--out results.json]
+    python benchmarks/probe_cudnn_dv.py [--seqlens 8192,65536] [--configs a,b,c] [--out results.json]
 """
 
 from __future__ import annotations

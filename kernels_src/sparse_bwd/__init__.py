@@ -106,9 +106,8 @@ def mma_refusal(config, arch: str) -> str | None:
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
-    reason = refusal(c, arch) or mma_refusal(c, arch) or refusal(
-        c, arch, dtype=DTYPES, head_dim=(128,), block_size=(128,), group=GROUPS, tile_m=(64,), tile_n=(64, 128),
-        threads=(256,), stages=(1, 2))
+    reason = refusal(c, arch, dtype=DTYPES, head_dim=(128,), block_size=(128,), group=GROUPS, tile_m=(64,),
+                     tile_n=(64, 128), threads=(256,), stages=(1, 2)) or mma_refusal(c, arch)
     return verdict(reason or smem_refusal(c.smem_bytes(), arch))
 
 
