@@ -81,6 +81,21 @@ def copy_row(gcopy, dtype: cutlass.Constexpr, g_row: cute.Tensor, t_s, t_c, m):
         cute.copy(gcopy, chunks[None, t_c[0, 0, kk][1] // 8], t_s[None, m, kk])
 
 
+@cute.jit
+def load_rows(gcopy, dtype: cutlass.Constexpr, g_rows: cute.Tensor, s_tile: cute.Tensor, r0, n_rows, tidx):
+    """cp.async rows [r0, r0 + rows) of g_rows (n_rows x cols, unit-stride columns) into the swizzled smem tile
+    (rows x cols); rows past n_rows are zero-filled (no garbage, which could be NaN, enters a product)."""
+    thr = gcopy.get_slice(tidx)
+    t_s = thr.partition_D(s_tile)
+    t_c = thr.partition_S(cute.make_identity_tensor((cute.size(s_tile, mode=[0]), cute.size(s_tile, mode=[1]))))
+    for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
+        t = r0 + t_c[0, m, 0][0]
+        if t < n_rows:
+            copy_row(gcopy, dtype, g_rows[t, None], t_s, t_c, m)
+        else:
+            t_s[None, m, None].fill(0)
+
+
 def cp_async_word(dtype):
     """cp.async of one 4-byte element (.ca: the only cache mode cp.async has below 16 bytes)."""
     return cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), dtype,

@@ -9,7 +9,8 @@ from flash_msa_rt.manifest import variant_name
 from flash_msa_rt.ops import select as rt_select
 from flash_msa_rt.ops import sparse_bwd as rt_bwd
 from flash_msa_rt.ops import sparse_fwd as rt_fwd
-from kernels_src import sparse_bwd, sparse_kl
+from flash_msa_rt.ops import warmup_kl as rt_warmup_kl
+from kernels_src import sparse_bwd, sparse_kl, warmup_kl
 from kernels_src.catalogue import variants
 
 DTYPES = ("bf16", "f16")
@@ -24,6 +25,17 @@ def test_every_launched_variant_is_in_the_catalogue(arch):
             launched += rt_fwd.variants(dt, 128, 128, 128, G, arch) + rt_bwd.variants(dt, 128, 128, 128, G, arch)
     missing = [variant_name(op, cfg, arch) for op, cfg in launched if variant_name(op, cfg, arch) not in built]
     assert not missing, missing
+
+
+def test_dense_warmup_kl_variants_are_the_catalogues():
+    """The runtime's dense warmup KL pass launches a built variant for each group it claims (sm90a), and claims
+    exactly the groups the catalogue builds (a group it did not claim would silently keep the slow sparse pass)."""
+    built = {s.name for s in variants(("sm90a",)) if s.op == "warmup_kl"}
+    launched = {variant_name("warmup_kl", rt_warmup_kl.kernel_config(dt, 128, G), "sm90a")
+                for dt in DTYPES for G in rt_warmup_kl.GROUPS}
+    assert launched == built
+    assert rt_warmup_kl.GROUPS == warmup_kl.GROUPS
+    assert not [s for s in variants(("sm100a",)) if s.op == "warmup_kl"]
 
 
 @pytest.mark.parametrize("mma", ["sync", "wgmma"])

@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from flash_msa_rt.errors import FlashMsaError
-from flash_msa_rt.ops import dense_main, dispatch, select, sparse_bwd, sparse_fwd
+from flash_msa_rt.ops import dense_main, dispatch, select, sparse_bwd, sparse_fwd, warmup_kl
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
@@ -115,6 +115,9 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
                                         block_size, scale, grad_out, kl_grad)
 
 
+# Warmup's KL pass runs on the dense kernel where it is built (flash_msa_rt.ops.warmup_kl: sm90a, G <= 4) and on
+# the sparse KL pass over the all-causal selection elsewhere; tests and benchmarks set False to run the latter.
+DENSE_WARMUP_KL = True
 WARMUP_BLOCK = 128  # warmup selects every causal block; any block size gives the same dense causal result
 _INT32_LIMIT = 1 << 31
 
@@ -195,8 +198,11 @@ def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
     except RuntimeError as e:
         _cudnn_refused(q, e)
         return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
-    lse_proxy, kl_rows = sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse, AllCausalBlocks(q_proxy, WARMUP_BLOCK),
-                                                WARMUP_BLOCK, scale)
+    if DENSE_WARMUP_KL and warmup_kl.usable(q_proxy, q) is None:
+        lse_proxy, kl_rows = warmup_kl.warmup_kl_cuda(q_proxy, k_proxy, q, k, lse, scale)
+    else:
+        lse_proxy, kl_rows = sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse,
+                                                    AllCausalBlocks(q_proxy, WARMUP_BLOCK), WARMUP_BLOCK, scale)
     return out, lse, lse_proxy, kl_rows
 
 

@@ -1,0 +1,94 @@
+"""Warmup KL pass: the true KL and the proxy lse of warmup mode over the whole causal prefix (issue 5, item 1).
+
+Warmup mode is MSA with every causal key selected (msa-semantics.md, "Warmup mode"), so every query's keys are the
+contiguous range [0, i]: this pass is query-outer over contiguous tiles, with no plan, no gathered rows and no
+per-slot partials to merge. One CTA per (query tile of 128 rows, proxy head p, batch b), longest tiles first; the
+G main heads' and the proxy's query tiles stay in shared memory while the key tiles stream, and each row's
+(lse_p, KL) is finished in registers and written once (deterministic). kernel.py says how.
+
+Given the main attention's final lse (cuDNN's, in warmup mode), per row i of proxy head p:
+  tau(t) = (1 / G) sum_g exp(s_g(i, t) - lse_g(i)),  lse_p(i) = logsumexp_t s_p(i, t),
+  KL_p(i) = sum_t tau (ln tau - s_p + lse_p)  over t <= i.
+Configs: wgmma (sm90a) only, G <= 4 (the G + 1 resident query tiles take 32 KB each); other groups and arches
+run the sparse KL pass over the all-causal selection (flash_msa_rt.ops.kernels). This module does not import
+cutlass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from kernels_src.spec import BuildSpec, family_spec, refusal, smem_refusal, verdict
+
+OP = "warmup_kl"
+
+DTYPES = ("bf16", "f16")
+GROUPS = (1, 2, 4)
+_ELEM_BYTES = {"bf16": 2, "f16": 2}
+
+
+@dataclass(frozen=True)
+class Config:
+    dtype: str = "bf16"
+    head_dim: int = 128
+    group: int = 4
+    tile_m: int = 128  # queries per CTA: two warpgroups x 64 rows
+    tile_n: int = 64  # keys per step (K and K_p tiles, double buffered)
+    threads: int = 256
+    stages: int = 2
+
+    def variant_name(self, arch: str) -> str:
+        return variant_name(OP, dataclasses.asdict(self), arch)
+
+    def smem_bytes(self) -> int:
+        """The G + 1 resident query tiles (main heads, then the proxy head); K and K_p tiles per stage. Mirrors
+        SharedStorage (1024-aligned)."""
+        e = _ELEM_BYTES[self.dtype]
+        q = _align((self.group + 1) * self.tile_m * self.head_dim * e, 1024)
+        kv = 2 * _align(self.stages * self.tile_n * self.head_dim * e, 1024)
+        return q + kv
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
+    """block_sizes: accepted for the catalogue's common signature; the pass has no key blocks."""
+    dts = tuple(dtypes) if dtypes else DTYPES
+    ds = tuple(head_dims) if head_dims else (128,)
+    return [Config(dtype=dt, head_dim=d, group=g) for dt in dts for d in ds for g in GROUPS]
+
+
+def can_implement(config: Config, arch: str) -> tuple[bool, str]:
+    reason = refusal(config, arch, {"group": "G + 1 query tiles of 32 KB stay in shared memory"}, dtype=DTYPES,
+                     head_dim=(128,), group=GROUPS, tile_m=(128,), tile_n=(64,), threads=(256,), stages=(2,))
+    if reason is None and arch != "sm90a":
+        reason = f"warmup_kl runs on Hopper's warpgroup MMA: sm90a only, not {arch}"
+    return verdict(reason or smem_refusal(config.smem_bytes(), arch))
+
+
+def params(config: Config) -> tuple:
+    c = config
+    bshd = ("i64", "i64", "i64", 1)
+    d = c.head_dim
+    return (
+        TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
+        TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
+        TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", d), bshd, align=16),
+        TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", d), bshd, align=16),
+        TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
+        TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
+        TensorParam("kl_rows", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
+        ScalarParam("scale", "f32"),
+        ScalarParam("hp_per_hk", "i32"),
+        ScalarParam("hp_per_hpk", "i32"),
+    )
+
+
+def build_spec(config: Config, arch: str) -> BuildSpec:
+    return family_spec(OP, config, arch, can_implement, params=params(config),
+                       grid=(f"ceil_div(S, {config.tile_m})", "Hp", "B"),
+                       compile_fn="kernels_src.warmup_kl.kernel:compile", smem_bytes=config.smem_bytes())

@@ -1,0 +1,247 @@
+"""Warmup KL pass (CuTeDSL, wgmma, sm90a): query-outer over contiguous tiles, every causal key.
+
+Per CTA: 128 queries of (b, proxy head p); two warpgroups own 64 rows each against every key of a step.
+  1. cp.async loads the G main heads' query tiles q[b, m0:m0+128, p*G + g] and the proxy's q_proxy[b, ..., p]
+     once (resident: G + 1 tiles of 32 KB), with the first K / K_p tiles of 64 keys (kv head p // (Hp/Hk), proxy
+     key head p // (Hp/Hpk)); the next step's K / K_p load while this step runs (two stages);
+  2. per key tile: the G + 1 products S_g = Q_g K^T, then S_p = Q_p K_p^T, on wgmma m64n64k16, software
+     pipelined: product n + 1 is issued before product n's exponentials run (two accumulators), so the tensor
+     cores and the MUFU work overlap inside a warpgroup;
+  3. tau_sum = sum_g exp2(s_g scale log2e - lse_g log2e) in registers; then, per row and in log2 units, an online
+     log-sum-exp2 of s_p, A += tau_sum (log2 tau_sum - s_p) and T += tau_sum over the causal keys;
+  4. at the end: lse_p = ln 2 (max + log2 sum); with tau = tau_sum / G,
+     sum_t tau (log2 tau - s_p) = (A - T log2 G) / G, and KL = ln 2 * that + lse_p * T / G
+     (sum tau = 1 up to rounding; kept exact, as the sparse pass's combine_kl_lse does).
+Only key tiles that reach past the tile's first query are masked (t > i); rows and keys past S are zero-filled
+(their P is exactly what the mask or the unstored row makes of it).
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+
+from kernels_src.spec import Compiled
+from kernels_src.tiles import (WARPGROUP_ROWS, compile_tile_kernel, cp_async_rows, load_rows, smem_tile,
+                               wg_acc_rows_cols)
+
+_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_FLT_MIN = 1.1754943508222875e-38  # tau_sum is a sum of normal exp2.ftz results or exactly 0
+
+
+class WarmupKL:
+    def __init__(self, config):
+        self.cfg = config
+        self.dtype = _DTYPES[config.dtype]
+        self.head_dim = config.head_dim
+        self.group = config.group
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.threads = config.threads
+        self.stages = config.stages
+        if self.tile_m != 2 * WARPGROUP_ROWS or self.threads != 256:
+            raise ValueError(f"warmup_kl: tile_m {self.tile_m}, threads {self.threads}; 128 and 256 only")
+        self.traced: dict = {}
+
+    def _score_mma(self):
+        """Two warpgroups tile M (64 rows each) against all tile_n keys: a row's keys stay in one quad."""
+        k_major = warpgroup.OperandMajorMode.K
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, k_major, k_major, cutlass.Float32,
+                                                 (self.tile_m // WARPGROUP_ROWS, 1, 1),
+                                                 (WARPGROUP_ROWS, self.tile_n))
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
+                 lse: cute.Tensor, lse_proxy: cute.Tensor, kl_rows: cute.Tensor, scale: cutlass.Float32,
+                 hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+        l_q = smem_tile(self.dtype, (self.tile_m, self.head_dim, self.group + 1))
+        l_k = smem_tile(self.dtype, (self.tile_n, self.head_dim, self.stages))
+
+        @cute.struct
+        class SharedStorage:
+            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_q)], 1024]
+            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
+            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
+
+        self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
+        self.kernel(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_rows, scale, hp_per_hk, hp_per_hpk, l_q, l_k,
+                    cp_async_rows(self.dtype, self.head_dim, self.threads), SharedStorage).launch(
+            grid=(cute.ceil_div(q.shape[1], self.tile_m), q_proxy.shape[2], q.shape[0]),
+            block=(self.threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
+
+    @cute.kernel
+    def kernel(self, q, k, q_proxy, k_proxy, lse, lse_proxy, kl_rows, scale: cutlass.Float32,
+               hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, l_q: cute.ComposedLayout,
+               l_k: cute.ComposedLayout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_rev, p, b = cute.arch.block_idx()
+        n_qtiles, _, _ = cute.arch.grid_dim()
+        # Causal work grows with the tile index: the longest tiles go first so they do not form the tail.
+        m0 = (n_qtiles - 1 - tile_rev) * self.tile_m
+        seqlen = q.shape[1]
+        n_steps = (cutlass.min(m0 + self.tile_m, seqlen) - 1) // self.tile_n + 1
+        first_masked = m0 // self.tile_n  # key tiles from here hold keys t > m0, the tile's first query
+        kv, pk = p // hp_per_hk, p // hp_per_hpk
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        s_q = storage.s_q.get_tensor(l_q.outer, swizzle=l_q.inner)
+        s_k = storage.s_k.get_tensor(l_k.outer, swizzle=l_k.inner)
+        s_kp = storage.s_kp.get_tensor(l_k.outer, swizzle=l_k.inner)
+
+        for g in cutlass.range_constexpr(self.group):
+            load_rows(gcopy, self.dtype, q[b, None, p * self.group + g, None], s_q[None, None, g], m0, seqlen, tidx)
+        load_rows(gcopy, self.dtype, q_proxy[b, None, p, None], s_q[None, None, self.group], m0, seqlen, tidx)
+        self.load_keys(gcopy, k, k_proxy, s_k, s_kp, b, kv, pk, 0, seqlen, tidx)
+
+        mma = self._score_mma()
+        thr = mma.get_slice(tidx)
+        acc_shape = thr.partition_shape_C((self.tile_m, self.tile_n))
+        accs = (cute.make_rmem_tensor(acc_shape, cutlass.Float32), cute.make_rmem_tensor(acc_shape, cutlass.Float32))
+        tau = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        tau_mn = wg_acc_rows_cols(tau)
+        coord = wg_acc_rows_cols(thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        rows = cute.size(tau_mn, mode=[0])
+        cols = cute.size(tau_mn, mode=[1])
+        scale_log2 = scale * _LOG2E
+
+        # Per row: lse_g in log2 units (rows past S: +inf, so their P is 0), and the running statistics.
+        lse2 = cute.make_rmem_tensor((rows, self.group), cutlass.Float32)
+        row_max = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        a_sum = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        t_sum = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        for r in cutlass.range_constexpr(rows):
+            i = m0 + coord[r, 0][0]
+            for g in cutlass.range_constexpr(self.group):
+                lse2[r, g] = cutlass.Float32.inf
+                if i < seqlen:
+                    lse2[r, g] = lse[b, p * self.group + g, i] * _LOG2E
+            row_max[r] = -cutlass.Float32.inf
+            row_sum[r] = 0.0
+            a_sum[r] = 0.0
+            t_sum[r] = 0.0
+
+        for step in cutlass.range(n_steps, unroll=1):
+            if step + 1 < n_steps:
+                self.load_keys(gcopy, k, k_proxy, s_k, s_kp, b, kv, pk, step + 1, seqlen, tidx)
+            else:
+                cute.arch.cp_async_commit_group()  # keeps the group count: wait_group(1) below
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.fence_view_async_shared()  # cp.async writes -> wgmma's async-proxy reads
+            cute.arch.sync_threads()
+
+            stage = step % self.stages
+            t0 = step * self.tile_n
+            # Products n = 0 .. G - 1: S_g = Q_g K^T; n = G: S_p = Q_p K_p^T. Product n + 1 runs while product
+            # n's exponentials do.
+            self.issue(accs[0], s_q[None, None, 0], s_k[None, None, stage], tidx)
+            for n in cutlass.range_constexpr(self.group + 1):
+                if cutlass.const_expr(n + 1 < self.group):
+                    self.issue(accs[(n + 1) % 2], s_q[None, None, n + 1], s_k[None, None, stage], tidx)
+                elif cutlass.const_expr(n + 1 == self.group):
+                    self.issue(accs[(n + 1) % 2], s_q[None, None, self.group], s_kp[None, None, stage], tidx)
+                warpgroup.wait_group(1 if n < self.group else 0)
+                s_mn = wg_acc_rows_cols(accs[n % 2])
+                if cutlass.const_expr(n < self.group):
+                    for r in cutlass.range_constexpr(rows):
+                        for c in cutlass.range_constexpr(cols):
+                            e = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r, n], fastmath=True)
+                            if cutlass.const_expr(n == 0):
+                                tau_mn[r, c] = e
+                            else:
+                                tau_mn[r, c] += e
+                else:
+                    self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0,
+                                         step >= first_masked, scale_log2)
+            # Every warp is past its reads of this stage before the load two steps on overwrites it.
+            cute.arch.sync_threads()
+
+        quad_lane = tidx % 4
+        log2_g = math.log2(self.group)
+        for r in cutlass.range_constexpr(rows):
+            s, a, t = row_sum[r], a_sum[r], t_sum[r]
+            for off in cutlass.range_constexpr(2):
+                s += cute.arch.shuffle_sync_bfly(s, offset=2 >> off)
+                a += cute.arch.shuffle_sync_bfly(a, offset=2 >> off)
+                t += cute.arch.shuffle_sync_bfly(t, offset=2 >> off)
+            i = m0 + coord[r, 0][0]
+            if i < seqlen and quad_lane == 0:
+                lse_p = (row_max[r] + cute.math.log2(s, fastmath=True)) * _LN2
+                kl = cutlass.Float32(0.0)
+                if t > 0.0:
+                    kl = ((a - t * log2_g) * _LN2 + lse_p * t) * (1.0 / self.group)
+                lse_proxy[b, p, i] = lse_p
+                kl_rows[b, p, i] = kl
+
+    @cute.jit
+    def load_keys(self, gcopy, k, k_proxy, s_k, s_kp, b, kv, pk, step, seqlen, tidx):
+        """cp.async key tile `step` of K and K_p into stage step % stages, as one group (rows past S: zeros)."""
+        stage = step % self.stages
+        t0 = step * self.tile_n
+        load_rows(gcopy, self.dtype, k[b, None, kv, None], s_k[None, None, stage], t0, seqlen, tidx)
+        load_rows(gcopy, self.dtype, k_proxy[b, None, pk, None], s_kp[None, None, stage], t0, seqlen, tidx)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def issue(self, acc, s_a, s_b, tidx):
+        """acc = A B^T (fp32, unscaled) issued as one wgmma commit group, not waited for. The MMA is made here: its
+        accumulate flag is per-step state that must not outlive this call."""
+        mma = self._score_mma()
+        thr = mma.get_slice(tidx)
+        t_ra = thr.make_fragment_A(thr.partition_A(s_a))
+        t_rb = thr.make_fragment_B(thr.partition_B(s_b))
+        warpgroup.fence()
+        for kk in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
+            mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
+            cute.gemm(mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def proxy_row_stats(self, s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, masked, scale_log2):
+        """Fold this key tile's proxy scores and tau_sum into each row's running (max, sum) of exp2(s_p) and its
+        A, T sums (log2 units). In masked tiles keys t > i drop out of all of them."""
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            key_limit = self.tile_n  # past every column: nothing masked
+            if masked:
+                key_limit = m0 + coord[r, 0][0] - t0
+            tile_max = -cutlass.Float32.inf
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                sp2 = s_mn[r, c] * scale_log2
+                s_mn[r, c] = sp2
+                if coord[0, c][1] <= key_limit:
+                    tile_max = cute.arch.fmax(tile_max, sp2)
+                else:
+                    tau_mn[r, c] = 0.0
+            tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=2))
+            tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=1))
+            # Every row sees key 0 at step 0 (rows past S see every key), so new_max is finite from there on.
+            new_max = cute.arch.fmax(row_max[r], tile_max)
+            part = cutlass.Float32(0.0)
+            a = cutlass.Float32(0.0)
+            t = cutlass.Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                sp2 = s_mn[r, c]
+                if coord[0, c][1] <= key_limit:
+                    part += cute.math.exp2(sp2 - new_max, fastmath=True)
+                ts = tau_mn[r, c]
+                # ts = 0 (masked, or underflowed): 0 * finite = 0, as the contract's "tau = 0 contributes 0".
+                a += ts * (cute.math.log2(cute.arch.fmax(ts, _FLT_MIN), fastmath=True) - sp2)
+                t += ts
+            row_sum[r] = row_sum[r] * cute.math.exp2(row_max[r] - new_max, fastmath=True) + part
+            row_max[r] = new_max
+            a_sum[r] += a
+            t_sum[r] += t
+
+
+def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
+    from kernels_src.warmup_kl import params
+
+    kernel = WarmupKL(config)
+    return compile_tile_kernel(kernel, config, arch, params(config), config.smem_bytes())

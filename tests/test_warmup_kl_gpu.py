@@ -1,0 +1,108 @@
+"""The dense warmup KL pass (kernels_src.warmup_kl, flash_msa_rt.ops.warmup_kl) on the H200: lse_proxy and kl_rows
+against the float64 reference on the reference's own main lse, with the tolerance of the same computation in
+float32 (4x, plus the statistics' atol); odd S including partial tiles, G in {1, 2, 4}, GQA main heads and shared
+proxy keys; large logits; and the same results as the sparse KL pass over the all-causal selection."""
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# (B, S, H, Hk, Hp, Hpk): G = H / Hp in {1, 2, 4}
+SHAPES = [
+    (1, 1, 4, 1, 1, 1),
+    (1, 63, 4, 4, 4, 1),
+    (2, 129, 8, 2, 4, 2),
+    (1, 700, 8, 2, 2, 1),
+    (2, 1537, 8, 8, 8, 1),
+    (1, 2049, 16, 4, 4, 4),
+]
+
+
+def _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed, std=1.0, D=128):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, device="cuda", generator=g) * std).to(dtype)
+
+    return rnd(B, S, Hp, D), rnd(B, S, Hpk, D), rnd(B, S, H, D), rnd(B, S, Hk, D), rnd(B, S, Hk, D)
+
+
+def _reference(qp, kp, q, k, v, scale, dt):
+    from flash_msa_rt import reference
+
+    return reference.warmup_forward(*(t.to(dt) for t in (qp, kp, q, k, v)), scale)
+
+
+def test_the_dense_pass_is_usable_here():
+    """On the H200 with the default artifacts, warmup's KL runs on the dense kernel for every group it is built for
+    (else the tests below would test nothing new)."""
+    from flash_msa_rt.ops import warmup_kl
+
+    for G in warmup_kl.GROUPS:
+        for dtype in (torch.bfloat16, torch.float16):
+            q = torch.empty(1, 1, 4 * G, 128, device="cuda", dtype=dtype)
+            assert warmup_kl.usable(torch.empty(1, 1, 4, 128, device="cuda", dtype=dtype), q) is None
+    assert "G" in warmup_kl.usable(torch.empty(1, 1, 1, 128, device="cuda"), torch.empty(1, 1, 8, 128,
+                                                                                          device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_H{}_Hk{}_Hp{}_Hpk{}".format(*s))
+def test_dense_warmup_kl_matches_reference(shape, dtype):
+    from flash_msa_rt.ops import warmup_kl
+    from tests.oracle import assert_close, dtype_error
+
+    B, S, H, Hk, Hp, Hpk = shape
+    qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=S + H)
+    scale = 128 ** -0.5
+    want = _reference(qp, kp, q, k, v, scale, torch.float64)
+    base = _reference(qp, kp, q, k, v, scale, torch.float32)
+    got = warmup_kl.warmup_kl_cuda(qp, kp, q, k, want[1].float(), scale)
+    for name, g_, w_, b_ in zip(("lse_proxy", "kl_rows"), got, want[2:], base[2:]):
+        assert_close(name, g_, w_, dtype_error(w_, b_), factor=4.0, atol=1e-5 * max(1.0, w_.abs().max().item()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_warmup_kl_large_logits(dtype):
+    """Inputs of standard deviation 6 (fp16) / 30 (bf16) per element: logits with standard deviations in the
+    hundreds, rows whose tau sits on one key, large per-row shifts. Finite, and within 4x the float32
+    computation's error of float64: a relative error e of tau costs e * |ln tau - ln pi| in KL, so at KL values
+    in the thousands float32 itself is off by about 1."""
+    from flash_msa_rt.ops import warmup_kl
+    from tests.oracle import assert_close, dtype_error
+
+    B, S, H, Hk, Hp, Hpk = 1, 777, 8, 2, 2, 1
+    std = 30.0 if dtype == torch.bfloat16 else 6.0
+    qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=5, std=std)
+    scale = 128 ** -0.5
+    want = _reference(qp, kp, q, k, v, scale, torch.float64)
+    base = _reference(qp, kp, q, k, v, scale, torch.float32)
+    got = warmup_kl.warmup_kl_cuda(qp, kp, q, k, want[1].float(), scale)
+    for name, g_, w_, b_ in zip(("lse_proxy", "kl_rows"), got, want[2:], base[2:]):
+        assert torch.isfinite(g_).all(), name
+        assert_close(name, g_, w_, dtype_error(w_, b_), factor=4.0, atol=1e-5 * max(1.0, w_.abs().max().item()))
+
+
+def test_dense_and_sparse_passes_agree():
+    """The warmup forward with the dense pass and with the sparse pass over the all-causal selection (what runs
+    where the dense one is not built): the same statistics up to float32 summation order."""
+    from flash_msa_rt.ops import dispatch, kernels
+
+    B, S, H, Hk, Hp, Hpk = 2, 3000, 16, 4, 4, 1
+    qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, torch.bfloat16, seed=9)
+    scale = 128 ** -0.5
+    impl = dispatch.implementation("warmup_forward", torch.device("cuda"), torch.bfloat16, head_dim=128,
+                                   proxy_head_dim=128, block_size=None, group=H // Hp, kv_group=H // Hk, varlen=False)
+    dense = impl(qp, kp, q, k, v, scale)
+    try:
+        kernels.DENSE_WARMUP_KL = False
+        sparse = impl(qp, kp, q, k, v, scale)
+    finally:
+        kernels.DENSE_WARMUP_KL = True
+    for name, d, s in zip(("lse_proxy", "kl_rows"), dense[2:], sparse[2:]):
+        err = (d - s).abs().max().item()
+        assert err <= 1e-4 * max(1.0, s.abs().max().item()), (name, err)
