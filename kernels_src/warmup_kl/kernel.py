@@ -9,9 +9,11 @@ Per CTA: 128 queries of (b, proxy head p); two warpgroups own 64 rows each again
      cores and the MUFU work overlap inside a warpgroup;
   3. tau_sum = sum_g exp2(s_g scale log2e - lse_g log2e) in registers; then, per row and in log2 units, an online
      log-sum-exp2 of s_p, A += tau_sum (log2 tau_sum - s_p) and T += tau_sum over the causal keys;
-  4. at the end: lse_p = ln 2 (max + log2 sum); with tau = tau_sum / G,
-     sum_t tau (log2 tau - s_p) = (A - T log2 G) / G, and KL = ln 2 * that + lse_p * T / G
-     (sum tau = 1 up to rounding; kept exact, as the sparse pass's combine_kl_lse does).
+  4. at the end: lse_p = ln 2 (max + log2 sum), and KL with tau renormalised by its computed sum T (which is
+     G up to rounding): tau^ = tau_sum / T, sum_t tau^ (log2 tau^ - s_p) = A / T - log2 T, so
+     KL = ln 2 (A / T - log2 T) + lse_p. The renormalisation is exact math; numerically it cancels the part of
+     lse_g's fp32 rounding that every key of a row shares, which at large logits (|lse| in the thousands) is
+     the largest error: a relative error e of tau costs e |ln tau - ln pi| in KL.
 Only key tiles that reach past the tile's first query are masked (t > i); rows and keys past S are zero-filled
 (their P is exactly what the mask or the unstored row makes of it).
 """
@@ -150,21 +152,19 @@ class WarmupKL:
                 warpgroup.wait_group(1 if n < self.group else 0)
                 s_mn = wg_acc_rows_cols(accs[n % 2])
                 if cutlass.const_expr(n < self.group):
-                    for r in cutlass.range_constexpr(rows):
-                        for c in cutlass.range_constexpr(cols):
-                            e = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r, n], fastmath=True)
-                            if cutlass.const_expr(n == 0):
-                                tau_mn[r, c] = e
-                            else:
-                                tau_mn[r, c] += e
+                    self.accumulate_tau(s_mn, tau_mn, lse2, n, scale_log2)
                 else:
-                    self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0,
-                                         step >= first_masked, scale_log2)
+                    # Two copies: tiles below the diagonal (most of them) skip the causal mask's compares.
+                    if step >= first_masked:
+                        self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, scale_log2,
+                                             True)
+                    else:
+                        self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, scale_log2,
+                                             False)
             # Every warp is past its reads of this stage before the load two steps on overwrites it.
             cute.arch.sync_threads()
 
         quad_lane = tidx % 4
-        log2_g = math.log2(self.group)
         for r in cutlass.range_constexpr(rows):
             s, a, t = row_sum[r], a_sum[r], t_sum[r]
             for off in cutlass.range_constexpr(2):
@@ -176,7 +176,7 @@ class WarmupKL:
                 lse_p = (row_max[r] + cute.math.log2(s, fastmath=True)) * _LN2
                 kl = cutlass.Float32(0.0)
                 if t > 0.0:
-                    kl = ((a - t * log2_g) * _LN2 + lse_p * t) * (1.0 / self.group)
+                    kl = (a * cute.arch.rcp_approx(t) - cute.math.log2(t, fastmath=True)) * _LN2 + lse_p
                 lse_proxy[b, p, i] = lse_p
                 kl_rows[b, p, i] = kl
 
@@ -204,18 +204,30 @@ class WarmupKL:
         warpgroup.commit_group()
 
     @cute.jit
-    def proxy_row_stats(self, s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, masked, scale_log2):
+    def accumulate_tau(self, s_mn, tau_mn, lse2, g: cutlass.Constexpr, scale_log2):
+        """tau_sum (=, at g = 0, else +=) exp2(s_g scale log2e - lse_g log2e); causal masking comes later, once."""
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                e = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r, g], fastmath=True)
+                if cutlass.const_expr(g == 0):
+                    tau_mn[r, c] = e
+                else:
+                    tau_mn[r, c] += e
+
+    @cute.jit
+    def proxy_row_stats(self, s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, scale_log2,
+                        masked: cutlass.Constexpr):
         """Fold this key tile's proxy scores and tau_sum into each row's running (max, sum) of exp2(s_p) and its
         A, T sums (log2 units). In masked tiles keys t > i drop out of all of them."""
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            key_limit = self.tile_n  # past every column: nothing masked
-            if masked:
-                key_limit = m0 + coord[r, 0][0] - t0
+            key_limit = m0 + coord[r, 0][0] - t0
             tile_max = -cutlass.Float32.inf
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 sp2 = s_mn[r, c] * scale_log2
                 s_mn[r, c] = sp2
-                if coord[0, c][1] <= key_limit:
+                if cutlass.const_expr(not masked):
+                    tile_max = cute.arch.fmax(tile_max, sp2)
+                elif coord[0, c][1] <= key_limit:
                     tile_max = cute.arch.fmax(tile_max, sp2)
                 else:
                     tau_mn[r, c] = 0.0
@@ -228,7 +240,9 @@ class WarmupKL:
             t = cutlass.Float32(0.0)
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 sp2 = s_mn[r, c]
-                if coord[0, c][1] <= key_limit:
+                if cutlass.const_expr(not masked):
+                    part += cute.math.exp2(sp2 - new_max, fastmath=True)
+                elif coord[0, c][1] <= key_limit:
                     part += cute.math.exp2(sp2 - new_max, fastmath=True)
                 ts = tau_mn[r, c]
                 # ts = 0 (masked, or underflowed): 0 * finite = 0, as the contract's "tau = 0 contributes 0".
