@@ -1,9 +1,11 @@
-"""Warmup mode's KL pass alone: the dense kernel (flash_msa_rt.ops.warmup_kl) against the sparse KL pass over the
-all-causal selection (sparse_fwd.msa_kl_cuda, what ran before it and still runs where the dense one is not built)
-and cuDNN's dense causal forward, on the same inputs in one run. B*S = 128K tokens, bf16, D = Dp = 128.
+"""Warmup mode's proxy kernels alone: the dense KL pass and proxy backward (flash_msa_rt.ops.warmup_kl) against
+the sparse kernels over the all-causal selection (sparse_fwd.msa_kl_cuda, sparse_bwd.proxy_backward_cuda: what ran
+before them and still runs where they are not built) and cuDNN's dense causal forward and backward, on the same
+inputs in one run. B*S = 128K tokens, bf16, D = Dp = 128.
 
-FLOPs: 2*D*H*B*S*(S+1)/2 (the G main heads' scores) + 2*Dp*Hp*B*S*(S+1)/2 (the proxy's).
-Usage: python benchmarks/bench_warmup_kl.py [--configs a,b,c] [--seqlens 8192,65536] [--out PATH]
+FLOPs per causal (b, p, i, t <= i) pair: KL pass 2*(D*G + Dp) (the G heads' scores and the proxy's), proxy
+backward 2*(D*G + 3*Dp) (plus dq_p and dk_p); totals over B*Hp*S*(S+1)/2 pairs.
+Usage: python benchmarks/bench_warmup_kl.py [--configs a,b,c] [--seqlens 8192,65536] [--no-sparse] [--out NAME]
 """
 
 import argparse
@@ -17,50 +19,69 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
 from benchmarks.common import cuda_time_ms, write_results  # noqa: E402
 
-FLOPS = "2*D*H*B*S*(S+1)/2 + 2*Dp*Hp*B*S*(S+1)/2"
+FLOPS = {"kl": "2*(D*H + Dp*Hp)*B*S*(S+1)/2", "proxy_bwd": "2*(D*H + 3*Dp*Hp)*B*S*(S+1)/2"}
 
 
 def main(argv=None):
-    from flash_msa_rt.ops import dense_main, sparse_fwd, warmup_kl
+    from flash_msa_rt.ops import dense_main, sparse_bwd, sparse_fwd, warmup_kl
     from flash_msa_rt.ops.kernels import WARMUP_BLOCK, AllCausalBlocks
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="a,b,c")
     p.add_argument("--seqlens", default="8192,65536")
     p.add_argument("--sparse", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the sparse KL pass (slow at long S)")
+                   help="also time the sparse kernels over the all-causal selection (slow at long S)")
     p.add_argument("--out", default="warmup_kl")
     args = p.parse_args(argv)
     rows = []
-    print(f"FLOPs = {FLOPS}")
-    print(f"{'cfg':>3} {'S':>6} {'B':>2} {'dense KL ms':>11} {'TFLOP/s':>8} {'sparse KL ms':>12} {'speedup':>7} "
-          f"{'cuDNN fwd ms':>12} {'KL/cuDNN':>8}")
+    print(f"FLOPs: KL pass {FLOPS['kl']}, proxy backward {FLOPS['proxy_bwd']}")
+    print(f"{'cfg':>3} {'S':>6} {'B':>2} | {'KL ms':>7} {'TFLOP/s':>7} {'sparse':>7} {'cuDNN fwd':>9} | "
+          f"{'bwd ms':>7} {'TFLOP/s':>7} {'sparse':>7} {'cuDNN bwd':>9}")
+    nan = float("nan")
     for cfg in args.configs.split(","):
         for S in (int(s) for s in args.seqlens.split(",")):
             x = random_problem(cfg, S)
             B, H, Hp, D, scale = x["B"], x["H"], x["Hp"], x["D"], x["scale"]
             qp, kp, q, k, v = (x[n] for n in ("qp", "kp", "q", "k", "v"))
-            flops = 2 * D * (H + Hp) * B * S * (S + 1) / 2
-            _, lse = dense_main.dense_forward(q, k, v, scale)
-            cudnn = cuda_time_ms(lambda: dense_main.dense_forward(q, k, v, scale), warmup=2, reps=5)
-            row = dict(config=cfg, S=S, B=B, H=H, Hp=Hp, G=H // Hp, flops=flops, cudnn_fwd_ms=cudnn)
-            why = warmup_kl.usable(qp, q)
-            if why is None:
-                dense = cuda_time_ms(lambda: warmup_kl.warmup_kl_cuda(qp, kp, q, k, lse, scale), warmup=2, reps=5)
-                row.update(dense_kl_ms=dense, dense_kl_tflops=flops / dense / 1e9)
-            else:
-                row.update(dense_kl_ms=None, dense_kl_not_run=why)
+            pairs = B * S * (S + 1) / 2
+            flops = {"kl": 2 * D * (H + Hp) * pairs, "proxy_bwd": 2 * D * (H + 3 * Hp) * pairs}
+            out, lse = dense_main.dense_forward(q, k, v, scale)
+            go = torch.randn_like(q)
+            klg = torch.full((B, Hp, S), 1.0 / (B * Hp * S), device=q.device)
+            row = dict(config=cfg, S=S, B=B, H=H, Hp=Hp, G=H // Hp, flops=flops,
+                       cudnn_fwd_ms=cuda_time_ms(lambda: dense_main.dense_forward(q, k, v, scale), warmup=2, reps=5),
+                       cudnn_bwd_ms=cuda_time_ms(lambda: dense_main.dense_backward(q, k, v, out, lse, go, scale),
+                                                 warmup=1, reps=3))
+            lse_p = None
+            for name, fn in (("kl", lambda: warmup_kl.warmup_kl_cuda(qp, kp, q, k, lse, scale)),
+                             ("proxy_bwd", lambda: warmup_kl.warmup_proxy_backward_cuda(qp, kp, q, k, lse, lse_p,
+                                                                                         scale, klg))):
+                op = "warmup_kl" if name == "kl" else "warmup_bwd_proxy"
+                why = warmup_kl.usable(qp, q, op)
+                if why is None:
+                    if name == "kl":
+                        lse_p = fn()[0]
+                    t = cuda_time_ms(fn, warmup=2, reps=5)
+                    row.update({f"dense_{name}_ms": t, f"dense_{name}_tflops": flops[name] / t / 1e9})
+                else:
+                    row.update({f"dense_{name}_ms": None, f"dense_{name}_not_run": why})
             if args.sparse:
                 sel = AllCausalBlocks(qp, WARMUP_BLOCK)
-                sparse = cuda_time_ms(lambda: sparse_fwd.msa_kl_cuda(qp, kp, q, k, lse, sel, WARMUP_BLOCK, scale),
-                                      warmup=1, reps=3)
-                row.update(sparse_kl_ms=sparse)
+                row["sparse_kl_ms"] = cuda_time_ms(
+                    lambda: sparse_fwd.msa_kl_cuda(qp, kp, q, k, lse, sel, WARMUP_BLOCK, scale), warmup=1, reps=3)
+                if lse_p is None:
+                    lse_p = sparse_fwd.msa_kl_cuda(qp, kp, q, k, lse, sel, WARMUP_BLOCK, scale)[0]
+                row["sparse_proxy_bwd_ms"] = cuda_time_ms(
+                    lambda: sparse_bwd.proxy_backward_cuda(qp, kp, q, k, lse, lse_p, sel, WARMUP_BLOCK, scale, klg),
+                    warmup=1, reps=3)
             rows.append(row)
-            d, s = row.get("dense_kl_ms"), row.get("sparse_kl_ms")
-            print(f"{cfg:>3} {S:>6} {B:>2} {d or float('nan'):11.2f} {flops / d / 1e9 if d else float('nan'):8.1f} "
-                  f"{s or float('nan'):12.2f} {(s / d) if d and s else float('nan'):7.2f} {cudnn:12.2f} "
-                  f"{(d / cudnn) if d else float('nan'):8.2f}", flush=True)
-            del x, qp, kp, q, k, v, lse
+            g = row.get
+            dk, db = g("dense_kl_ms"), g("dense_proxy_bwd_ms")
+            print(f"{cfg:>3} {S:>6} {B:>2} | {dk or nan:7.2f} {g('dense_kl_tflops') or nan:7.1f} "
+                  f"{g('sparse_kl_ms') or nan:7.2f} {row['cudnn_fwd_ms']:9.2f} | {db or nan:7.2f} "
+                  f"{g('dense_proxy_bwd_tflops') or nan:7.1f} {g('sparse_proxy_bwd_ms') or nan:7.2f} "
+                  f"{row['cudnn_bwd_ms']:9.2f}", flush=True)
+            del x, qp, kp, q, k, v, lse, out, go
             torch.cuda.empty_cache()
     write_results(args.out, dict(flops=FLOPS, rows=rows))
 

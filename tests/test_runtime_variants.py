@@ -27,15 +27,16 @@ def test_every_launched_variant_is_in_the_catalogue(arch):
     assert not missing, missing
 
 
-def test_dense_warmup_kl_variants_are_the_catalogues():
-    """The runtime's dense warmup KL pass launches a built variant for each group it claims (sm90a), and claims
-    exactly the groups the catalogue builds (a group it did not claim would silently keep the slow sparse pass)."""
-    built = {s.name for s in variants(("sm90a",)) if s.op == "warmup_kl"}
-    launched = {variant_name("warmup_kl", rt_warmup_kl.kernel_config(dt, 128, G), "sm90a")
-                for dt in DTYPES for G in rt_warmup_kl.GROUPS}
-    assert launched == built
+def test_dense_warmup_variants_are_the_catalogues():
+    """The runtime's dense warmup KL pass and proxy backward launch a built variant for each group they claim
+    (sm90a), and claim exactly the groups the catalogue builds (a group not claimed would silently keep the slow
+    sparse kernels)."""
+    for op, config in (("warmup_kl", rt_warmup_kl.kernel_config), ("warmup_bwd_proxy", rt_warmup_kl.backward_config)):
+        built = {s.name for s in variants(("sm90a",)) if s.op == op}
+        launched = {variant_name(op, config(dt, 128, G), "sm90a") for dt in DTYPES for G in rt_warmup_kl.GROUPS}
+        assert launched == built, op
+        assert not [s for s in variants(("sm100a",)) if s.op == op]
     assert rt_warmup_kl.GROUPS == warmup_kl.GROUPS
-    assert not [s for s in variants(("sm100a",)) if s.op == "warmup_kl"]
 
 
 @pytest.mark.parametrize("mma", ["sync", "wgmma"])

@@ -1,7 +1,9 @@
-"""The dense warmup KL pass (kernels_src.warmup_kl, flash_msa_rt.ops.warmup_kl) on the H200: lse_proxy and kl_rows
-against the float64 reference on the reference's own main lse, with the tolerance of the same computation in
-float32 (4x, plus the statistics' atol); odd S including partial tiles, G in {1, 2, 4}, GQA main heads and shared
-proxy keys; large logits; and the same results as the sparse KL pass over the all-causal selection."""
+"""The dense warmup proxy kernels on the H200: the KL pass (kernels_src.warmup_kl) and the proxy backward
+(kernels_src.warmup_bwd_proxy), both behind flash_msa_rt.ops.warmup_kl. lse_proxy, kl_rows, dq_proxy and dk_proxy
+against the float64 reference on the reference's own main statistics, with the tolerance of the same computation
+in float32 (4x; the gradients also their rounding to the input dtype; plus an atol); odd S including partial
+tiles, G in {1, 2, 4}, GQA main heads and shared proxy keys; large logits; and the same results as the sparse
+kernels over the all-causal selection."""
 
 import pytest
 import torch
@@ -45,7 +47,8 @@ def test_the_dense_pass_is_usable_here():
     for G in warmup_kl.GROUPS:
         for dtype in (torch.bfloat16, torch.float16):
             q = torch.empty(1, 1, 4 * G, 128, device="cuda", dtype=dtype)
-            assert warmup_kl.usable(torch.empty(1, 1, 4, 128, device="cuda", dtype=dtype), q) is None
+            for op in ("warmup_kl", "warmup_bwd_proxy"):
+                assert warmup_kl.usable(torch.empty(1, 1, 4, 128, device="cuda", dtype=dtype), q, op) is None
     assert "G" in warmup_kl.usable(torch.empty(1, 1, 1, 128, device="cuda"), torch.empty(1, 1, 8, 128,
                                                                                           device="cuda"))
 
@@ -64,6 +67,52 @@ def test_dense_warmup_kl_matches_reference(shape, dtype):
     got = warmup_kl.warmup_kl_cuda(qp, kp, q, k, want[1].float(), scale)
     for name, g_, w_, b_ in zip(("lse_proxy", "kl_rows"), got, want[2:], base[2:]):
         assert_close(name, g_, w_, dtype_error(w_, b_), factor=4.0, atol=1e-5 * max(1.0, w_.abs().max().item()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_H{}_Hk{}_Hp{}_Hpk{}".format(*s))
+def test_dense_warmup_proxy_backward_matches_reference(shape, dtype):
+    from flash_msa_rt import reference
+    from flash_msa_rt.ops import warmup_kl
+    from tests.oracle import assert_close, dtype_error
+
+    B, S, H, Hk, Hp, Hpk = shape
+    qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=S + 2 * H)
+    scale = 128 ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(S + 3)
+    go = torch.randn(q.shape, device="cuda", generator=g).to(dtype)
+    klg = torch.rand(B, Hp, S, device="cuda", generator=g) + 0.5
+    grads = {}
+    for dt in (torch.float64, torch.float32):
+        ins = [t.to(dt) for t in (qp, kp, q, k, v)]
+        f = reference.warmup_forward(*ins, scale)
+        grads[dt] = (f, reference.warmup_backward(*ins, *f[:3], scale, go.to(dt), klg.to(dt)))
+    (f64, want), (_, base) = grads[torch.float64], grads[torch.float32]
+    got = warmup_kl.warmup_proxy_backward_cuda(qp, kp, q, k, f64[1].float(), f64[2].float(), scale, klg)
+    for name, g_, w_, b_ in zip(("dq_proxy", "dk_proxy"), got, want[:2], base[:2]):
+        assert g_.dtype == dtype, name
+        mag = w_.abs().max().item()
+        assert_close(name, g_, w_, dtype_error(w_, b_, w_.to(dtype)), factor=4.0, atol=1e-5 * max(1.0, mag))
+
+
+def test_dense_and_sparse_proxy_backward_agree():
+    """The dense proxy backward and the sparse one over the all-causal selection: the same gradients up to
+    float32 summation order and the bf16 rounding of the outputs."""
+    from flash_msa_rt.ops import sparse_bwd, warmup_kl
+    from flash_msa_rt.ops.kernels import WARMUP_BLOCK, AllCausalBlocks, dense_main
+
+    B, S, H, Hk, Hp, Hpk = 2, 3000, 16, 4, 4, 1
+    qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, torch.bfloat16, seed=10)
+    scale = 128 ** -0.5
+    _, lse = dense_main.dense_forward(q, k, v, scale)
+    lse_p, _ = warmup_kl.warmup_kl_cuda(qp, kp, q, k, lse, scale)
+    klg = torch.full((B, Hp, S), 1.0 / (B * Hp * S), device="cuda")
+    dense = warmup_kl.warmup_proxy_backward_cuda(qp, kp, q, k, lse, lse_p, scale, klg)
+    sparse = sparse_bwd.proxy_backward_cuda(qp, kp, q, k, lse, lse_p, AllCausalBlocks(qp, WARMUP_BLOCK), WARMUP_BLOCK,
+                                            scale, klg)
+    for name, d, s_ in zip(("dq_proxy", "dk_proxy"), dense, sparse):
+        err = (d.float() - s_.float()).abs().max().item()
+        assert err <= 1e-2 * s_.float().abs().max().item(), (name, err, s_.float().abs().max().item())
 
 
 def _kl_given_lse(qp, kp, q, k, lse, scale):

@@ -115,8 +115,9 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
                                         block_size, scale, grad_out, kl_grad)
 
 
-# Warmup's KL pass runs on the dense kernel where it is built (flash_msa_rt.ops.warmup_kl: sm90a, G <= 4) and on
-# the sparse KL pass over the all-causal selection elsewhere; tests and benchmarks set False to run the latter.
+# Warmup's KL pass and proxy backward run on the dense kernels where they are built (flash_msa_rt.ops.warmup_kl:
+# sm90a, G <= 4) and on the sparse kernels over the all-causal selection elsewhere; tests and benchmarks set False
+# to run the latter.
 DENSE_WARMUP_KL = True
 WARMUP_BLOCK = 128  # warmup selects every causal block; any block size gives the same dense causal result
 _INT32_LIMIT = 1 << 31
@@ -224,7 +225,10 @@ def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad
                                  WARMUP_BLOCK, scale, grad_out, kl_grad)
     else:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if kl_grad is not None:
+    if kl_grad is not None and DENSE_WARMUP_KL and warmup_kl.usable(q_proxy, q, "warmup_bwd_proxy") is None:
+        dq_proxy, dk_proxy = warmup_kl.warmup_proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, scale,
+                                                                  kl_grad)
+    elif kl_grad is not None:
         dq_proxy, dk_proxy = sparse_bwd.proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy,
                                                             AllCausalBlocks(q_proxy, WARMUP_BLOCK), WARMUP_BLOCK,
                                                             scale, kl_grad)

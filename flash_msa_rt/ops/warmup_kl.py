@@ -1,10 +1,12 @@
-"""Warmup mode's KL pass on the dense kernel (kernels_src.warmup_kl): lse_proxy and kl_rows over every causal key.
+"""Warmup mode's proxy kernels over every causal key, dense: the KL pass (kernels_src.warmup_kl: lse_proxy and
+kl_rows) and the proxy backward (kernels_src.warmup_bwd_proxy: dq_proxy, dk_proxy).
 
 Warmup selects every causal block, so each query's keys are the contiguous prefix [0, i]: the kernel walks it
 query-outer over contiguous tiles, with no reverse-index plan, no gathered rows and no per-slot partials (the
-sparse KL pass over the all-causal selection, sparse_fwd.msa_kl_cuda, needs all three). One launch, no host
-synchronisation, no workspace beyond the two (B, Hp, S) outputs.
-Built for sm90a (wgmma) at G = H / Hp in GROUPS; elsewhere `usable` says why not and warmup keeps the sparse pass.
+sparse kernels over the all-causal selection, sparse_fwd.msa_kl_cuda and sparse_bwd.proxy_backward_cuda, need all
+three). One launch each, no host synchronisation; the only workspace is dk_proxy's fp32 accumulator.
+Built for sm90a (wgmma) at G = H / Hp in GROUPS; elsewhere `usable` says why not and warmup keeps the sparse
+kernels.
 """
 
 from __future__ import annotations
@@ -25,20 +27,27 @@ def kernel_config(dtype: str, head_dim: int, group: int) -> dict:
             "stages": 2}
 
 
-def usable(q_proxy: torch.Tensor, q: torch.Tensor) -> str | None:
-    """None when the dense KL pass runs this problem on q's device, else why not (then the sparse pass runs)."""
+def backward_config(dtype: str, head_dim: int, group: int) -> dict:
+    """The proxy backward's variant; fields in the order the build names them."""
+    return {"dtype": dtype, "head_dim": head_dim, "group": group, "tile_m": 128, "tile_n": 64, "threads": 256}
+
+
+def usable(q_proxy: torch.Tensor, q: torch.Tensor, op: str = "warmup_kl") -> str | None:
+    """None when the dense kernel of op (warmup_kl, warmup_bwd_proxy) runs this problem on q's device, else why
+    not (then the sparse kernels run it)."""
     from flash_msa_rt import artifacts
     from flash_msa_rt.loader import device_arch
 
     D, Dp, G = q.shape[3], q_proxy.shape[3], q.shape[2] // q_proxy.shape[2]
     if q.dtype not in DTYPES or D not in HEAD_DIMS or Dp != D or G not in GROUPS:
-        return f"dtype {q.dtype}, D {D}, Dp {Dp}, G {G} (warmup_kl: bf16 / fp16, D = Dp in {HEAD_DIMS}, G in {GROUPS})"
+        return f"dtype {q.dtype}, D {D}, Dp {Dp}, G {G} ({op}: bf16 / fp16, D = Dp in {HEAD_DIMS}, G in {GROUPS})"
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     arch = device_arch(index)
     if arch != "sm90a":
-        return f"warmup_kl is built for sm90a only, not {arch}"
+        return f"{op} is built for sm90a only, not {arch}"
     try:
-        artifacts.find_variant("warmup_kl", kernel_config(DTYPES[q.dtype], D, G), arch)
+        config = (kernel_config if op == "warmup_kl" else backward_config)(DTYPES[q.dtype], D, G)
+        artifacts.find_variant(op, config, arch)
     except FlashMsaError as e:
         return str(e)
     return None
@@ -57,3 +66,21 @@ def warmup_kl_cuda(q_proxy, k_proxy, q, k, lse, scale):
     kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, lse=lse.contiguous(), lse_proxy=lse_proxy, kl_rows=kl_rows,
            scale=float(scale), hp_per_hk=Hp // k.shape[2], hp_per_hpk=Hp // k_proxy.shape[2])
     return lse_proxy, kl_rows
+
+
+def warmup_proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, scale, kl_grad):
+    """(dq_proxy, dk_proxy) of warmup mode: (pi - tau) * kl_grad over every causal key. kl_grad broadcastable to
+    (B, Hp, S); lse (B, H, S) and lse_proxy (B, Hp, S) the forward's. Inputs as warmup_kl_cuda's."""
+    B, S, H, D = q.shape
+    Hp = q_proxy.shape[2]
+    dev = q.device
+    dq_proxy = torch.empty_like(q_proxy)
+    dkp_acc = torch.zeros(k_proxy.shape, dtype=torch.float32, device=dev)
+    if B == 0 or S == 0:
+        return dq_proxy.zero_(), dkp_acc.to(k_proxy.dtype)
+    grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=torch.float32), (B, Hp, S)).contiguous()
+    kernel = get_kernel("warmup_bwd_proxy", backward_config(DTYPES[q.dtype], D, H // Hp), dev)
+    kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, lse=lse.contiguous(), lse_proxy=lse_proxy.contiguous(),
+           kl_grad=grad, dq_proxy=dq_proxy, dkp_acc=dkp_acc, scale=float(scale), hp_per_hk=Hp // k.shape[2],
+           hp_per_hpk=Hp // k_proxy.shape[2])
+    return dq_proxy, dkp_acc.to(k_proxy.dtype)

@@ -1,0 +1,92 @@
+"""Warmup proxy backward: dq_proxy and dk_proxy of warmup mode over the whole causal prefix (issue 5, item 2).
+
+The warmup KL pass's structure (kernels_src.warmup_kl: query-outer, contiguous tiles, the G + 1 query tiles
+resident) with the gradient of the KL (msa-semantics.md, "Proxy KL loss"): per (i, t <= i) of proxy head p,
+  dS_p = (pi - tau) * kl_grad[b, p, i],   pi = exp(s_p - lse_p),   tau = (1 / G) sum_g exp(s_g - lse_g),
+  dq_proxy[b, i, p] = scale sum_t dS_p k_proxy[t]   (registers across the key tiles: each row lives in one CTA),
+  dk_proxy[b, t, pk] += scale sum_i dS_p q_proxy[i] (fp32 atomics per key tile: every query tile meets there).
+Configs: wgmma (sm90a) only, G <= 4; elsewhere warmup keeps the sparse proxy backward over the all-causal
+selection (flash_msa_rt.ops.kernels). This module does not import cutlass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from kernels_src.spec import BuildSpec, family_spec, refusal, smem_refusal, verdict
+from kernels_src.warmup_kl import DTYPES, GROUPS
+
+OP = "warmup_bwd_proxy"
+_ELEM_BYTES = {"bf16": 2, "f16": 2}
+
+
+@dataclass(frozen=True)
+class Config:
+    dtype: str = "bf16"
+    head_dim: int = 128
+    group: int = 4
+    tile_m: int = 128  # queries per CTA: two warpgroups x 64 rows
+    tile_n: int = 64  # keys per step
+    threads: int = 256
+
+    def variant_name(self, arch: str) -> str:
+        return variant_name(OP, dataclasses.asdict(self), arch)
+
+    def smem_bytes(self) -> int:
+        """The G + 1 resident query tiles; one K tile (reloaded mid-step, once the main products have read it),
+        two K_p tiles; the dS_p tile (bf16) for dk_p; the rows' statistics. Mirrors SharedStorage (1024-aligned)."""
+        e = _ELEM_BYTES[self.dtype]
+        q = _align((self.group + 1) * self.tile_m * self.head_dim * e, 1024)
+        k = _align(self.tile_n * self.head_dim * e, 1024)
+        kp = _align(2 * self.tile_n * self.head_dim * e, 1024)
+        ds = _align(self.tile_m * self.tile_n * e, 1024)
+        rows = self.tile_m * (self.group + 2) * 4  # lse_g, lse_p, kl_grad per row (fp32)
+        return _align(q + k + kp + ds + rows, 1024)  # the struct's size is a multiple of its 1024-byte alignment
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
+    """block_sizes: accepted for the catalogue's common signature; the pass has no key blocks."""
+    dts = tuple(dtypes) if dtypes else DTYPES
+    ds = tuple(head_dims) if head_dims else (128,)
+    return [Config(dtype=dt, head_dim=d, group=g) for dt in dts for d in ds for g in GROUPS]
+
+
+def can_implement(config: Config, arch: str) -> tuple[bool, str]:
+    reason = refusal(config, arch, {"group": "G + 1 query tiles of 32 KB stay in shared memory"}, dtype=DTYPES,
+                     head_dim=(128,), group=GROUPS, tile_m=(128,), tile_n=(64,), threads=(256,))
+    if reason is None and arch != "sm90a":
+        reason = f"warmup_bwd_proxy runs on Hopper's warpgroup MMA: sm90a only, not {arch}"
+    return verdict(reason or smem_refusal(config.smem_bytes(), arch))
+
+
+def params(config: Config) -> tuple:
+    c = config
+    bshd = ("i64", "i64", "i64", 1)
+    d = c.head_dim
+    rows = ("i64", "i64", 1)
+    return (
+        TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
+        TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
+        TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", d), bshd, align=16),
+        TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", d), bshd, align=16),
+        TensorParam("lse", "f32", ("B", "H", "S"), rows, align=4),
+        TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), rows, align=4),
+        TensorParam("kl_grad", "f32", ("B", "Hp", "S"), rows, align=4),
+        TensorParam("dq_proxy", c.dtype, ("B", "S", "Hp", d), bshd, align=16),
+        TensorParam("dkp_acc", "f32", ("B", "S", "Hpk", d), bshd, align=16),
+        ScalarParam("scale", "f32"),
+        ScalarParam("hp_per_hk", "i32"),
+        ScalarParam("hp_per_hpk", "i32"),
+    )
+
+
+def build_spec(config: Config, arch: str) -> BuildSpec:
+    return family_spec(OP, config, arch, can_implement, params=params(config),
+                       grid=(f"ceil_div(S, {config.tile_m})", "Hp", "B"),
+                       compile_fn="kernels_src.warmup_bwd_proxy.kernel:compile", smem_bytes=config.smem_bytes())
