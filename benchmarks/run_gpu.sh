@@ -38,10 +38,11 @@ for mma in ['sync', 'wgmma'] if device_arch(0) == 'sm90a' else ['sync']:  # ever
     sparse_fwd.FORCE_MMA = mma
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
     msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
-if device_arch(0) == 'sm90a':  # the dense warmup KL pass: G = 4 and G = 1
-    from flash_msa_rt.ops.warmup_kl import warmup_kl_cuda
-    warmup_kl_cuda(q, q[:, :, :1], m, kv, lse, 0.1)
-    warmup_kl_cuda(q, q[:, :, :1], m[:, :, :2], kv, lse[:, :2], 0.1)
+if device_arch(0) == 'sm90a':  # the dense warmup proxy kernels: G = 4 and G = 1
+    from flash_msa_rt.ops.warmup_kl import warmup_kl_cuda, warmup_proxy_backward_cuda
+    for mh, ml in ((m, lse), (m[:, :, :2], lse[:, :2])):
+        lp, _ = warmup_kl_cuda(q, q[:, :, :1], mh, kv, ml, 0.1)
+        warmup_proxy_backward_cuda(q, q[:, :, :1], mh, kv, ml, lp, 0.1, torch.rand(2, 2, 333, device='cuda'))
 torch.cuda.synchronize()
 " 2>&1 | tail -3 | sed "s/^/[$tool] /" | tee -a "$out/sanitizer.log" || status=1
     done
@@ -58,7 +59,8 @@ if [[ $mode == bench || $mode == all ]]; then
   # causal block, against cuDNN dense attention alone.
   python3 benchmarks/bench_msa.py --configs a,b,c --seqlens 8192,16384,32768,65536 --ops warmup,dense \
     --warmup 1 --reps 5 --out "$out/warmup.json" 2>&1 | tee "$out/bench_warmup.log"
-  # Warmup's KL pass alone: the dense kernel against the sparse pass over the all-causal selection.
+  # Warmup's proxy kernels alone: the dense KL pass and proxy backward against the sparse kernels over the
+  # all-causal selection and cuDNN's forward and backward.
   python3 benchmarks/bench_warmup_kl.py --configs a,b,c --seqlens 8192,65536 2>&1 | tee "$out/bench_warmup_kl.log"
   python3 benchmarks/bench_deterministic.py --seqlens 4096,8192 --out "$out/deterministic.json" 2>&1 \
     | tee "$out/bench_deterministic.log"
