@@ -31,11 +31,14 @@ def test_dense_warmup_variants_are_the_catalogues():
     """The runtime's dense warmup KL pass and proxy backward launch a built variant for each group they claim
     (sm90a), and claim exactly the groups the catalogue builds (a group not claimed would silently keep the slow
     sparse kernels)."""
-    for op, config in (("warmup_kl", rt_warmup_kl.kernel_config), ("warmup_bwd_proxy", rt_warmup_kl.backward_config)):
+    launches = {"warmup_kl": [rt_warmup_kl.kernel_config(dt, 128, G) for dt in DTYPES for G in rt_warmup_kl.GROUPS],
+                "warmup_bwd_proxy": [rt_warmup_kl.backward_config(dt, 128, rt_warmup_kl.backward_chunk(G))
+                                     for dt in DTYPES for G in rt_warmup_kl.BACKWARD_GROUPS]}
+    for op, configs in launches.items():
         built = {s.name for s in variants(("sm90a",)) if s.op == op}
-        launched = {variant_name(op, config(dt, 128, G), "sm90a") for dt in DTYPES for G in rt_warmup_kl.GROUPS}
-        assert launched == built, op
+        assert {variant_name(op, c, "sm90a") for c in configs} == built, op
         assert not [s for s in variants(("sm100a",)) if s.op == op]
+    assert all(G % rt_warmup_kl.backward_chunk(G) == 0 for G in rt_warmup_kl.BACKWARD_GROUPS)
     assert rt_warmup_kl.GROUPS == warmup_kl.GROUPS
 
 

@@ -49,8 +49,11 @@ def test_the_dense_pass_is_usable_here():
             q = torch.empty(1, 1, 4 * G, 128, device="cuda", dtype=dtype)
             for op in ("warmup_kl", "warmup_bwd_proxy"):
                 assert warmup_kl.usable(torch.empty(1, 1, 4, 128, device="cuda", dtype=dtype), q, op) is None
-    assert "G" in warmup_kl.usable(torch.empty(1, 1, 1, 128, device="cuda"), torch.empty(1, 1, 8, 128,
-                                                                                          device="cuda"))
+    for G in (8, 16):  # the proxy backward runs them in chunks of 4 heads; the KL pass does not
+        qp = torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)
+        q = torch.empty(1, 1, G, 128, device="cuda", dtype=torch.bfloat16)
+        assert warmup_kl.usable(qp, q, "warmup_bwd_proxy") is None
+        assert "G" in warmup_kl.usable(qp, q, "warmup_kl")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -69,8 +72,29 @@ def test_dense_warmup_kl_matches_reference(shape, dtype):
         assert_close(name, g_, w_, dtype_error(w_, b_), factor=4.0, atol=1e-5 * max(1.0, w_.abs().max().item()))
 
 
+# The proxy backward also takes G = 8 and 16 (chunks of 4 heads per launch).
+BACKWARD_SHAPES = SHAPES + [(1, 700, 16, 2, 2, 1), (2, 257, 32, 2, 2, 1), (1, 1000, 16, 1, 1, 1)]
+
+
+def test_dense_warmup_kl_writes_every_row():
+    """Outputs poisoned with NaN before the kernel runs: every (b, p, i) row of lse_proxy and kl_rows is written,
+    S not a multiple of the 128-query tile."""
+    from flash_msa_rt.loader import get_kernel
+    from flash_msa_rt.ops import warmup_kl
+
+    B, S, H, Hk, Hp, Hpk = 2, 333, 8, 2, 2, 1
+    qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, torch.bfloat16, seed=3)
+    lse = torch.randn(B, H, S, device="cuda") + 6
+    outs = [torch.full((B, Hp, S), float("nan"), device="cuda") for _ in range(2)]
+    kernel = get_kernel("warmup_kl", warmup_kl.kernel_config("bf16", 128, H // Hp), q.device)
+    kernel(q=q, k=k, q_proxy=qp, k_proxy=kp, lse=lse, lse_proxy=outs[0], kl_rows=outs[1], scale=0.1, hp_per_hk=1,
+           hp_per_hpk=2)
+    for name, t in zip(("lse_proxy", "kl_rows"), outs):
+        assert not torch.isnan(t).any(), f"{name}: {int(torch.isnan(t).sum())} rows not written"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_H{}_Hk{}_Hp{}_Hpk{}".format(*s))
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=lambda s: "B{}_S{}_H{}_Hk{}_Hp{}_Hpk{}".format(*s))
 def test_dense_warmup_proxy_backward_matches_reference(shape, dtype):
     from flash_msa_rt import reference
     from flash_msa_rt.ops import warmup_kl
@@ -95,17 +119,18 @@ def test_dense_warmup_proxy_backward_matches_reference(shape, dtype):
         assert_close(name, g_, w_, dtype_error(w_, b_, w_.to(dtype)), factor=4.0, atol=1e-5 * max(1.0, mag))
 
 
-def test_dense_and_sparse_proxy_backward_agree():
+@pytest.mark.parametrize("shape", [(2, 3000, 16, 4, 4, 1), (1, 2500, 32, 2, 2, 1)], ids=("G4", "G16"))
+def test_dense_and_sparse_proxy_backward_agree(shape):
     """The dense proxy backward and the sparse one over the all-causal selection: the same gradients up to
-    float32 summation order and the bf16 rounding of the outputs."""
-    from flash_msa_rt.ops import sparse_bwd, warmup_kl
+    float32 summation order and the bf16 rounding of the outputs (G = 16: four chunked launches)."""
+    from flash_msa_rt.ops import sparse_bwd, sparse_fwd, warmup_kl
     from flash_msa_rt.ops.kernels import WARMUP_BLOCK, AllCausalBlocks, dense_main
 
-    B, S, H, Hk, Hp, Hpk = 2, 3000, 16, 4, 4, 1
+    B, S, H, Hk, Hp, Hpk = shape
     qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, torch.bfloat16, seed=10)
     scale = 128 ** -0.5
     _, lse = dense_main.dense_forward(q, k, v, scale)
-    lse_p, _ = warmup_kl.warmup_kl_cuda(qp, kp, q, k, lse, scale)
+    lse_p, _ = sparse_fwd.msa_kl_cuda(qp, kp, q, k, lse, AllCausalBlocks(qp, WARMUP_BLOCK), WARMUP_BLOCK, scale)
     klg = torch.full((B, Hp, S), 1.0 / (B * Hp * S), device="cuda")
     dense = warmup_kl.warmup_proxy_backward_cuda(qp, kp, q, k, lse, lse_p, scale, klg)
     sparse = sparse_bwd.proxy_backward_cuda(qp, kp, q, k, lse, lse_p, AllCausalBlocks(qp, WARMUP_BLOCK), WARMUP_BLOCK,

@@ -5,8 +5,8 @@ Warmup selects every causal block, so each query's keys are the contiguous prefi
 query-outer over contiguous tiles, with no reverse-index plan, no gathered rows and no per-slot partials (the
 sparse kernels over the all-causal selection, sparse_fwd.msa_kl_cuda and sparse_bwd.proxy_backward_cuda, need all
 three). One launch each, no host synchronisation; the only workspace is dk_proxy's fp32 accumulator.
-Built for sm90a (wgmma) at G = H / Hp in GROUPS; elsewhere `usable` says why not and warmup keeps the sparse
-kernels.
+Built for sm90a (wgmma): the KL pass at G = H / Hp in GROUPS, the proxy backward at BACKWARD_GROUPS; elsewhere
+`usable` says why not and warmup keeps the sparse kernels.
 """
 
 from __future__ import annotations
@@ -19,6 +19,15 @@ from flash_msa_rt.loader import get_kernel
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 HEAD_DIMS = (128,)
 GROUPS = (1, 2, 4)  # the G + 1 query tiles of a CTA stay in shared memory (kernels_src.warmup_kl)
+# The proxy backward also runs G = 8 and 16, as G / 4 launches of its G = 4 variant over chunks of the group's
+# heads (dS_p = (pi - tau) kl_grad is linear in tau, so the chunks' gradients add up); the KL value is not.
+BACKWARD_GROUPS = (1, 2, 4, 8, 16)
+BACKWARD_CHUNK = 4
+
+
+def backward_chunk(group: int) -> int:
+    """Heads per launch of the proxy backward for a proxy group of `group` heads."""
+    return min(group, BACKWARD_CHUNK)
 
 
 def kernel_config(dtype: str, head_dim: int, group: int) -> dict:
@@ -39,14 +48,16 @@ def usable(q_proxy: torch.Tensor, q: torch.Tensor, op: str = "warmup_kl") -> str
     from flash_msa_rt.loader import device_arch
 
     D, Dp, G = q.shape[3], q_proxy.shape[3], q.shape[2] // q_proxy.shape[2]
-    if q.dtype not in DTYPES or D not in HEAD_DIMS or Dp != D or G not in GROUPS:
-        return f"dtype {q.dtype}, D {D}, Dp {Dp}, G {G} ({op}: bf16 / fp16, D = Dp in {HEAD_DIMS}, G in {GROUPS})"
+    groups = GROUPS if op == "warmup_kl" else BACKWARD_GROUPS
+    if q.dtype not in DTYPES or D not in HEAD_DIMS or Dp != D or G not in groups:
+        return f"dtype {q.dtype}, D {D}, Dp {Dp}, G {G} ({op}: bf16 / fp16, D = Dp in {HEAD_DIMS}, G in {groups})"
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     arch = device_arch(index)
     if arch != "sm90a":
         return f"{op} is built for sm90a only, not {arch}"
     try:
-        config = (kernel_config if op == "warmup_kl" else backward_config)(DTYPES[q.dtype], D, G)
+        config = (kernel_config(DTYPES[q.dtype], D, G) if op == "warmup_kl"
+                  else backward_config(DTYPES[q.dtype], D, backward_chunk(G)))
         artifacts.find_variant(op, config, arch)
     except FlashMsaError as e:
         return str(e)
@@ -73,14 +84,17 @@ def warmup_proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, scale, kl
     (B, Hp, S); lse (B, H, S) and lse_proxy (B, Hp, S) the forward's. Inputs as warmup_kl_cuda's."""
     B, S, H, D = q.shape
     Hp = q_proxy.shape[2]
+    G = H // Hp
     dev = q.device
-    dq_proxy = torch.empty_like(q_proxy)
+    dqp_acc = torch.zeros(q_proxy.shape, dtype=torch.float32, device=dev)
     dkp_acc = torch.zeros(k_proxy.shape, dtype=torch.float32, device=dev)
-    if B == 0 or S == 0:
-        return dq_proxy.zero_(), dkp_acc.to(k_proxy.dtype)
-    grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=torch.float32), (B, Hp, S)).contiguous()
-    kernel = get_kernel("warmup_bwd_proxy", backward_config(DTYPES[q.dtype], D, H // Hp), dev)
-    kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, lse=lse.contiguous(), lse_proxy=lse_proxy.contiguous(),
-           kl_grad=grad, dq_proxy=dq_proxy, dkp_acc=dkp_acc, scale=float(scale), hp_per_hk=Hp // k.shape[2],
-           hp_per_hpk=Hp // k_proxy.shape[2])
-    return dq_proxy, dkp_acc.to(k_proxy.dtype)
+    if B > 0 and S > 0:
+        grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=torch.float32), (B, Hp, S)).contiguous()
+        chunk = backward_chunk(G)
+        kernel = get_kernel("warmup_bwd_proxy", backward_config(DTYPES[q.dtype], D, chunk), dev)
+        lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
+        for head0 in range(0, G, chunk):
+            kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, lse=lse, lse_proxy=lse_proxy, kl_grad=grad,
+                   dqp_acc=dqp_acc, dkp_acc=dkp_acc, scale=float(scale), hp_per_hk=Hp // k.shape[2],
+                   hp_per_hpk=Hp // k_proxy.shape[2], group_heads=G, head0=head0)
+    return dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype)

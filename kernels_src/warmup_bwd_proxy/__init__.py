@@ -3,10 +3,12 @@
 The warmup KL pass's structure (kernels_src.warmup_kl: query-outer, contiguous tiles, the G + 1 query tiles
 resident) with the gradient of the KL (msa-semantics.md, "Proxy KL loss"): per (i, t <= i) of proxy head p,
   dS_p = (pi - tau) * kl_grad[b, p, i],   pi = exp(s_p - lse_p),   tau = (1 / G) sum_g exp(s_g - lse_g),
-  dq_proxy[b, i, p] = scale sum_t dS_p k_proxy[t]   (registers across the key tiles: each row lives in one CTA),
+  dq_proxy[b, i, p] = scale sum_t dS_p k_proxy[t]   (registers across the key tiles: each row lives in one CTA;
+                                                     added to fp32 rows once),
   dk_proxy[b, t, pk] += scale sum_i dS_p q_proxy[i] (fp32 atomics per key tile: every query tile meets there).
-Configs: wgmma (sm90a) only, G <= 4; elsewhere warmup keeps the sparse proxy backward over the all-causal
-selection (flash_msa_rt.ops.kernels). This module does not import cutlass.
+Configs: wgmma (sm90a) only, G <= 4 query tiles resident; a proxy group of 8 or 16 heads runs as 2 or 4 launches
+over chunks of 4 heads (dS_p is linear in tau). Elsewhere warmup keeps the sparse proxy backward over the
+all-causal selection (flash_msa_rt.ops.kernels). This module does not import cutlass.
 """
 
 from __future__ import annotations
@@ -78,11 +80,13 @@ def params(config: Config) -> tuple:
         TensorParam("lse", "f32", ("B", "H", "S"), rows, align=4),
         TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), rows, align=4),
         TensorParam("kl_grad", "f32", ("B", "Hp", "S"), rows, align=4),
-        TensorParam("dq_proxy", c.dtype, ("B", "S", "Hp", d), bshd, align=16),
+        TensorParam("dqp_acc", "f32", ("B", "S", "Hp", d), bshd, align=16),
         TensorParam("dkp_acc", "f32", ("B", "S", "Hpk", d), bshd, align=16),
         ScalarParam("scale", "f32"),
         ScalarParam("hp_per_hk", "i32"),
         ScalarParam("hp_per_hpk", "i32"),
+        ScalarParam("group_heads", "i32"),  # H / Hp: a multiple of G (a group runs as group_heads / G launches)
+        ScalarParam("head0", "i32"),  # this launch's first head within the group: 0, G, 2 G, ...
     )
 
 

@@ -5,13 +5,17 @@ whose score products, pipelining and tau accumulation this kernel inherits). Per
   1. S_g = Q_g K^T for the G heads (tau_sum += exp2(s_g - lse_g)), then S_p = Q_p K_p^T, pipelined;
   2. dS_p = (exp2(s_p - lse_p) - tau_sum / G) * kl_grad per (row, key), 0 past the causal limit;
   3. dq_p += dS_p K_p: dS_p from registers (bf16, the score accumulator's registers as the A operand), K_p^T by
-     descriptor; the accumulator stays in registers across the key loop and is written once, times scale;
+     descriptor; the accumulator stays in registers across the key loop and is added once, times scale, to the
+     fp32 dq_p rows;
   4. dS_p is stored to shared memory (bf16) and, after a barrier, dk_p(tile) = dS_p^T Q_p over the 128 queries
      (warpgroup w: head-dim columns [64 w, 64 w + 64)), added times scale to the fp32 dk_p rows with vector
      atomics (every query tile of (b, pk) meets there).
 Shared memory (G = 4: 224 KB): the G + 1 resident query tiles, two K_p tiles (K_p for tile + 1 loads while tile
 runs), one K tile (tile + 1's K loads once the barrier before dk_p has seen every main product of the tile read
 it), and the dS_p tile. Two barriers per key tile.
+A proxy group of more heads than the variant's G (8, 16 with G = 4) runs as several launches over consecutive
+chunks of G heads (group_heads, head0): dS_p is linear in tau, so the chunks' gradients add up exactly; each
+launch recomputes the proxy's products.
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -70,9 +74,9 @@ class WarmupProxyBackward(WarmupKL):
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
-                 lse: cute.Tensor, lse_proxy: cute.Tensor, kl_grad: cute.Tensor, dq_proxy: cute.Tensor,
+                 lse: cute.Tensor, lse_proxy: cute.Tensor, kl_grad: cute.Tensor, dqp_acc: cute.Tensor,
                  dkp_acc: cute.Tensor, scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
-                 stream: cuda.CUstream):
+                 group_heads: cutlass.Int32, head0: cutlass.Int32, stream: cuda.CUstream):
         l_q = smem_tile(self.dtype, (self.tile_m, self.head_dim, self.group + 1))
         l_k = smem_tile(self.dtype, (self.tile_n, self.head_dim))
         l_kp = smem_tile(self.dtype, (self.tile_n, self.head_dim, 2))
@@ -87,15 +91,16 @@ class WarmupProxyBackward(WarmupKL):
             s_rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.tile_m * (self.group + 2)], 16]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        self.kernel_bwd(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dq_proxy, dkp_acc, scale, hp_per_hk,
-                        hp_per_hpk, l_q, l_k, l_kp, l_ds, cp_async_rows(self.dtype, self.head_dim, self.threads),
+        self.kernel_bwd(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale, hp_per_hk,
+                        hp_per_hpk, group_heads, head0, l_q, l_k, l_kp, l_ds, cp_async_rows(self.dtype, self.head_dim, self.threads),
                         SharedStorage).launch(
             grid=(cute.ceil_div(q.shape[1], self.tile_m), q_proxy.shape[2], q.shape[0]),
             block=(self.threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
 
     @cute.kernel
-    def kernel_bwd(self, q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dq_proxy, dkp_acc,
+    def kernel_bwd(self, q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
                    scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+                   group_heads: cutlass.Int32, head0: cutlass.Int32,
                    l_q: cute.ComposedLayout, l_k: cute.ComposedLayout, l_kp: cute.ComposedLayout,
                    l_ds: cute.ComposedLayout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -106,6 +111,12 @@ class WarmupProxyBackward(WarmupKL):
         n_steps = (cutlass.min(m0 + self.tile_m, seqlen) - 1) // self.tile_n + 1
         first_masked = m0 // self.tile_n
         kv, pk = p // hp_per_hk, p // hp_per_hpk
+        h0 = p * group_heads + head0  # this launch's first main head: the group's heads [h0, h0 + G)
+        # dS_p = (pi - tau) kl_grad with tau = (1 / group_heads) sum_g P_g is linear in tau: a group of
+        # group_heads = n * G heads runs as n launches over G heads each, every launch adding
+        # ((G / group_heads) pi - (1 / group_heads) sum of its P_g) kl_grad.
+        pi_weight = cutlass.Float32(self.group) / cutlass.Float32(group_heads)
+        tau_weight = cutlass.Float32(1.0) / cutlass.Float32(group_heads)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         s_q = storage.s_q.get_tensor(l_q.outer, swizzle=l_q.inner)
@@ -114,7 +125,7 @@ class WarmupProxyBackward(WarmupKL):
         s_ds = storage.s_ds.get_tensor(l_ds.outer, swizzle=l_ds.inner)
 
         for g in cutlass.range_constexpr(self.group):
-            load_rows(gcopy, self.dtype, q[b, None, p * self.group + g, None], s_q[None, None, g], m0, seqlen, tidx)
+            load_rows(gcopy, self.dtype, q[b, None, h0 + g, None], s_q[None, None, g], m0, seqlen, tidx)
         load_rows(gcopy, self.dtype, q_proxy[b, None, p, None], s_q[None, None, self.group], m0, seqlen, tidx)
         load_rows(gcopy, self.dtype, k[b, None, kv, None], s_k, 0, seqlen, tidx)
         load_rows(gcopy, self.dtype, k_proxy[b, None, pk, None], s_kp[None, None, 0], 0, seqlen, tidx)
@@ -145,9 +156,9 @@ class WarmupProxyBackward(WarmupKL):
                 s_rows[tidx, f] = cutlass.Float32.inf if f <= self.group else 0.0
             if i < seqlen:
                 for g in cutlass.range_constexpr(self.group):
-                    s_rows[tidx, g] = lse[b, p * self.group + g, i] * _LOG2E
+                    s_rows[tidx, g] = lse[b, h0 + g, i] * _LOG2E
                 s_rows[tidx, self.group] = lse_proxy[b, p, i] * _LOG2E
-                s_rows[tidx, self.group + 1] = kl_grad[b, p, i]
+                s_rows[tidx, self.group + 1] = kl_grad[b, p, i]  # weights folded in below
         lse2 = RowView(s_rows, coord)
 
         for step in cutlass.range(n_steps, unroll=1):
@@ -174,9 +185,9 @@ class WarmupProxyBackward(WarmupKL):
             warpgroup.wait_group(0)
             s_mn = wg_acc_rows_cols(accs[self.group % 2])
             if step >= first_masked:
-                self.proxy_grad(s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, True)
+                self.proxy_grad(s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, pi_weight, tau_weight, True)
             else:
-                self.proxy_grad(s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, False)
+                self.proxy_grad(s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, pi_weight, tau_weight, False)
 
             # dq_p += dS_p K_p from registers; dS_p to shared memory for dk_p.
             r_ds = cute.make_rmem_tensor_like(tau, self.dtype)
@@ -205,19 +216,25 @@ class WarmupProxyBackward(WarmupKL):
         for r in cutlass.range_constexpr(cute.size(dq_mn, mode=[0])):
             i = m0 + coord_dq[r, 0][0]
             if i < seqlen:
+                # Each row belongs to this CTA alone; launches over a group's head chunks run one after another
+                # on the stream, so a plain read-add-write accumulates them.
                 for c in cutlass.range_constexpr(cute.size(dq_mn, mode=[1])):
-                    dq_proxy[b, i, p, coord_dq[0, c][1]] = (dq_mn[r, c] * scale).to(self.dtype)
+                    d = coord_dq[0, c][1]
+                    dqp_acc[b, i, p, d] = dqp_acc[b, i, p, d] + dq_mn[r, c] * scale
 
     @cute.jit
-    def proxy_grad(self, s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, masked: cutlass.Constexpr):
-        """tau_mn <- dS_p = (exp2(s_p scale log2e - lse_p log2e) - tau_sum / G) * kl_grad, in place; keys t > i: 0."""
+    def proxy_grad(self, s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, pi_weight, tau_weight,
+                   masked: cutlass.Constexpr):
+        """tau_mn <- dS_p = (pi_weight exp2(s_p scale log2e - lse_p log2e) - tau_weight tau_sum) * kl_grad, in
+        place; keys t > i: 0."""
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             key_limit = m0 + coord[r, 0][0] - t0
             lsep2 = s_rows[coord[r, 0][0], self.group]
             grad = s_rows[coord[r, 0][0], self.group + 1]
+            pi_grad, tau_grad = pi_weight * grad, tau_weight * grad
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                ds = (cute.math.exp2(s_mn[r, c] * scale_log2 - lsep2, fastmath=True)
-                      - tau_mn[r, c] * (1.0 / self.group)) * grad
+                ds = (cute.math.exp2(s_mn[r, c] * scale_log2 - lsep2, fastmath=True) * pi_grad
+                      - tau_mn[r, c] * tau_grad)
                 if cutlass.const_expr(masked):
                     if coord[0, c][1] > key_limit:
                         ds = cutlass.Float32(0.0)
