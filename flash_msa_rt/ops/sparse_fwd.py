@@ -42,18 +42,28 @@ def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: s
 
 
 # The MMA each family runs on sm90a, by measurement ((b) S = 64K B = 2, kernels_src/sparse_fwd/NOTES.md): wgmma
-# takes sparse_fwd from 26.4 to 23.1 ms and sparse_bwd from 67.4 to 57.0; the KL pass is no faster on it (19.3 ->
-# 19.1) and slower at (c) (29.1 -> 31.6), so it keeps mma.sync. Elsewhere every family runs mma.sync (Blackwell
-# has no wgmma). Both kinds are built for sm90a, and the GPU tests check both.
-SM90_MMA = {"sparse_fwd": "wgmma", "sparse_kl": "sync", "sparse_bwd": "wgmma", "sparse_bwd_proxy": "wgmma"}
+# takes sparse_fwd from 26.4 to 23.1 ms and sparse_bwd from 67.4 to 57.0. The KL pass runs wgmma where its tile
+# gathers all G heads at once (G <= 4, kernels_src/sparse_kl/wgmma.py: 18.75 -> 12.53 ms at (b), 9.28 -> 6.23 at
+# (a)) and mma.sync at G = 8, 16, where wgmma steps one head at a time and is slower ((c): 28.1 vs 34.0).
+# Elsewhere every family runs mma.sync (Blackwell has no wgmma). Both kinds are built for sm90a, and the GPU tests
+# check both.
+SM90_MMA = {"sparse_fwd": "wgmma", "sparse_kl": "wgmma", "sparse_bwd": "wgmma", "sparse_bwd_proxy": "wgmma"}
+SM90_KL_WGMMA_GROUPS = (1, 2, 4)
 FORCE_MMA: str | None = None  # tests and benchmarks: run every family on this MMA instead ("sync" | "wgmma")
 
 
-def family_mma(arch: str, op: str) -> str:
-    """The MMA kind the kernel of family op (sparse_fwd, sparse_kl, sparse_bwd, sparse_bwd_proxy) uses on arch."""
+def family_mma(arch: str, op: str, group: int | None = None) -> str:
+    """The MMA kind the kernel of family op (sparse_fwd, sparse_kl, sparse_bwd, sparse_bwd_proxy) uses on arch;
+    the KL pass's also depends on the group size G (required for op "sparse_kl")."""
     if arch != "sm90a":
         return "sync"
-    return FORCE_MMA or SM90_MMA[op]
+    if FORCE_MMA:
+        return FORCE_MMA
+    if op == "sparse_kl":
+        if group is None:
+            raise TypeError("family_mma: the KL pass's MMA depends on G; pass group")
+        return "wgmma" if group in SM90_KL_WGMMA_GROUPS else "sync"
+    return SM90_MMA[op]
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,12 +73,13 @@ def _device_arch(index: int) -> str:
     return device_arch(index)
 
 
-def device_mma(device: torch.device, op: str) -> str:
+def device_mma(device: torch.device, op: str, group: int | None = None) -> str:
     """family_mma of the device's arch for op (the arch cached per device); "sync" off CUDA (emulated kernels in
     CPU tests)."""
     if device.type != "cuda":
         return "sync"
-    return family_mma(_device_arch(device.index if device.index is not None else torch.cuda.current_device()), op)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return family_mma(_device_arch(index), op, group)
 
 
 def per_group_tiles(main_tiles: int, group: int) -> int:
@@ -103,7 +114,7 @@ def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, gr
              arch: str = "sm90a") -> list[tuple[str, dict]]:
     """Every (op, config) one forward launches on arch."""
     return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_fwd"))),
-            ("sparse_kl", kl_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_kl"))),
+            ("sparse_kl", kl_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_kl", group))),
             ("sparse_combine", combine_config(dtype, head_dim, block_size, group))]
 
 
@@ -149,7 +160,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     dt = DTYPES[q.dtype]
     dev = q.device
     fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, device_mma(dev, "sparse_fwd")), dev)
-    kl_mma = device_mma(dev, "sparse_kl")
+    kl_mma = device_mma(dev, "sparse_kl", G)
     kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G, kl_mma), dev)
     combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -199,7 +210,7 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
     dev = q.device
-    kl_mma = device_mma(dev, "sparse_kl")
+    kl_mma = device_mma(dev, "sparse_kl", G)
     kl = get_kernel("sparse_kl", kl_config(DTYPES[q.dtype], D, block_size, G, kl_mma), dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
     kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev)

@@ -20,12 +20,25 @@ configs = sparse_bwd.configs
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
 
 
+# wgmma on the whole block at these G gathers a tile's G main heads and the proxy at once (kernels_src.sparse_kl.
+# wgmma); every other config gathers one head per step.
+RESIDENT_GROUPS = (1, 2, 4)
+
+
+def resident_heads(config) -> bool:
+    return getattr(config, "mma", "sync") == "wgmma" and config.tile_n == config.block_size and \
+        config.group in RESIDENT_GROUPS
+
+
 def smem_bytes(config) -> int:
-    """sK, sK_p (keys x D); staged sQ, sQ_p (queries x D). Mirrors SharedStorage."""
+    """sK, sK_p (keys x D); staged sQ, sQ_p (queries x D), or with resident heads the G + 1 head tiles per
+    stage. Mirrors SharedStorage."""
     e = _ELEM_BYTES[config.dtype]
     a = sparse_bwd._align
-    return 2 * a(config.tile_n * config.head_dim * e, 1024) + 2 * a(config.stages * config.tile_m *
-                                                                      config.head_dim * e, 1024)
+    rows = config.stages * config.tile_m * config.head_dim * e
+    if resident_heads(config):
+        return 2 * a(config.tile_n * config.head_dim * e, 1024) + a((config.group + 1) * rows, 1024)
+    return 2 * a(config.tile_n * config.head_dim * e, 1024) + 2 * a(rows, 1024)
 
 
 def can_implement(config, arch: str) -> tuple[bool, str]:

@@ -1,17 +1,239 @@
-"""MSA KL pass on Hopper's warpgroup MMA (wgmma, sm90a only): the mma.sync kernel's tiles, heads loop and (A, T, L)
-shares, with the score products S_g = Q_g K^T and S_p = Q_p K_p^T issued by warpgroups
-(kernels_src.sparse_bwd.wgmma.WarpgroupTiles, shared with both backward kernels).
+"""MSA KL pass on Hopper's warpgroup MMA (wgmma, sm90a only): one CTA per work item and whole 128-key block,
+two warpgroups splitting the block's keys (kernels_src.sparse_bwd.wgmma.WarpgroupTiles: m64n64 each), so a key
+group of the (A, T, L) shares is one warpgroup's 64 keys (kl_part columns: group = tidx // 128).
 
-Each tile is 64 distinct queries x this CTA's 64 keys: warpgroup w computes the queries against keys
-[32 w, 32 w + 32) with wgmma m64n32k16, so a thread holds 2 query rows x 8 keys of its warpgroup's 32 and a key
-group of the KL shares is still one warpgroup's keys (kl_part columns: group = 2 * key slice + tidx // 128).
+G <= 4 (resident heads): a tile of 64 distinct queries gathers the rows of all G main heads and of the proxy at
+once (G + 1 tiles of 16 KB, double buffered: 160 KB with the 64 KB block at G = 4), so a tile is one barrier pair
+and G + 1 products, pipelined as in the dense warmup pass (kernels_src.warmup_kl): product n + 1 is issued before
+product n's exponentials run. Each row's query and lse_g for the next tile are loaded while this tile runs. Only
+tiles whose first (smallest) query lies inside the block can see keys t > i, so only those are masked.
+G >= 8 keeps the per-head steps of the mma.sync kernel's loop (SparseKL), whose rows are one head at a time.
 """
 
+# No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+
 from kernels_src.sparse_bwd.wgmma import WarpgroupTiles
+from kernels_src.sparse_kl import resident_heads
 from kernels_src.sparse_kl.kernel import SparseKL
+from kernels_src.tiles import copy_row
+
+_LOG2E = math.log2(math.e)
+_FLT_MIN = 1.1754943508222875e-38
 
 
 class SparseKLWG(WarpgroupTiles, SparseKL):
     def __init__(self, config):
         super().__init__(config)
         self._check_wg_tiles("sparse_kl")
+        self.resident = resident_heads(config)
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
+                 entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor, lse: cute.Tensor,
+                 kl_part: cute.Tensor, scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
+                 hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+        if cutlass.const_expr(not self.resident):
+            SparseKL.__call__(self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
+                              hp_per_hk, hp_per_hpk, stream)
+        else:
+            l_kv = self._smem_layout((self.tile_n, self.head_dim))
+            l_rows = self._smem_layout((self.tile_m, self.head_dim, (self.group + 1) * self.stages))
+
+            @cute.struct
+            class SharedStorage:
+                s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
+                s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
+                s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+
+            self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
+            self.kernel_resident(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
+                                 hp_per_hk, hp_per_hpk, l_kv, l_rows, self._gmem_copy(), SharedStorage).launch(
+                grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
+                stream=stream)
+
+    @cute.kernel
+    def kernel_resident(self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part,
+                        scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+                        l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, gcopy: cute.TiledCopy,
+                        SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        w, _, _ = cute.arch.block_idx()
+        n_entries = items[w, 3]
+        if n_entries > 0:
+            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
+            hp = q_proxy.shape[2]
+            b = bp // hp
+            p = bp - b * hp
+            t0 = j * self.block_size
+            seqlen = q.shape[1]
+            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+            s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+            s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+            s_q = storage.s_q.get_tensor(l_rows.outer, swizzle=l_rows.inner)
+            self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx)
+            self.load_block(gcopy, k_proxy[b, None, p // hp_per_hpk, None], s_kp, t0, seqlen, tidx)
+
+            mma_s = self._score_mma()
+            thr_s = mma_s.get_slice(tidx)
+            acc_shape = thr_s.partition_shape_C((self.tile_m, self.tile_n))
+            accs = (cute.make_rmem_tensor(acc_shape, cutlass.Float32),
+                    cute.make_rmem_tensor(acc_shape, cutlass.Float32))
+            tau = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+            tau_mn = self.rows_cols(tau)
+            coord = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            rows = cute.size(tau_mn, mode=[0])
+            scale_log2 = scale * _LOG2E
+            quad_lane = tidx % 4
+            warp_n = tidx // 128  # this warpgroup's half of the block: its key group
+
+            n_tiles = cute.ceil_div(n_entries, self.tile_queries)
+            # Row data of the current tile (query per row, -1 past the tile's queries; lse_g in log2 units, +inf
+            # there) and of the next one, loaded a tile ahead.
+            row_i = cute.make_rmem_tensor((rows,), cutlass.Int32)
+            lse2 = cute.make_rmem_tensor((rows, self.group), cutlass.Float32)
+            next_i = cute.make_rmem_tensor((rows,), cutlass.Int32)
+            next_lse2 = cute.make_rmem_tensor((rows, self.group), cutlass.Float32)
+            self.load_row_data(entry_query, lse, b, p, start, n_entries, 0, coord, row_i, lse2)
+            self.gather_heads(gcopy, q, q_proxy, s_q, b, p, entry_query, start, n_entries, 0, tidx)
+            for tile in cutlass.range(n_tiles, unroll=1):
+                e0 = start + tile * self.tile_queries
+                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                if tile + 1 < n_tiles:
+                    self.gather_heads(gcopy, q, q_proxy, s_q, b, p, entry_query, start, n_entries, tile + 1, tidx)
+                    self.load_row_data(entry_query, lse, b, p, start, n_entries, tile + 1, coord, next_i, next_lse2)
+                else:
+                    cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)
+                self.publish_async_copies()
+                cute.arch.sync_threads()
+
+                base = (tile % self.stages) * (self.group + 1)
+                self.gemm(mma_s, thr_s, accs[0], s_q[None, None, base], s_k, tidx, False, False, wait=False)
+                for n in cutlass.range_constexpr(self.group):
+                    if cutlass.const_expr(n + 1 < self.group):
+                        self.gemm(mma_s, thr_s, accs[(n + 1) % 2], s_q[None, None, base + n + 1], s_k, tidx, False,
+                                  False, wait=False)
+                    else:
+                        self.gemm(mma_s, thr_s, accs[(n + 1) % 2], s_q[None, None, base + self.group], s_kp, tidx,
+                                  False, False, wait=False)
+                    self.wait_products(1)
+                    s_mn = self.rows_cols(accs[n % 2])
+                    for r in cutlass.range_constexpr(rows):
+                        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                            e = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r, n], fastmath=True)
+                            if cutlass.const_expr(n == 0):
+                                tau_mn[r, c] = e
+                            else:
+                                tau_mn[r, c] += e
+                self.wait_products(0)
+                s_mn = self.rows_cols(accs[self.group % 2])
+                # Entries are sorted by query: only a tile whose first query lies inside the block sees t > i.
+                if entry_query[e0] < t0 + self.block_size - 1:
+                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, warp_n,
+                                      quad_lane, scale_log2, True)
+                else:
+                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, warp_n,
+                                      quad_lane, scale_log2, False)
+                for r in cutlass.range_constexpr(rows):
+                    row_i[r] = next_i[r]
+                    for g in cutlass.range_constexpr(self.group):
+                        lse2[r, g] = next_lse2[r, g]
+                # The next tile's gathers overwrite what this tile read.
+                cute.arch.sync_threads()
+
+    @cute.jit
+    def load_row_data(self, entry_query, lse, b, p, start, n_entries, tile, coord, row_i, lse2):
+        """This thread's rows of `tile`: their queries (-1 past the tile's count) and lse_g * log2 e (+inf there,
+        so their P is 0)."""
+        e0 = start + tile * self.tile_queries
+        n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+        for r in cutlass.range_constexpr(cute.size(row_i)):
+            qi = coord[r, 0][0]
+            row_i[r] = -1
+            for g in cutlass.range_constexpr(self.group):
+                lse2[r, g] = cutlass.Float32.inf
+            if qi < n_q:
+                i = entry_query[e0 + qi]
+                row_i[r] = i
+                for g in cutlass.range_constexpr(self.group):
+                    lse2[r, g] = lse[b, p * self.group + g, i] * _LOG2E
+
+    @cute.jit
+    def write_shares(self, s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, warp_n, quad_lane,
+                     scale_log2, masked: cutlass.Constexpr):
+        """Per row and this warpgroup's 64 keys, in log2 units: A = sum tau (log2 tau - s_p), T = sum tau, L = the
+        log2-sum-exp2 of s_p, over the causal keys; written to kl_part[dest, 3 warp_n : 3 warp_n + 3] (tau =
+        tau_sum / G). Without masking, every key of the block is visible to every row of the tile."""
+        log2_g = math.log2(self.group)
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            key_limit = row_i[r] - t0
+            row_max = -cutlass.Float32.inf
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                sp2 = s_mn[r, c] * scale_log2
+                s_mn[r, c] = sp2
+                if cutlass.const_expr(not masked):
+                    row_max = cute.arch.fmax(row_max, sp2)
+                elif coord[0, c][1] <= key_limit:
+                    row_max = cute.arch.fmax(row_max, sp2)
+                else:
+                    tau_mn[r, c] = 0.0
+            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
+            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
+            sum_exp = cutlass.Float32(0.0)
+            a_sum = cutlass.Float32(0.0)
+            t_sum = cutlass.Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                sp2 = s_mn[r, c]
+                if cutlass.const_expr(not masked):
+                    sum_exp += cute.math.exp2(sp2 - row_max, fastmath=True)
+                elif coord[0, c][1] <= key_limit:
+                    sum_exp += cute.math.exp2(sp2 - row_max, fastmath=True)
+                ts = tau_mn[r, c]
+                # ts = 0 (masked or underflowed) adds 0; tau_sum >= FLT_MIN otherwise (exp2.ftz is never denormal).
+                a_sum += ts * (cute.math.log2(cute.arch.fmax(ts, _FLT_MIN), fastmath=True) - sp2)
+                t_sum += ts
+            for off in cutlass.range_constexpr(2):
+                sum_exp += cute.arch.shuffle_sync_bfly(sum_exp, offset=2 >> off)
+                a_sum += cute.arch.shuffle_sync_bfly(a_sum, offset=2 >> off)
+                t_sum += cute.arch.shuffle_sync_bfly(t_sum, offset=2 >> off)
+            qi = coord[r, 0][0]
+            if qi < n_q and quad_lane == 0:
+                lse2_p = -cutlass.Float32.inf
+                if sum_exp > 0.0:
+                    lse2_p = row_max + cute.math.log2(sum_exp, fastmath=True)
+                dest = cutlass.Int64(entry_dest[e0 + qi])
+                col = warp_n * 3
+                kl_part[dest, col] = (a_sum - log2_g * t_sum) * (1.0 / self.group)
+                kl_part[dest, col + 1] = t_sum * (1.0 / self.group)
+                kl_part[dest, col + 2] = lse2_p
+
+    @cute.jit
+    def gather_heads(self, gcopy, q, q_proxy, s_q, b, p, entry_query, start, n_entries, tile, tidx):
+        """cp.async, as one group, row r of the G main heads' and the proxy's tiles of `tile` (buffers
+        stage * (G + 1) + n, n = G the proxy) from query entry_query[e0 + r]; rows past the tile's queries are
+        zero-filled."""
+        e0 = start + tile * self.tile_queries
+        n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+        base = (tile % self.stages) * (self.group + 1)
+        thr = gcopy.get_slice(tidx)
+        t_c = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        for m in cutlass.range_constexpr(cute.size(t_c, mode=[1])):
+            qi = t_c[0, m, 0][0]
+            if qi < n_q:
+                i = entry_query[e0 + qi]
+                for n in cutlass.range_constexpr(self.group + 1):
+                    t_s = thr.partition_D(s_q[None, None, base + n])
+                    if cutlass.const_expr(n < self.group):
+                        copy_row(gcopy, self.dtype, q[b, i, p * self.group + n, None], t_s, t_c, m)
+                    else:
+                        copy_row(gcopy, self.dtype, q_proxy[b, i, p, None], t_s, t_c, m)
+            else:
+                for n in cutlass.range_constexpr(self.group + 1):
+                    thr.partition_D(s_q[None, None, base + n])[None, m, None].fill(0)
+        cute.arch.cp_async_commit_group()

@@ -92,8 +92,8 @@ class WarmupProxyBackward(WarmupKL):
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_bwd(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale, hp_per_hk,
-                        hp_per_hpk, group_heads, head0, l_q, l_k, l_kp, l_ds, cp_async_rows(self.dtype, self.head_dim, self.threads),
-                        SharedStorage).launch(
+                        hp_per_hpk, group_heads, head0, l_q, l_k, l_kp, l_ds,
+                        cp_async_rows(self.dtype, self.head_dim, self.threads), SharedStorage).launch(
             grid=(cute.ceil_div(q.shape[1], self.tile_m), q_proxy.shape[2], q.shape[0]),
             block=(self.threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
 
