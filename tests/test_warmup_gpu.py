@@ -1,6 +1,6 @@
 """Warmup mode on the H200 (issue 5): dense causal main attention on cuDNN (flash_msa_rt.ops.dense_main) and the
-proxy's KL pass and backward on the sparse kernels with every causal block selected, against the reference
-warmup ops. Tolerances as the sparse kernels' tests: 4x the error of the same computation in float32 plus the
+proxy's KL pass and backward on the dense warmup kernels (G 1 / 4; G = 8: the KL pass on the sparse kernels with
+every causal block selected, the backward in chunked launches), against the reference warmup ops. Tolerances as the sparse kernels' tests: 4x the error of the same computation in float32 plus the
 input dtype's rounding, against float64; S = 16K against float32 (float64 would take minutes)."""
 
 import pytest

@@ -2,8 +2,9 @@
 
 Today: selection (flash_msa_rt.ops.select), the MSA sparse forward (flash_msa_rt.ops.sparse_fwd) and backward
 (flash_msa_rt.ops.sparse_bwd), and warmup mode: its dense main attention on cuDNN (flash_msa_rt.ops.dense_main,
-torch's own operators) and its proxy KL pass and proxy backward on the sparse kernels with every causal block
-selected (or everything on the sparse kernels where this torch lacks the cuDNN operators). The other ops
+torch's own operators) and its proxy KL pass and proxy backward on the dense warmup kernels
+(flash_msa_rt.ops.warmup_kl) where they are built, else on the sparse kernels with every causal block selected
+(and everything on the sparse kernels where this torch lacks the cuDNN operators). The other ops
 (block-sparse, varlen) register here as their kernels land; until then they run on the reference and dispatch
 says so once. A problem a kernel cannot run (dtype, head dim,
 block size, K, G, varlen, deterministic mode for the backward, or a variant not built for this GPU) is declined

@@ -49,18 +49,6 @@ class RowView:
 
 
 class WarmupProxyBackward(WarmupKL):
-    def __init__(self, config):
-        self.cfg = config
-        self.dtype = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}[config.dtype]
-        self.head_dim = config.head_dim
-        self.group = config.group
-        self.tile_m = config.tile_m
-        self.tile_n = config.tile_n
-        self.threads = config.threads
-        if self.tile_m != 2 * WARPGROUP_ROWS or self.threads != 256:
-            raise ValueError(f"warmup_bwd_proxy: tile_m {self.tile_m}, threads {self.threads}; 128 and 256 only")
-        self.traced: dict = {}
-
     def _dq_mma(self):
         """dq_p += dS_p K_p: rows as the score products (two warpgroups tile M), A from registers."""
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, _K, _MN, cutlass.Float32,

@@ -47,9 +47,9 @@ class WarmupKL:
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
         self.threads = config.threads
-        self.stages = config.stages
+        self.stages = getattr(config, "stages", 2)  # K / K_p stages (the proxy backward stages them its own way)
         if self.tile_m != 2 * WARPGROUP_ROWS or self.threads != 256:
-            raise ValueError(f"warmup_kl: tile_m {self.tile_m}, threads {self.threads}; 128 and 256 only")
+            raise ValueError(f"{type(self).__name__}: tile_m {self.tile_m}, threads {self.threads}; 128 and 256 only")
         self.traced: dict = {}
 
     def _score_mma(self):
