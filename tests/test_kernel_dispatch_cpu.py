@@ -137,3 +137,50 @@ def test_warmup_backward_falls_back_when_only_cudnn_backward_refuses(monkeypatch
     with pytest.warns(RuntimeWarning, match="cuDNN attention failed"):
         assert kernels._warmup_backward(qp, qp, q, qp, qp, q, None, None, 0.1, q, None) == "bwd"
     assert calls == ["cudnn_bwd", "sparse_bwd"]
+
+
+@pytest.mark.parametrize("dense_built", [True, False])
+def test_warmup_proxy_passes_take_the_dense_kernels_where_usable(monkeypatch, dense_built):
+    """Warmup's KL pass and proxy backward run the dense kernels (flash_msa_rt.ops.warmup_kl) when `usable` says
+    so, and the sparse kernels over the all-causal selection otherwise or when DENSE_WARMUP_KL is off. Checked
+    with the GPU calls replaced by recorders."""
+    from flash_msa_rt.ops import warmup_kl
+
+    calls = []
+    monkeypatch.setattr(kernels, "_cudnn_failed", {})
+    monkeypatch.setattr(kernels.dense_main, "available", lambda: None)
+    monkeypatch.setattr(kernels.torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(kernels.dense_main, "dense_forward", lambda *a: ("out", "lse"))
+    monkeypatch.setattr(kernels.dense_main, "dense_backward", lambda *a: ("dq", "dk", "dv"))
+    monkeypatch.setattr(warmup_kl, "usable", lambda qp, q, op="warmup_kl": None if dense_built else "not built")
+    monkeypatch.setattr(warmup_kl, "warmup_kl_cuda", lambda *a: calls.append("dense_kl") or ("lp", "kl"))
+    monkeypatch.setattr(warmup_kl, "warmup_proxy_backward_cuda",
+                        lambda *a: calls.append("dense_bwd") or ("dqp", "dkp"))
+    monkeypatch.setattr(kernels.sparse_fwd, "msa_kl_cuda", lambda *a: calls.append("sparse_kl") or ("lp", "kl"))
+    monkeypatch.setattr(kernels.sparse_bwd, "proxy_backward_cuda",
+                        lambda *a: calls.append("sparse_bwd") or ("dqp", "dkp"))
+    qp = torch.zeros(1, 300, 2, 128)
+    q = torch.zeros(1, 300, 8, 128)
+    for dense_switch in (True, False):
+        monkeypatch.setattr(kernels, "DENSE_WARMUP_KL", dense_switch)
+        calls.clear()
+        assert kernels._warmup_forward(qp, qp, q, qp, qp, 0.1) == ("out", "lse", "lp", "kl")
+        assert kernels._warmup_backward(qp, qp, q, qp, qp, q, "lse", "lp", 0.1, q, torch.ones(())) == (
+            "dqp", "dkp", "dq", "dk", "dv")
+        dense = dense_built and dense_switch
+        assert calls == (["dense_kl", "dense_bwd"] if dense else ["sparse_kl", "sparse_bwd"]), (dense_built,
+                                                                                                dense_switch)
+
+
+def test_dense_warmup_kernels_say_why_not():
+    """warmup_kl.usable names what it cannot run: the group (the KL pass stops at G = 4, the backward at 16), the
+    head dims, the dtype, and a tensor off CUDA."""
+    from flash_msa_rt.ops import warmup_kl
+
+    qp = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
+    q8 = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)
+    assert "G 8" in warmup_kl.usable(qp, q8, "warmup_kl")
+    assert "runs on CUDA devices" in warmup_kl.usable(qp, q8, "warmup_bwd_proxy")
+    assert "G 32" in warmup_kl.usable(qp, torch.zeros(1, 4, 32, 128, dtype=torch.bfloat16), "warmup_bwd_proxy")
+    assert "Dp 64" in warmup_kl.usable(torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16), q8[:, :, :4])
+    assert "torch.float32" in warmup_kl.usable(qp.float(), q8[:, :, :4].float())

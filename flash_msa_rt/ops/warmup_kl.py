@@ -51,6 +51,8 @@ def usable(q_proxy: torch.Tensor, q: torch.Tensor, op: str = "warmup_kl") -> str
     groups = GROUPS if op == "warmup_kl" else BACKWARD_GROUPS
     if q.dtype not in DTYPES or D not in HEAD_DIMS or Dp != D or G not in groups:
         return f"dtype {q.dtype}, D {D}, Dp {Dp}, G {G} ({op}: bf16 / fp16, D = Dp in {HEAD_DIMS}, G in {groups})"
+    if q.device.type != "cuda":
+        return f"q is on {q.device}: {op} runs on CUDA devices"
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     arch = device_arch(index)
     if arch != "sm90a":
