@@ -184,3 +184,23 @@ def test_dense_warmup_kernels_say_why_not():
     assert "G 32" in warmup_kl.usable(qp, torch.zeros(1, 4, 32, 128, dtype=torch.bfloat16), "warmup_bwd_proxy")
     assert "Dp 64" in warmup_kl.usable(torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16), q8[:, :, :4])
     assert "torch.float32" in warmup_kl.usable(qp.float(), q8[:, :, :4].float())
+
+
+def test_dense_warmup_kernels_need_sm90a_and_their_variant(monkeypatch, tmp_path):
+    """Off sm90a the dense warmup kernels decline with the arch; on sm90a without the variant in the artifacts,
+    with the loader's message (which names the build command). The verdict is cached per device."""
+    from flash_msa_rt import loader
+    from flash_msa_rt.ops import warmup_kl
+
+    monkeypatch.setenv("FLASH_MSA_ARTIFACT_DIR", str(tmp_path))  # an empty artifact folder
+    warmup_kl._built.cache_clear()
+    try:
+        monkeypatch.setattr(loader, "device_arch", lambda index: "sm100a")
+        assert "sm90a only, not sm100a" in warmup_kl._built("warmup_kl", "bf16", 128, 4, 0)
+        monkeypatch.setattr(loader, "device_arch", lambda index: "sm90a")
+        why = warmup_kl._built("warmup_bwd_proxy", "bf16", 128, 4, 1)
+        assert "python -m build_tools build" in why, why
+        monkeypatch.setattr(loader, "device_arch", lambda index: "sm100a")
+        assert warmup_kl._built("warmup_bwd_proxy", "bf16", 128, 4, 1) == why  # cached for device 1
+    finally:
+        warmup_kl._built.cache_clear()

@@ -11,6 +11,8 @@ Built for sm90a (wgmma): the KL pass at G = H / Hp in GROUPS, the proxy backward
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flash_msa_rt.errors import FlashMsaError
@@ -43,10 +45,8 @@ def backward_config(dtype: str, head_dim: int, group: int) -> dict:
 
 def usable(q_proxy: torch.Tensor, q: torch.Tensor, op: str = "warmup_kl") -> str | None:
     """None when the dense kernel of op (warmup_kl, warmup_bwd_proxy) runs this problem on q's device, else why
-    not (then the sparse kernels run it)."""
-    from flash_msa_rt import artifacts
-    from flash_msa_rt.loader import device_arch
-
+    not (then the sparse kernels run it). Every warmup forward and backward asks: the arch and artifact lookup is
+    made once per (op, variant, device)."""
     D, Dp, G = q.shape[3], q_proxy.shape[3], q.shape[2] // q_proxy.shape[2]
     groups = GROUPS if op == "warmup_kl" else BACKWARD_GROUPS
     if q.dtype not in DTYPES or D not in HEAD_DIMS or Dp != D or G not in groups:
@@ -54,12 +54,21 @@ def usable(q_proxy: torch.Tensor, q: torch.Tensor, op: str = "warmup_kl") -> str
     if q.device.type != "cuda":
         return f"q is on {q.device}: {op} runs on CUDA devices"
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    group = G if op == "warmup_kl" else backward_chunk(G)
+    return _built(op, DTYPES[q.dtype], D, group, index)
+
+
+@functools.lru_cache(maxsize=None)
+def _built(op: str, dtype: str, D: int, group: int, index: int) -> str | None:
+    """None when op's variant is in the artifacts for device `index`'s arch (sm90a only), else why not."""
+    from flash_msa_rt import artifacts
+    from flash_msa_rt.loader import device_arch
+
     arch = device_arch(index)
     if arch != "sm90a":
         return f"{op} is built for sm90a only, not {arch}"
+    config = kernel_config(dtype, D, group) if op == "warmup_kl" else backward_config(dtype, D, group)
     try:
-        config = (kernel_config(DTYPES[q.dtype], D, G) if op == "warmup_kl"
-                  else backward_config(DTYPES[q.dtype], D, backward_chunk(G)))
         artifacts.find_variant(op, config, arch)
     except FlashMsaError as e:
         return str(e)
