@@ -117,8 +117,8 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
 
 
 # Warmup's KL pass and proxy backward run on the dense kernels where they are built (flash_msa_rt.ops.warmup_kl:
-# sm90a, G <= 4) and on the sparse kernels over the all-causal selection elsewhere; tests and benchmarks set False
-# to run the latter.
+# sm90a; the KL pass at G <= 4, the proxy backward at every G) and on the sparse kernels over the all-causal
+# selection elsewhere; tests and benchmarks set False to run the latter.
 DENSE_WARMUP_KL = True
 WARMUP_BLOCK = 128  # warmup selects every causal block; any block size gives the same dense causal result
 _INT32_LIMIT = 1 << 31

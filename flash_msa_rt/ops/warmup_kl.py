@@ -4,7 +4,7 @@ kl_rows) and the proxy backward (kernels_src.warmup_bwd_proxy: dq_proxy, dk_prox
 Warmup selects every causal block, so each query's keys are the contiguous prefix [0, i]: the kernel walks it
 query-outer over contiguous tiles, with no reverse-index plan, no gathered rows and no per-slot partials (the
 sparse kernels over the all-causal selection, sparse_fwd.msa_kl_cuda and sparse_bwd.proxy_backward_cuda, need all
-three). One launch each, no host synchronisation; the only workspace is dk_proxy's fp32 accumulator.
+three). No host synchronisation; the only workspace is the fp32 accumulators of dq_proxy and dk_proxy.
 Built for sm90a (wgmma): the KL pass at G = H / Hp in GROUPS, the proxy backward at BACKWARD_GROUPS; elsewhere
 `usable` says why not and warmup keeps the sparse kernels.
 """
