@@ -17,8 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.spec import BuildSpec, family_spec, refusal, smem_refusal, verdict
-from kernels_src.warmup_kl import DTYPES, GROUPS
+from kernels_src.spec import BuildSpec, family_spec
+from kernels_src.warmup_kl import _align, dense_configs, dense_verdict
 
 OP = "warmup_bwd_proxy"
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
@@ -48,23 +48,13 @@ class Config:
         return _align(q + k + kp + ds + rows, 1024)  # the struct's size is a multiple of its 1024-byte alignment
 
 
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     """block_sizes: accepted for the catalogue's common signature; the pass has no key blocks."""
-    dts = tuple(dtypes) if dtypes else DTYPES
-    ds = tuple(head_dims) if head_dims else (128,)
-    return [Config(dtype=dt, head_dim=d, group=g) for dt in dts for d in ds for g in GROUPS]
+    return dense_configs(Config, head_dims, dtypes)
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
-    reason = refusal(config, arch, {"group": "G + 1 query tiles of 32 KB stay in shared memory"}, dtype=DTYPES,
-                     head_dim=(128,), group=GROUPS, tile_m=(128,), tile_n=(64,), threads=(256,))
-    if reason is None and arch != "sm90a":
-        reason = f"warmup_bwd_proxy runs on Hopper's warpgroup MMA: sm90a only, not {arch}"
-    return verdict(reason or smem_refusal(config.smem_bytes(), arch))
+    return dense_verdict(OP, config, arch)
 
 
 def params(config: Config) -> tuple:

@@ -55,19 +55,30 @@ def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
-def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
-    """block_sizes: accepted for the catalogue's common signature; the pass has no key blocks."""
+def dense_configs(config_cls, head_dims=None, dtypes=None) -> list:
+    """The default variants of a dense warmup family (this one and warmup_bwd_proxy): every dtype, head dim and G."""
     dts = tuple(dtypes) if dtypes else DTYPES
     ds = tuple(head_dims) if head_dims else (128,)
-    return [Config(dtype=dt, head_dim=d, group=g) for dt in dts for d in ds for g in GROUPS]
+    return [config_cls(dtype=dt, head_dim=d, group=g) for dt in dts for d in ds for g in GROUPS]
+
+
+def dense_verdict(op: str, config, arch: str, **fields) -> tuple[bool, str]:
+    """can_implement of a dense warmup family: its fixed tile fields (plus `fields`), wgmma on sm90a only, and the
+    shared memory the G + 1 resident query tiles take."""
+    reason = refusal(config, arch, {"group": "G + 1 query tiles of 32 KB stay in shared memory"}, dtype=DTYPES,
+                     head_dim=(128,), group=GROUPS, tile_m=(128,), tile_n=(64,), threads=(256,), **fields)
+    if reason is None and arch != "sm90a":
+        reason = f"{op} runs on Hopper's warpgroup MMA: sm90a only, not {arch}"
+    return verdict(reason or smem_refusal(config.smem_bytes(), arch))
+
+
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
+    """block_sizes: accepted for the catalogue's common signature; the pass has no key blocks."""
+    return dense_configs(Config, head_dims, dtypes)
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
-    reason = refusal(config, arch, {"group": "G + 1 query tiles of 32 KB stay in shared memory"}, dtype=DTYPES,
-                     head_dim=(128,), group=GROUPS, tile_m=(128,), tile_n=(64,), threads=(256,), stages=(2,))
-    if reason is None and arch != "sm90a":
-        reason = f"warmup_kl runs on Hopper's warpgroup MMA: sm90a only, not {arch}"
-    return verdict(reason or smem_refusal(config.smem_bytes(), arch))
+    return dense_verdict(OP, config, arch, stages=(2,))
 
 
 def params(config: Config) -> tuple:
