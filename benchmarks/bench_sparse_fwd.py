@@ -70,6 +70,8 @@ def run(cfg: str, S: int, tokens: int, mma: str = "auto"):
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device="cuda")
     comb = get_kernel("sparse_combine", sf.combine_config("bf16", D, 128, G), q.device)
+    comb_kl = get_kernel("sparse_combine_kl", sf.combine_kl_config(128), q.device)
+    lse_p, kl_rows = (torch.empty((B, Hp, S), dtype=torch.float32, device="cuda") for _ in range(2))
 
     stages = {
         "plan": lambda: sparse_plan(sel, 128, S, G, sf.TILE_M // G, sf.TILES_PER_ITEM),
@@ -78,7 +80,9 @@ def run(cfg: str, S: int, tokens: int, mma: str = "auto"):
         "combine": lambda: comb(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out, lse=lse,
                                 query_offset=0),
         "kl_kernel": lambda: kl(lse=lse, kl_part=kl_part, **kl_args),
-        "combine_kl": lambda: combine_kl_lse(kl_plan, sel, kl_part),
+        "combine_kl": lambda: comb_kl(block_indices=sel, kl_part=kl_part, lse_proxy=lse_p, kl_rows=kl_rows,
+                                      query_offset=0),
+        "combine_kl_torch": lambda: combine_kl_lse(kl_plan, sel, kl_part),  # what ran before the kernel
         "whole": lambda: sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale),
     }
     grad_out = torch.randn_like(q)
@@ -122,7 +126,8 @@ def main(argv=None):
             rows.append(r)
             print(f"({cfg}) S={S:6d} B={r['B']:2d} mma={mma} items={r['items']:7d} | "
                   + " ".join(f"{n}={r[n + '_ms']:.2f}ms" for n in ("plan", "fwd_kernel", "combine", "kl_kernel",
-                                                                  "combine_kl", "whole", "backward"))
+                                                                  "combine_kl", "combine_kl_torch", "whole",
+                                                                  "backward"))
                   + f" | fwd kernel {r['fwd_kernel_tflops_vs_fwd_flops']:.0f} TF/s, whole "
                   f"{r['whole_tflops_vs_fwd_flops']:.0f} TF/s, backward {r['backward_tflops']:.0f} TF/s, "
                   f"peak {r['peak_gib']:.1f} GiB", flush=True)

@@ -1,5 +1,5 @@
-"""The sparse attention kernels (forward, combine, KL, backward, proxy backward) build for Hopper and Blackwell
-with no GPU: PTX params equal the declared ABI, no local memory, shared memory as the spec declares. One G each
+"""The sparse attention kernels (forward, combine, KL, KL merge, backward, proxy backward) build for Hopper and
+Blackwell with no GPU: PTX params equal the declared ABI, no local memory, shared memory as the spec declares. One G each
 (the others differ in constants only; the catalogue builds them all)."""
 
 import json
@@ -15,12 +15,12 @@ from flash_msa_rt.manifest import Manifest, param_layout  # noqa: E402
 from kernels_src import sparse_bwd, sparse_fwd  # noqa: E402
 from kernels_src.catalogue import variants  # noqa: E402
 
-FAMILIES = ("sparse_fwd", "sparse_combine", "sparse_kl", "sparse_bwd", "sparse_bwd_proxy")
+FAMILIES = ("sparse_fwd", "sparse_combine", "sparse_kl", "sparse_combine_kl", "sparse_bwd", "sparse_bwd_proxy")
 
 
 @pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
 def test_sparse_kernels_build(tmp_path, arch):
-    specs = [s for s in variants((arch,), only=["sparse_*_bf16_*g4_*"]) if s.op in FAMILIES]
+    specs = [s for s in variants((arch,), only=["sparse_*_bf16_*g4_*", "sparse_combine_kl_*"]) if s.op in FAMILIES]
     # sm90a builds every family but the combine twice: mma.sync and wgmma (Hopper only)
     extra = ["sparse_fwd", "sparse_kl", "sparse_bwd", "sparse_bwd_proxy"] if arch == "sm90a" else []
     assert sorted(s.op for s in specs) == sorted([*FAMILIES, *extra])

@@ -227,3 +227,58 @@ def test_query_chunks_bound_the_partials(monkeypatch):
     for a, b in zip(whole, chunked):
         assert torch.equal(a, b)
     assert peak_chunked < peak_whole / 2, (peak_chunked, peak_whole)
+
+
+@pytest.mark.parametrize("groups", [2, 4])  # key groups per slot: the wgmma KL pass writes 2, mma.sync 4
+def test_combine_kl_kernel_matches_its_torch_statement(groups):
+    """sparse_combine_kl against sparse_plan.combine_kl_lse in float64 on random (A, T, L) triples, a chunk of
+    queries at an offset: dead slots (-1, blocks after the local one) hold NaN that must be skipped, some groups
+    have L = -inf (no causal key in them), some rows have no live slot at all (lse_proxy -inf, KL 0), and the
+    outputs are views of longer (B, Hp, S) tensors that must stay untouched outside the chunk."""
+    from flash_msa_rt.loader import get_kernel
+    from flash_msa_rt.ops.sparse_fwd import combine_kl_config
+    from types import SimpleNamespace
+
+    from flash_msa_rt.ops.sparse_plan import combine_kl_lse
+
+    g = torch.Generator(device="cuda").manual_seed(groups)
+    B, Hp, S_total, K, Bs, s0 = 2, 3, 1300, 37, 128, 384  # K * groups > 32: lanes take several pairs
+    S = S_total - s0
+    i = torch.arange(s0, S_total, device="cuda").view(1, 1, S, 1)
+    sel = torch.randint(-1, S_total // Bs + 2, (B, Hp, S, K), device="cuda", generator=g, dtype=torch.int32)
+    sel[:, :, ::7] = -1  # rows without a live slot
+    E, C = B * Hp * S * K, 3 * groups
+    parts = torch.randn(E, groups, 3, device="cuda", generator=g, dtype=torch.float64)
+    parts[..., 0] *= 3.0
+    parts[..., 1] = parts[..., 1].abs() / (K * groups)
+    parts[..., 2] = parts[..., 2] * 20.0 + 5.0
+    parts[..., 2] = torch.where(torch.rand(E, groups, device="cuda", generator=g) < 0.2, float("-inf"),
+                                parts[..., 2])
+    live = ((sel >= 0) & (sel <= i // Bs)).reshape(E, 1, 1)
+    parts = torch.where(live, parts, float("nan"))
+    kl_part = parts.reshape(E, C).float()  # the kernel's fp32 parts; the statement sums them in float64
+    plan = SimpleNamespace(B=B, Hp=Hp, S=S, K=K, E=E, block_size=Bs, query_offset=s0)  # what the merge reads
+    want_lse, want_kl = combine_kl_lse(plan, sel, kl_part.double())
+
+    lse_proxy = torch.full((B, Hp, S_total), 7.0, device="cuda")
+    kl_rows = torch.full((B, Hp, S_total), 7.0, device="cuda")
+    get_kernel("sparse_combine_kl", combine_kl_config(Bs), sel.device)(
+        block_indices=sel, kl_part=kl_part, lse_proxy=lse_proxy[:, :, s0:], kl_rows=kl_rows[:, :, s0:],
+        query_offset=s0)
+    torch.cuda.synchronize()
+    assert (lse_proxy[:, :, :s0] == 7.0).all() and (kl_rows[:, :, :s0] == 7.0).all(), "wrote outside the chunk"
+    got_lse, got_kl = lse_proxy[:, :, s0:].double(), kl_rows[:, :, s0:].double()
+    dead = ~(want_lse > float("-inf"))
+    assert dead.any() and (~dead).any()
+    assert torch.equal(torch.isneginf(got_lse), dead), "rows without a live slot must get lse_proxy = -inf"
+    assert (got_kl[dead] == 0).all()
+    assert torch.isfinite(got_kl).all() and torch.isfinite(got_lse[~dead]).all()
+    # fp32 sums of up to K * groups terms and fast exp2 / log2: a few ulp of fp32 per term of each row's magnitude
+    # (sum |A| ln 2 + |lse_proxy| sum T); a wrong slot, group or liveness moves a row by a whole term
+    a_abs = torch.where(live.view(E, 1), kl_part.view(E, groups, 3)[..., 0].double().abs(), 0).view(B, Hp, S, -1)
+    t_sum = torch.where(live.view(E, 1), kl_part.view(E, groups, 3)[..., 1].double(), 0).view(B, Hp, S, -1).sum(-1)
+    mag = a_abs.sum(-1) * 0.7 + want_lse.nan_to_num(0, 0, 0).abs() * t_sum + 1.0
+    err_lse = (got_lse - want_lse)[~dead].abs()
+    assert (err_lse <= 1e-6 * (want_lse[~dead].abs() + 1.0) * K * groups).all(), err_lse.max()
+    err_kl = (got_kl - want_kl).abs()
+    assert (err_kl <= 1e-6 * mag * 4).all(), (err_kl / mag).max()

@@ -384,11 +384,15 @@ def test_warmup_kl_pass_in_query_chunks_matches_the_reference(monkeypatch):
         return plans[-1]
 
     def emulated_kernel(op, config, device):
-        assert op == "sparse_kl"
+        assert op in ("sparse_kl", "sparse_combine_kl")
 
         def launch(lse, kl_part, q, k, q_proxy, k_proxy, scale, **_):
             kl_part.copy_(emulate_kl(plans[-1], q, k, q_proxy, k_proxy, lse, scale))
-        return launch
+
+        def merge(block_indices, kl_part, lse_proxy, kl_rows, query_offset):  # the merge kernel's torch statement
+            assert query_offset == plans[-1].query_offset
+            lse_proxy[:], kl_rows[:] = combine_kl_lse(plans[-1], block_indices, kl_part)
+        return launch if op == "sparse_kl" else merge
 
     monkeypatch.setattr(sparse_fwd, "sparse_plan", recorded_plan)
     monkeypatch.setattr(sparse_fwd, "get_kernel", emulated_kernel)

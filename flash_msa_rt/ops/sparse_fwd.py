@@ -7,7 +7,8 @@ Steps, all on the device with no host synchronisation:
   3. sparse_combine kernel: logsumexp merge of each row's K slots -> out, lse;
   4. sparse_kl kernel (its own plan: tiles of 64 distinct queries): with the final lse, each entry's (A, T, L)
      shares of the KL and of the proxy lse per key group;
-  5. combine_kl_lse: lse_proxy and kl_rows (KL = ln 2 * sum A + lse_proxy * sum T).
+  5. sparse_combine_kl kernel: lse_proxy and kl_rows (KL = ln 2 * sum A + lse_proxy * sum T; its torch statement
+     is sparse_plan.combine_kl_lse).
 Internal layout (B, S, heads, D); the public API validates user input and routes here through dispatch.
 """
 
@@ -18,7 +19,7 @@ import functools
 import torch
 
 from flash_msa_rt.loader import get_kernel
-from flash_msa_rt.ops.sparse_plan import combine_kl_lse, kl_groups, recut, sparse_plan
+from flash_msa_rt.ops.sparse_plan import kl_groups, recut, sparse_plan
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 HEAD_DIMS = (128,)
@@ -92,6 +93,11 @@ def combine_config(dtype: str, head_dim: int, block_size: int, group: int) -> di
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "threads": 256}
 
 
+def combine_kl_config(block_size: int) -> dict:
+    """The KL merge reads fp32 statistics only: one variant per block size (the key groups are kl_part's)."""
+    return {"block_size": block_size, "threads": 256}
+
+
 def tile_n_for(mma: str, block_size: int) -> int:
     """Keys per CTA of the kernels on 64-query tiles (KL pass, both backward kernels): the whole key block on wgmma
     (dK, dV or dk_p of 128 keys in registers; (b) S = 64K: sparse_bwd 53.5 -> 37.6 ms, sparse_bwd_proxy 31.9 ->
@@ -114,8 +120,14 @@ def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, gr
              arch: str = "sm90a") -> list[tuple[str, dict]]:
     """Every (op, config) one forward launches on arch."""
     return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_fwd"))),
-            ("sparse_kl", kl_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_kl", group))),
-            ("sparse_combine", combine_config(dtype, head_dim, block_size, group))]
+            ("sparse_combine", combine_config(dtype, head_dim, block_size, group)),
+            *kl_variants(dtype, head_dim, block_size, group, arch)]
+
+
+def kl_variants(dtype: str, head_dim: int, block_size: int, group: int, arch: str = "sm90a") -> list[tuple[str, dict]]:
+    """The (op, config) pairs of the KL pass alone (msa_kl_cuda): the pass and its merge."""
+    return [("sparse_kl", kl_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_kl", group))),
+            ("sparse_combine_kl", combine_kl_config(block_size))]
 
 
 def _plan_args(plan) -> dict:
@@ -163,6 +175,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     kl_mma = device_mma(dev, "sparse_kl", G)
     kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G, kl_mma), dev)
     combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
+    combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
@@ -184,14 +197,16 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
             **_plan_args(plan))
         combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out[:, s0:s1], lse=lse[:, :, s0:s1],
                 query_offset=s0)
-        lse_proxy[:, :, s0:s1], kl_rows[:, :, s0:s1] = _kl_chunk(kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size,
-                                                                  G, kl_buf, scale, plan)
+        _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale,
+                  lse_proxy, kl_rows, plan)
     return out, lse, lse_proxy, kl_rows
 
 
-def _kl_chunk(kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale, plan=None):
-    """The KL pass over queries [s0, s0 + sel.shape[2]) given the final main lse -> (lse_proxy, kl_rows) there.
-    plan: the forward's plan of the same chunk, recut into the KL pass's tiles (no second sort), if there is one."""
+def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale, lse_proxy,
+              kl_rows, plan=None):
+    """The KL pass over queries [s0, s0 + sel.shape[2]) given the final main lse: writes lse_proxy and kl_rows
+    (B, Hp, S) there. plan: the forward's plan of the same chunk, recut into the KL pass's tiles (no second sort),
+    if there is one."""
     tiles = per_group_tiles(KL_MAIN_TILES_PER_ITEM, G)
     if plan is not None:
         kl_plan = recut(plan, KL_TILE, tiles)
@@ -199,7 +214,9 @@ def _kl_chunk(kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, s
         kl_plan = sparse_plan(sel, block_size, sel.shape[2], G, KL_TILE, tiles, query_offset=s0)
     kl_part = kl_buf[:kl_plan.E]
     kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
-    return combine_kl_lse(kl_plan, sel, kl_part)
+    s1 = s0 + sel.shape[2]
+    combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=lse_proxy[:, :, s0:s1], kl_rows=kl_rows[:, :, s0:s1],
+               query_offset=s0)
 
 
 def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
@@ -212,6 +229,7 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
     dev = q.device
     kl_mma = device_mma(dev, "sparse_kl", G)
     kl = get_kernel("sparse_kl", kl_config(DTYPES[q.dtype], D, block_size, G, kl_mma), dev)
+    combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
     kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev)
     if S == 0 or B == 0:
@@ -224,6 +242,6 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         sel = block_indices[:, :, s0:s1].contiguous()
-        lse_proxy[:, :, s0:s1], kl_rows[:, :, s0:s1] = _kl_chunk(kl, q_proxy, k_proxy, q, k, lse, sel, s0,
-                                                                  block_size, G, kl_buf, scale)
+        _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale, lse_proxy,
+                  kl_rows)
     return lse_proxy, kl_rows
