@@ -324,6 +324,7 @@ NAME_TAGS: dict[str, str] = {
     "threads": "t",
     "stages": "s",
     "mma": "mma",  # mmasync (mma.sync) or mmawgmma (Hopper warpgroup MMA)
+    "schedule": "sched",  # schedlockstep or schedpingpong: how a kernel's warpgroups share a tile's phases
 }
 
 

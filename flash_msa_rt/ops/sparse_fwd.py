@@ -35,11 +35,22 @@ KL_MAIN_TILES_PER_ITEM = 64  # KL items: ~64 // G tiles of 64 queries x G heads,
 PARTIALS_BUDGET = 1 << 30  # the least bytes of per-slot partials one forward chunk may hold (partials_budget)
 
 
-def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
+def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
+                  schedule: str | None = None) -> dict:
     """The variant launched for a problem; fields in the order the build names them.
-    mma: family_mma(arch, "sparse_fwd")."""
+    mma: family_mma(arch, "sparse_fwd"); schedule: fwd_schedule(mma) unless given."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
-            "threads": 256, "stages": 2, "mma": mma}
+            "threads": 256, "stages": 2, "mma": mma, "schedule": schedule or fwd_schedule(mma)}
+
+
+# How sparse_fwd's two warpgroups share a tile (kernels_src/sparse_fwd/pingpong.py), per MMA: on wgmma each
+# warpgroup runs its own rows and their QK products take turns (ping-pong); mma.sync has the lockstep kernel only.
+FWD_SCHEDULE = {"sync": "lockstep", "wgmma": "pingpong"}
+FORCE_SCHEDULE: str | None = None  # tests and benchmarks: run the wgmma forward with this schedule instead
+
+
+def fwd_schedule(mma: str) -> str:
+    return FORCE_SCHEDULE if FORCE_SCHEDULE and mma == "wgmma" else FWD_SCHEDULE[mma]
 
 
 # The MMA each family runs on sm90a, by measurement ((b) S = 64K B = 2, kernels_src/sparse_fwd/NOTES.md): wgmma

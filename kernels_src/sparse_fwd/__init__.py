@@ -25,6 +25,7 @@ DTYPES = ("bf16", "f16")
 HEAD_DIMS = (128,)
 GROUPS = (1, 2, 4, 8, 16)  # G = H / Hp: a power of two that divides the 16 rows of one warp's MMA slab
 MMAS = ("sync", "wgmma")
+SCHEDULES = {"sync": ("lockstep",), "wgmma": ("lockstep", "pingpong")}  # built per MMA
 
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
 
@@ -41,6 +42,9 @@ class Config:
     threads: int = 256  # 8 warps x 16 rows
     stages: int = 2  # gathered q tile buffers: the next tile's gather overlaps this tile's math
     mma: str = "sync"  # "sync": mma.sync (sm90a, sm100a); "wgmma": warpgroup MMA (sm90a only, kernel wgmma.py)
+    # "lockstep": both warpgroups through every phase of a tile together; "pingpong" (wgmma only, pingpong.py):
+    # each warpgroup gathers and syncs its own rows and their QK products take turns
+    schedule: str = "lockstep"
 
     def variant_name(self, arch: str, op: str = OP) -> str:
         return variant_name(op, dataclasses.asdict(self), arch)
@@ -61,8 +65,8 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else DTYPES
     ds = tuple(head_dims) if head_dims else (128,)
     bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, mma=m)
-            for dt in dts for d in ds for bs in bss for g in GROUPS for m in MMAS]
+    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, mma=m, schedule=sc)
+            for dt in dts for d in ds for bs in bss for g in GROUPS for m in MMAS for sc in SCHEDULES[m]]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
@@ -73,6 +77,9 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
                             "tile_m": "8 warps x 16 rows", "threads": "8 warps x 16 rows"})
     if reason is None and c.mma == "wgmma" and arch != "sm90a":
         reason = f"mma 'wgmma' is Hopper's warpgroup MMA: sm90a only, not {arch}"
+    if reason is None and c.schedule not in SCHEDULES[c.mma]:
+        reason = (f"schedule {c.schedule!r} not supported with mma {c.mma!r}; supported: "
+                  f"{', '.join(map(repr, SCHEDULES[c.mma]))} (ping-pong takes turns between warpgroup MMAs)")
     return verdict(reason or smem_refusal(c.smem_bytes(), arch))
 
 

@@ -48,10 +48,11 @@ class SparseAttentionWG(SparseAttention):
         cute.arch.fence_view_async_shared()
 
     @cute.jit
-    def qk(self, tiled_mma, thr_mma, acc, s_a, s_b, tidx, prefetch: cutlass.Constexpr = True):
-        """acc = A B^T over the tile (fp32, unscaled): wgmma on shared-memory descriptors, waited for. The MMA
-        object is made here: its accumulate flag is set per step, and state set inside the caller's loop must
-        not outlive the loop body."""
+    def qk(self, tiled_mma, thr_mma, acc, s_a, s_b, tidx, prefetch: cutlass.Constexpr = True,
+           wait: cutlass.Constexpr = True):
+        """acc = A B^T over the tile (fp32, unscaled): wgmma on shared-memory descriptors, waited for unless
+        wait=False (then the caller waits: warpgroup.wait_group). The MMA object is made here: its accumulate
+        flag is set per step, and state set inside the caller's loop must not outlive the loop body."""
         tiled_mma = self._tiled_mma()
         thr_mma = tiled_mma.get_slice(tidx)
         t_ra = thr_mma.make_fragment_A(thr_mma.partition_A(s_a))
@@ -61,7 +62,8 @@ class SparseAttentionWG(SparseAttention):
             tiled_mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
             cute.gemm(tiled_mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        if cutlass.const_expr(wait):
+            warpgroup.wait_group(0)
 
     @cute.jit
     def pv(self, tiled_mma, thr_mma, acc_p, acc_o, s_vt, tidx):

@@ -1,0 +1,174 @@
+"""MSA sparse forward on wgmma with the two warpgroups in ping-pong (sm90a only).
+
+The lockstep wgmma kernel (wgmma.py) runs both warpgroups through every phase of a tile together: a CTA barrier,
+both QK products, both softmaxes, both PV products, both epilogues, a CTA barrier. While the two softmaxes and
+epilogues run the tensor pipe idles, and while the products run the ALUs and MUFU idle (Nsight Compute: the
+tensor pipe 27 % busy at one CTA per SM, kernels_src/sparse_fwd/NOTES.md).
+
+Here each warpgroup owns its 64 rows of every tile from gather to epilogue:
+  - it gathers its own rows into its half of the q tile buffers (a 128-thread cp.async copy) and waits on its own
+    named barrier, so the two warpgroups no longer meet once per tile (only once per item, after the key block's
+    load, which both warpgroups' threads share);
+  - its QK product is issued in turn with the other warpgroup's (FA3's "warp scheduler barrier"): warpgroup w
+    waits on barrier TURN + w, issues, then arrives on the other's. Warpgroup 1 starts half a tile behind, so one
+    warpgroup's softmax and epilogue run under the other's products.
+Barrier accounting (each completes at 256 threads: 128 waiting + 128 arriving): warpgroup 1 arrives on TURN + 0
+once before its loop and once per tile (n + 1 times); warpgroup 0 waits there once per tile and once after its
+loop (n + 1); warpgroup 0 arrives on TURN + 1 once per tile, where warpgroup 1 waits once per tile. No barrier is
+left with a pending arrival when the CTA exits.
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import warpgroup
+
+from kernels_src.sparse_fwd.kernel import _LN2, _LOG2E
+from kernels_src.sparse_fwd.wgmma import SparseAttentionWG
+from kernels_src.tiles import WARPGROUP_ROWS, copy_row, cp_async_rows, smem_tile
+
+# Named barriers (0 is __syncthreads): a warpgroup's own rows, and whose turn it is to issue QK.
+_BAR_ROWS = 1  # + warpgroup: its 128 threads
+_BAR_TURN = 3  # + warpgroup: 256 threads, 128 waiting and 128 arriving
+_WG_THREADS = 128
+
+
+class SparseAttentionPingPong(SparseAttentionWG):
+    @cute.jit
+    def forward(
+        self,
+        q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
+        entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor,
+        o_part: cute.Tensor, lse_part: cute.Tensor,
+        scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
+        stream,
+    ):
+        l_q = smem_tile(self.dtype, (self.tile_m, self.head_dim, self.stages))
+        l_k = smem_tile(self.dtype, (self.block_size, self.head_dim))
+
+        @cute.struct
+        class SharedStorage:
+            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_q)], 1024]
+            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
+            s_v: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
+
+        self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
+        self.kernel_pingpong(
+            q, k, v, entry_query, entry_dest, items, o_part, lse_part, scale, hp, hp_per_hk, l_q, l_k,
+            cp_async_rows(self.dtype, self.head_dim, self.threads),
+            cp_async_rows(self.dtype, self.head_dim, _WG_THREADS), SharedStorage,
+        ).launch(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
+                 stream=stream)
+
+    @cute.kernel
+    def kernel_pingpong(
+        self, q, k, v, entry_query, entry_dest, items, o_part, lse_part,
+        scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
+        s_q_layout: cute.ComposedLayout, s_k_layout: cute.ComposedLayout,
+        gcopy: cute.TiledCopy, gcopy_wg: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        w, _, _ = cute.arch.block_idx()
+        n_entries = items[w, 3]
+        if n_entries > 0:
+            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
+            b = bp // hp
+            p = bp - b * hp
+            t0 = j * self.block_size
+            seqlen = q.shape[1]
+            wg = tidx // _WG_THREADS
+            wg_tidx = tidx % _WG_THREADS
+            row0 = wg * WARPGROUP_ROWS  # this warpgroup's first row of every tile
+            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+            s_q_all = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
+            s_k = storage.s_k.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)
+            s_v = storage.s_v.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)
+            s_vt = storage.s_v.get_tensor(cute.select(s_k_layout.outer, mode=[1, 0]), swizzle=s_k_layout.inner)
+
+            self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx, zero_tail=False)
+            self.load_block(gcopy, v[b, None, p // hp_per_hk, None], s_v, t0, seqlen, tidx, zero_tail=True)
+
+            tiled_mma, tiled_mma_pv = self._tiled_mma(), self._tiled_mma_pv()
+            thr_mma = tiled_mma.get_slice(tidx)
+            thr_pv = tiled_mma_pv.get_slice(tidx)
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
+            acc_mn = self.rows_cols(acc)
+            coord_mn = self.rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
+            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
+            acc_o_mn = self.rows_cols(acc_o)
+            coord_o = self.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+            quad_lane = tidx % 4
+            scale_log2 = scale * _LOG2E
+
+            n_tiles = cute.ceil_div(n_entries, self.tile_queries)
+            # Group 0: the key block (both warpgroups' threads) and this warpgroup's rows of tile 0.
+            self.gather_rows(gcopy_wg, q, s_q_all, b, p, entry_query, start, n_entries, 0, row0, wg_tidx)
+            if wg == 1:
+                cute.arch.barrier_arrive(barrier_id=_BAR_TURN, number_of_threads=2 * _WG_THREADS)
+            for tile in cutlass.range(n_tiles, unroll=1):
+                e0 = start + tile * self.tile_queries
+                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                s_q = s_q_all[None, None, tile % self.stages]
+                if tile + 1 < n_tiles:
+                    self.gather_rows(gcopy_wg, q, s_q_all, b, p, entry_query, start, n_entries, tile + 1, row0,
+                                     wg_tidx)
+                else:
+                    cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)
+                self.publish_async_copies()
+                if tile == 0:
+                    cute.arch.sync_threads()  # the key block came from both warpgroups' threads
+                else:
+                    cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+
+                cute.arch.barrier(barrier_id=_BAR_TURN + wg, number_of_threads=2 * _WG_THREADS)
+                self.qk(tiled_mma, thr_mma, acc, s_q, s_k, tidx, wait=False)
+                cute.arch.barrier_arrive(barrier_id=_BAR_TURN + 1 - wg, number_of_threads=2 * _WG_THREADS)
+                warpgroup.wait_group(0)
+
+                lse_rows = cute.make_rmem_tensor((2,), cutlass.Float32)
+                inv_l = cute.make_rmem_tensor((2,), cutlass.Float32)
+                for r in cutlass.range_constexpr(2):
+                    qi = coord_mn[r, 0][0] // self.group
+                    i = self.row_query(entry_query, e0, qi, n_q, t0)
+                    self.mask_row(acc_mn, coord_mn, r, i - t0)
+                    row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
+                    lse_rows[r] = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * _LN2
+                    inv_l[r] = cute.arch.rcp_approx(row_sum)
+                self.pv(tiled_mma_pv, thr_pv, acc, acc_o, s_vt, tidx)
+
+                for r in cutlass.range_constexpr(2):
+                    row = coord_mn[r, 0][0]
+                    qi = row // self.group
+                    if qi < n_q:
+                        dest = cutlass.Int64(entry_dest[e0 + qi])
+                        g = row % self.group
+                        if quad_lane == 0:
+                            lse_part[dest, g] = lse_rows[r]
+                        for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
+                            o_part[dest, g, coord_o[0, c][1]] = (acc_o_mn[r, c] * inv_l[r]).to(self.dtype)
+                # This warpgroup's warps are past their reads of the buffer before its gather of tile + 2.
+                cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+            if wg == 0:  # warpgroup 1's last arrival on TURN + 0 (see the module docstring)
+                cute.arch.barrier(barrier_id=_BAR_TURN, number_of_threads=2 * _WG_THREADS)
+
+    @cute.jit
+    def gather_rows(self, gcopy_wg, q, s_q_all, b, p, entry_query, start, n_entries, tile, row0, wg_tidx):
+        """cp.async, as one group, this warpgroup's 64 rows [row0, row0 + 64) of `tile` into buffer tile % stages:
+        tile row r <- q[b, i, p*G + r % G], i = entry_query[e0 + r // G]. Rows past the tile's queries are left as
+        they are (never stored)."""
+        e0 = start + tile * self.tile_queries
+        n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+        s_rows = cute.local_tile(s_q_all[None, None, tile % self.stages], (WARPGROUP_ROWS, self.head_dim),
+                                 (row0 // WARPGROUP_ROWS, 0))
+        head_base = p * self.group
+        thr = gcopy_wg.get_slice(wg_tidx)
+        t_s = thr.partition_D(s_rows)
+        t_c = thr.partition_S(cute.make_identity_tensor((WARPGROUP_ROWS, self.head_dim)))
+        for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
+            row = row0 + t_c[0, m, 0][0]
+            qi = row // self.group
+            if qi < n_q:
+                i = entry_query[e0 + qi]
+                copy_row(gcopy_wg, self.dtype, q[b, i, head_base + row % self.group, None], t_s, t_c, m)
+        cute.arch.cp_async_commit_group()
