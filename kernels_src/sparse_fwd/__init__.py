@@ -25,7 +25,7 @@ DTYPES = ("bf16", "f16")
 HEAD_DIMS = (128,)
 GROUPS = (1, 2, 4, 8, 16)  # G = H / Hp: a power of two that divides the 16 rows of one warp's MMA slab
 MMAS = ("sync", "wgmma")
-SCHEDULES = {"sync": ("lockstep",), "wgmma": ("lockstep", "pingpong", "pipelined")}  # built per MMA
+SCHEDULES = {"sync": ("lockstep",), "wgmma": ("lockstep", "pingpong")}  # built per MMA
 
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
 
@@ -43,8 +43,7 @@ class Config:
     stages: int = 2  # gathered q tile buffers: the next tile's gather overlaps this tile's math
     mma: str = "sync"  # "sync": mma.sync (sm90a, sm100a); "wgmma": warpgroup MMA (sm90a only, kernel wgmma.py)
     # "lockstep": both warpgroups through every phase of a tile together; "pingpong" (wgmma only, pingpong.py):
-    # each warpgroup gathers and syncs its own rows and their QK products take turns; "pipelined" (pipelined.py):
-    # ping-pong, and each warpgroup's next QK issued under its PV and epilogue
+    # each warpgroup gathers and syncs its own rows and their QK products take turns
     schedule: str = "lockstep"
 
     def variant_name(self, arch: str, op: str = OP) -> str:

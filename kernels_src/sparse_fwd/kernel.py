@@ -293,11 +293,7 @@ class SparseAttention:
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_fwd import params
 
-    if config.mma == "wgmma" and config.schedule == "pipelined":
-        from kernels_src.sparse_fwd.pipelined import SparseAttentionPipelined
-
-        kernel = SparseAttentionPipelined(config)
-    elif config.mma == "wgmma" and config.schedule == "pingpong":
+    if config.mma == "wgmma" and config.schedule == "pingpong":
         from kernels_src.sparse_fwd.pingpong import SparseAttentionPingPong
 
         kernel = SparseAttentionPingPong(config)

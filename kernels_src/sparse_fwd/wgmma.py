@@ -66,9 +66,8 @@ class SparseAttentionWG(SparseAttention):
             warpgroup.wait_group(0)
 
     @cute.jit
-    def pv(self, tiled_mma, thr_mma, acc_p, acc_o, s_vt, tidx, wait: cutlass.Constexpr = True):
-        """acc_o = P V: P from the score accumulator's registers (converted to bf16/f16), V^T by descriptor;
-        waited for unless wait=False (the converted P stays live until the caller's wait_group)."""
+    def pv(self, tiled_mma, thr_mma, acc_p, acc_o, s_vt, tidx):
+        """acc_o = P V: P from the score accumulator's registers (converted to bf16/f16), V^T by descriptor."""
         tiled_mma = self._tiled_mma_pv()
         thr_mma = tiled_mma.get_slice(tidx)
         r_p = cute.make_rmem_tensor_like(acc_p, self.dtype)
@@ -80,5 +79,4 @@ class SparseAttentionWG(SparseAttention):
             tiled_mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
             cute.gemm(tiled_mma, acc_o, t_rp[None, None, kk], t_rv[None, None, kk], acc_o)
         warpgroup.commit_group()
-        if cutlass.const_expr(wait):
-            warpgroup.wait_group(0)
+        warpgroup.wait_group(0)
