@@ -28,10 +28,11 @@ def test_every_launched_variant_is_in_the_catalogue(arch):
 
 
 def test_dense_warmup_variants_are_the_catalogues():
-    """The runtime's dense warmup KL pass and proxy backward launch a built variant for each group they claim
-    (sm90a), and claim exactly the groups the catalogue builds (a group not claimed would silently keep the slow
+    """The runtime's dense warmup KL pass (in either schedule) and proxy backward launch a built variant for each
+    group they claim (sm90a), and claim exactly the groups the catalogue builds (a group not claimed would silently keep the slow
     sparse kernels)."""
-    launches = {"warmup_kl": [rt_warmup_kl.kernel_config(dt, 128, G) for dt in DTYPES for G in rt_warmup_kl.GROUPS],
+    launches = {"warmup_kl": [rt_warmup_kl.kernel_config(dt, 128, G, sc) for dt in DTYPES for G in rt_warmup_kl.GROUPS
+                              for sc in rt_warmup_kl.SCHEDULE_THREADS],  # the runtime's SCHEDULE, or a test's
                 "warmup_bwd_proxy": [rt_warmup_kl.backward_config(dt, 128, rt_warmup_kl.backward_chunk(G))
                                      for dt in DTYPES for G in rt_warmup_kl.BACKWARD_GROUPS]}
     for op, configs in launches.items():

@@ -56,11 +56,17 @@ def test_the_dense_pass_is_usable_here():
         assert "G" in warmup_kl.usable(qp, q, "warmup_kl")
 
 
+SCHEDULES = ("lockstep", "pingpong")  # both builds of the KL pass, whichever the runtime picks
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_H{}_Hk{}_Hp{}_Hpk{}".format(*s))
-def test_dense_warmup_kl_matches_reference(shape, dtype):
+def test_dense_warmup_kl_matches_reference(shape, dtype, schedule, monkeypatch):
     from flash_msa_rt.ops import warmup_kl
     from tests.oracle import assert_close, dtype_error
+
+    monkeypatch.setattr(warmup_kl, "SCHEDULE", schedule)
 
     B, S, H, Hk, Hp, Hpk = shape
     qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=S + H)
@@ -76,7 +82,8 @@ def test_dense_warmup_kl_matches_reference(shape, dtype):
 BACKWARD_SHAPES = SHAPES + [(1, 700, 16, 2, 2, 1), (2, 257, 32, 2, 2, 1), (1, 1000, 16, 1, 1, 1)]
 
 
-def test_dense_warmup_kl_writes_every_row():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_dense_warmup_kl_writes_every_row(schedule):
     """Outputs poisoned with NaN before the kernel runs: every (b, p, i) row of lse_proxy and kl_rows is written,
     S not a multiple of the 128-query tile."""
     from flash_msa_rt.loader import get_kernel
@@ -86,7 +93,7 @@ def test_dense_warmup_kl_writes_every_row():
     qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, torch.bfloat16, seed=3)
     lse = torch.randn(B, H, S, device="cuda") + 6
     outs = [torch.full((B, Hp, S), float("nan"), device="cuda") for _ in range(2)]
-    kernel = get_kernel("warmup_kl", warmup_kl.kernel_config("bf16", 128, H // Hp), q.device)
+    kernel = get_kernel("warmup_kl", warmup_kl.kernel_config("bf16", 128, H // Hp, schedule), q.device)
     kernel(q=q, k=k, q_proxy=qp, k_proxy=kp, lse=lse, lse_proxy=outs[0], kl_rows=outs[1], scale=0.1, hp_per_hk=1,
            hp_per_hpk=2)
     for name, t in zip(("lse_proxy", "kl_rows"), outs):
@@ -160,8 +167,9 @@ def _kl_given_lse(qp, kp, q, k, lse, scale):
     return kl
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_dense_warmup_kl_large_logits(dtype):
+def test_dense_warmup_kl_large_logits(dtype, schedule, monkeypatch):
     """Inputs of standard deviation 6 (fp16) / 30 (bf16) per element: logits with standard deviations in the
     hundreds, rows whose tau sits on one key, large per-row shifts. Finite, and within 4x the error of the float32
     computation plus what the fp32 rounding of the given lse costs in float64 (a relative error e of tau costs
@@ -170,6 +178,7 @@ def test_dense_warmup_kl_large_logits(dtype):
     from flash_msa_rt.ops import warmup_kl
     from tests.oracle import assert_close, dtype_error
 
+    monkeypatch.setattr(warmup_kl, "SCHEDULE", schedule)
     B, S, H, Hk, Hp, Hpk = 1, 777, 8, 2, 2, 1
     std = 30.0 if dtype == torch.bfloat16 else 6.0
     qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=5, std=std)

@@ -32,10 +32,18 @@ def backward_chunk(group: int) -> int:
     return min(group, BACKWARD_CHUNK)
 
 
-def kernel_config(dtype: str, head_dim: int, group: int) -> dict:
-    """The variant launched; fields in the order the build names them."""
-    return {"dtype": dtype, "head_dim": head_dim, "group": group, "tile_m": 128, "tile_n": 64, "threads": 256,
-            "stages": 2}
+# The KL pass's schedule (kernels_src/warmup_kl): "pingpong" streams the key tiles from a producer warp through
+# mbarriers and lets the two warpgroups take turns (288 threads); "lockstep" loads with every thread and passes
+# each step's barriers together (256 threads).
+SCHEDULE = "pingpong"
+SCHEDULE_THREADS = {"lockstep": 256, "pingpong": 288}
+
+
+def kernel_config(dtype: str, head_dim: int, group: int, schedule: str | None = None) -> dict:
+    """The variant launched; fields in the order the build names them. schedule: SCHEDULE unless given."""
+    schedule = schedule or SCHEDULE
+    return {"dtype": dtype, "head_dim": head_dim, "group": group, "tile_m": 128, "tile_n": 64,
+            "threads": SCHEDULE_THREADS[schedule], "stages": 2, "schedule": schedule}
 
 
 def backward_config(dtype: str, head_dim: int, group: int) -> dict:

@@ -36,19 +36,26 @@ class Config:
     group: int = 4
     tile_m: int = 128  # queries per CTA: two warpgroups x 64 rows
     tile_n: int = 64  # keys per step (K and K_p tiles, double buffered)
-    threads: int = 256
+    threads: int = 256  # 2 warpgroups; "pingpong": 288, the producer warp beside them
     stages: int = 2
+    # "lockstep" (kernel.py): every thread loads and both warpgroups pass each step's barriers together;
+    # "pingpong" (pingpong.py): a producer warp streams the key tiles through mbarriers and the warpgroups take turns
+    schedule: str = "lockstep"
 
     def variant_name(self, arch: str) -> str:
         return variant_name(OP, dataclasses.asdict(self), arch)
 
     def smem_bytes(self) -> int:
-        """The G + 1 resident query tiles (main heads, then the proxy head); K and K_p tiles per stage. Mirrors
-        SharedStorage (1024-aligned)."""
+        """The G + 1 resident query tiles (main heads, then the proxy head); K and K_p tiles per stage; for
+        "pingpong", the mbarriers and the lse table first (padded to the tiles' 1024-byte alignment). Mirrors
+        SharedStorage."""
         e = _ELEM_BYTES[self.dtype]
+        # full / empty mbarriers and the (tile_m, G) fp32 lse table, before the 1024-aligned tiles
+        barriers = _align(2 * self.stages * 8 + 4 * self.tile_m * self.group, 1024) if self.schedule == "pingpong" \
+            else 0
         q = _align((self.group + 1) * self.tile_m * self.head_dim * e, 1024)
         kv = 2 * _align(self.stages * self.tile_n * self.head_dim * e, 1024)
-        return q + kv
+        return barriers + q + kv
 
 
 def _align(x: int, a: int) -> int:
@@ -62,23 +69,32 @@ def dense_configs(config_cls, head_dims=None, dtypes=None) -> list:
     return [config_cls(dtype=dt, head_dim=d, group=g) for dt in dts for d in ds for g in GROUPS]
 
 
-def dense_verdict(op: str, config, arch: str, **fields) -> tuple[bool, str]:
+def dense_verdict(op: str, config, arch: str, threads=(256,), **fields) -> tuple[bool, str]:
     """can_implement of a dense warmup family: its fixed tile fields (plus `fields`), wgmma on sm90a only, and the
     shared memory the G + 1 resident query tiles take."""
     reason = refusal(config, arch, {"group": "G + 1 query tiles of 32 KB stay in shared memory"}, dtype=DTYPES,
-                     head_dim=(128,), group=GROUPS, tile_m=(128,), tile_n=(64,), threads=(256,), **fields)
+                     head_dim=(128,), group=GROUPS, tile_m=(128,), tile_n=(64,), threads=threads, **fields)
     if reason is None and arch != "sm90a":
         reason = f"{op} runs on Hopper's warpgroup MMA: sm90a only, not {arch}"
     return verdict(reason or smem_refusal(config.smem_bytes(), arch))
 
 
+SCHEDULE_THREADS = {"lockstep": 256, "pingpong": 288}
+
+
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
-    """block_sizes: accepted for the catalogue's common signature; the pass has no key blocks."""
-    return dense_configs(Config, head_dims, dtypes)
+    """block_sizes: accepted for the catalogue's common signature; the pass has no key blocks. Each variant in
+    both schedules."""
+    return [dataclasses.replace(c, schedule=sc, threads=n) for c in dense_configs(Config, head_dims, dtypes)
+            for sc, n in SCHEDULE_THREADS.items()]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
-    return dense_verdict(OP, config, arch, stages=(2,))
+    n = SCHEDULE_THREADS.get(config.schedule)
+    if n is None:
+        return verdict(f"schedule {config.schedule!r} not supported; supported: "
+                       f"{', '.join(map(repr, SCHEDULE_THREADS))}")
+    return dense_verdict(OP, config, arch, threads=(n,), stages=(2,))
 
 
 def params(config: Config) -> tuple:

@@ -164,8 +164,13 @@ class WarmupKL:
             # Every warp is past its reads of this stage before the load two steps on overwrites it.
             cute.arch.sync_threads()
 
+        self.write_rows(row_max, row_sum, a_sum, t_sum, coord, lse_proxy, kl_rows, b, p, m0, seqlen, tidx)
+
+    @cute.jit
+    def write_rows(self, row_max, row_sum, a_sum, t_sum, coord, lse_proxy, kl_rows, b, p, m0, seqlen, tidx):
+        """Each row's statistics summed over its quad, then lse_p and KL written once (rows past S are not)."""
         quad_lane = tidx % 4
-        for r in cutlass.range_constexpr(rows):
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
             s, a, t = row_sum[r], a_sum[r], t_sum[r]
             for off in cutlass.range_constexpr(2):
                 s += cute.arch.shuffle_sync_bfly(s, offset=2 >> off)
@@ -257,5 +262,10 @@ class WarmupKL:
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.warmup_kl import params
 
-    kernel = WarmupKL(config)
+    if getattr(config, "schedule", "lockstep") == "pingpong":
+        from kernels_src.warmup_kl.pingpong import WarmupKLPingPong
+
+        kernel = WarmupKLPingPong(config)
+    else:
+        kernel = WarmupKL(config)
     return compile_tile_kernel(kernel, config, arch, params(config), config.smem_bytes())
