@@ -11,12 +11,9 @@ NOTES.md). Here:
     that read it. Rows past S are loaded as row S - 1 (a real, finite row): they lie in the causal mask's tiles,
     where keys t > i count for nothing.
   - the consumer warpgroups (threads 0..255) wait on full[stage] instead of a CTA barrier, and issue their first
-    product of a step in turns (named barriers TURN + w, as kernels_src/sparse_fwd/pingpong.py);
-  - each warpgroup issues the next step's first product before this step's proxy statistics (MUFU and FP32
-    only), which ran with no product in flight in kernel.py: the main products alternate between two
-    accumulators and the proxy's has a third, so the first one's is free by then (168 registers; 288 threads
-    allow 224, so lse_g * log2 e sits in a small shared table instead of 2 G registers).
-The resident query tiles, the products' order inside a step, the statistics and the final write are kernel.py's.
+    product of a step in turns (named barriers TURN + w, as kernels_src/sparse_fwd/pingpong.py): warpgroup 1
+    starts half a step behind, so one warpgroup's statistics run under the other's products.
+Everything else (resident query tiles, the products, the statistics, the final write) is kernel.py's.
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -162,57 +159,39 @@ class WarmupKLPingPong(WarmupKL):
         if wg == 1:
             cute.arch.barrier_arrive(barrier_id=_BAR_TURN, number_of_threads=CONSUMERS)
 
-        # Step s's first product is issued before step s - 1's proxy statistics (MUFU and FP32 only), so the
-        # tensor cores have work under them. The main products alternate between accs[0] and accs[1] from accs[0],
-        # the proxy's has acc_p: accs[0] is free again (its last main product consumed) when the next S_0 goes in.
-        acc_p = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-        self.issue_first(accs[0], s_q, s_k, full, 0, wg, tidx)
         for step in cutlass.range(n_steps, unroll=1):
-            self.step_products(accs, acc_p, tau_mn, coord, row_max, row_sum, a_sum, t_sum, s_q, s_k, s_kp, s_lse, full,
-                               empty, step, m0, n_steps, first_masked, scale_log2, wg, tidx)
+            stage = step % self.stages
+            t0 = step * self.tile_n
+            cute.arch.mbarrier_wait(full + stage, (step // self.stages) % 2)
+            cute.arch.fence_view_async_shared()  # the producer's cp.async writes -> this warpgroup's wgmma reads
+
+            cute.arch.barrier(barrier_id=_BAR_TURN + wg, number_of_threads=CONSUMERS)
+            self.issue(accs[0], s_q[None, None, 0], s_k[None, None, stage], tidx)
+            cute.arch.barrier_arrive(barrier_id=_BAR_TURN + 1 - wg, number_of_threads=CONSUMERS)
+            for n in cutlass.range_constexpr(self.group + 1):
+                if cutlass.const_expr(n + 1 < self.group):
+                    self.issue(accs[(n + 1) % 2], s_q[None, None, n + 1], s_k[None, None, stage], tidx)
+                elif cutlass.const_expr(n + 1 == self.group):
+                    self.issue(accs[(n + 1) % 2], s_q[None, None, self.group], s_kp[None, None, stage], tidx)
+                warpgroup.wait_group(1 if n < self.group else 0)
+                if cutlass.const_expr(n == self.group):
+                    # Every product reading this stage is done (this warp's share): the producer may refill it.
+                    if tidx % 32 == 0:
+                        cute.arch.mbarrier_arrive(empty + stage)
+                s_mn = wg_acc_rows_cols(accs[n % 2])
+                if cutlass.const_expr(n < self.group):
+                    self.accumulate_tau_smem(s_mn, tau_mn, s_lse, coord, n, scale_log2)
+                else:
+                    if step >= first_masked:
+                        self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, scale_log2,
+                                             True)
+                    else:
+                        self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, scale_log2,
+                                             False)
         if wg == 0:  # warpgroup 1's last arrival on TURN + 0 (pingpong accounting)
             cute.arch.barrier(barrier_id=_BAR_TURN, number_of_threads=CONSUMERS)
         self.write_rows(row_max, row_sum, a_sum, t_sum, coord, lse_proxy, kl_rows, b, p, m0, seqlen, tidx)
 
-
-    @cute.jit
-    def issue_first(self, acc, s_q, s_k, full, step, wg, tidx):
-        """Wait for key tile `step`, then issue its first product S_0 in this warpgroup's turn."""
-        stage = step % self.stages
-        cute.arch.mbarrier_wait(full + stage, (step // self.stages) % 2)
-        cute.arch.fence_view_async_shared()  # the producer's cp.async writes -> this warpgroup's wgmma reads
-        cute.arch.barrier(barrier_id=_BAR_TURN + wg, number_of_threads=CONSUMERS)
-        self.issue(acc, s_q[None, None, 0], s_k[None, None, stage], tidx)
-        cute.arch.barrier_arrive(barrier_id=_BAR_TURN + 1 - wg, number_of_threads=CONSUMERS)
-
-    @cute.jit
-    def step_products(self, accs, acc_p, tau_mn, coord, row_max, row_sum, a_sum, t_sum, s_q, s_k, s_kp, s_lse, full,
-                      empty, step, m0, n_steps, first_masked, scale_log2, wg, tidx):
-        """Key tile `step`, whose S_0 is in flight in accs[0]: products n = 1 .. G (S_g in accs[n % 2], then S_p in
-        acc_p), each issued before the previous one's exponentials; once S_p is in, the stage goes back to the
-        producer and the next step's S_0 is issued before this step's proxy statistics."""
-        stage = step % self.stages
-        t0 = step * self.tile_n
-        for n in cutlass.range_constexpr(self.group + 1):
-            if cutlass.const_expr(n + 1 < self.group):
-                self.issue(accs[(n + 1) % 2], s_q[None, None, n + 1], s_k[None, None, stage], tidx)
-            elif cutlass.const_expr(n + 1 == self.group):
-                self.issue(acc_p, s_q[None, None, self.group], s_kp[None, None, stage], tidx)
-            warpgroup.wait_group(1 if n < self.group else 0)
-            if cutlass.const_expr(n < self.group):
-                self.accumulate_tau_smem(wg_acc_rows_cols(accs[n % 2]), tau_mn, s_lse, coord, n, scale_log2)
-            else:
-                # Every product reading this stage is done (this warp's share): the producer may refill it.
-                if tidx % 32 == 0:
-                    cute.arch.mbarrier_arrive(empty + stage)
-                if step + 1 < n_steps:
-                    self.issue_first(accs[0], s_q, s_k, full, step + 1, wg, tidx)
-                s_mn = wg_acc_rows_cols(acc_p)
-                if step >= first_masked:
-                    self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, scale_log2, True)
-                else:
-                    self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, scale_log2,
-                                         False)
 
     @cute.jit
     def accumulate_tau_smem(self, s_mn, tau_mn, s_lse, coord, g: cutlass.Constexpr, scale_log2):
