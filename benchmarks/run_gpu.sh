@@ -38,11 +38,17 @@ for mma in ['sync', 'wgmma'] if device_arch(0) == 'sm90a' else ['sync']:  # ever
     sparse_fwd.FORCE_MMA = mma
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
     msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
-if device_arch(0) == 'sm90a':  # the dense warmup proxy kernels: G = 4 and G = 1
+if device_arch(0) == 'sm90a':  # the forward's other wgmma build (lockstep warpgroups)
+    sparse_fwd.FORCE_MMA, sparse_fwd.FORCE_SCHEDULE = 'wgmma', 'lockstep'
+    msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
+if device_arch(0) == 'sm90a':  # the dense warmup proxy kernels: G = 4 and G = 1, the KL pass in both schedules
+    from flash_msa_rt.ops import warmup_kl
     from flash_msa_rt.ops.warmup_kl import warmup_kl_cuda, warmup_proxy_backward_cuda
-    for mh, ml in ((m, lse), (m[:, :, :2], lse[:, :2])):
-        lp, _ = warmup_kl_cuda(q, q[:, :, :1], mh, kv, ml, 0.1)
-        warmup_proxy_backward_cuda(q, q[:, :, :1], mh, kv, ml, lp, 0.1, torch.rand(2, 2, 333, device='cuda'))
+    for schedule in warmup_kl.SCHEDULE_THREADS:
+        warmup_kl.SCHEDULE = schedule
+        for mh, ml in ((m, lse), (m[:, :, :2], lse[:, :2])):
+            lp, _ = warmup_kl_cuda(q, q[:, :, :1], mh, kv, ml, 0.1)
+            warmup_proxy_backward_cuda(q, q[:, :, :1], mh, kv, ml, lp, 0.1, torch.rand(2, 2, 333, device='cuda'))
 torch.cuda.synchronize()
 " 2>&1 | tail -3 | sed "s/^/[$tool] /" | tee -a "$out/sanitizer.log" || status=1
     done
