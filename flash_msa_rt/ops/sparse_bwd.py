@@ -20,9 +20,10 @@ from flash_msa_rt.ops.sparse_plan import recut, sparse_plan
 TILE_M = 64
 # Rows per item: dk / dv leave registers (atomics) once per item. benchmarks/sweep_items.py, (b) S = 64K:
 # sparse_bwd 60.4 ms at 8 tiles, 56.1 at 16, 53.5 at 32; sparse_bwd_proxy 38.5 at 4 tiles (of 64 queries x G
-# heads), 36.8 at 16, 36.3 at 32.
+# heads), 36.8 at 16, 36.3 at 32. Again on the whole-block wgmma kernels (results/sweep_items_b_ac5e11f.json):
+# sparse_bwd 43.78 / 40.13 / 37.78 ms at 8 / 16 / 32, sparse_bwd_proxy 20.13 / 19.52 / 19.30 at 8 / 16 / 32.
 TILES_PER_ITEM = 32  # 2048 rows
-PROXY_MAIN_TILES_PER_ITEM = 64  # proxy tiles are 64 queries x G heads: sparse_fwd.per_group_tiles(64, G) per item
+PROXY_MAIN_TILES_PER_ITEM = 128  # proxy tiles are 64 queries x G heads: sparse_fwd.per_group_tiles(128, G) per item
 PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all-causal selection is chunked)
 
 

@@ -27,11 +27,12 @@ BLOCK_SIZES = (128,)
 GROUPS = (1, 2, 4, 8, 16)
 TILE_M = 128
 # Work items: one key block and at most this many tiles of its queries (bounds the hot blocks). Larger items load
-# their key block for more tiles; measured by benchmarks/sweep_items.py ((b) S = 64K: sparse_fwd 23.1 ms at 8
-# tiles, 22.5 at 16, 22.1 at 32; the KL pass 19.2 at 4, 18.7 at 16).
-TILES_PER_ITEM = 16
+# their key block for more tiles; measured by benchmarks/sweep_items.py on the ping-pong forward and the wgmma KL
+# pass (results/sweep_items_b_ac5e11f.json, (b) S = 64K): sparse_fwd 18.94 / 17.88 / 17.34 ms at 8 / 16 / 32
+# tiles, the KL pass 12.73 / 12.53 / 12.47 at 8 / 16 / 32 (KL_MAIN_TILES_PER_ITEM 128 gives 32 at G = 4).
+TILES_PER_ITEM = 32
 KL_TILE = 64  # distinct queries per KL tile; the tile visits the G heads one after another
-KL_MAIN_TILES_PER_ITEM = 64  # KL items: ~64 // G tiles of 64 queries x G heads, 1 to 32 tiles (per_group_tiles)
+KL_MAIN_TILES_PER_ITEM = 128  # KL items: ~128 // G tiles of 64 queries x G heads, 1 to 32 tiles (per_group_tiles)
 PARTIALS_BUDGET = 1 << 30  # the least bytes of per-slot partials one forward chunk may hold (partials_budget)
 
 
