@@ -145,26 +145,11 @@ class SparseAttention:
                 self.qk(tiled_mma, thr_mma, acc, s_q, s_k, tidx)
                 lse_rows = cute.make_rmem_tensor((2,), cutlass.Float32)
                 inv_l = cute.make_rmem_tensor((2,), cutlass.Float32)
-                for r in cutlass.range_constexpr(2):
-                    qi = coord_mn[r, 0][0] // self.group
-                    i = self.row_query(entry_query, e0, qi, n_q, t0)
-                    self.mask_row(acc_mn, coord_mn, r, i - t0)
-                    row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
-                    lse_rows[r] = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * _LN2
-                    inv_l[r] = cute.arch.rcp_approx(row_sum)
+                self.tile_softmax(acc_mn, coord_mn, entry_query, e0, n_q, t0, scale_log2, lse_rows, inv_l)
                 self.pv(tiled_mma_pv, thr_pv, acc, acc_o, s_vt, tidx)
 
-                for r in cutlass.range_constexpr(2):
-                    row = coord_mn[r, 0][0]
-                    qi = row // self.group
-                    if qi < n_q:
-                        # 64-bit: the (E, G, D) partial buffer passes 2**31 elements at benchmark sizes.
-                        dest = cutlass.Int64(entry_dest[e0 + qi])
-                        g = row % self.group
-                        if quad_lane == 0:
-                            lse_part[dest, g] = lse_rows[r]
-                        for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
-                            o_part[dest, g, coord_o[0, c][1]] = (acc_o_mn[r, c] * inv_l[r]).to(self.dtype)
+                self.store_tile(acc_o_mn, coord_mn, coord_o, lse_rows, inv_l, entry_dest, o_part, lse_part, e0, n_q,
+                                quad_lane)
                 # Every warp is past its reads of this buffer before the gather of tile + 2 overwrites it.
                 cute.arch.sync_threads()
 
@@ -254,6 +239,34 @@ class SparseAttention:
             if cutlass.const_expr(kk + 1 < steps):
                 cute.copy(copy_v, t_sv[None, None, kk + 1], t_rv_v[None, None, kk + 1])
             cute.gemm(tiled_mma, acc_o, t_rp[None, None, kk], t_rv[None, None, kk], acc_o)
+
+    @cute.jit
+    def tile_softmax(self, acc_mn, coord_mn, entry_query, e0, n_q, t0, scale_log2, lse_rows, inv_l):
+        """The block's own softmax of this thread's two rows, in place: the causal mask, P = exp2 of the scaled
+        scores less their max; lse_rows (natural log) and inv_l = 1 / row sum for the epilogue."""
+        for r in cutlass.range_constexpr(2):
+            qi = coord_mn[r, 0][0] // self.group
+            i = self.row_query(entry_query, e0, qi, n_q, t0)
+            self.mask_row(acc_mn, coord_mn, r, i - t0)
+            row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
+            lse_rows[r] = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * _LN2
+            inv_l[r] = cute.arch.rcp_approx(row_sum)
+
+    @cute.jit
+    def store_tile(self, acc_o_mn, coord_mn, coord_o, lse_rows, inv_l, entry_dest, o_part, lse_part, e0, n_q,
+                   quad_lane):
+        """O_slot = (P V) / l and lse_slot of this thread's rows of the tile's queries, at their entries' rows."""
+        for r in cutlass.range_constexpr(2):
+            row = coord_mn[r, 0][0]
+            qi = row // self.group
+            if qi < n_q:
+                # 64-bit: the (E, G, D) partial buffer passes 2**31 elements at benchmark sizes.
+                dest = cutlass.Int64(entry_dest[e0 + qi])
+                g = row % self.group
+                if quad_lane == 0:
+                    lse_part[dest, g] = lse_rows[r]
+                for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
+                    o_part[dest, g, coord_o[0, c][1]] = (acc_o_mn[r, c] * inv_l[r]).to(self.dtype)
 
     @cute.jit
     def row_query(self, entry_query, e0, qi, n_q, t0):

@@ -23,7 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
-from kernels_src.sparse_fwd.kernel import _LN2, _LOG2E
+from kernels_src.sparse_fwd.kernel import _LOG2E
 from kernels_src.sparse_fwd.wgmma import SparseAttentionWG
 from kernels_src.tiles import WARPGROUP_ROWS, copy_row, cp_async_rows, smem_tile
 
@@ -128,25 +128,11 @@ class SparseAttentionPingPong(SparseAttentionWG):
 
                 lse_rows = cute.make_rmem_tensor((2,), cutlass.Float32)
                 inv_l = cute.make_rmem_tensor((2,), cutlass.Float32)
-                for r in cutlass.range_constexpr(2):
-                    qi = coord_mn[r, 0][0] // self.group
-                    i = self.row_query(entry_query, e0, qi, n_q, t0)
-                    self.mask_row(acc_mn, coord_mn, r, i - t0)
-                    row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
-                    lse_rows[r] = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * _LN2
-                    inv_l[r] = cute.arch.rcp_approx(row_sum)
+                self.tile_softmax(acc_mn, coord_mn, entry_query, e0, n_q, t0, scale_log2, lse_rows, inv_l)
                 self.pv(tiled_mma_pv, thr_pv, acc, acc_o, s_vt, tidx)
 
-                for r in cutlass.range_constexpr(2):
-                    row = coord_mn[r, 0][0]
-                    qi = row // self.group
-                    if qi < n_q:
-                        dest = cutlass.Int64(entry_dest[e0 + qi])
-                        g = row % self.group
-                        if quad_lane == 0:
-                            lse_part[dest, g] = lse_rows[r]
-                        for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
-                            o_part[dest, g, coord_o[0, c][1]] = (acc_o_mn[r, c] * inv_l[r]).to(self.dtype)
+                self.store_tile(acc_o_mn, coord_mn, coord_o, lse_rows, inv_l, entry_dest, o_part, lse_part, e0, n_q,
+                                quad_lane)
                 # This warpgroup's warps are past their reads of the buffer before its gather of tile + 2.
                 cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
             if wg == 0:  # warpgroup 1's last arrival on TURN + 0 (see the module docstring)
