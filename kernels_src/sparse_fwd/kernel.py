@@ -103,26 +103,11 @@ class SparseAttention:
             t0 = j * self.block_size
             seqlen = q.shape[1]
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-            s_q_all = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
-            s_k = storage.s_k.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)
-            s_v = storage.s_v.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)
-            # V^T (D, keys) for the PV product's B operand: the same bytes, modes swapped, read by ldmatrix.trans.
-            s_vt = storage.s_v.get_tensor(cute.select(s_k_layout.outer, mode=[1, 0]), swizzle=s_k_layout.inner)
-
+            s_q_all, s_k, s_v, s_vt = self.smem_views(storage, s_q_layout, s_k_layout)
             self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx, zero_tail=False)
             self.load_block(gcopy, v[b, None, p // hp_per_hk, None], s_v, t0, seqlen, tidx, zero_tail=True)
-
-            # Made here, not passed in: wgmma's tiled MMA carries runtime state (its accumulate flag), which would
-            # become kernel parameters.
-            tiled_mma, tiled_mma_pv = self._tiled_mma(), self._tiled_mma_pv()
-            thr_mma = tiled_mma.get_slice(tidx)
-            thr_pv = tiled_mma_pv.get_slice(tidx)
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
-            acc_mn = self.rows_cols(acc)
-            coord_mn = self.rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
-            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
-            acc_o_mn = self.rows_cols(acc_o)
-            coord_o = self.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+            tiled_mma, tiled_mma_pv, thr_mma, thr_pv, acc, acc_mn, coord_mn, acc_o, acc_o_mn, coord_o = \
+                self.accumulators(tidx)
             quad_lane = tidx % 4
             scale_log2 = scale * _LOG2E
 
@@ -239,6 +224,30 @@ class SparseAttention:
             if cutlass.const_expr(kk + 1 < steps):
                 cute.copy(copy_v, t_sv[None, None, kk + 1], t_rv_v[None, None, kk + 1])
             cute.gemm(tiled_mma, acc_o, t_rp[None, None, kk], t_rv[None, None, kk], acc_o)
+
+    def smem_views(self, storage, s_q_layout, s_k_layout):
+        """Trace time: the q tile buffers, K, V and V^T (D, keys) for the PV product's B operand (the same bytes,
+        modes swapped, read by ldmatrix.trans or wgmma's MN-major descriptor)."""
+        s_q_all = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
+        s_k = storage.s_k.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)
+        s_v = storage.s_v.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)
+        s_vt = storage.s_v.get_tensor(cute.select(s_k_layout.outer, mode=[1, 0]), swizzle=s_k_layout.inner)
+        return s_q_all, s_k, s_v, s_vt
+
+    def accumulators(self, tidx):
+        """Trace time: the QK and PV MMAs, this thread's slices, the score and output accumulators with their
+        rows x columns views and coordinates. Made in the kernel, not passed in: wgmma's tiled MMA carries runtime
+        state (its accumulate flag), which would become kernel parameters."""
+        tiled_mma, tiled_mma_pv = self._tiled_mma(), self._tiled_mma_pv()
+        thr_mma = tiled_mma.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
+        acc_mn = self.rows_cols(acc)
+        coord_mn = self.rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
+        acc_o_mn = self.rows_cols(acc_o)
+        coord_o = self.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        return tiled_mma, tiled_mma_pv, thr_mma, thr_pv, acc, acc_mn, coord_mn, acc_o, acc_o_mn, coord_o
 
     @cute.jit
     def tile_softmax(self, acc_mn, coord_mn, entry_query, e0, n_q, t0, scale_log2, lse_rows, inv_l):
