@@ -25,7 +25,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from kernels_src.sparse_fwd.kernel import _LOG2E
 from kernels_src.sparse_fwd.wgmma import SparseAttentionWG
-from kernels_src.tiles import WARPGROUP_ROWS, copy_row, cp_async_rows, smem_tile
+from kernels_src.tiles import WARPGROUP_ROWS, copy_row, cp_async_rows
 
 # Named barriers (0 is __syncthreads): a warpgroup's own rows, and whose turn it is to issue QK.
 _BAR_ROWS = 1  # + warpgroup: its 128 threads
@@ -34,39 +34,16 @@ _WG_THREADS = 128
 
 
 class SparseAttentionPingPong(SparseAttentionWG):
-    @cute.jit
-    def forward(
-        self,
-        q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
-        entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor,
-        o_part: cute.Tensor, lse_part: cute.Tensor,
-        scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
-        stream,
-    ):
-        l_q = smem_tile(self.dtype, (self.tile_m, self.head_dim, self.stages))
-        l_k = smem_tile(self.dtype, (self.block_size, self.head_dim))
-
-        @cute.struct
-        class SharedStorage:
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_q)], 1024]
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
-            s_v: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
-
-        self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        self.kernel_pingpong(
-            q, k, v, entry_query, entry_dest, items, o_part, lse_part, scale, hp, hp_per_hk, l_q, l_k,
-            cp_async_rows(self.dtype, self.head_dim, self.threads),
-            cp_async_rows(self.dtype, self.head_dim, _WG_THREADS), SharedStorage,
-        ).launch(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
-                 stream=stream)
-
     @cute.kernel
-    def kernel_pingpong(
+    def kernel_forward(
         self, q, k, v, entry_query, entry_dest, items, o_part, lse_part,
         scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
         s_q_layout: cute.ComposedLayout, s_k_layout: cute.ComposedLayout,
-        gcopy: cute.TiledCopy, gcopy_wg: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
+        gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
     ):
+        """The lockstep kernel's launch (SparseAttention.forward) and arguments; gcopy loads the key block with all
+        256 threads, a 128-thread copy of the same atoms gathers a warpgroup's rows."""
+        gcopy_wg = cp_async_rows(self.dtype, self.head_dim, _WG_THREADS)
         tidx, _, _ = cute.arch.thread_idx()
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
