@@ -92,13 +92,7 @@ class WarmupProxyBackward(WarmupKL):
                    l_q: cute.ComposedLayout, l_k: cute.ComposedLayout, l_kp: cute.ComposedLayout,
                    l_ds: cute.ComposedLayout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
-        tile_rev, p, b = cute.arch.block_idx()
-        n_qtiles, _, _ = cute.arch.grid_dim()
-        m0 = (n_qtiles - 1 - tile_rev) * self.tile_m  # longest tiles first
-        seqlen = q.shape[1]
-        n_steps = (cutlass.min(m0 + self.tile_m, seqlen) - 1) // self.tile_n + 1
-        first_masked = m0 // self.tile_n
-        kv, pk = p // hp_per_hk, p // hp_per_hpk
+        b, p, m0, seqlen, n_steps, first_masked, kv, pk = self.query_tile(q, hp_per_hk, hp_per_hpk)
         h0 = p * group_heads + head0  # this launch's first main head: the group's heads [h0, h0 + G)
         # dS_p = (pi - tau) kl_grad with tau = (1 / group_heads) sum_g P_g is linear in tau: a group of
         # group_heads = n * G heads runs as n launches over G heads each, every launch adding
@@ -119,12 +113,7 @@ class WarmupProxyBackward(WarmupKL):
         load_rows(gcopy, self.dtype, k_proxy[b, None, pk, None], s_kp[None, None, 0], 0, seqlen, tidx)
         cute.arch.cp_async_commit_group()
 
-        thr = self._score_mma().get_slice(tidx)
-        acc_shape = thr.partition_shape_C((self.tile_m, self.tile_n))
-        accs = (cute.make_rmem_tensor(acc_shape, cutlass.Float32), cute.make_rmem_tensor(acc_shape, cutlass.Float32))
-        tau = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-        tau_mn = wg_acc_rows_cols(tau)
-        coord = wg_acc_rows_cols(thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        thr, accs, tau, tau_mn, coord = self.score_accumulators(tidx)
         rows = cute.size(tau_mn, mode=[0])
         thr_dq = self._dq_mma().get_slice(tidx)
         acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)

@@ -83,14 +83,7 @@ class WarmupKL:
                hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, l_q: cute.ComposedLayout,
                l_k: cute.ComposedLayout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
-        tile_rev, p, b = cute.arch.block_idx()
-        n_qtiles, _, _ = cute.arch.grid_dim()
-        # Causal work grows with the tile index: the longest tiles go first so they do not form the tail.
-        m0 = (n_qtiles - 1 - tile_rev) * self.tile_m
-        seqlen = q.shape[1]
-        n_steps = (cutlass.min(m0 + self.tile_m, seqlen) - 1) // self.tile_n + 1
-        first_masked = m0 // self.tile_n  # key tiles from here hold keys t > m0, the tile's first query
-        kv, pk = p // hp_per_hk, p // hp_per_hpk
+        b, p, m0, seqlen, n_steps, first_masked, kv, pk = self.query_tile(q, hp_per_hk, hp_per_hpk)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         s_q = storage.s_q.get_tensor(l_q.outer, swizzle=l_q.inner)
@@ -102,13 +95,7 @@ class WarmupKL:
         load_rows(gcopy, self.dtype, q_proxy[b, None, p, None], s_q[None, None, self.group], m0, seqlen, tidx)
         self.load_keys(gcopy, k, k_proxy, s_k, s_kp, b, kv, pk, 0, seqlen, tidx)
 
-        mma = self._score_mma()
-        thr = mma.get_slice(tidx)
-        acc_shape = thr.partition_shape_C((self.tile_m, self.tile_n))
-        accs = (cute.make_rmem_tensor(acc_shape, cutlass.Float32), cute.make_rmem_tensor(acc_shape, cutlass.Float32))
-        tau = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-        tau_mn = wg_acc_rows_cols(tau)
-        coord = wg_acc_rows_cols(thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        thr, accs, tau, tau_mn, coord = self.score_accumulators(tidx)
         rows = cute.size(tau_mn, mode=[0])
         cols = cute.size(tau_mn, mode=[1])
         scale_log2 = scale * _LOG2E
@@ -184,6 +171,27 @@ class WarmupKL:
                     kl = (a * cute.arch.rcp_approx(t) - cute.math.log2(t, fastmath=True)) * _LN2 + lse_p
                 lse_proxy[b, p, i] = lse_p
                 kl_rows[b, p, i] = kl
+
+    def query_tile(self, q, hp_per_hk, hp_per_hpk):
+        """Trace time: this CTA's batch b, proxy head p, first query m0, key steps, first masked step (key tiles
+        from there hold keys t > m0, the tile's first query) and its kv / proxy-key heads. Causal work grows with
+        the tile index: the longest tiles go first so they do not form the tail."""
+        tile_rev, p, b = cute.arch.block_idx()
+        n_qtiles, _, _ = cute.arch.grid_dim()
+        m0 = (n_qtiles - 1 - tile_rev) * self.tile_m
+        seqlen = q.shape[1]
+        n_steps = (cutlass.min(m0 + self.tile_m, seqlen) - 1) // self.tile_n + 1
+        return b, p, m0, seqlen, n_steps, m0 // self.tile_n, p // hp_per_hk, p // hp_per_hpk
+
+    def score_accumulators(self, tidx):
+        """Trace time: this thread's slice of the score MMA, the two product accumulators, tau_sum's accumulator
+        and its rows x columns view, and the (row, key) coordinates."""
+        thr = self._score_mma().get_slice(tidx)
+        acc_shape = thr.partition_shape_C((self.tile_m, self.tile_n))
+        accs = (cute.make_rmem_tensor(acc_shape, cutlass.Float32), cute.make_rmem_tensor(acc_shape, cutlass.Float32))
+        tau = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        coord = wg_acc_rows_cols(thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        return thr, accs, tau, wg_acc_rows_cols(tau), coord
 
     @cute.jit
     def load_keys(self, gcopy, k, k_proxy, s_k, s_kp, b, kv, pk, step, seqlen, tidx):

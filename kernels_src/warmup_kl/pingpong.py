@@ -21,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
-from kernels_src.tiles import WARPGROUP_ROWS, copy_row, cp_async_rows, load_rows, smem_tile, wg_acc_rows_cols
+from kernels_src.tiles import copy_row, cp_async_rows, load_rows, smem_tile, wg_acc_rows_cols
 from kernels_src.warmup_kl.kernel import _LOG2E, WarmupKL
 
 CONSUMERS = 2 * 128  # the two warpgroups of the products
@@ -67,13 +67,7 @@ class WarmupKLPingPong(WarmupKL):
                   l_k: cute.ComposedLayout, gcopy: cute.TiledCopy, gcopy_warp: cute.TiledCopy,
                   SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
-        tile_rev, p, b = cute.arch.block_idx()
-        n_qtiles, _, _ = cute.arch.grid_dim()
-        m0 = (n_qtiles - 1 - tile_rev) * self.tile_m  # longest tiles first
-        seqlen = q.shape[1]
-        n_steps = (cutlass.min(m0 + self.tile_m, seqlen) - 1) // self.tile_n + 1
-        first_masked = m0 // self.tile_n
-        kv, pk = p // hp_per_hk, p // hp_per_hpk
+        b, p, m0, seqlen, n_steps, first_masked, kv, pk = self.query_tile(q, hp_per_hk, hp_per_hpk)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
@@ -125,13 +119,7 @@ class WarmupKLPingPong(WarmupKL):
         load_rows(gcopy, self.dtype, q_proxy[b, None, p, None], s_q[None, None, self.group], m0, seqlen, tidx)
         cute.arch.cp_async_commit_group()
 
-        mma = self._score_mma()
-        thr = mma.get_slice(tidx)
-        acc_shape = thr.partition_shape_C((self.tile_m, self.tile_n))
-        accs = (cute.make_rmem_tensor(acc_shape, cutlass.Float32), cute.make_rmem_tensor(acc_shape, cutlass.Float32))
-        tau = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-        tau_mn = wg_acc_rows_cols(tau)
-        coord = wg_acc_rows_cols(thr.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        thr, accs, tau, tau_mn, coord = self.score_accumulators(tidx)
         rows = cute.size(tau_mn, mode=[0])
         scale_log2 = scale * _LOG2E
 
