@@ -137,12 +137,7 @@ def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, gr
     """Every (op, config) one forward launches on arch."""
     return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_fwd"))),
             ("sparse_combine", combine_config(dtype, head_dim, block_size, group)),
-            *kl_variants(dtype, head_dim, block_size, group, arch)]
-
-
-def kl_variants(dtype: str, head_dim: int, block_size: int, group: int, arch: str = "sm90a") -> list[tuple[str, dict]]:
-    """The (op, config) pairs of the KL pass alone (msa_kl_cuda): the pass and its merge."""
-    return [("sparse_kl", kl_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_kl", group))),
+            ("sparse_kl", kl_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_kl", group))),
             ("sparse_combine_kl", combine_kl_config(block_size))]
 
 
