@@ -583,10 +583,14 @@ def comparisons(rows: list[dict]) -> list[dict]:
         msa = get(cfg, B, S, "msa_func.fwd+bwd")
         dense = get(cfg, B, S, "cudnn_dense.fwd+bwd")
         warm = get(cfg, B, S, "warmup_func.fwd+bwd")
+        warm_fwd, dense_fwd = get(cfg, B, S, "warmup_func.fwd"), get(cfg, B, S, "cudnn_dense.fwd")
         c = dict(config=cfg, B=B, S=S, msa_fwd_bwd_ms=msa and msa["ms"], dense_fwd_bwd_ms=dense and dense["ms"],
                  warmup_fwd_bwd_ms=warm and warm["ms"],
                  x_dense=dense["ms"] / msa["ms"] if msa and dense else None,
                  warmup_x_dense=dense["ms"] / warm["ms"] if warm and dense else None,
+                 # issue 5's measure: warmup time over cuDNN's (targets: forward <= 1.1, forward+backward <= 1.3)
+                 warmup_fwd_over_dense=warm_fwd["ms"] / dense_fwd["ms"] if warm_fwd and dense_fwd else None,
+                 warmup_fwd_bwd_over_dense=warm["ms"] / dense["ms"] if warm and dense else None,
                  msa_peak_mem_bytes=msa and msa["peak_mem_bytes"],
                  dense_peak_mem_bytes=dense and dense["peak_mem_bytes"])
         if cfg == PUBLISHED["shape"]["config"] and B == 1:
@@ -649,6 +653,14 @@ def print_table(rows, comps):
                              (c["config"], c["B"], c["S"], op, sel)), None)
             cells = " ".join(f"{_fmt_ms(get(op, sel)):>13}" for op in ("msa_forward", "msa_backward")
                              for sel in ("proxy top-K", "skewed"))
+            print(f"{c['config']:>3} {c['B']:>3} {c['S']:>6} {cells}")
+    warm = [c for c in comps if c.get("warmup_fwd_over_dense") or c.get("warmup_fwd_bwd_over_dense")]
+    if warm:
+        print("\nwarmup mode's time over cuDNN dense attention's, same run (targets: fwd <= 1.1x, fwd+bwd <= 1.3x):")
+        print(f"{'cfg':>3} {'B':>3} {'S':>6} {'fwd':>8} {'fwd+bwd':>8}")
+        for c in warm:
+            cells = " ".join(f"{c[k]:.2f}x".rjust(8) if c.get(k) else f"{'-':>8}"
+                             for k in ("warmup_fwd_over_dense", "warmup_fwd_bwd_over_dense"))
             print(f"{c['config']:>3} {c['B']:>3} {c['S']:>6} {cells}")
     pubs = [c for c in comps if c.get("published")]
     if pubs:

@@ -167,7 +167,10 @@ def synthetic_rows():
                  _row("a", 1, S, "warmup_func.fwd+bwd", None, status="skipped: reference backend (...)",
                       selection="dense causal")]
         rows += [_row("b", 1, S, "msa_func.fwd+bwd", msa * 2, selection="proxy top-K"),
-                 _row("b", 1, S, "cudnn_dense.fwd+bwd", dense * 2, selection="dense causal")]
+                 _row("b", 1, S, "cudnn_dense.fwd+bwd", dense * 2, selection="dense causal"),
+                 _row("b", 1, S, "cudnn_dense.fwd", dense / 2, selection="dense causal"),
+                 _row("b", 1, S, "warmup_func.fwd+bwd", dense * 3, selection="dense causal"),
+                 _row("b", 1, S, "warmup_func.fwd", dense, selection="dense causal")]
     return rows
 
 
@@ -183,6 +186,19 @@ def test_comparisons_against_dense_and_published():
     assert "not re-measured" in p["source"]
     assert "published" not in comps[("b", 8192)]  # the published shape is config (a) only
     assert comps[("a", 32768)]["x_dense"] == pytest.approx(1.0)
+    # warmup against cuDNN as issue 5 measures it: warmup time over dense time, forward and forward+backward
+    b8 = comps[("b", 8192)]
+    assert b8["warmup_fwd_over_dense"] == pytest.approx(2.0)  # 2.0 ms warmup forward, 1.0 ms cuDNN's
+    assert b8["warmup_fwd_bwd_over_dense"] == pytest.approx(1.5)  # 6.0 ms against 4.0
+    assert a8["warmup_fwd_over_dense"] is None and a8["warmup_fwd_bwd_over_dense"] is None
+
+
+def test_table_prints_the_warmup_ratios(capsys):
+    rows = synthetic_rows()
+    bm.print_table(rows, bm.comparisons(rows))
+    out = capsys.readouterr().out
+    assert "warmup mode's time over cuDNN" in out
+    assert "  b   1   8192    2.00x    1.50x" in out
 
 
 def test_plot_renders_png(tmp_path):
