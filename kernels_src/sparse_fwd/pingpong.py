@@ -10,8 +10,10 @@ Here each warpgroup owns its 64 rows of every tile from gather to epilogue:
     named barrier, so the two warpgroups no longer meet once per tile (only once per item, after the key block's
     load, which both warpgroups' threads share);
   - its QK product is issued in turn with the other warpgroup's (FA3's "warp scheduler barrier"): warpgroup w
-    waits on barrier TURN + w, issues, then arrives on the other's. Warpgroup 1 starts half a tile behind, so one
-    warpgroup's softmax and epilogue run under the other's products.
+    waits on barrier TURN + w, issues, then arrives on the other's, warpgroup 0 first. The turns only order the
+    issues; what lets one warpgroup's softmax and epilogue run under the other's products is that nothing else
+    makes the two wait for each other (the warmup KL pass, whose warpgroups share every key tile, gained 2 %
+    from turns alone: kernels_src/warmup_kl/NOTES.md).
 Barrier accounting (each completes at 256 threads: 128 waiting + 128 arriving): warpgroup 1 arrives on TURN + 0
 once before its loop and once per tile (n + 1 times); warpgroup 0 waits there once per tile and once after its
 loop (n + 1); warpgroup 0 arrives on TURN + 1 once per tile, where warpgroup 1 waits once per tile. No barrier is
