@@ -97,10 +97,7 @@ class SparseAttention:
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
         if n_entries > 0:
-            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
-            b = bp // hp
-            p = bp - b * hp
-            t0 = j * self.block_size
+            b, p, start, t0 = self.item_block(items, w, hp)
             seqlen = q.shape[1]
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_q_all, s_k, s_v, s_vt = self.smem_views(storage, s_q_layout, s_k_layout)
@@ -224,6 +221,12 @@ class SparseAttention:
             if cutlass.const_expr(kk + 1 < steps):
                 cute.copy(copy_v, t_sv[None, None, kk + 1], t_rv_v[None, None, kk + 1])
             cute.gemm(tiled_mma, acc_o, t_rp[None, None, kk], t_rv[None, None, kk], acc_o)
+
+    def item_block(self, items, w, hp):
+        """Trace time: work item w's batch b, proxy head p (bp = b * Hp + p), first entry and key block start."""
+        bp, j, start = items[w, 0], items[w, 1], items[w, 2]
+        b = bp // hp
+        return b, bp - b * hp, start, j * self.block_size
 
     def smem_views(self, storage, s_q_layout, s_k_layout):
         """Trace time: the q tile buffers, K, V and V^T (D, keys) for the PV product's B operand (the same bytes,

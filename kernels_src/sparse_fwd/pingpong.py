@@ -50,10 +50,7 @@ class SparseAttentionPingPong(SparseAttentionWG):
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
         if n_entries > 0:
-            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
-            b = bp // hp
-            p = bp - b * hp
-            t0 = j * self.block_size
+            b, p, start, t0 = self.item_block(items, w, hp)
             seqlen = q.shape[1]
             wg = tidx // _WG_THREADS
             wg_tidx = tidx % _WG_THREADS
