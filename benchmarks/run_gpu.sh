@@ -38,8 +38,8 @@ for mma in ['sync', 'wgmma'] if device_arch(0) == 'sm90a' else ['sync']:  # ever
     sparse_fwd.FORCE_MMA = mma
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
     msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
-if device_arch(0) == 'sm90a':  # the forward's other wgmma build (lockstep warpgroups)
-    sparse_fwd.FORCE_MMA, sparse_fwd.FORCE_SCHEDULE = 'wgmma', 'lockstep'
+if device_arch(0) == 'sm90a':  # the forward's and the KL pass's other wgmma builds (lockstep warpgroups)
+    sparse_fwd.FORCE_MMA, sparse_fwd.FORCE_SCHEDULE, sparse_fwd.FORCE_KL_SCHEDULE = 'wgmma', 'lockstep', 'lockstep'
     msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
 if device_arch(0) == 'sm90a':  # the dense warmup proxy kernels: G = 4 and G = 1, the KL pass in both schedules
     from flash_msa_rt.ops import warmup_kl

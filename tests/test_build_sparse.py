@@ -21,9 +21,10 @@ FAMILIES = ("sparse_fwd", "sparse_combine", "sparse_kl", "sparse_combine_kl", "s
 @pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
 def test_sparse_kernels_build(tmp_path, arch):
     specs = [s for s in variants((arch,), only=["sparse_*_bf16_*g4_*", "sparse_combine_kl_*"]) if s.op in FAMILIES]
-    # sm90a builds every family but the combines twice: mma.sync and wgmma (Hopper only); the forward on wgmma
-    # twice more, with its warpgroups in lockstep and in ping-pong
-    extra = ["sparse_fwd", "sparse_fwd", "sparse_kl", "sparse_bwd", "sparse_bwd_proxy"] if arch == "sm90a" else []
+    # sm90a builds every family but the combines twice: mma.sync and wgmma (Hopper only); the forward and the KL
+    # pass on wgmma once more each, with their warpgroups in ping-pong
+    extra = ["sparse_fwd", "sparse_fwd", "sparse_kl", "sparse_kl", "sparse_bwd", "sparse_bwd_proxy"] \
+        if arch == "sm90a" else []
     assert sorted(s.op for s in specs) == sorted([*FAMILIES, *extra])
     outcomes = build(specs, tmp_path, jobs=2, progress=False)
     assert all(o.status == "built" for o in outcomes), outcomes
@@ -60,8 +61,9 @@ def test_wgmma_register_layouts():
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    code = ("from kernels_src.sparse_fwd.wgmma_check import kl_mismatches, mismatches, proxy_mismatches; "
-            "e = mismatches() + kl_mismatches() + proxy_mismatches(); print(len(e)); print(e[:3])")
+    code = ("from kernels_src.sparse_fwd.wgmma_check import kl_mismatches, kl_pingpong_mismatches, mismatches, "
+            "proxy_mismatches; e = mismatches() + kl_mismatches() + kl_pingpong_mismatches() + proxy_mismatches(); "
+            "print(len(e)); print(e[:3])")
     run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)})
     assert run.returncode == 0, run.stderr[-2000:]

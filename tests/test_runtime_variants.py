@@ -43,13 +43,26 @@ def test_dense_warmup_variants_are_the_catalogues():
     assert rt_warmup_kl.GROUPS == warmup_kl.GROUPS
 
 
-@pytest.mark.parametrize("mma", ["sync", "wgmma"])
-def test_kl_part_columns_are_the_kernels(mma):
+@pytest.mark.parametrize("mma, schedule, groups", [("sync", None, 4), ("wgmma", "lockstep", 2),
+                                                    ("wgmma", "pingpong", 1), ("wgmma", None, 1)])
+def test_kl_part_columns_are_the_kernels(mma, schedule, groups):
     """The KL pass writes (A, T, L) per key group: 64-key slices x 2 halves on mma.sync, the whole block x 2
-    warpgroups on wgmma. The runtime allocates kl_part from kl_part_groups; the kernel declares its columns."""
-    config = sparse_bwd.MmaConfig(**rt_fwd.kl_config("bf16", 128, 128, 4, mma))
+    warpgroups on wgmma in lockstep, one group in ping-pong (the runtime's default at G = 4). The runtime allocates
+    kl_part from kl_part_groups; the kernel declares its columns; the build has the variant."""
+    cfg = rt_fwd.kl_config("bf16", 128, 128, 4, mma, schedule)
+    config = sparse_kl.Config(**cfg)
+    assert sparse_kl.can_implement(config, "sm90a")[0], config
     kl_part = next(p for p in sparse_kl.params(config) if p.name == "kl_part")
-    assert kl_part.shape[1] == 3 * rt_fwd.kl_part_groups(128, mma)
+    assert kl_part.shape[1] == 3 * rt_fwd.kl_part_groups(cfg) == 3 * groups
+    assert config in sparse_kl.configs()
+
+
+def test_kl_schedule_is_pingpong_only_where_the_heads_are_resident():
+    assert [rt_fwd.kl_schedule("wgmma", G) for G in (1, 2, 4, 8, 16)] == ["pingpong"] * 3 + ["lockstep"] * 2
+    assert rt_fwd.kl_schedule("sync", 4) == "lockstep"
+    ok, reason = sparse_kl.can_implement(sparse_kl.Config(group=8, tile_n=128, mma="wgmma", stages=1,
+                                                          schedule="pingpong"), "sm90a")
+    assert not ok and "pingpong" in reason and "G 8" in reason
 
 
 @pytest.mark.parametrize("mma", ["sync", "wgmma"])
@@ -63,7 +76,7 @@ def test_kl_pass_mma_depends_on_the_group():
     elsewhere mma.sync; the group is required (a caller without it would pick a variant by accident)."""
     assert [rt_fwd.family_mma("sm90a", "sparse_kl", G) for G in (1, 2, 4, 8, 16)] == ["wgmma"] * 3 + ["sync"] * 2
     assert rt_fwd.family_mma("sm100a", "sparse_kl", 4) == "sync"
-    assert all(sparse_kl.resident_heads(sparse_bwd.MmaConfig(**rt_fwd.kl_config("bf16", 128, 128, G, "wgmma")))
+    assert all(sparse_kl.resident_heads(sparse_kl.Config(**rt_fwd.kl_config("bf16", 128, 128, G, "wgmma")))
                for G in rt_fwd.SM90_KL_WGMMA_GROUPS)
     with pytest.raises(TypeError, match="group"):
         rt_fwd.family_mma("sm90a", "sparse_kl")

@@ -88,11 +88,13 @@ def test_forward_matches_reference(shape, dtype):
 @pytest.mark.parametrize("G", [1, 4, 16])
 def test_both_forward_kernels_match_reference(mma, schedule, G, force_mma, monkeypatch):
     """Hopper builds the forward three times (mma.sync; wgmma with the warpgroups in lockstep, and in ping-pong,
-    which the runtime picks there): all are checked, on odd S, whatever the device's default."""
+    which the runtime picks there), and the KL pass likewise at G <= 4 (the schedule applies to both): all are
+    checked, on odd S, whatever the device's default."""
     from flash_msa_rt.ops import sparse_fwd
 
     force_mma(mma)
     monkeypatch.setattr(sparse_fwd, "FORCE_SCHEDULE", schedule)
+    monkeypatch.setattr(sparse_fwd, "FORCE_KL_SCHEDULE", schedule)
     H = 16
     qp, kp, q, k, v = _inputs(1, 1500, H, 1, H // G, 1, torch.bfloat16, seed=G)
     scale = 128 ** -0.5
@@ -232,7 +234,8 @@ def test_query_chunks_bound_the_partials(monkeypatch):
     assert peak_chunked < peak_whole / 2, (peak_chunked, peak_whole)
 
 
-@pytest.mark.parametrize("groups", [2, 4])  # key groups per slot: the wgmma KL pass writes 2, mma.sync 4
+# key groups per slot: the ping-pong KL pass writes 1, the lockstep wgmma one 2, mma.sync 4
+@pytest.mark.parametrize("groups", [1, 2, 4])
 def test_combine_kl_kernel_matches_its_torch_statement(groups):
     """sparse_combine_kl against sparse_plan.combine_kl_lse in float64 on random (A, T, L) triples, a chunk of
     queries at an offset: dead slots (-1, blocks after the local one) hold NaN that must be skipped, some groups

@@ -346,7 +346,7 @@ def test_query_chunks_equal_the_whole_plan():
 
 
 def test_forward_query_chunk_fits_the_budget():
-    from flash_msa_rt.ops.sparse_fwd import PARTIALS_BUDGET, query_chunk
+    from flash_msa_rt.ops.sparse_fwd import CHUNK_SLACK, PARTIALS_BUDGET, query_chunk
 
     # Configuration (b) at 128K tokens: the whole selection's partials would take ~17 GB; a chunk's may take as
     # much as the backward's fp32 dq accumulator (2 GiB here).
@@ -355,13 +355,22 @@ def test_forward_query_chunk_fits_the_budget():
     chunk = query_chunk(B, S, Hp, K, G, D, 128)
     per_query = B * Hp * K * (G * D * 2 + 4 * (G + 12))
     assert budget > PARTIALS_BUDGET
-    assert chunk % 128 == 0 and chunk * per_query <= budget < (chunk + 128) * per_query
-    # Smaller problems keep the least budget (configuration (a) at 16K tokens: dq would take 128 MiB).
+    # equal chunks, none over the budget by more than the slack, and no more of them than full ones would take
+    full = budget // per_query // 128 * 128
+    assert chunk % 128 == 0 and chunk * per_query <= budget * (1 + CHUNK_SLACK)
+    assert (S + chunk - 1) // chunk <= (S + full - 1) // full and S % chunk == 0, (chunk, full)
+    assert (S + chunk - 1) // chunk == 8  # 9 full chunks would leave a 2.5K-query tail
+    # Smaller problems keep the least budget (configuration (a) at 16K tokens: dq would take 128 MiB); the chunk
+    # that fits leaves 640 queries, so one chunk takes them all, within the slack.
     chunk = query_chunk(1, 16384, 4, K, 4, D, 128)
     per_query = 4 * K * (4 * D * 2 + 4 * (4 + 12))
-    assert min(16384, chunk) * per_query <= PARTIALS_BUDGET
+    assert chunk == 16384 and chunk * per_query <= PARTIALS_BUDGET * (1 + CHUNK_SLACK)
     assert query_chunk(1, 300, 1, 1, 1, 128, 128) == 384  # small problems: one chunk covering every block
     assert query_chunk(B, S, Hp, K, G, D, 128, budget=1) == 128  # at least one block per chunk
+    # chunks as equal as whole blocks allow: 9 blocks that fit 4 per chunk run as 3 + 3 + 3, not 4 + 4 + 1
+    four_blocks = 4 * 128 * (128 * 2 + 4 * 13)
+    assert query_chunk(1, 9 * 128, 1, 1, 1, 128, 128, budget=four_blocks) == 3 * 128
+    assert query_chunk(1, 8 * 128 + 1, 1, 1, 1, 128, 128, budget=four_blocks) == 3 * 128  # 9 blocks, the last partial
 
 
 def test_warmup_kl_pass_in_query_chunks_matches_the_reference(monkeypatch):

@@ -121,15 +121,35 @@ def tile_n_for(mma: str, block_size: int) -> int:
     return block_size if mma == "wgmma" else 64
 
 
-def kl_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
-    """The KL pass runs on the proxy backward's tiles (64 distinct queries x tile_n_for(mma) keys per CTA)."""
+# How the KL pass's two warpgroups share the work (kernels_src/sparse_kl/pingpong.py): where the wgmma tile holds
+# every head (G <= 4), each warpgroup runs its own tiles over the whole key block, single-buffered; otherwise both
+# warpgroups work on one tile ("lockstep").
+KL_PINGPONG_GROUPS = (1, 2, 4)
+FORCE_KL_SCHEDULE: str | None = None  # tests and benchmarks: "lockstep" runs the resident-heads wgmma kernel instead
+
+
+def kl_schedule(mma: str, group: int) -> str:
+    if mma != "wgmma" or group not in KL_PINGPONG_GROUPS:
+        return "lockstep"
+    return FORCE_KL_SCHEDULE or "pingpong"
+
+
+def kl_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
+              schedule: str | None = None) -> dict:
+    """The KL pass runs on the proxy backward's tiles (64 distinct queries x tile_n_for(mma) keys per CTA);
+    schedule: kl_schedule(mma, group) unless given (ping-pong is single-buffered)."""
+    schedule = schedule or kl_schedule(mma, group)
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": KL_TILE,
-            "tile_n": tile_n_for(mma, block_size), "threads": 256, "stages": 2, "mma": mma}
+            "tile_n": tile_n_for(mma, block_size), "threads": 256, "stages": 1 if schedule == "pingpong" else 2,
+            "mma": mma, "schedule": schedule}
 
 
-def kl_part_groups(block_size: int, mma: str) -> int:
-    """Key groups (A, T, L triples) per entry that the KL pass of this MMA writes."""
-    return kl_groups(block_size, tile_n_for(mma, block_size))
+def kl_part_groups(config: dict) -> int:
+    """Key groups (A, T, L triples) per entry that the KL pass of this kl_config writes: one per warpgroup or
+    mma.sync key half, one in ping-pong (a warpgroup holds all the block's keys of its rows)."""
+    if config["schedule"] == "pingpong":
+        return 1
+    return kl_groups(config["block_size"], config["tile_n"])
 
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
@@ -159,14 +179,23 @@ def partials_budget(B: int, S: int, H: int, D: int) -> int:
     return max(PARTIALS_BUDGET, 4 * B * S * H * D)
 
 
+# A chunk may hold this fraction more than the budget, so that the queries split into equal chunks instead of
+# full ones and a small tail: configuration (a) at B = 1, S = 16K would run a 640-query tail chunk (a plan, four
+# launches and their grid tails) for 4 % over the budget, (b) at S = 64K 9 chunks where 8 take 5 % more.
+CHUNK_SLACK = 1 / 8
+
+
 def query_chunk(B: int, S: int, Hp: int, K: int, G: int, D: int, block_size: int,
                 budget: int | None = None) -> int:
-    """Queries per forward chunk: the partial buffers (o_part in 2 bytes; lse_part and the KL pass's (A, T, L)
-    triples in fp32) of one chunk stay within budget bytes (default partials_budget); a multiple of block_size,
-    at least one block."""
+    """Queries per forward chunk, a multiple of block_size (at least one block): the partial buffers (o_part in
+    2 bytes; lse_part and the KL pass's (A, T, L) triples in fp32) of one chunk stay within budget bytes (default
+    partials_budget) plus CHUNK_SLACK, and the chunks are as equal as whole blocks allow."""
     per_query = B * Hp * K * (G * D * 2 + 4 * (G + 3 * kl_groups(block_size)))
-    chunk = (budget or partials_budget(B, S, Hp * G, D)) // per_query // block_size * block_size
-    return max(block_size, min(chunk, -(-S // block_size) * block_size))
+    fit = max(1, (budget or partials_budget(B, S, Hp * G, D)) // per_query // block_size)  # blocks per chunk
+    cap = fit + int(fit * CHUNK_SLACK)
+    blocks = max(1, -(-S // block_size))
+    chunks = -(-blocks // cap)
+    return -(-blocks // chunks) * block_size
 
 
 def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale):
@@ -183,8 +212,8 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     dt = DTYPES[q.dtype]
     dev = q.device
     fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, device_mma(dev, "sparse_fwd")), dev)
-    kl_mma = device_mma(dev, "sparse_kl", G)
-    kl = get_kernel("sparse_kl", kl_config(dt, D, block_size, G, kl_mma), dev)
+    kl_cfg = kl_config(dt, D, block_size, G, device_mma(dev, "sparse_kl", G))
+    kl = get_kernel("sparse_kl", kl_cfg, dev)
     combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
     combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -197,7 +226,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     E_max = B * Hp * min(chunk, S) * K
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
-    kl_buf = torch.empty((E_max, 3 * kl_part_groups(block_size, kl_mma)), dtype=torch.float32, device=dev)
+    kl_buf = torch.empty((E_max, 3 * kl_part_groups(kl_cfg)), dtype=torch.float32, device=dev)
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         sel = block_indices[:, :, s0:s1].contiguous()
@@ -238,14 +267,14 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
     dev = q.device
-    kl_mma = device_mma(dev, "sparse_kl", G)
-    kl = get_kernel("sparse_kl", kl_config(DTYPES[q.dtype], D, block_size, G, kl_mma), dev)
+    kl_cfg = kl_config(DTYPES[q.dtype], D, block_size, G, device_mma(dev, "sparse_kl", G))
+    kl = get_kernel("sparse_kl", kl_cfg, dev)
     combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
     kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev)
     if S == 0 or B == 0:
         return lse_proxy, kl_rows
-    groups = kl_part_groups(block_size, kl_mma)
+    groups = kl_part_groups(kl_cfg)
     per_query = B * Hp * K * 4 * 3 * groups
     chunk = max(block_size, PARTIALS_BUDGET // per_query // block_size * block_size)
     kl_buf = torch.empty((B * Hp * min(chunk, S) * K, 3 * groups), dtype=torch.float32, device=dev)

@@ -3,7 +3,8 @@
   A-fragment position, the accumulator register whose (row, key) is the one the PV MMA expects there; and
   wg_acc_rows_cols splits the accumulator into rows and columns;
 - KL pass: a thread's score columns lie in its warpgroup's 32 keys (the key group its (A, T, L) shares are written
-  for) and each quad of lanes covers those 32 keys of its rows exactly once (the quad shuffles sum a group);
+  for) and each quad of lanes covers those 32 keys of its rows exactly once (the quad shuffles sum a group); in
+  ping-pong, each quad of a warpgroup covers all the block's keys of its rows once;
 - proxy backward: dq_p's MMA (B MN-major) partitions its (queries x D) accumulator exactly as the score MMA whose
   partition the kernel uses for the dq_p staging coordinates.
 Run by tests/test_build_sparse.py (CUTE_DSL_ARCH=sm_90a: wgmma atoms need it when traced on a CPU)."""
@@ -15,6 +16,7 @@ from kernels_src import sparse_kl
 from kernels_src.sparse_fwd import Config
 from kernels_src.sparse_fwd.wgmma import SparseAttentionWG, wg_acc_as_a, wg_acc_rows_cols
 from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
+from kernels_src.sparse_kl.pingpong import SparseKLPingPong
 from kernels_src.sparse_kl.wgmma import SparseKLWG
 
 
@@ -78,6 +80,32 @@ def kl_mismatches() -> list[str]:
             keys = sorted(x[1] for t in range(quad, quad + 4) for x in per_thread[t][r])
             if keys != list(range(32 * (quad // 128), 32 * (quad // 128) + 32)):
                 errors.append(f"quad {quad // 4}, row {r}: keys {keys[:6]}... do not cover the group once")
+    return errors
+
+
+@cute.jit
+def _collect_kl_pingpong(out: cutlass.Constexpr):
+    kernel = SparseKLPingPong(sparse_kl.Config(mma="wgmma", tile_n=128, stages=1, schedule="pingpong"))
+    mma = kernel._wg_score_mma()
+    for t in cutlass.range_constexpr(128):  # one warpgroup: the MMA is issued with tidx % 128
+        mn = wg_acc_rows_cols(mma.get_slice(t).partition_C(cute.make_identity_tensor((kernel.tile_m,
+                                                                                       kernel.tile_n))))
+        out.append([[mn[r, k] for k in range(cute.size(mn, mode=[1]))] for r in range(cute.size(mn, mode=[0]))])
+
+
+def kl_pingpong_mismatches() -> list[str]:
+    """Empty when each quad of the ping-pong KL pass's warpgroup covers the 128 keys of each of its rows once and a
+    thread's row holds one query (its row statistics are quad shuffles over one (A, T, L) group)."""
+    per_thread: list = []
+    _collect_kl_pingpong(per_thread)
+    errors = []
+    for quad in range(0, len(per_thread), 4):
+        for r in range(len(per_thread[quad])):
+            cells = [x for t in range(quad, quad + 4) for x in per_thread[t][r]]
+            if len({x[0] for x in cells}) != 1:
+                errors.append(f"quad {quad // 4}, row {r}: spans several queries")
+            if sorted(x[1] for x in cells) != list(range(128)):
+                errors.append(f"quad {quad // 4}, row {r}: keys do not cover the block once")
     return errors
 
 

@@ -9,15 +9,33 @@ This module does not import cutlass.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 from flash_msa_rt.manifest import ScalarParam, TensorParam
 from kernels_src import sparse_bwd
 from kernels_src.spec import BuildSpec, family_spec, smem_refusal, verdict
 
 OP = "sparse_kl"
 
-Config = sparse_bwd.MmaConfig
-configs = sparse_bwd.configs
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
+# "lockstep": both warpgroups on one tile, each on half the block's keys (wgmma.py), or the mma.sync kernel;
+# "pingpong" (pingpong.py, resident heads only): each warpgroup runs its own tiles over all the block's keys
+SCHEDULES = ("lockstep", "pingpong")
+
+
+@dataclass(frozen=True)
+class Config(sparse_bwd.MmaConfig):
+    """The backward's tiles and MMA plus how the two warpgroups share the work (SCHEDULES)."""
+
+    schedule: str = "lockstep"
+
+
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
+    """The proxy backward's variants in lockstep, and the resident-heads ones again in ping-pong, single-buffered
+    (two warpgroups x (G + 1) tiles of 16 KB beside the 64 KB key block leave no room for a second stage)."""
+    base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.configs(head_dims, block_sizes, dtypes)]
+    return base + [dataclasses.replace(c, schedule="pingpong", stages=1) for c in base if resident_heads(c)]
 
 
 # wgmma on the whole block at these G gathers a tile's G main heads and the proxy at once (kernels_src.sparse_kl.
@@ -30,12 +48,22 @@ def resident_heads(config) -> bool:
         config.group in RESIDENT_GROUPS
 
 
+def key_groups(config) -> int:
+    """(A, T, L) triples per entry: one per warpgroup's keys, 64-key slices x their two halves, or in ping-pong
+    one (a warpgroup holds all the block's keys of its rows)."""
+    if getattr(config, "schedule", "lockstep") == "pingpong":
+        return 1
+    return 2 * (config.block_size // config.tile_n)
+
+
 def smem_bytes(config) -> int:
     """sK, sK_p (keys x D); staged sQ, sQ_p (queries x D), or with resident heads the G + 1 head tiles per
-    stage. Mirrors SharedStorage."""
+    stage (per warpgroup in ping-pong). Mirrors SharedStorage."""
     e = _ELEM_BYTES[config.dtype]
     a = sparse_bwd._align
     rows = config.stages * config.tile_m * config.head_dim * e
+    if getattr(config, "schedule", "lockstep") == "pingpong":
+        rows *= 2
     if resident_heads(config):
         return 2 * a(config.tile_n * config.head_dim * e, 1024) + a((config.group + 1) * rows, 1024)
     return 2 * a(config.tile_n * config.head_dim * e, 1024) + 2 * a(rows, 1024)
@@ -43,14 +71,22 @@ def smem_bytes(config) -> int:
 
 def can_implement(config, arch: str) -> tuple[bool, str]:
     ok, reason = sparse_bwd.can_implement(config, arch)  # its smem check is the main backward's
-    return verdict(reason or smem_refusal(smem_bytes(config), arch)) if ok else (ok, reason)
+    if not ok:
+        return ok, reason
+    schedule = getattr(config, "schedule", "lockstep")
+    if schedule not in SCHEDULES:
+        reason = f"schedule {schedule!r} not supported; supported: {', '.join(map(repr, SCHEDULES))}"
+    elif schedule == "pingpong" and not (resident_heads(config) and config.stages == 1):
+        reason = (f"schedule 'pingpong' needs wgmma on the whole block (tile_n = block_size) at G in "
+                  f"{RESIDENT_GROUPS} and stages 1; got mma {config.mma!r}, tile_n {config.tile_n}, "
+                  f"G {config.group}, stages {config.stages}")
+    return verdict(reason or smem_refusal(smem_bytes(config), arch))
 
 
 def params(config) -> tuple:
     c = config
     bshd = ("i64", "i64", "i64", 1)
     d = c.head_dim
-    slices = c.block_size // c.tile_n
     return (
         TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
         TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
@@ -60,8 +96,8 @@ def params(config) -> tuple:
         TensorParam("entry_dest", "i32", ("E",), (1,), align=4),
         TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
         TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
-        # [key slice][key warp][A, T, L]: see kernels_src.sparse_kl.kernel.
-        TensorParam("kl_part", "f32", ("E", slices * 6), (slices * 6, 1), align=4),
+        # [key group][A, T, L]: see kernels_src.sparse_kl.kernel.
+        TensorParam("kl_part", "f32", ("E", 3 * key_groups(c)), (3 * key_groups(c), 1), align=4),
         ScalarParam("scale", "f32"),
         ScalarParam("hp_per_hk", "i32"),
         ScalarParam("hp_per_hpk", "i32"),

@@ -203,7 +203,11 @@ class SparseKL(SparseProxyBackward):
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_kl import params, smem_bytes
 
-    if config.mma == "wgmma":
+    if config.schedule == "pingpong":
+        from kernels_src.sparse_kl.pingpong import SparseKLPingPong
+
+        kernel = SparseKLPingPong(config)
+    elif config.mma == "wgmma":
         from kernels_src.sparse_kl.wgmma import SparseKLWG
 
         kernel = SparseKLWG(config)

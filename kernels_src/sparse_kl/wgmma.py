@@ -214,26 +214,29 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
                 kl_part[dest, col + 2] = lse2_p
 
     @cute.jit
-    def gather_heads(self, gcopy, q, q_proxy, s_q, b, p, entry_query, start, n_entries, tile, tidx):
-        """cp.async, as one group, row r of the G main heads' and the proxy's tiles of `tile` (buffers
-        stage * (G + 1) + n, n = G the proxy) from query entry_query[e0 + r]; rows past the tile's queries are
-        zero-filled."""
+    def gather_heads(self, gcopy, q, q_proxy, s_q, b, p, entry_query, start, n_entries, tile, tidx, base=None,
+                     first: cutlass.Constexpr = 0, count: cutlass.Constexpr = None):
+        """cp.async, as one group, row r of heads [first, first + count) of `tile` (default all G main heads and
+        the proxy, n = G) into buffers base + n (default stage * (G + 1) + n) from query entry_query[e0 + r];
+        rows past the tile's queries are zero-filled. gcopy and tidx: the threads that share the copy."""
         e0 = start + tile * self.tile_queries
         n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
-        base = (tile % self.stages) * (self.group + 1)
+        if cutlass.const_expr(base is None):
+            base = (tile % self.stages) * (self.group + 1)
+        last = first + (self.group + 1 if count is None else count)
         thr = gcopy.get_slice(tidx)
         t_c = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
         for m in cutlass.range_constexpr(cute.size(t_c, mode=[1])):
             qi = t_c[0, m, 0][0]
             if qi < n_q:
                 i = entry_query[e0 + qi]
-                for n in cutlass.range_constexpr(self.group + 1):
+                for n in cutlass.range_constexpr(first, last):
                     t_s = thr.partition_D(s_q[None, None, base + n])
                     if cutlass.const_expr(n < self.group):
                         copy_row(gcopy, self.dtype, q[b, i, p * self.group + n, None], t_s, t_c, m)
                     else:
                         copy_row(gcopy, self.dtype, q_proxy[b, i, p, None], t_s, t_c, m)
             else:
-                for n in cutlass.range_constexpr(self.group + 1):
+                for n in cutlass.range_constexpr(first, last):
                     thr.partition_D(s_q[None, None, base + n])[None, m, None].fill(0)
         cute.arch.cp_async_commit_group()

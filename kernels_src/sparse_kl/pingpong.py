@@ -1,0 +1,177 @@
+"""MSA KL pass on wgmma with the two warpgroups on their own tiles (sm90a only, resident heads: G <= 4).
+
+The lockstep kernel (wgmma.py) splits every tile's 128 keys between the warpgroups (m64n64 each), so both run
+each phase together: a CTA barrier, G + 1 products interleaved with their exponentials, the (A, T, L) epilogue,
+a CTA barrier. At (b) S = 64K that is ~6.6 us per tile against ~1.6 us of MUFU work (the pass's floor) and
+~1.3 us of tensor work: the phases, not a pipe, set the pace.
+
+Here warpgroup w takes tiles w, w + 2, ... of the item, all 128 keys of each (m64n128), gathers their G + 1 rows
+into its own buffers with a 128-thread cp.async copy and waits on its own named barrier; the two meet once per
+item, after the key block's load. Nothing else couples them, so one warpgroup's exponentials and epilogue run
+under the other's products (the forward's ping-pong gained 1.10-1.25x that way: kernels_src/sparse_fwd/NOTES.md).
+Per warpgroup and tile: for each head n, S_n = Q_n K^T then tau += exp2(S_n - lse_n); the next tile's main-head
+rows are gathered as soon as the last main product is done (their buffers are free), its proxy rows after the
+proxy product, both before the epilogue, so the gathers fly under the epilogue and the other warpgroup's work.
+Single-buffered: 2 x (G + 1) tiles of 16 KB beside the 64 KB key block is 224 KB at G = 4.
+A warpgroup holds all of its rows' keys, so it writes one (A, T, L) triple per entry (kl_part: 3 columns).
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+
+from kernels_src.sparse_kl.wgmma import _LOG2E, SparseKLWG
+from kernels_src.tiles import WARPGROUP_ROWS, cp_async_rows
+
+_BAR_ROWS = 1  # + warpgroup: its 128 threads' gathered rows are in shared memory
+_WG_THREADS = 128
+_K = warpgroup.OperandMajorMode.K
+
+
+class SparseKLPingPong(SparseKLWG):
+    def __init__(self, config):
+        super().__init__(config)
+        if not self.resident or self.tile_n != self.block_size or self.stages != 1:
+            raise ValueError(f"sparse_kl ping-pong: resident heads on the whole block, single-buffered only; got "
+                             f"G {self.group}, tile_n {self.tile_n}, stages {self.stages}")
+
+    def _wg_score_mma(self):
+        """One warpgroup's m64n(block) product: warpgroup w issues it on its own rows (thread index tidx % 128)."""
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, _K, _K, cutlass.Float32, (1, 1, 1),
+                                                 (WARPGROUP_ROWS, self.tile_n))
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
+                 entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor, lse: cute.Tensor,
+                 kl_part: cute.Tensor, scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
+                 hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+        l_kv = self._smem_layout((self.tile_n, self.head_dim))
+        # buffer w * (G + 1) + n: warpgroup w's rows of head n (n = G the proxy)
+        l_rows = self._smem_layout((self.tile_m, self.head_dim, 2 * (self.group + 1)))
+
+        @cute.struct
+        class SharedStorage:
+            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
+            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
+            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+
+        self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
+        self.kernel_pingpong(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
+                             hp_per_hk, hp_per_hpk, l_kv, l_rows, self._gmem_copy(), SharedStorage).launch(
+            grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
+
+    @cute.kernel
+    def kernel_pingpong(self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part,
+                        scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+                        l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, gcopy: cute.TiledCopy,
+                        SharedStorage: cutlass.Constexpr):
+        """gcopy loads the key block with all 256 threads; a 128-thread copy of the same atoms gathers a
+        warpgroup's rows."""
+        gcopy_wg = cp_async_rows(self.dtype, self.head_dim, _WG_THREADS)
+        tidx, _, _ = cute.arch.thread_idx()
+        w, _, _ = cute.arch.block_idx()
+        n_entries = items[w, 3]
+        if n_entries > 0:
+            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
+            hp = q_proxy.shape[2]
+            b = bp // hp
+            p = bp - b * hp
+            t0 = j * self.block_size
+            seqlen = q.shape[1]
+            wg = tidx // _WG_THREADS
+            wg_tidx = tidx % _WG_THREADS
+            heads = self.group + 1
+            base = wg * heads  # this warpgroup's buffers
+            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+            s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+            s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+            s_q = storage.s_q.get_tensor(l_rows.outer, swizzle=l_rows.inner)
+            self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx)
+            self.load_block(gcopy, k_proxy[b, None, p // hp_per_hpk, None], s_kp, t0, seqlen, tidx)
+
+            mma_s = self._wg_score_mma()
+            thr_s = mma_s.get_slice(wg_tidx)
+            acc_shape = thr_s.partition_shape_C((self.tile_m, self.tile_n))
+            acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+            tau = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+            s_mn, tau_mn = self.rows_cols(acc), self.rows_cols(tau)
+            coord = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            rows = cute.size(tau_mn, mode=[0])
+            scale_log2 = scale * _LOG2E
+            quad_lane = tidx % 4
+
+            n_tiles = cute.ceil_div(n_entries, self.tile_queries)
+            my_tiles = (n_tiles - wg + 1) // 2  # tiles wg, wg + 2, ...
+            row_i = cute.make_rmem_tensor((rows,), cutlass.Int32)
+            lse2 = cute.make_rmem_tensor((rows, self.group), cutlass.Float32)
+            next_i = cute.make_rmem_tensor((rows,), cutlass.Int32)
+            next_lse2 = cute.make_rmem_tensor((rows, self.group), cutlass.Float32)
+            if my_tiles > 0:
+                self.load_row_data(entry_query, lse, b, p, start, n_entries, wg, coord, row_i, lse2)
+                self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries, wg, wg_tidx,
+                                  base=base)
+            cute.arch.cp_async_wait_group(0)
+            self.publish_async_copies()
+            cute.arch.sync_threads()  # the key block came from both warpgroups' threads
+
+            for it in cutlass.range(my_tiles, unroll=1):
+                tile = wg + 2 * it
+                e0 = start + tile * self.tile_queries
+                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                if it > 0:
+                    cute.arch.cp_async_wait_group(0)
+                    self.publish_async_copies()
+                    cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                for n in cutlass.range_constexpr(self.group):
+                    self.wg_product(mma_s, acc, s_q[None, None, base + n], s_k, wg_tidx)
+                    if cutlass.const_expr(n + 1 == self.group):
+                        # Once every warp of the warpgroup is past its wait, every main product is complete and
+                        # their buffers take the next tile's rows while this one finishes.
+                        if tile + 2 < n_tiles:
+                            cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                            self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries,
+                                              tile + 2, wg_tidx, base=base, first=0, count=self.group)
+                    for r in cutlass.range_constexpr(rows):
+                        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                            e = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r, n], fastmath=True)
+                            if cutlass.const_expr(n == 0):
+                                tau_mn[r, c] = e
+                            else:
+                                tau_mn[r, c] += e
+                self.wg_product(mma_s, acc, s_q[None, None, base + self.group], s_kp, wg_tidx)
+                if tile + 2 < n_tiles:
+                    cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                    self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries, tile + 2,
+                                      wg_tidx, base=base, first=self.group, count=1)
+                    self.load_row_data(entry_query, lse, b, p, start, n_entries, tile + 2, coord, next_i,
+                                       next_lse2)
+                # Entries are sorted by query: only a tile whose first query lies inside the block sees t > i.
+                if entry_query[e0] < t0 + self.block_size - 1:
+                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, 0, quad_lane,
+                                      scale_log2, True)
+                else:
+                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, 0, quad_lane,
+                                      scale_log2, False)
+                for r in cutlass.range_constexpr(rows):
+                    row_i[r] = next_i[r]
+                    for g in cutlass.range_constexpr(self.group):
+                        lse2[r, g] = next_lse2[r, g]
+
+    @cute.jit
+    def wg_product(self, mma, acc, s_a, s_b, wg_tidx):
+        """acc = A B^T on this warpgroup's 64 rows and all the block's keys, waited for. The MMA is remade here: its
+        accumulate flag is state set per step."""
+        mma = self._wg_score_mma()
+        thr = mma.get_slice(wg_tidx)
+        t_ra = thr.make_fragment_A(thr.partition_A(s_a))
+        t_rb = thr.make_fragment_B(thr.partition_B(s_b))
+        warpgroup.fence()
+        for kk in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
+            mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
+            cute.gemm(mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
