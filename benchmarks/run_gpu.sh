@@ -36,6 +36,8 @@ m = torch.randn(2, 333, 8, 128, device='cuda').to(torch.bfloat16)
 kv = torch.randn(2, 333, 2, 128, device='cuda').to(torch.bfloat16)
 for mma in ['sync', 'wgmma'] if device_arch(0) == 'sm90a' else ['sync']:  # every kernel kind sm90a builds
     sparse_fwd.FORCE_MMA = mma
+    select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1)
+    select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
     msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
 if device_arch(0) == 'sm90a':  # the forward's and the KL pass's other wgmma builds (lockstep warpgroups)

@@ -19,7 +19,8 @@ DTYPES = ("bf16", "f16")
 @pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
 def test_every_launched_variant_is_in_the_catalogue(arch):
     built = {s.name for s in variants((arch,))}
-    launched = [("select", rt_select.kernel_config(dt, 128, 128, rt_select.max_k_for(16))) for dt in DTYPES]
+    launched = [("select", rt_select.kernel_config(dt, 128, 128, k, rt_fwd.family_mma(arch, "select")))
+                for dt in DTYPES for k in rt_select.SHIPPED_MAX_KS]
     for dt in DTYPES:
         for G in rt_fwd.GROUPS:
             launched += rt_fwd.variants(dt, 128, 128, 128, G, arch) + rt_bwd.variants(dt, 128, 128, 128, G, arch)

@@ -86,12 +86,14 @@ def check_selection(sel: torch.Tensor, q, k, K, block_size, scale, exact_rows=0.
         assert same >= exact_rows, f"exact set agreement {same:.4f} < {exact_rows}"
 
 
+@pytest.mark.parametrize("mma", ["sync", "wgmma"])  # sm90a builds both score pipelines (wgmma runs there)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_Hp{}_Hpk{}_D{}_K{}".format(*s))
-def test_selection_matches_contract(shape, dtype):
+def test_selection_matches_contract(shape, dtype, mma, force_mma):
     from flash_msa_rt import MissingVariantError
     from flash_msa_rt.ops.select import select_blocks_cuda
 
+    force_mma(mma)
     B, S, Hp, Hpk, Dp, K = shape
     q, k = make_inputs(B, S, Hp, Hpk, Dp, dtype, seed=hash(shape) % 1000)
     scale = Dp ** -0.5
@@ -113,10 +115,12 @@ def test_long_sequence_and_large_logits():
     check_selection(sel, q, k, 16, 128, 128 ** -0.5)
 
 
-def test_ties_go_to_the_smaller_block():
+@pytest.mark.parametrize("mma", ["sync", "wgmma"])
+def test_ties_go_to_the_smaller_block(mma, force_mma):
     """Every key block identical: all earlier blocks tie exactly, so the K-1 smallest are kept."""
     from flash_msa_rt.ops.select import select_blocks_cuda
 
+    force_mma(mma)
     S, K = 1500, 5
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(1, S, 2, 128, device="cuda", generator=g).to(torch.bfloat16)

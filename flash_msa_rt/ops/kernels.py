@@ -49,7 +49,7 @@ def _select_supports(problem: dispatch.Problem) -> str | None:
         return (f"proxy head dim {dp}, block_size {bs}, K {k} (selection kernel: head dim {select.HEAD_DIMS}, "
                 f"block_size {select.BLOCK_SIZES}, K <= {max(select.SHIPPED_MAX_KS)})")
     return _built(problem, [("select", select.kernel_config(_DTYPE_NAMES[problem.dtype], dp, bs,
-                                                            select.max_k_for(k)))])
+                                                            select.max_k_for(k), select.device_mma(problem.device)))])
 
 
 _DETERMINISTIC_REASON = (

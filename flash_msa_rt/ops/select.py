@@ -19,10 +19,18 @@ SHIPPED_MAX_KS = (16, 64)
 MAX_BLOCKS = 1 << 15  # slot block indices are int16 in shared memory
 
 
-def kernel_config(dtype: str, head_dim: int, block_size: int, max_k: int) -> dict:
-    """The variant launched for a problem; fields in the order the build names them."""
+def kernel_config(dtype: str, head_dim: int, block_size: int, max_k: int, mma: str = "sync") -> dict:
+    """The variant launched for a problem; fields in the order the build names them. mma: device_mma(device)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "max_k": max_k, "tile_m": 128,
-            "threads": 128, "stages": 2}
+            "threads": 128, "stages": 2, "mma": mma}
+
+
+def device_mma(device: torch.device) -> str:
+    """The score tiles' MMA on the device: wgmma on sm90a (kernels_src/select/wgmma.py), mma.sync elsewhere; the
+    sparse families' rule and FORCE_MMA (flash_msa_rt.ops.sparse_fwd.family_mma)."""
+    from flash_msa_rt.ops.sparse_fwd import device_mma as family_device_mma
+
+    return family_device_mma(device, "select")
 
 
 def max_k_for(top_k_blocks: int) -> int:
@@ -42,7 +50,7 @@ def select_blocks_cuda(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_block
     out = torch.empty((B, Hp, S, top_k_blocks), dtype=torch.int32, device=q_proxy.device)
     if out.numel() == 0:
         return out
-    config = kernel_config(DTYPES[q_proxy.dtype], Dp, block_size, max_k_for(top_k_blocks))
+    config = kernel_config(DTYPES[q_proxy.dtype], Dp, block_size, max_k_for(top_k_blocks), device_mma(q_proxy.device))
     kernel = get_kernel("select", config, q_proxy.device)
     kernel(q_proxy=q_proxy, k_proxy=k_proxy, block_indices=out, scale=float(scale), group=Hp // Hpk)
     return out

@@ -64,13 +64,14 @@ def fwd_schedule(mma: str) -> str:
 # (a)) and mma.sync at G = 8, 16, where wgmma steps one head at a time and is slower ((c): 28.1 vs 34.0).
 # Elsewhere every family runs mma.sync (Blackwell has no wgmma). Both kinds are built for sm90a, and the GPU tests
 # check both.
-SM90_MMA = {"sparse_fwd": "wgmma", "sparse_kl": "wgmma", "sparse_bwd": "wgmma", "sparse_bwd_proxy": "wgmma"}
+SM90_MMA = {"sparse_fwd": "wgmma", "sparse_kl": "wgmma", "sparse_bwd": "wgmma", "sparse_bwd_proxy": "wgmma",
+            "select": "wgmma"}
 SM90_KL_WGMMA_GROUPS = (1, 2, 4)
 FORCE_MMA: str | None = None  # tests and benchmarks: run every family on this MMA instead ("sync" | "wgmma")
 
 
 def family_mma(arch: str, op: str, group: int | None = None) -> str:
-    """The MMA kind the kernel of family op (sparse_fwd, sparse_kl, sparse_bwd, sparse_bwd_proxy) uses on arch;
+    """The MMA kind the kernel of family op (select, sparse_fwd, sparse_kl, sparse_bwd, sparse_bwd_proxy) uses on arch;
     the KL pass's also depends on the group size G (required for op "sparse_kl")."""
     if arch != "sm90a":
         return "sync"

@@ -40,6 +40,9 @@ class Config:
     tile_m: int = 128  # query rows per CTA: one row per thread
     threads: int = 128
     stages: int = 2  # K-block buffers (TMA double buffering)
+    # the score tiles' MMA: "sync" (mma.sync, sm90a and sm100a) or "wgmma" (one warpgroup's m64 x Bs products
+    # on shared-memory descriptors, sm90a only: kernels_src/select/wgmma.py)
+    mma: str = "sync"
 
     def variant_name(self, arch: str) -> str:
         return variant_name(OP, dataclasses.asdict(self), arch)
@@ -60,21 +63,27 @@ def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+MMAS = ("sync", "wgmma")
+
+
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
-    """The default set: bf16 and f16, Dp 128, Bs 128, max_k 16 (top_k <= 2048) and 64 (top_k <= 8192)."""
+    """The default set: bf16 and f16, Dp 128, Bs 128, max_k 16 (top_k <= 2048) and 64 (top_k <= 8192), on both
+    MMAs (can_implement keeps wgmma to sm90a)."""
     dts = tuple(dtypes) if dtypes else DTYPES
     dps = tuple(head_dims) if head_dims else (128,)
     bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(dtype=dt, head_dim=dp, block_size=bs, max_k=k)
-            for dt in dts for dp in dps for bs in bss for k in (16, 64)]
+    return [Config(dtype=dt, head_dim=dp, block_size=bs, max_k=k, mma=m)
+            for dt in dts for dp in dps for bs in bss for k in (16, 64) for m in MMAS]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
     reason = refusal(c, arch, dtype=DTYPES, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, max_k=MAX_KS, tile_m=(128,),
-                     threads=(128,), stages=(2, 3),
+                     threads=(128,), stages=(2, 3), mma=MMAS,
                      notes={"head_dim": "Dp", "block_size": "Bs", "tile_m": "each thread owns one query row",
                             "threads": "each thread owns one query row"})
+    if reason is None and c.mma == "wgmma" and arch != "sm90a":
+        reason = f"mma 'wgmma' is Hopper's warpgroup MMA: sm90a only, not {arch}"
     return verdict(reason or smem_refusal(c.smem_bytes(), arch))
 
 

@@ -200,7 +200,12 @@ def _fake_args(config: Config):
 
 
 def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    kernel = ProxySelect(config)
+    if config.mma == "wgmma":
+        from kernels_src.select.wgmma import ProxySelectWG
+
+        kernel = ProxySelectWG(config)
+    else:
+        kernel = ProxySelect(config)
     compiled = compile_kernel(kernel, config, arch, _fake_args(config))
     check_traced(config, kernel.traced, params(config))
     return compiled
