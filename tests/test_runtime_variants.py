@@ -58,12 +58,20 @@ def test_kl_part_columns_are_the_kernels(mma, schedule, groups):
     assert config in sparse_kl.configs()
 
 
-def test_kl_schedule_is_pingpong_only_where_the_heads_are_resident():
-    assert [rt_fwd.kl_schedule("wgmma", G) for G in (1, 2, 4, 8, 16)] == ["pingpong"] * 3 + ["lockstep"] * 2
-    assert rt_fwd.kl_schedule("sync", 4) == "lockstep"
-    ok, reason = sparse_kl.can_implement(sparse_kl.Config(group=8, tile_n=128, mma="wgmma", stages=1,
-                                                          schedule="pingpong"), "sm90a")
-    assert not ok and "pingpong" in reason and "G 8" in reason
+def test_kl_schedules_the_runtime_launches_are_built():
+    """wgmma runs the KL pass in ping-pong (resident heads single-buffered at G <= 4, a ring of slots at G = 8, 16),
+    mma.sync in lockstep; forcing lockstep on wgmma gives the lockstep kernel, built for every G. A ring of one
+    slot, or resident heads with two, is refused."""
+    assert rt_fwd.kl_schedule("wgmma") == "pingpong" and rt_fwd.kl_schedule("sync") == "lockstep"
+    for G in (1, 2, 4, 8, 16):
+        for schedule in (None, "lockstep"):
+            config = sparse_kl.Config(**rt_fwd.kl_config("bf16", 128, 128, G, "wgmma", schedule))
+            assert config in sparse_kl.configs(), config
+    assert rt_fwd.kl_config("bf16", 128, 128, 16, "wgmma")["stages"] == sparse_kl.STREAM_STAGES
+    for G, stages in ((8, 1), (4, 2)):
+        ok, reason = sparse_kl.can_implement(sparse_kl.Config(group=G, tile_n=128, mma="wgmma", stages=stages,
+                                                              schedule="pingpong"), "sm90a")
+        assert not ok and "pingpong" in reason and f"G {G}" in reason
 
 
 @pytest.mark.parametrize("mma", ["sync", "wgmma"])

@@ -122,27 +122,30 @@ def tile_n_for(mma: str, block_size: int) -> int:
     return block_size if mma == "wgmma" else 64
 
 
-# How the KL pass's two warpgroups share the work (kernels_src/sparse_kl/pingpong.py): where the wgmma tile holds
-# every head (G <= 4), each warpgroup runs its own tiles over the whole key block, single-buffered; otherwise both
-# warpgroups work on one tile ("lockstep").
-KL_PINGPONG_GROUPS = (1, 2, 4)
-FORCE_KL_SCHEDULE: str | None = None  # tests and benchmarks: "lockstep" runs the resident-heads wgmma kernel instead
+# How the KL pass's two warpgroups share the work on wgmma: each runs its own tiles over the whole key block
+# ("pingpong"), with the G + 1 head tiles resident and single-buffered at G <= 4 (kernels_src/sparse_kl/
+# pingpong.py) or streamed through a ring of KL_STREAM_STAGES slots at G = 8, 16 (streamed.py); "lockstep": both
+# warpgroups on one tile (wgmma.py), the only schedule of the mma.sync kernel.
+KL_RESIDENT_GROUPS = (1, 2, 4)
+KL_STREAM_STAGES = 4
+FORCE_KL_SCHEDULE: str | None = None  # tests and benchmarks: "lockstep" runs the lockstep wgmma kernel instead
 
 
-def kl_schedule(mma: str, group: int) -> str:
-    if mma != "wgmma" or group not in KL_PINGPONG_GROUPS:
-        return "lockstep"
-    return FORCE_KL_SCHEDULE or "pingpong"
+def kl_schedule(mma: str) -> str:
+    return (FORCE_KL_SCHEDULE or "pingpong") if mma == "wgmma" else "lockstep"
 
 
 def kl_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
               schedule: str | None = None) -> dict:
     """The KL pass runs on the proxy backward's tiles (64 distinct queries x tile_n_for(mma) keys per CTA);
-    schedule: kl_schedule(mma, group) unless given (ping-pong is single-buffered)."""
-    schedule = schedule or kl_schedule(mma, group)
+    schedule: kl_schedule(mma) unless given."""
+    schedule = schedule or kl_schedule(mma)
+    stages = 2
+    if schedule == "pingpong":
+        stages = 1 if group in KL_RESIDENT_GROUPS else KL_STREAM_STAGES
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": KL_TILE,
-            "tile_n": tile_n_for(mma, block_size), "threads": 256, "stages": 1 if schedule == "pingpong" else 2,
-            "mma": mma, "schedule": schedule}
+            "tile_n": tile_n_for(mma, block_size), "threads": 256, "stages": stages, "mma": mma,
+            "schedule": schedule}
 
 
 def kl_part_groups(config: dict) -> int:

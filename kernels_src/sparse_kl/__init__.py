@@ -31,11 +31,16 @@ class Config(sparse_bwd.MmaConfig):
     schedule: str = "lockstep"
 
 
+STREAM_STAGES = 4  # ring slots per warpgroup of the streamed ping-pong kernel (G >= 8)
+
+
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
-    """The proxy backward's variants in lockstep, and the resident-heads ones again in ping-pong, single-buffered
-    (two warpgroups x (G + 1) tiles of 16 KB beside the 64 KB key block leave no room for a second stage)."""
+    """The proxy backward's variants in lockstep, and the whole-block wgmma ones again in ping-pong: with resident
+    heads (G <= 4) single-buffered (two warpgroups x (G + 1) tiles of 16 KB beside the 64 KB key block leave no
+    room for a second stage), at G >= 8 with the heads streamed through STREAM_STAGES slots per warpgroup."""
     base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.configs(head_dims, block_sizes, dtypes)]
-    return base + [dataclasses.replace(c, schedule="pingpong", stages=1) for c in base if resident_heads(c)]
+    return base + [dataclasses.replace(c, schedule="pingpong", stages=1 if resident_heads(c) else STREAM_STAGES)
+                   for c in base if c.mma == "wgmma" and c.tile_n == c.block_size]
 
 
 # wgmma on the whole block at these G gathers a tile's G main heads and the proxy at once (kernels_src.sparse_kl.
@@ -62,24 +67,31 @@ def smem_bytes(config) -> int:
     e = _ELEM_BYTES[config.dtype]
     a = sparse_bwd._align
     rows = config.stages * config.tile_m * config.head_dim * e
+    kv = 2 * a(config.tile_n * config.head_dim * e, 1024)
     if getattr(config, "schedule", "lockstep") == "pingpong":
-        rows *= 2
+        if resident_heads(config):
+            return kv + a(2 * (config.group + 1) * rows, 1024)
+        return kv + a(2 * rows, 1024) + a(2 * config.stages * config.tile_m * 4, 1024)  # ring + lse table
     if resident_heads(config):
-        return 2 * a(config.tile_n * config.head_dim * e, 1024) + a((config.group + 1) * rows, 1024)
-    return 2 * a(config.tile_n * config.head_dim * e, 1024) + 2 * a(rows, 1024)
+        return kv + a((config.group + 1) * rows, 1024)
+    return kv + 2 * a(rows, 1024)
 
 
 def can_implement(config, arch: str) -> tuple[bool, str]:
-    ok, reason = sparse_bwd.can_implement(config, arch)  # its smem check is the main backward's
+    schedule = getattr(config, "schedule", "lockstep")
+    # The backward's tile checks (its smem check is the main backward's); a ping-pong ring's depth is this
+    # kernel's own, checked below.
+    tiles = dataclasses.replace(config, stages=min(config.stages, 2)) if schedule == "pingpong" else config
+    ok, reason = sparse_bwd.can_implement(tiles, arch)
     if not ok:
         return ok, reason
-    schedule = getattr(config, "schedule", "lockstep")
     if schedule not in SCHEDULES:
         reason = f"schedule {schedule!r} not supported; supported: {', '.join(map(repr, SCHEDULES))}"
-    elif schedule == "pingpong" and not (resident_heads(config) and config.stages == 1):
-        reason = (f"schedule 'pingpong' needs wgmma on the whole block (tile_n = block_size) at G in "
-                  f"{RESIDENT_GROUPS} and stages 1; got mma {config.mma!r}, tile_n {config.tile_n}, "
-                  f"G {config.group}, stages {config.stages}")
+    elif schedule == "pingpong" and not (config.mma == "wgmma" and config.tile_n == config.block_size and
+                                         (config.stages == 1 if resident_heads(config) else config.stages >= 2)):
+        reason = (f"schedule 'pingpong' needs wgmma on the whole block (tile_n = block_size), stages 1 at G in "
+                  f"{RESIDENT_GROUPS} (resident heads) and >= 2 otherwise (streamed); got mma {config.mma!r}, "
+                  f"tile_n {config.tile_n}, G {config.group}, stages {config.stages}")
     return verdict(reason or smem_refusal(smem_bytes(config), arch))
 
 

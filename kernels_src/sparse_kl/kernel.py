@@ -201,12 +201,16 @@ class SparseKL(SparseProxyBackward):
 
 
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    from kernels_src.sparse_kl import params, smem_bytes
+    from kernels_src.sparse_kl import params, resident_heads, smem_bytes
 
-    if config.schedule == "pingpong":
+    if config.schedule == "pingpong" and resident_heads(config):
         from kernels_src.sparse_kl.pingpong import SparseKLPingPong
 
         kernel = SparseKLPingPong(config)
+    elif config.schedule == "pingpong":
+        from kernels_src.sparse_kl.streamed import SparseKLStreamed
+
+        kernel = SparseKLStreamed(config)
     elif config.mma == "wgmma":
         from kernels_src.sparse_kl.wgmma import SparseKLWG
 

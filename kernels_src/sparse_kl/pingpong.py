@@ -35,6 +35,9 @@ _K = warpgroup.OperandMajorMode.K
 class SparseKLPingPong(SparseKLWG):
     def __init__(self, config):
         super().__init__(config)
+        self._check_schedule()
+
+    def _check_schedule(self):
         if not self.resident or self.tile_n != self.block_size or self.stages != 1:
             raise ValueError(f"sparse_kl ping-pong: resident heads on the whole block, single-buffered only; got "
                              f"G {self.group}, tile_n {self.tile_n}, stages {self.stages}")
