@@ -62,7 +62,7 @@ def run(cfg: str, S: int, tokens: int, mma: str = "auto"):
     o_part = torch.empty((E, G, D), dtype=q.dtype, device="cuda")
     lse_part = torch.empty((E, G), dtype=torch.float32, device="cuda")
     kl_plan = sparse_plan(sel, 128, S, G, sf.KL_TILE, sf.per_group_tiles(sf.KL_MAIN_TILES_PER_ITEM, G))
-    fwd_mma, kl_mma = ((sf.device_mma(q.device, op, G) if mma == "auto" else mma) for op in ("sparse_fwd", "sparse_kl"))
+    fwd_mma, kl_mma = ((sf.device_mma(q.device, op) if mma == "auto" else mma) for op in ("sparse_fwd", "sparse_kl"))
     kl_cfg = sf.kl_config("bf16", D, 128, G, kl_mma)
     kl_part = torch.empty((E, 3 * sf.kl_part_groups(kl_cfg)), dtype=torch.float32, device="cuda")
     fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G, fwd_mma), q.device)

@@ -40,6 +40,10 @@ for mma in ['sync', 'wgmma'] if device_arch(0) == 'sm90a' else ['sync']:  # ever
     select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
     msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
+if device_arch(0) == 'sm90a':  # G = 16: the KL pass's streamed ping-pong (its heads through a ring)
+    sparse_fwd.FORCE_MMA = 'wgmma'
+    msa_forward_cuda(q, q[:, :, :1], torch.randn(2, 333, 32, 128, device='cuda').to(torch.bfloat16), kv, kv, sel,
+                     128, 0.1)
 if device_arch(0) == 'sm90a':  # the forward's and the KL pass's other wgmma builds (lockstep warpgroups)
     sparse_fwd.FORCE_MMA, sparse_fwd.FORCE_SCHEDULE, sparse_fwd.FORCE_KL_SCHEDULE = 'wgmma', 'lockstep', 'lockstep'
     msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)

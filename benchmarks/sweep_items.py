@@ -48,7 +48,7 @@ def main(argv=None):
     E = B * Hp * S * 16
     o_part = torch.empty((E, G, D), dtype=q.dtype, device=dev)
     lse_part = torch.empty((E, G), dtype=f32, device=dev)
-    kl_cfg = sf.kl_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_kl", G))
+    kl_cfg = sf.kl_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_kl"))
     kl_part = torch.empty((E, 3 * sf.kl_part_groups(kl_cfg)), dtype=f32, device=dev)
     k_fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_fwd")), dev)
     k_kl = get_kernel("sparse_kl", kl_cfg, dev)

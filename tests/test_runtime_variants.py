@@ -80,12 +80,10 @@ def test_backward_keys_per_cta_agree(mma):
     assert rt_bwd.kernel_config("bf16", 128, 128, 4, mma)["tile_n"] == sparse_bwd.tile_n_for(mma, 128)
 
 
-def test_kl_pass_mma_depends_on_the_group():
-    """On sm90a the KL pass runs wgmma where its tile gathers every head at once (G <= 4) and mma.sync at G = 8, 16;
-    elsewhere mma.sync; the group is required (a caller without it would pick a variant by accident)."""
-    assert [rt_fwd.family_mma("sm90a", "sparse_kl", G) for G in (1, 2, 4, 8, 16)] == ["wgmma"] * 3 + ["sync"] * 2
-    assert rt_fwd.family_mma("sm100a", "sparse_kl", 4) == "sync"
-    assert all(sparse_kl.resident_heads(sparse_kl.Config(**rt_fwd.kl_config("bf16", 128, 128, G, "wgmma")))
-               for G in rt_fwd.SM90_KL_WGMMA_GROUPS)
-    with pytest.raises(TypeError, match="group"):
-        rt_fwd.family_mma("sm90a", "sparse_kl")
+def test_kl_pass_runs_wgmma_on_hopper_at_every_group():
+    """On sm90a the KL pass runs wgmma in ping-pong at every G (heads resident at G <= 4, streamed at 8, 16), and
+    mma.sync elsewhere."""
+    assert rt_fwd.family_mma("sm90a", "sparse_kl") == "wgmma" and rt_fwd.family_mma("sm100a", "sparse_kl") == "sync"
+    for G in (1, 2, 4, 8, 16):
+        config = sparse_kl.Config(**rt_fwd.kl_config("bf16", 128, 128, G, "wgmma"))
+        assert config.schedule == "pingpong" and sparse_kl.resident_heads(config) == (G <= 4)

@@ -59,28 +59,22 @@ def fwd_schedule(mma: str) -> str:
 
 
 # The MMA each family runs on sm90a, by measurement ((b) S = 64K B = 2, kernels_src/sparse_fwd/NOTES.md): wgmma
-# takes sparse_fwd from 26.4 to 23.1 ms and sparse_bwd from 67.4 to 57.0. The KL pass runs wgmma where its tile
-# gathers all G heads at once (G <= 4, kernels_src/sparse_kl/wgmma.py: 18.75 -> 12.53 ms at (b), 9.28 -> 6.23 at
-# (a)) and mma.sync at G = 8, 16, where wgmma steps one head at a time and is slower ((c): 28.1 vs 34.0).
-# Elsewhere every family runs mma.sync (Blackwell has no wgmma). Both kinds are built for sm90a, and the GPU tests
-# check both.
+# takes sparse_fwd from 26.4 to 23.1 ms and sparse_bwd from 67.4 to 57.0; the KL pass in ping-pong 4.40 -> 2.12 ms
+# on a 16K-query chunk at (b), 6.70 -> 4.62 at (c), G = 16 (results/ab_sparse_kl_streamed_ab83e1c.log; mma.sync
+# -> wgmma); select 20.07 -> 15.82 ms (results/ab_select_wgmma_eabdb10.log). Elsewhere every family runs mma.sync
+# (Blackwell has no wgmma). Both kinds are built for sm90a, and the GPU tests check both.
 SM90_MMA = {"sparse_fwd": "wgmma", "sparse_kl": "wgmma", "sparse_bwd": "wgmma", "sparse_bwd_proxy": "wgmma",
             "select": "wgmma"}
-SM90_KL_WGMMA_GROUPS = (1, 2, 4)
 FORCE_MMA: str | None = None  # tests and benchmarks: run every family on this MMA instead ("sync" | "wgmma")
 
 
-def family_mma(arch: str, op: str, group: int | None = None) -> str:
-    """The MMA kind the kernel of family op (select, sparse_fwd, sparse_kl, sparse_bwd, sparse_bwd_proxy) uses on arch;
-    the KL pass's also depends on the group size G (required for op "sparse_kl")."""
+def family_mma(arch: str, op: str) -> str:
+    """The MMA kind the kernel of family op (select, sparse_fwd, sparse_kl, sparse_bwd, sparse_bwd_proxy) uses on
+    arch."""
     if arch != "sm90a":
         return "sync"
     if FORCE_MMA:
         return FORCE_MMA
-    if op == "sparse_kl":
-        if group is None:
-            raise TypeError("family_mma: the KL pass's MMA depends on G; pass group")
-        return "wgmma" if group in SM90_KL_WGMMA_GROUPS else "sync"
     return SM90_MMA[op]
 
 
@@ -91,13 +85,13 @@ def _device_arch(index: int) -> str:
     return device_arch(index)
 
 
-def device_mma(device: torch.device, op: str, group: int | None = None) -> str:
+def device_mma(device: torch.device, op: str) -> str:
     """family_mma of the device's arch for op (the arch cached per device); "sync" off CUDA (emulated kernels in
     CPU tests)."""
     if device.type != "cuda":
         return "sync"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return family_mma(_device_arch(index), op, group)
+    return family_mma(_device_arch(index), op)
 
 
 def per_group_tiles(main_tiles: int, group: int) -> int:
@@ -161,7 +155,7 @@ def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, gr
     """Every (op, config) one forward launches on arch."""
     return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_fwd"))),
             ("sparse_combine", combine_config(dtype, head_dim, block_size, group)),
-            ("sparse_kl", kl_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_kl", group))),
+            ("sparse_kl", kl_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_kl"))),
             ("sparse_combine_kl", combine_kl_config(block_size))]
 
 
@@ -216,7 +210,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     dt = DTYPES[q.dtype]
     dev = q.device
     fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, device_mma(dev, "sparse_fwd")), dev)
-    kl_cfg = kl_config(dt, D, block_size, G, device_mma(dev, "sparse_kl", G))
+    kl_cfg = kl_config(dt, D, block_size, G, device_mma(dev, "sparse_kl"))
     kl = get_kernel("sparse_kl", kl_cfg, dev)
     combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
     combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
@@ -271,7 +265,7 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
     dev = q.device
-    kl_cfg = kl_config(DTYPES[q.dtype], D, block_size, G, device_mma(dev, "sparse_kl", G))
+    kl_cfg = kl_config(DTYPES[q.dtype], D, block_size, G, device_mma(dev, "sparse_kl"))
     kl = get_kernel("sparse_kl", kl_cfg, dev)
     combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
