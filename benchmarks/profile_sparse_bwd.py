@@ -37,7 +37,7 @@ def main():
     klg = torch.full((B, Hp, S), 1e-6, device="cuda")
     mmas = ["sync", "wgmma"] if device_arch(q.device.index or 0) == "sm90a" else ["sync"]
     main = {m: get_kernel("sparse_bwd", sb.kernel_config("bf16", D, 128, G, m), q.device) for m in mmas}
-    prox = {m: get_kernel("sparse_bwd_proxy", sb.kernel_config("bf16", D, 128, G, m), q.device) for m in mmas}
+    prox = {m: get_kernel("sparse_bwd_proxy", sb.proxy_config("bf16", D, 128, G, m), q.device) for m in mmas}
     stages = {
         "delta (torch, fp32 copies)": lambda: (go.float() * out.float()).sum(-1).transpose(1, 2).contiguous(),
         "delta (bwd_delta kernel)": lambda: get_kernel("bwd_delta", sb.delta_config("bf16", D), q.device)(

@@ -44,9 +44,12 @@ if device_arch(0) == 'sm90a':  # G = 16: the KL pass's streamed ping-pong (its h
     sparse_fwd.FORCE_MMA = 'wgmma'
     msa_forward_cuda(q, q[:, :, :1], torch.randn(2, 333, 32, 128, device='cuda').to(torch.bfloat16), kv, kv, sel,
                      128, 0.1)
-if device_arch(0) == 'sm90a':  # the forward's and the KL pass's other wgmma builds (lockstep warpgroups)
+if device_arch(0) == 'sm90a':  # the other wgmma builds: lockstep warpgroups, the proxy backward's heads stepped
+    from flash_msa_rt.ops import sparse_bwd
     sparse_fwd.FORCE_MMA, sparse_fwd.FORCE_SCHEDULE, sparse_fwd.FORCE_KL_SCHEDULE = 'wgmma', 'lockstep', 'lockstep'
-    msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
+    sparse_bwd.FORCE_PROXY_HEADS = 'stepped'
+    o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
+    msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
 if device_arch(0) == 'sm90a':  # the dense warmup proxy kernels: G = 4 and G = 1, the KL pass in both schedules
     from flash_msa_rt.ops import warmup_kl
     from flash_msa_rt.ops.warmup_kl import warmup_kl_cuda, warmup_proxy_backward_cuda

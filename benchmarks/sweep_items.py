@@ -53,7 +53,7 @@ def main(argv=None):
     k_fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_fwd")), dev)
     k_kl = get_kernel("sparse_kl", kl_cfg, dev)
     k_bwd = get_kernel("sparse_bwd", sb.kernel_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_bwd")), dev)
-    k_prox = get_kernel("sparse_bwd_proxy", sb.kernel_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_bwd_proxy")),
+    k_prox = get_kernel("sparse_bwd_proxy", sb.proxy_config("bf16", D, 128, G, sf.device_mma(dev, "sparse_bwd_proxy")),
                         dev)
 
     def fwd(plan):

@@ -325,6 +325,7 @@ NAME_TAGS: dict[str, str] = {
     "stages": "s",
     "mma": "mma",  # mmasync (mma.sync) or mmawgmma (Hopper warpgroup MMA)
     "schedule": "sched",  # schedlockstep or schedpingpong: how a kernel's warpgroups share a tile's phases
+    "heads": "heads",  # headsstepped or headsresident: a tile's main heads one step at a time, or all at once
 }
 
 

@@ -58,6 +58,21 @@ def test_kl_part_columns_are_the_kernels(mma, schedule, groups):
     assert config in sparse_kl.configs()
 
 
+def test_proxy_heads_the_runtime_launches_are_built():
+    """The proxy backward with resident heads on wgmma at G <= 4, stepped otherwise (and when forced), all built."""
+    from kernels_src import sparse_bwd_proxy
+
+    for G in (1, 2, 4, 8, 16):
+        for mma in ("sync", "wgmma"):
+            for heads in (None, "stepped"):
+                cfg = rt_bwd.proxy_config("bf16", 128, 128, G, mma, heads)
+                assert cfg["heads"] == ("resident" if mma == "wgmma" and G <= 4 and heads is None else "stepped")
+                assert sparse_bwd_proxy.Config(**cfg) in sparse_bwd_proxy.configs()
+    ok, reason = sparse_bwd_proxy.can_implement(sparse_bwd_proxy.Config(group=8, tile_n=128, mma="wgmma",
+                                                                        heads="resident"), "sm90a")
+    assert not ok and "resident" in reason and "G 8" in reason
+
+
 def test_kl_schedules_the_runtime_launches_are_built():
     """wgmma runs the KL pass in ping-pong (resident heads single-buffered at G <= 4, a ring of slots at G = 8, 16),
     mma.sync in lockstep; forcing lockstep on wgmma gives the lockstep kernel, built for every G. A ring of one

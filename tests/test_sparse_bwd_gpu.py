@@ -76,12 +76,16 @@ def test_backward_matches_reference(shape, dtype):
     _check_backward(qp, kp, q, k, v, _selection(qp, kp, K, scale), scale)
 
 
-@pytest.mark.parametrize("mma", ["sync", "wgmma"])
+@pytest.mark.parametrize("mma,heads", [("sync", "stepped"), ("wgmma", "stepped"), ("wgmma", "resident")])
 @pytest.mark.parametrize("G", [1, 4, 16])
-def test_both_backward_kernels_match_reference(mma, G, force_mma):
+def test_both_backward_kernels_match_reference(mma, heads, G, force_mma, monkeypatch):
     """Hopper builds the KL pass and both backward kernels twice (mma.sync, and wgmma which the runtime picks
-    there): both sets are checked, on odd S, whatever the device's default."""
+    there), and the proxy backward on wgmma at G <= 4 twice more (heads stepped, or resident, the runtime's
+    choice): all are checked, on odd S, whatever the device's default."""
+    from flash_msa_rt.ops import sparse_bwd
+
     force_mma(mma)
+    monkeypatch.setattr(sparse_bwd, "FORCE_PROXY_HEADS", heads)
     H = 16
     qp, kp, q, k, v = _inputs(1, 1500, H, 1, H // G, 1, torch.bfloat16, seed=G + 40)
     scale = 128 ** -0.5

@@ -34,14 +34,36 @@ def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: s
             "tile_n": sparse_fwd.tile_n_for(mma, block_size), "threads": 256, "stages": 2, "mma": mma}
 
 
+# How the proxy backward's tile visits its G main heads: on wgmma at G <= 4 all at once ("resident": the G head
+# tiles and the proxy rows gathered together, S_{g+1} in flight under P_g's exponentials; kernels_src/
+# sparse_bwd_proxy/resident.py), else one step per head ("stepped").
+PROXY_RESIDENT_GROUPS = (1, 2, 4)
+FORCE_PROXY_HEADS: str | None = None  # tests and benchmarks: "stepped" runs the stepped wgmma kernel instead
+
+
+def proxy_heads(mma: str, group: int) -> str:
+    if mma != "wgmma" or group not in PROXY_RESIDENT_GROUPS:
+        return "stepped"
+    return FORCE_PROXY_HEADS or "resident"
+
+
+def proxy_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
+                 heads: str | None = None) -> dict:
+    """The proxy backward's variant: the backward's tiles plus how a tile visits its heads (proxy_heads unless
+    given)."""
+    return {**kernel_config(dtype, head_dim, block_size, group, mma), "heads": heads or proxy_heads(mma, group)}
+
+
 def delta_config(dtype: str, head_dim: int) -> dict:
     return {"dtype": dtype, "head_dim": head_dim, "threads": 256}
 
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
              arch: str = "sm90a") -> list[tuple[str, dict]]:
-    return [(op, kernel_config(dtype, head_dim, block_size, group, sparse_fwd.family_mma(arch, op)))
-            for op in ("sparse_bwd", "sparse_bwd_proxy")] + [("bwd_delta", delta_config(dtype, head_dim))]
+    return [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, sparse_fwd.family_mma(arch, "sparse_bwd"))),
+            ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group,
+                                              sparse_fwd.family_mma(arch, "sparse_bwd_proxy"))),
+            ("bwd_delta", delta_config(dtype, head_dim))]
 
 
 def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
@@ -88,8 +110,8 @@ def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, b
     dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
     dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
-    kernel = get_kernel("sparse_bwd_proxy", kernel_config(sparse_fwd.DTYPES[q.dtype], D, block_size, G,
-                                                          sparse_fwd.device_mma(dev, "sparse_bwd_proxy")), dev)
+    kernel = get_kernel("sparse_bwd_proxy", proxy_config(sparse_fwd.DTYPES[q.dtype], D, block_size, G,
+                                                         sparse_fwd.device_mma(dev, "sparse_bwd_proxy")), dev)
     lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
     K = block_indices.shape[3]
     # Queries in chunks of at most PLAN_ENTRIES (b, p, i, slot) entries: warmup's all-causal selection has

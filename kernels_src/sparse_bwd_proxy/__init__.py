@@ -9,26 +9,56 @@ Configs: kernels_src.sparse_bwd's (64 keys per CTA). This module does not import
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 from flash_msa_rt.manifest import ScalarParam, TensorParam
 from kernels_src import sparse_bwd
 from kernels_src.spec import BuildSpec, family_spec, smem_refusal, verdict
 
 OP = "sparse_bwd_proxy"
 
-Config = sparse_bwd.MmaConfig  # mma "sync" (mma.sync) or "wgmma" (kernel wgmma.py, sm90a only)
-configs = sparse_bwd.configs
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
+# "stepped": a tile visits its G main heads one step at a time (kernel.py, wgmma.py); "resident" (resident.py,
+# wgmma on the whole block at G <= 4): a tile's G head tiles and proxy rows gathered at once
+HEADS = ("stepped", "resident")
+RESIDENT_GROUPS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class Config(sparse_bwd.MmaConfig):
+    """The backward's tiles and MMA (mma "sync" or "wgmma", sm90a only) plus how a tile visits its heads."""
+
+    heads: str = "stepped"
+
+
+def resident_ok(config) -> bool:
+    return config.mma == "wgmma" and config.tile_n == config.block_size and config.group in RESIDENT_GROUPS
+
+
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
+    """The backward's variants with the heads stepped, and the whole-block wgmma ones at G <= 4 again with them
+    resident."""
+    base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.configs(head_dims, block_sizes, dtypes)]
+    return base + [dataclasses.replace(c, heads="resident") for c in base if resident_ok(c)]
 
 
 def smem_bytes(config) -> int:
-    """sK, sK_p (keys x D); staged sQ, sQ_p (rows x D); sdS_p (rows x keys); fp32 dq_p staging rows; the row
-    scalars (query; lse_g, lse_p, kl_grad). Mirrors SharedStorage."""
+    """sK, sK_p (keys x D); staged sQ, sQ_p (rows x D), or with resident heads the G head tiles once and the
+    proxy rows per stage; sdS_p (rows x keys); fp32 dq_p staging rows; the row scalars (query; lse_g (G of them
+    with resident heads), lse_p, kl_grad). Mirrors SharedStorage."""
     e = _ELEM_BYTES[config.dtype]
     a = sparse_bwd._align
     keys = 2 * a(config.tile_n * config.head_dim * e, 1024)
-    rows = 2 * a(config.stages * config.tile_m * config.head_dim * e, 1024)
+    tile = config.tile_m * config.head_dim * e
+    if getattr(config, "heads", "stepped") == "resident":
+        rows = a(config.group * tile, 1024) + a(config.stages * tile, 1024)
+        floats = config.group + 2
+    else:
+        rows = 2 * a(config.stages * tile, 1024)
+        floats = 3
     return (keys + rows + a(config.tile_m * config.tile_n * e, 1024) + sparse_bwd.dq_staging_bytes(config)
-            + row_table_bytes(config, ints=1, floats=3))
+            + row_table_bytes(config, ints=1, floats=floats))
 
 
 def row_table_bytes(config, ints: int, floats: int) -> int:
@@ -40,7 +70,16 @@ def row_table_bytes(config, ints: int, floats: int) -> int:
 
 def can_implement(config, arch: str) -> tuple[bool, str]:
     ok, reason = sparse_bwd.can_implement(config, arch)  # its smem check is the main kernel's
-    return verdict(reason or smem_refusal(smem_bytes(config), arch)) if ok else (ok, reason)
+    if not ok:
+        return ok, reason
+    heads = getattr(config, "heads", "stepped")
+    if heads not in HEADS:
+        reason = f"heads {heads!r} not supported; supported: {', '.join(map(repr, HEADS))}"
+    elif heads == "resident" and not (resident_ok(config) and config.stages == 2):
+        reason = (f"heads 'resident' needs wgmma on the whole block (tile_n = block_size), G in {RESIDENT_GROUPS} "
+                  f"and stages 2; got mma {config.mma!r}, tile_n {config.tile_n}, G {config.group}, "
+                  f"stages {config.stages}")
+    return verdict(reason or smem_refusal(smem_bytes(config), arch))
 
 
 def params(config) -> tuple:

@@ -276,7 +276,11 @@ class SparseProxyBackward(SparseBackward):
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_bwd_proxy import params, smem_bytes
 
-    if config.mma == "wgmma":
+    if config.heads == "resident":
+        from kernels_src.sparse_bwd_proxy.resident import SparseProxyBackwardResident
+
+        kernel = SparseProxyBackwardResident(config)
+    elif config.mma == "wgmma":
         from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
 
         kernel = SparseProxyBackwardWG(config)
