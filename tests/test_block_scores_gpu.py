@@ -45,10 +45,12 @@ def check_against_reference(scores, q, k, block_size, scale):
     assert err <= tol, f"max error {err:.3g} > tolerance {tol:.3g}"
 
 
+@pytest.mark.parametrize("mma", ["sync", "wgmma"])  # sm90a builds both score pipelines (wgmma runs there)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_Hp{}_Hpk{}_D{}".format(*s))
-def test_matches_reference(shape):
+def test_matches_reference(shape, mma, force_mma):
     from flash_msa_rt import proxy_block_scores
 
+    force_mma(mma)
     B, S, Hp, Hpk, Dp = shape
     q, k = make_inputs(*shape, seed=hash(shape) % 1000)
     scale = Dp ** -0.5
@@ -154,7 +156,10 @@ def test_build_time_facts_match_the_loaded_kernel():
     from flash_msa_rt.loader import get_kernel
     from flash_msa_rt.ops.block_scores import kernel_config
 
-    kernel = get_kernel("block_scores", kernel_config("bf16", 128, 128), torch.device("cuda", 0))
+    from flash_msa_rt.ops.block_scores import device_mma
+
+    kernel = get_kernel("block_scores", kernel_config("bf16", 128, 128, device_mma(torch.device("cuda", 0))),
+                        torch.device("cuda", 0))
     d = driver.cu()
     attr = d.CUfunction_attribute
     regs = driver.check(d.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, kernel._func), "regs")

@@ -6,6 +6,7 @@ buffer the loader refuses)."""
 import pytest
 
 from flash_msa_rt.manifest import variant_name
+from flash_msa_rt.ops import block_scores as rt_scores
 from flash_msa_rt.ops import select as rt_select
 from flash_msa_rt.ops import sparse_bwd as rt_bwd
 from flash_msa_rt.ops import sparse_fwd as rt_fwd
@@ -21,6 +22,8 @@ def test_every_launched_variant_is_in_the_catalogue(arch):
     built = {s.name for s in variants((arch,))}
     launched = [("select", rt_select.kernel_config(dt, 128, 128, k, rt_fwd.family_mma(arch, "select")))
                 for dt in DTYPES for k in rt_select.SHIPPED_MAX_KS]
+    launched += [("block_scores", rt_scores.kernel_config("bf16", dp, 128, rt_fwd.family_mma(arch, "block_scores")))
+                 for dp in (64, 128)]
     for dt in DTYPES:
         for G in rt_fwd.GROUPS:
             launched += rt_fwd.variants(dt, 128, 128, 128, G, arch) + rt_bwd.variants(dt, 128, 128, 128, G, arch)

@@ -64,13 +64,13 @@ def fwd_schedule(mma: str) -> str:
 # -> wgmma); select 20.07 -> 15.82 ms (results/ab_select_wgmma_eabdb10.log). Elsewhere every family runs mma.sync
 # (Blackwell has no wgmma). Both kinds are built for sm90a, and the GPU tests check both.
 SM90_MMA = {"sparse_fwd": "wgmma", "sparse_kl": "wgmma", "sparse_bwd": "wgmma", "sparse_bwd_proxy": "wgmma",
-            "select": "wgmma"}
+            "select": "wgmma", "block_scores": "wgmma"}
 FORCE_MMA: str | None = None  # tests and benchmarks: run every family on this MMA instead ("sync" | "wgmma")
 
 
 def family_mma(arch: str, op: str) -> str:
-    """The MMA kind the kernel of family op (select, sparse_fwd, sparse_kl, sparse_bwd, sparse_bwd_proxy) uses on
-    arch."""
+    """The MMA kind the kernel of family op (block_scores, select, sparse_fwd, sparse_kl, sparse_bwd,
+    sparse_bwd_proxy) uses on arch."""
     if arch != "sm90a":
         return "sync"
     if FORCE_MMA:

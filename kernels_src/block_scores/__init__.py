@@ -2,7 +2,8 @@
 
 scores[b, p, i, j] = max over keys t of block j with t <= i of scale * <q_proxy[b, i, p], k_proxy[b, t, p // group]>,
 -inf for j > i // Bs. One CTA per (query tile, proxy head, batch); TMA loads, warp-level mma.sync math, so the same
-source compiles for sm90a and sm100a (wgmma / tcgen05 variants come later).
+source compiles for sm90a and sm100a; on sm90a the score tiles also build on wgmma (kernels_src/block_scores/
+wgmma.py, which select shares).
 
 This module does not import cutlass: the catalogue enumerates it on machines without the DSL. The kernel and its
 compile function live in kernels_src.block_scores.kernel.
@@ -40,6 +41,9 @@ class Config:
     tile_m: int = 128  # query rows per CTA
     threads: int = 128  # 4 warps, each owns tile_m / 4 query rows and all Bs keys of a block
     stages: int = 2  # K-block buffers in shared memory (TMA double buffering)
+    # the score tiles' MMA: "sync" (mma.sync, sm90a and sm100a) or "wgmma" (one warpgroup's m64 x Bs products on
+    # shared-memory descriptors, sm90a only: kernels_src/block_scores/wgmma.py)
+    mma: str = "sync"
 
     def variant_name(self, arch: str) -> str:
         return variant_name(OP, dataclasses.asdict(self), arch)
@@ -64,20 +68,27 @@ def _align(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
+MMAS = ("sync", "wgmma")
+
+
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
-    """The variant matrix; the default set (every choice None) is bf16, Dp in (128, 64), Bs 128."""
+    """The variant matrix; the default set (every choice None) is bf16, Dp in (128, 64), Bs 128, on both MMAs
+    (can_implement keeps wgmma to sm90a)."""
     dts = tuple(dtypes) if dtypes else ("bf16",)
     dps = tuple(head_dims) if head_dims else (128, 64)
     bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(dtype=dt, head_dim=dp, block_size=bs) for dt in dts for dp in dps for bs in bss]
+    return [Config(dtype=dt, head_dim=dp, block_size=bs, mma=m) for dt in dts for dp in dps for bs in bss
+            for m in MMAS]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
     reason = refusal(c, arch, dtype=DTYPES, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, tile_m=TILE_MS,
-                     threads=(128,), stages=(2, 3),
+                     threads=(128,), stages=(2, 3), mma=MMAS,
                      notes={"head_dim": "Dp", "block_size": "Bs",
                             "threads": "4 warps x 32 rows: each lane of a quad stores one row"})
+    if reason is None and c.mma == "wgmma" and arch != "sm90a":
+        reason = f"mma 'wgmma' is Hopper's warpgroup MMA: sm90a only, not {arch}"
     if reason is None and c.tile_m % c.block_size != 0:
         reason = f"tile_m {c.tile_m} must be a multiple of block_size {c.block_size} (tiles start on block edges)"
     return verdict(reason or smem_refusal(c.smem_bytes(), arch))

@@ -383,7 +383,12 @@ def compile_kernel(kernel, config, arch: str, fake_args, entry=None) -> Compiled
 
 
 def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    kernel = ProxyBlockScores(config)
+    if config.mma == "wgmma":
+        from kernels_src.block_scores.wgmma import ProxyBlockScoresWG
+
+        kernel = ProxyBlockScoresWG(config)
+    else:
+        kernel = ProxyBlockScores(config)
     compiled = compile_kernel(kernel, config, arch, _fake_args(config))
     check_traced(config, kernel.traced, params(config))
     return compiled

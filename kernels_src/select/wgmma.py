@@ -1,77 +1,14 @@
 """MSA selection on Hopper's warpgroup MMA (wgmma, sm90a only): the mma.sync kernel's CTA, TMA pipeline, row
-ownership and heaps, with each key block's scores from one warpgroup's products.
-
-The CTA's 128 threads are one warpgroup: S = Q K_j^T for the 128-row tile is two m64 x Bs x 16 wgmma steps per
-16 of Dp (the tiled MMA iterates M), both operands read from the TMA-written 128B-swizzled tiles by descriptor.
-The mma.sync kernel feeds its products through ldmatrix from the same tiles and issues 16x8x16 steps, which caps
-it near block_scores' 440 TFLOP/s (NOTES.md); here one instruction covers 64 x Bs x 16 and the operands never
-pass through registers. The accumulator (128 fp32 per thread) gives each thread four rows, two lanes of a quad
-apart from mma.sync's, so the quad butterfly and "lane q owns the quad's row q" carry over unchanged; rows are
-taken from the MMA's own partition (coord_mn). Two CTAs per SM (shared memory unchanged, 109 KB at max_k 16) let
-one CTA's row maxima and heap inserts run under the other's products. Blackwell has no wgmma: sm100a keeps the
-mma.sync kernel.
+ownership and heaps, with each key block's scores from one warpgroup's products (kernels_src.block_scores.wgmma:
+the score tiles, shared with block_scores). Two CTAs per SM (shared memory unchanged, 109 KB at max_k 16) let
+one CTA's row maxima and heap inserts run under the other's products.
 """
 
 from __future__ import annotations
 
-import cutlass
-import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import warpgroup
-
+from kernels_src.block_scores.wgmma import WarpgroupScores
 from kernels_src.select.kernel import ProxySelect
-from kernels_src.tiles import WARPGROUP_ROWS, wg_acc_rows_cols
-
-_K = warpgroup.OperandMajorMode.K
 
 
-class ProxySelectWG(ProxySelect):
-    def __init__(self, config):
-        super().__init__(config)
-        if self.threads != 128:
-            raise ValueError(f"select wgmma: threads {self.threads}; 128 only (one warpgroup)")
-
-    def _wg_mma(self):
-        """One warpgroup's m64 x Bs atom; over the tile_m-row tile it iterates M (tile_m / 64 steps)."""
-        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, _K, _K, cutlass.Float32, (1, 1, 1),
-                                                 (WARPGROUP_ROWS, self.block_size))
-
-    def score_tiles(self, storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, tiled_mma,
-                    tidx, b, m_block, p, pk):
-        """The mma.sync kernel's handles (TMA partitions, barriers) with the accumulator, its coordinates and the
-        operand tiles of the warpgroup MMA. Its ldmatrix fragments are made but never used (no code)."""
-        t = super().score_tiles(storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, tiled_mma,
-                                tidx, b, m_block, p, pk)
-        thr = self._wg_mma().get_slice(tidx)
-        shape = (self.tile_m, self.block_size)
-        t.acc = cute.make_rmem_tensor(thr.partition_shape_C(shape), cutlass.Float32)
-        t.acc_mn = wg_acc_rows_cols(t.acc)
-        t.coord_mn = wg_acc_rows_cols(thr.partition_C(cute.make_identity_tensor(shape)))
-        t.s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)  # (tile_m, Dp)
-        t.s_k = storage.s_k.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)  # (Bs, Dp, stages)
-        t.tidx = tidx
-        return t
-
-    @cute.jit
-    def score_block(self, t, tiled_mma, warp_idx, j, n_blocks):
-        """acc = Q K_j^T (unscaled fp32) by wgmma, waited for; then, as the mma.sync kernel's, every thread is past
-        its reads of K stage j % stages and warp 0 refills that stage with block j + stages. The MMA object is made
-        here: its accumulate flag is state set per step, which must not outlive this call."""
-        stage = j % self.stages
-        cute.arch.mbarrier_wait(t.k_full + stage, (j // self.stages) % 2)
-
-        mma = self._wg_mma()
-        thr = mma.get_slice(t.tidx)
-        t_ra = thr.make_fragment_A(thr.partition_A(t.s_q))
-        t_rb = thr.make_fragment_B(thr.partition_B(t.s_k[None, None, stage]))
-        warpgroup.fence()  # the accumulator registers were read and masked since the last products
-        for kk in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
-            mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
-            cute.gemm(mma, t.acc, t_ra[None, None, kk], t_rb[None, None, kk], t.acc)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-
-        cute.arch.sync_threads()
-        if warp_idx == 0:
-            if j + self.stages < n_blocks:
-                self.load_k_block(t.tma_atom_k, t.t_k_g, t.t_k_s, t.k_full, t.k_bytes, j + self.stages, stage)
+class ProxySelectWG(WarpgroupScores, ProxySelect):
+    pass
