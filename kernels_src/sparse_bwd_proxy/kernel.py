@@ -45,6 +45,22 @@ class SparseProxyBackward(SparseBackward):
         super().__init__(config)
         self.tile_queries = config.tile_m  # distinct queries per tile (not (query, head) rows)
 
+    def item_block(self, items, w, hp):
+        """Trace time: work item w's batch b, proxy head p (bp = b * Hp + p), first entry and key block start, for
+        the kernels that take the whole key block per CTA."""
+        bp, j, start = items[w, 0], items[w, 1], items[w, 2]
+        b = bp // hp
+        return b, bp - b * hp, start, j * self.block_size
+
+    def key_tiles(self, storage, l_kv, gcopy, k, k_proxy, b, kvh, pkh, t0, seqlen, tidx):
+        """Trace time: the item's K (kv head kvh) and K_p (proxy key head pkh) tiles in shared memory, their
+        cp.async loads issued by every thread (committed with the caller's first group)."""
+        s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+        s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+        self.load_block(gcopy, k[b, None, kvh, None], s_k, t0, seqlen, tidx)
+        self.load_block(gcopy, k_proxy[b, None, pkh, None], s_kp, t0, seqlen, tidx)
+        return s_k, s_kp
+
     def _row_tables(self):
         return (row_table(self.tile_m, self.stages, self.query_ints),
                 row_table(self.tile_m, self.stages, self.row_floats))

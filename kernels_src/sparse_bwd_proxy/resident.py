@@ -80,16 +80,11 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
         if n_entries > 0:
-            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
-            hp = q_proxy.shape[2]
-            b = bp // hp
-            p = bp - b * hp
+            b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
             pkh = p // hp_per_hpk
-            t0 = j * self.block_size
             seqlen = q.shape[1]
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-            s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
-            s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+            s_k, s_kp = self.key_tiles(storage, l_kv, gcopy, k, k_proxy, b, p // hp_per_hk, pkh, t0, seqlen, tidx)
             s_heads = storage.s_q.get_tensor(l_heads.outer, swizzle=l_heads.inner)
             s_qp_all = storage.s_qp.get_tensor(l_proxy.outer, swizzle=l_proxy.inner)
             s_ds = storage.s_ds.get_tensor(l_p.outer, swizzle=l_p.inner)
@@ -97,8 +92,6 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
             l_ri, l_rf = self._resident_tables()
             s_ri = storage.s_ri.get_tensor(l_ri)
             s_rf = storage.s_rf.get_tensor(l_rf)
-            self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx)
-            self.load_block(gcopy, k_proxy[b, None, pkh, None], s_kp, t0, seqlen, tidx)
 
             # Made here: a wgmma TiledMma's runtime state (its accumulate flag) would become kernel parameters.
             mma_s, mma_kv = self._score_mma(), self._kv_mma()

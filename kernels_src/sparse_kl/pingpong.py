@@ -79,22 +79,16 @@ class SparseKLPingPong(SparseKLWG):
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
         if n_entries > 0:
-            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
-            hp = q_proxy.shape[2]
-            b = bp // hp
-            p = bp - b * hp
-            t0 = j * self.block_size
+            b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
             seqlen = q.shape[1]
             wg = tidx // _WG_THREADS
             wg_tidx = tidx % _WG_THREADS
             heads = self.group + 1
             base = wg * heads  # this warpgroup's buffers
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-            s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
-            s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+            s_k, s_kp = self.key_tiles(storage, l_kv, gcopy, k, k_proxy, b, p // hp_per_hk, p // hp_per_hpk, t0,
+                                       seqlen, tidx)
             s_q = storage.s_q.get_tensor(l_rows.outer, swizzle=l_rows.inner)
-            self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx)
-            self.load_block(gcopy, k_proxy[b, None, p // hp_per_hpk, None], s_kp, t0, seqlen, tidx)
 
             mma_s = self._wg_score_mma()
             thr_s = mma_s.get_slice(wg_tidx)
