@@ -52,6 +52,16 @@ class SparseProxyBackward(SparseBackward):
         b = bp // hp
         return b, bp - b * hp, start, j * self.block_size
 
+    def proxy_gradients(self, thr_s, thr_kv):
+        """Trace time: this thread's dq_p accumulator (rows x D, in the score MMA's partition) with its rows x
+        columns view and coordinates, and the zeroed dk_p accumulator (keys x D) kept across the item."""
+        acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
+        dq_mn = self.rows_cols(acc_dq)
+        coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        acc_dkp = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
+        acc_dkp.fill(0.0)
+        return acc_dq, dq_mn, coord_dq, acc_dkp
+
     def key_tiles(self, storage, l_kv, gcopy, k, k_proxy, b, kvh, pkh, t0, seqlen, tidx):
         """Trace time: the item's K (kv head kvh) and K_p (proxy key head pkh) tiles in shared memory, their
         cp.async loads issued by every thread (committed with the caller's first group)."""
@@ -133,11 +143,7 @@ class SparseProxyBackward(SparseBackward):
             tau = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
             s_mn, tau_mn = self.rows_cols(acc_s), self.rows_cols(tau)
             coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-            acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
-            dq_mn = self.rows_cols(acc_dq)
-            coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
-            acc_dkp = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
-            acc_dkp.fill(0.0)
+            acc_dq, dq_mn, coord_dq, acc_dkp = self.proxy_gradients(thr_s, thr_kv)
             scale_log2 = scale * _LOG2E
             rows_per_thread = cute.size(s_mn, mode=[0])
             query_srcs = (lse_proxy[b, p, None], kl_grad[b, p, None])

@@ -102,11 +102,7 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
             tau = cute.make_rmem_tensor(s_shape, cutlass.Float32)
             tau_mn = self.rows_cols(tau)
             coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-            acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
-            dq_mn = self.rows_cols(acc_dq)
-            coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
-            acc_dkp = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
-            acc_dkp.fill(0.0)
+            acc_dq, dq_mn, coord_dq, acc_dkp = self.proxy_gradients(thr_s, thr_kv)
             scale_log2 = scale * _LOG2E
             rows_per_thread = cute.size(tau_mn, mode=[0])
             cols = cute.size(tau_mn, mode=[1])
