@@ -90,13 +90,7 @@ class SparseKLPingPong(SparseKLWG):
                                        seqlen, tidx)
             s_q = storage.s_q.get_tensor(l_rows.outer, swizzle=l_rows.inner)
 
-            mma_s = self._wg_score_mma()
-            thr_s = mma_s.get_slice(wg_tidx)
-            acc_shape = thr_s.partition_shape_C((self.tile_m, self.tile_n))
-            acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-            tau = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-            s_mn, tau_mn = self.rows_cols(acc), self.rows_cols(tau)
-            coord = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            acc, s_mn, tau, tau_mn, coord = self.wg_accumulators(wg_tidx)
             rows = cute.size(tau_mn, mode=[0])
             scale_log2 = scale * _LOG2E
             quad_lane = tidx % 4
@@ -124,7 +118,7 @@ class SparseKLPingPong(SparseKLWG):
                     self.publish_async_copies()
                     cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
                 for n in cutlass.range_constexpr(self.group):
-                    self.wg_product(mma_s, acc, s_q[None, None, base + n], s_k, wg_tidx)
+                    self.wg_product(acc, s_q[None, None, base + n], s_k, wg_tidx)
                     if cutlass.const_expr(n + 1 == self.group):
                         # Once every warp of the warpgroup is past its wait, every main product is complete and
                         # their buffers take the next tile's rows while this one finishes.
@@ -139,7 +133,7 @@ class SparseKLPingPong(SparseKLWG):
                                 tau_mn[r, c] = e
                             else:
                                 tau_mn[r, c] += e
-                self.wg_product(mma_s, acc, s_q[None, None, base + self.group], s_kp, wg_tidx)
+                self.wg_product(acc, s_q[None, None, base + self.group], s_kp, wg_tidx)
                 if tile + 2 < n_tiles:
                     cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
                     self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries, tile + 2,
@@ -158,8 +152,18 @@ class SparseKLPingPong(SparseKLWG):
                     for g in cutlass.range_constexpr(self.group):
                         lse2[r, g] = next_lse2[r, g]
 
+    def wg_accumulators(self, wg_tidx):
+        """Trace time: this warpgroup's score accumulator and tau_sum (64 rows x the block's keys) with their rows x
+        columns views, and the (row, key) coordinates of a thread's values."""
+        thr_s = self._wg_score_mma().get_slice(wg_tidx)
+        acc_shape = thr_s.partition_shape_C((self.tile_m, self.tile_n))
+        acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        tau = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        coord = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        return acc, self.rows_cols(acc), tau, self.rows_cols(tau), coord
+
     @cute.jit
-    def wg_product(self, mma, acc, s_a, s_b, wg_tidx):
+    def wg_product(self, acc, s_a, s_b, wg_tidx):
         """acc = A B^T on this warpgroup's 64 rows and all the block's keys, waited for. The MMA is remade here: its
         accumulate flag is state set per step."""
         mma = self._wg_score_mma()

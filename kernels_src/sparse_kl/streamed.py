@@ -74,13 +74,7 @@ class SparseKLStreamed(SparseKLPingPong):
             s_q = storage.s_q.get_tensor(l_rows.outer, swizzle=l_rows.inner)
             s_lse = storage.s_lse.get_tensor(l_lse)
 
-            mma_s = self._wg_score_mma()
-            thr_s = mma_s.get_slice(wg_tidx)
-            acc_shape = thr_s.partition_shape_C((self.tile_m, self.tile_n))
-            acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-            tau = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-            s_mn, tau_mn = self.rows_cols(acc), self.rows_cols(tau)
-            coord = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            acc, s_mn, tau, tau_mn, coord = self.wg_accumulators(wg_tidx)
             rows = cute.size(tau_mn, mode=[0])
             scale_log2 = scale * _LOG2E
             quad_lane = tidx % 4
@@ -117,7 +111,7 @@ class SparseKLStreamed(SparseKLPingPong):
                 for n in cutlass.range(self.group, unroll=1):
                     slot = self.begin_step(gcopy_wg, q, q_proxy, s_q, s_lse, lse, i_rows, b, p, entry_query, start,
                                            n_entries, wg, it, my_tiles, n, base, wg_tidx)
-                    self.wg_product(mma_s, acc, s_q[None, None, slot], s_k, wg_tidx)
+                    self.wg_product(acc, s_q[None, None, slot], s_k, wg_tidx)
                     for r in cutlass.range_constexpr(rows):
                         lse2 = s_lse[coord[r, 0][0], slot, 0] * _LOG2E
                         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
@@ -125,7 +119,7 @@ class SparseKLStreamed(SparseKLPingPong):
                 # The proxy, then the tile's (A, T, L).
                 slot = self.begin_step(gcopy_wg, q, q_proxy, s_q, s_lse, lse, i_rows, b, p, entry_query, start,
                                        n_entries, wg, it, my_tiles, self.group, base, wg_tidx)
-                self.wg_product(mma_s, acc, s_q[None, None, slot], s_kp, wg_tidx)
+                self.wg_product(acc, s_q[None, None, slot], s_kp, wg_tidx)
                 if masked:
                     self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, 0, quad_lane,
                                       scale_log2, True)
