@@ -65,7 +65,6 @@ class SparseKLStreamed(SparseKLPingPong):
             seqlen = q.shape[1]
             wg = tidx // _WG_THREADS
             wg_tidx = tidx % _WG_THREADS
-            steps = self.group + 1  # per tile: G main heads, then the proxy
             base = wg * self.stages  # this warpgroup's ring slots
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k, s_kp = self.key_tiles(storage, l_kv, gcopy, k, k_proxy, b, p // hp_per_hk, p // hp_per_hpk, t0,
