@@ -26,6 +26,11 @@ _ELEM_BYTES = {"bf16": 2, "f16": 2}
 # fp32 dq staging rows are padded by 8 floats: a warp's store of the accumulator (8 rows x 4 column pairs) then
 # spreads over all 32 banks (unpadded 512-byte rows put the 8 rows on the same banks).
 DQ_ROW_PAD = 8
+# The item's plan entries (its queries) are staged in shared memory once per item, so that the gathers, the row
+# scalars and the dq reductions of every tile read them there instead of starting each tile with a dependent
+# global load. 2048 entries cover the runtime's items (32 tiles of 64 // G queries) at every G; entries past the
+# table are read from global memory.
+ENTRY_TABLE = 2048
 
 
 @dataclass(frozen=True)
@@ -43,18 +48,26 @@ class Config:
         return variant_name(OP, dataclasses.asdict(self), arch)
 
     def smem_bytes(self) -> int:
-        """sK, sV; staged sQ, sdO; sP^T and sdS^T (keys x rows); the fp32 dQ staging rows (padded). Mirrors
-        SharedStorage (1024-aligned)."""
+        """sK, sV; staged sQ, sdO; sP^T and sdS^T (keys x rows); the fp32 dQ staging rows (padded); the item's
+        entries; the staged row scalars (lse, delta). Mirrors SharedStorage (1024-aligned)."""
         e = _ELEM_BYTES[self.dtype]
         kv = 2 * _align(self.tile_n * self.head_dim * e, 1024)
         rows = 2 * _align(self.stages * self.tile_m * self.head_dim * e, 1024)
         p_ds = 2 * _align(self.tile_n * self.tile_m * e, 1024)
-        return kv + rows + p_ds + dq_staging_bytes(self)
+        return (kv + rows + p_ds + dq_query_staging_bytes(self) + _align(ENTRY_TABLE * 4, 1024)
+                + _align(self.tile_m * self.stages * 2 * 4, 1024))
 
 
 def dq_staging_bytes(config) -> int:
     """fp32 rows of head_dim + DQ_ROW_PAD floats, one per tile row, for the bulk reductions."""
     return _align(config.tile_m * (config.head_dim + DQ_ROW_PAD) * 4, 1024)
+
+
+def dq_query_staging_bytes(config) -> int:
+    """The main kernel's fp32 dq staging: per tile query its G rows of head_dim contiguous (one bulk reduction
+    per query: the G heads p*G .. p*G + G - 1 are adjacent in dq), then DQ_ROW_PAD floats."""
+    queries = config.tile_m // config.group
+    return _align(queries * (config.group * config.head_dim + DQ_ROW_PAD) * 4, 1024)
 
 
 def _align(x: int, a: int) -> int:

@@ -23,10 +23,10 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
 from kernels_src.atomics import bulk_reduce_add_f32, red_add_v2
-from kernels_src.sparse_bwd import DQ_ROW_PAD
+from kernels_src.sparse_bwd import DQ_ROW_PAD, ENTRY_TABLE
 from kernels_src.spec import Compiled
-from kernels_src.tiles import (acc_rows_cols, compile_tile_kernel, copy_row, cp_async_rows, smem_tile, transposed,
-                               warp_mma)
+from kernels_src.tiles import (acc_rows_cols, compile_tile_kernel, copy_row, cp_async_rows, copy_word, cp_async_word,
+                               row_table, smem_tile, transposed, warp_mma)
 
 _DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
 _LOG2E = math.log2(math.e)
@@ -83,6 +83,19 @@ class SparseBackward:
         mma.sync (synchronous); the wgmma subclasses wait on their commit groups."""
         pass
 
+    def _row_floats(self):
+        """The staged row scalars: (tile row, stage, lse | delta)."""
+        return row_table(self.tile_m, self.stages, 2)
+
+    def _dq_query_layout(self):
+        """The main kernel's dq staging rows (tile_m x D): row g * queries + qi (row_query, row_head) at
+        qi * (G D + pad) + g D, so that a query's G rows are one contiguous bulk reduction (64 per tile became
+        64 // G: their issue, serialised per warp, held the other warps at the next barrier; NOTES.md). The eight
+        rows of a warp's accumulator store are eight queries, one pad apart: 2-way bank conflicts, as with a pad
+        per row."""
+        g, d = self.group, self.head_dim
+        return cute.make_layout(((self.tile_queries, g), d), stride=((g * d + DQ_ROW_PAD, d), 1))
+
     def _dq_layout(self):
         return cute.make_layout((self.tile_m, self.head_dim), stride=(self.head_dim + DQ_ROW_PAD, 1))
 
@@ -94,7 +107,8 @@ class SparseBackward:
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
         l_p = self._smem_layout((self.tile_m, self.tile_n))
-        l_dq = self._dq_layout()
+        l_dq = self._dq_query_layout()
+        l_rows_f = self._row_floats()
 
         @cute.struct
         class SharedStorage:
@@ -105,10 +119,12 @@ class SparseBackward:
             s_p: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
             s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
             s_dq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_dq)], 1024]
+            s_entries: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, ENTRY_TABLE], 1024]
+            s_rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_rows_f)], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, scale, hp, hp_per_hk,
-                    l_kv, l_rows, l_p, l_dq, self._gmem_copy(), SharedStorage).launch(
+                    l_kv, l_rows, l_p, l_dq, l_rows_f, self._gmem_copy(), SharedStorage).launch(
             grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
             stream=stream)
 
@@ -118,7 +134,7 @@ class SparseBackward:
     def kernel(self, q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc,
                scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
                l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
-               gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+               l_rows_f: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         w = cta // self.halves
@@ -139,9 +155,15 @@ class SparseBackward:
             s_p = storage.s_p.get_tensor(l_p.outer, swizzle=l_p.inner)
             s_ds = storage.s_ds.get_tensor(l_p.outer, swizzle=l_p.inner)
             s_dq = storage.s_dq.get_tensor(l_dq)
+            s_entries = storage.s_entries.get_tensor(cute.make_layout(ENTRY_TABLE))
+            s_rows = storage.s_rows.get_tensor(l_rows_f)
 
+            # The item's entries first, in a group of their own: tile 0's gathers need them.
+            self.stage_entries(entry_query, s_entries, start, n_entries, tidx)
             self.load_block(gcopy, k[b, None, kvh, None], s_k, t0, seqlen, tidx)
             self.load_block(gcopy, v[b, None, kvh, None], s_v, t0, seqlen, tidx)
+            cute.arch.cp_async_wait_group(0)  # the entries' group (the key block is not committed yet)
+            cute.arch.sync_threads()
 
             # Made here: a wgmma TiledMma's runtime state (its accumulate flag) would become kernel parameters.
             mma_s, mma_kv = self._score_mma(), self._kv_mma()
@@ -159,69 +181,132 @@ class SparseBackward:
             dq_mn = self.rows_cols(acc_dq)
             coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
             scale_log2 = scale * _LOG2E
+            n_rows = cute.size(s_mn, mode=[0])
+            lse2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            dlt = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+            key_limit = cute.make_rmem_tensor((n_rows,), cutlass.Int32)
+            dq_query = self.staged_query(tidx)
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
-            self.gather_tile(gcopy, q, dout, s_q_all, s_do_all, b, p, entry_query, start, n_entries, 0, tidx)
+            self.gather_tile(gcopy, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query, s_entries,
+                             start, n_entries, 0, tidx)
             for tile in cutlass.range(n_tiles, unroll=1):
-                e0 = start + tile * self.tile_queries
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
                 s_q = s_q_all[None, None, tile % self.stages]
                 s_do = s_do_all[None, None, tile % self.stages]
                 if tile + 1 < n_tiles:
-                    self.gather_tile(gcopy, q, dout, s_q_all, s_do_all, b, p, entry_query, start, n_entries,
-                                     tile + 1, tidx)
+                    self.gather_tile(gcopy, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query,
+                                     s_entries, start, n_entries, tile + 1, tidx)
                 else:
                     cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)
                 self.publish_async_copies()
                 cute.arch.sync_threads()
+                self.row_scalars(s_rows, entry_query, s_entries, start, tile, n_q, coord_s, t0, lse2, dlt, key_limit)
 
-                # S = Q K^T -> P; dP = dO V^T -> dS = P (dP - delta). Rows past n_q: P = dS = 0.
+                # S = Q K^T -> P = exp(S - lse); dP = dO V^T -> dS = P (dP - delta). Rows past n_q: P = dS = 0.
                 self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False)
                 self.gemm(mma_s, thr_s, acc_dp, s_do, s_v, tidx, False, False)
-                for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                    row = coord_s[r, 0][0]
-                    qi = row // self.group
-                    h = p * self.group + row % self.group
-                    i = t0 + self.tile_n
-                    lse2 = cutlass.Float32(0.0)
-                    dlt = cutlass.Float32(0.0)
-                    key_limit = -1  # nothing visible: the row adds nothing
-                    if qi < n_q:
-                        i = entry_query[e0 + qi]
-                        lse2 = lse[b, h, i] * _LOG2E
-                        dlt = delta[b, h, i]
-                        key_limit = i - t0
+                for r in cutlass.range_constexpr(n_rows):
                     for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                         pv = cutlass.Float32(0.0)
-                        if coord_s[0, c][1] <= key_limit:
-                            pv = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
+                        if coord_s[0, c][1] <= key_limit[r]:
+                            pv = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r], fastmath=True)
                         s_mn[r, c] = pv
-                        dp_mn[r, c] = pv * (dp_mn[r, c] - dlt)
-                        s_p[row, coord_s[0, c][1]] = pv.to(self.dtype)
-                        s_ds[row, coord_s[0, c][1]] = dp_mn[r, c].to(self.dtype)
-                self.wait_rows_read(tidx)  # the previous tile's dq rows left s_dq (before its rewrite below)
+                        dp_mn[r, c] = pv * (dp_mn[r, c] - dlt[r])
+                self.store_scores(thr_s, acc_s, s_p)
+                self.store_scores(thr_s, acc_dp, s_ds)
+                self.wait_rows_read(dq_query >= 0)  # the previous tile's dq rows left s_dq (before its rewrite below)
                 self.publish_async_copies()  # P and dS, read next by the MMAs
                 cute.arch.sync_threads()
 
-                # dV += P^T dO, dK += dS^T Q (keys x D, 8 warps on keys); dQ = dS K (rows x D).
-                self.gemm(mma_kv, thr_kv, acc_dv, transposed(s_p), transposed(s_do), tidx, True, True, accumulate=True)
+                # dQ = dS K (rows x D) first, so that its staging runs under dV += P^T dO and dK += dS^T Q (keys x
+                # D, accumulated across the item).
+                self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_k), tidx, False, True, wait=False)
+                self.gemm(mma_kv, thr_kv, acc_dv, transposed(s_p), transposed(s_do), tidx, True, True, accumulate=True,
+                          wait=False)
                 self.gemm(mma_kv, thr_kv, acc_dk, transposed(s_ds), transposed(s_q), tidx, True, True,
-                          accumulate=True)
-                self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_k), tidx, False, True)
+                          accumulate=True, wait=False)
+                self.wait_products(2)
                 self.stage_rows(s_dq, dq_mn, coord_dq, scale)
+                self.wait_products(0)
                 # The next gather and the next tile's P / dS stores overwrite what this tile read; s_dq is whole.
                 cute.arch.sync_threads()
-                if tidx < self.tile_m:
-                    qi = tidx // self.group
-                    if qi < n_q:
-                        self.reduce_row(dq_acc[b, entry_query[e0 + qi], p * self.group + tidx % self.group, None],
-                                        s_dq, tidx)
+                if dq_query >= 0:
+                    if dq_query < n_q:
+                        i = self.item_entry(entry_query, s_entries, start, tile * self.tile_queries + dq_query)
+                        bulk_reduce_add_f32(dq_acc[b, i, p * self.group, None].iterator.toint(),
+                                            s_dq[dq_query, None].iterator.toint(),
+                                            self.group * self.head_dim * 4)
                     cute.arch.cp_async_bulk_commit_group()
 
             self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[b, None, kvh, None], t0, seqlen, cutlass.Float32(1.0))
             self.flush_block(mma_kv, thr_kv, acc_dk, dk_acc[b, None, kvh, None], t0, seqlen, scale)
-            self.wait_rows_done(tidx)
+            self.wait_rows_done(dq_query >= 0)
+
+    @cute.jit
+    def store_scores(self, thr_mma, acc, s_tile):
+        """A (rows x keys) fp32 accumulator -> the input dtype -> its place in the swizzled shared tile, with the
+        widest stores both layouts allow (a column pair per 32-bit store; one 16-bit store per element before)."""
+        frag = cute.make_fragment_like(acc, self.dtype)
+        acc_mn, frag_mn = self.rows_cols(acc), self.rows_cols(frag)
+        dst_mn = self.rows_cols(thr_mma.partition_C(s_tile))
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):  # a row at a time: fewer live registers
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                frag_mn[r, c] = acc_mn[r, c].to(self.dtype)
+            cute.autovec_copy(frag_mn[r, None], dst_mn[r, None])
+
+    @cute.jit
+    def stage_entries(self, entry_query, s_entries, start, n_entries, tidx):
+        """cp.async the item's entries (up to ENTRY_TABLE of them) into the shared table, as one group."""
+        word = cp_async_word(cutlass.Int32)
+        for e in cutlass.range(tidx, cutlass.min(n_entries, ENTRY_TABLE), self.threads, unroll=1):
+            cute.copy(word, cute.make_tensor(entry_query.iterator + start + e, cute.make_layout(1)),
+                      cute.make_tensor(s_entries.iterator + e, cute.make_layout(1)))
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def item_entry(self, entry_query, s_entries, start, e):
+        """The query of the item's entry e: from the shared table, or past it from global memory."""
+        i = cutlass.Int32(0)
+        if e < ENTRY_TABLE:
+            i = s_entries[e]
+        else:
+            i = entry_query[start + e]
+        return i
+
+    @cute.jit
+    def row_scalars(self, s_rows, entry_query, s_entries, start, tile, n_q, coord_s, t0, lse2, dlt, key_limit):
+        """Per score row r of this thread in `tile`: lse (log2 units) and delta from the tile's staged row scalars,
+        and the last visible key of the CTA's keys (the causal limit); a row past the tile's queries gets
+        key_limit -1 (nothing visible: it adds nothing)."""
+        for r in cutlass.range_constexpr(cute.size(lse2)):
+            row = coord_s[r, 0][0]
+            qi = self.row_query(row)
+            lse2[r] = cutlass.Float32(0.0)
+            dlt[r] = cutlass.Float32(0.0)
+            key_limit[r] = -1
+            if qi < n_q:
+                lse2[r] = s_rows[row, tile % self.stages, 0] * _LOG2E
+                dlt[r] = s_rows[row, tile % self.stages, 1]
+                key_limit[r] = self.item_entry(entry_query, s_entries, start, tile * self.tile_queries + qi) - t0
+
+    def row_query(self, row):
+        """Tile rows are head-major: row = g * (tile_m // G) + qi for query qi of the tile and head p * G + g."""
+        return row % self.tile_queries
+
+    def row_head(self, row):
+        return row // self.tile_queries
+
+    @cute.jit
+    def staged_query(self, tidx):
+        """The tile query whose staged dq rows this thread reduces (threads 0 .. tile_m // G - 1), or -1. The
+        issuing threads stay in warp 0: these bulk instructions are issued one at a time per SM, so spreading them
+        over the warps only delays all of them (rows spread over eight warps: (b) 64K 35.4 -> 38.8 ms)."""
+        q = cutlass.Int32(-1)
+        if tidx < self.tile_queries:
+            q = tidx
+        return q
 
     @cute.jit
     def stage_rows(self, s_rows, acc_mn, coord, factor):
@@ -237,15 +322,16 @@ class SparseBackward:
         bulk_reduce_add_f32(dst.iterator.toint(), s_rows[row, None].iterator.toint(), self.head_dim * 4)
 
     @cute.jit
-    def wait_rows_read(self, tidx):
-        """The issuing threads (one per staged row) wait until their bulk reductions have read shared memory."""
-        if tidx < self.tile_m:
+    def wait_rows_read(self, reduces):
+        """The issuing threads (reduces: this thread issues a staged row's bulk reductions) wait until their bulk
+        reductions have read shared memory."""
+        if reduces:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def wait_rows_done(self, tidx):
-        """Before the CTA exits: every bulk reduction it issued has completed."""
-        if tidx < self.tile_m:
+    def wait_rows_done(self, reduces):
+        """Before the CTA exits: every bulk reduction this thread issued has completed."""
+        if reduces:
             cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
@@ -302,10 +388,11 @@ class SparseBackward:
                 t_s[None, m, None].fill(0)
 
     @cute.jit
-    def gather_tile(self, gcopy, q, dout, s_q_all, s_do_all, b, p, entry_query, start, n_entries, tile, tidx):
-        """cp.async tile row r <- q / dout[b, i, p*G + r % G] with i = entry_query[e0 + r // G], into buffer
-        tile % stages, as one group; rows past the tile's queries are zero-filled."""
-        e0 = start + tile * self.tile_queries
+    def gather_tile(self, gcopy, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query, s_entries, start,
+                    n_entries, tile, tidx):
+        """cp.async tile row r <- q / dout[b, i, p*G + r % G] with i the item's entry tile * queries + r // G,
+        into buffer tile % stages, and the row's lse and delta into its row scalars (threads 0 .. 2 tile_m - 1),
+        as one group; rows past the tile's queries are zero-filled (their scalars are never read)."""
         n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
         buf = tile % self.stages
         thr = gcopy.get_slice(tidx)
@@ -314,15 +401,26 @@ class SparseBackward:
         t_sdo = thr.partition_D(s_do_all[None, None, buf])
         for m in cutlass.range_constexpr(cute.size(t_sq, mode=[1])):
             row = t_c[0, m, 0][0]
-            qi = row // self.group
+            qi = self.row_query(row)
             if qi < n_q:
-                i = entry_query[e0 + qi]
-                h = p * self.group + row % self.group
+                i = self.item_entry(entry_query, s_entries, start, tile * self.tile_queries + qi)
+                h = p * self.group + self.row_head(row)
                 copy_row(gcopy, self.dtype, q[b, i, h, None], t_sq, t_c, m)
                 copy_row(gcopy, self.dtype, dout[b, i, h, None], t_sdo, t_c, m)
             else:
                 t_sq[None, m, None].fill(0)
                 t_sdo[None, m, None].fill(0)
+        row = tidx % self.tile_m
+        qi = self.row_query(row)
+        if tidx < 2 * self.tile_m:
+            if qi < n_q:
+                i = self.item_entry(entry_query, s_entries, start, tile * self.tile_queries + qi)
+                h = p * self.group + self.row_head(row)
+                word = cp_async_word(cutlass.Float32)
+                if tidx < self.tile_m:
+                    copy_word(word, lse[b, h, None], i, s_rows, row, buf, 0)
+                else:
+                    copy_word(word, delta[b, h, None], i, s_rows, row, buf, 1)
         cute.arch.cp_async_commit_group()
 
 

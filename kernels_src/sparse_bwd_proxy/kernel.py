@@ -196,9 +196,9 @@ class SparseProxyBackward(SparseBackward):
                             pi = cutlass.Float32(0.0)
                             if coord_s[0, c][1] <= key_limit:
                                 pi = cute.math.exp2(s_mn[r, c] * scale_log2 - lsep2, fastmath=True)
-                            s_ds[qi, coord_s[0, c][1]] = ((pi - tau_mn[r, c] * (1.0 / self.group)) * cg).to(
-                                self.dtype)
-                    self.wait_rows_read(tidx)  # the previous tile's dq_p rows left s_dq
+                            s_mn[r, c] = (pi - tau_mn[r, c] * (1.0 / self.group)) * cg
+                    self.store_scores(thr_s, acc_s, s_ds)
+                    self.wait_rows_read(tidx < self.tile_m)  # the previous tile's dq_p rows left s_dq
                     self.publish_async_copies()  # dS_p, read next by the MMAs
                     cute.arch.sync_threads()
 
@@ -218,7 +218,7 @@ class SparseProxyBackward(SparseBackward):
                         cute.arch.cp_async_bulk_commit_group()
 
             self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
-            self.wait_rows_done(tidx)
+            self.wait_rows_done(tidx < self.tile_m)
 
     @cute.jit
     def accumulate_tau(self, mma_s, thr_s, acc_s, s_mn, tau_mn, coord_s, s_q, s_k, s_ri, s_rf, tb, sb, t0,

@@ -161,8 +161,9 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
                         pi = cutlass.Float32(0.0)
                         if coord_s[0, c][1] <= key_limit:
                             pi = cute.math.exp2(sp_mn[r, c] * scale_log2 - lsep2, fastmath=True)
+                        # Scalar stores: the pairwise stores of store_scores spill here (255 registers).
                         s_ds[qi, coord_s[0, c][1]] = ((pi - tau_mn[r, c] * (1.0 / self.group)) * cg).to(self.dtype)
-                self.wait_rows_read(tidx)  # the previous tile's dq_p rows left s_dq
+                self.wait_rows_read(tidx < self.tile_m)  # the previous tile's dq_p rows left s_dq
                 self.publish_async_copies()  # dS_p, read next by the MMAs
                 cute.arch.sync_threads()
 
@@ -181,7 +182,7 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
                     cute.arch.cp_async_bulk_commit_group()
 
             self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
-            self.wait_rows_done(tidx)
+            self.wait_rows_done(tidx < self.tile_m)
 
     @cute.jit
     def gather_tile(self, gcopy, q, q_proxy, s_heads, s_qp_all, s_ri, s_rf, lse, lse_proxy, kl_grad, b, p,
