@@ -7,6 +7,8 @@
 - row scalars staged beside a gathered tile: one 4-byte cp.async per (row, scalar) into a small smem table, so a
   row's statistics (the proxy backward's lse_g, lse_p, kl_grad) are in shared memory when the tile's barrier
   passes instead of being two dependent global loads after the tile's product;
+- a work item's plan entries (queries, destinations) staged once in a shared table, so that every tile reads
+  them there instead of starting with a dependent global load (item_words, item_word);
 - the build entry point's common part: compile on fake arguments and check the traced shared memory;
 - for the wgmma kernels (sm90a): views of the warpgroup MMA accumulator (rows x columns, and as the register A
   operand of the next product).
@@ -114,6 +116,27 @@ def copy_word(atom, g_vec: cute.Tensor, index, s_table: cute.Tensor, row, stage,
     src = cute.make_tensor(g_vec.iterator + index, cute.make_layout(1))
     dst = cute.make_tensor(s_table.iterator + cute.crd2idx((row, stage, field), s_table.layout), cute.make_layout(1))
     cute.copy(atom, src, dst)
+
+
+@cute.jit
+def stage_item_words(g_vec: cute.Tensor, s_table: cute.Tensor, start, n, tidx, threads: cutlass.Constexpr):
+    """cp.async the item's words g_vec[start + e], e < min(n, table size), into s_table (4-byte Int32 words, one
+    per copy: an item's first entry has no alignment); the caller commits the group."""
+    word = cp_async_word(cutlass.Int32)
+    for e in cutlass.range(tidx, cutlass.min(n, cute.size(s_table)), threads, unroll=1):
+        cute.copy(word, cute.make_tensor(g_vec.iterator + start + e, cute.make_layout(1)),
+                  cute.make_tensor(s_table.iterator + e, cute.make_layout(1)))
+
+
+@cute.jit
+def item_word(g_vec: cute.Tensor, s_table: cute.Tensor, start, e):
+    """The item's word e: from the shared table, or past it from global memory."""
+    v = cutlass.Int32(0)
+    if e < cute.size(s_table):
+        v = s_table[e]
+    else:
+        v = g_vec[start + e]
+    return v
 
 
 WARPGROUP_ROWS = 64

@@ -25,8 +25,8 @@ from cutlass.cute.nvgpu import warp
 from kernels_src.atomics import bulk_reduce_add_f32, red_add_v2
 from kernels_src.sparse_bwd import DQ_ROW_PAD, ENTRY_TABLE
 from kernels_src.spec import Compiled
-from kernels_src.tiles import (acc_rows_cols, compile_tile_kernel, copy_row, cp_async_rows, copy_word, cp_async_word,
-                               row_table, smem_tile, transposed, warp_mma)
+from kernels_src.tiles import (acc_rows_cols, compile_tile_kernel, copy_row, copy_word, cp_async_rows, cp_async_word,
+                               item_word, row_table, smem_tile, stage_item_words, transposed, warp_mma)
 
 _DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
 _LOG2E = math.log2(math.e)
@@ -159,7 +159,8 @@ class SparseBackward:
             s_rows = storage.s_rows.get_tensor(l_rows_f)
 
             # The item's entries first, in a group of their own: tile 0's gathers need them.
-            self.stage_entries(entry_query, s_entries, start, n_entries, tidx)
+            stage_item_words(entry_query, s_entries, start, n_entries, tidx, self.threads)
+            cute.arch.cp_async_commit_group()
             self.load_block(gcopy, k[b, None, kvh, None], s_k, t0, seqlen, tidx)
             self.load_block(gcopy, v[b, None, kvh, None], s_v, t0, seqlen, tidx)
             cute.arch.cp_async_wait_group(0)  # the entries' group (the key block is not committed yet)
@@ -234,7 +235,7 @@ class SparseBackward:
                 cute.arch.sync_threads()
                 if dq_query >= 0:
                     if dq_query < n_q:
-                        i = self.item_entry(entry_query, s_entries, start, tile * self.tile_queries + dq_query)
+                        i = item_word(entry_query, s_entries, start, tile * self.tile_queries + dq_query)
                         bulk_reduce_add_f32(dq_acc[b, i, p * self.group, None].iterator.toint(),
                                             s_dq[dq_query, None].iterator.toint(),
                                             self.group * self.head_dim * 4)
@@ -257,25 +258,6 @@ class SparseBackward:
             cute.autovec_copy(frag_mn[r, None], dst_mn[r, None])
 
     @cute.jit
-    def stage_entries(self, entry_query, s_entries, start, n_entries, tidx):
-        """cp.async the item's entries (up to ENTRY_TABLE of them) into the shared table, as one group."""
-        word = cp_async_word(cutlass.Int32)
-        for e in cutlass.range(tidx, cutlass.min(n_entries, ENTRY_TABLE), self.threads, unroll=1):
-            cute.copy(word, cute.make_tensor(entry_query.iterator + start + e, cute.make_layout(1)),
-                      cute.make_tensor(s_entries.iterator + e, cute.make_layout(1)))
-        cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def item_entry(self, entry_query, s_entries, start, e):
-        """The query of the item's entry e: from the shared table, or past it from global memory."""
-        i = cutlass.Int32(0)
-        if e < ENTRY_TABLE:
-            i = s_entries[e]
-        else:
-            i = entry_query[start + e]
-        return i
-
-    @cute.jit
     def row_scalars(self, s_rows, entry_query, s_entries, start, tile, n_q, coord_s, t0, lse2, dlt, key_limit):
         """Per score row r of this thread in `tile`: lse (log2 units) and delta from the tile's staged row scalars,
         and the last visible key of the CTA's keys (the causal limit); a row past the tile's queries gets
@@ -289,7 +271,7 @@ class SparseBackward:
             if qi < n_q:
                 lse2[r] = s_rows[row, tile % self.stages, 0] * _LOG2E
                 dlt[r] = s_rows[row, tile % self.stages, 1]
-                key_limit[r] = self.item_entry(entry_query, s_entries, start, tile * self.tile_queries + qi) - t0
+                key_limit[r] = item_word(entry_query, s_entries, start, tile * self.tile_queries + qi) - t0
 
     def row_query(self, row):
         """Tile rows are head-major: row = g * (tile_m // G) + qi for query qi of the tile and head p * G + g."""
@@ -403,7 +385,7 @@ class SparseBackward:
             row = t_c[0, m, 0][0]
             qi = self.row_query(row)
             if qi < n_q:
-                i = self.item_entry(entry_query, s_entries, start, tile * self.tile_queries + qi)
+                i = item_word(entry_query, s_entries, start, tile * self.tile_queries + qi)
                 h = p * self.group + self.row_head(row)
                 copy_row(gcopy, self.dtype, q[b, i, h, None], t_sq, t_c, m)
                 copy_row(gcopy, self.dtype, dout[b, i, h, None], t_sdo, t_c, m)
@@ -414,7 +396,7 @@ class SparseBackward:
         qi = self.row_query(row)
         if tidx < 2 * self.tile_m:
             if qi < n_q:
-                i = self.item_entry(entry_query, s_entries, start, tile * self.tile_queries + qi)
+                i = item_word(entry_query, s_entries, start, tile * self.tile_queries + qi)
                 h = p * self.group + self.row_head(row)
                 word = cp_async_word(cutlass.Float32)
                 if tidx < self.tile_m:
