@@ -64,14 +64,14 @@ def key_groups(config) -> int:
 
 def smem_bytes(config) -> int:
     """sK, sK_p (keys x D); staged sQ, sQ_p (queries x D), or with resident heads the G + 1 head tiles per
-    stage (per warpgroup in ping-pong). Mirrors SharedStorage."""
+    stage (per warpgroup in ping-pong, with its ring of staged entries). Mirrors SharedStorage."""
     e = _ELEM_BYTES[config.dtype]
     a = sparse_bwd._align
     rows = config.stages * config.tile_m * config.head_dim * e
     kv = 2 * a(config.tile_n * config.head_dim * e, 1024)
     if getattr(config, "schedule", "lockstep") == "pingpong":
-        if resident_heads(config):
-            return kv + a(2 * (config.group + 1) * rows, 1024)
+        if resident_heads(config):  # + each warpgroup's two slots of staged entries
+            return kv + a(2 * (config.group + 1) * rows, 1024) + a(2 * 2 * config.tile_m * 4, 1024)
         return kv + a(2 * rows, 1024) + a(2 * config.stages * config.tile_m * 4, 1024)  # ring + lse table
     if resident_heads(config):
         return kv + a((config.group + 1) * rows, 1024)

@@ -12,7 +12,9 @@ under the other's products (the forward's ping-pong gained 1.10-1.25x that way: 
 Per warpgroup and tile: for each head n, S_n = Q_n K^T then tau += exp2(S_n - lse_n); the next tile's main-head
 rows are gathered as soon as the last main product is done (their buffers are free), its proxy rows after the
 proxy product, both before the epilogue, so the gathers fly under the epilogue and the other warpgroup's work.
-Single-buffered: 2 x (G + 1) tiles of 16 KB beside the 64 KB key block is 224 KB at G = 4.
+Single-buffered: 2 x (G + 1) tiles of 16 KB beside the 64 KB key block is 224 KB at G = 4. A tile's plan entries
+(its queries) are staged into a two-slot ring per warpgroup two tiles ahead, with the gathers of the tile before
+(one 4-byte cp.async per query), so a gather starts from shared memory instead of a dependent global load.
 A warpgroup holds all of its rows' keys, so it writes one (A, T, L) triple per entry (kl_part: 3 columns).
 """
 
@@ -25,10 +27,11 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
 from kernels_src.sparse_kl.wgmma import _LOG2E, SparseKLWG
-from kernels_src.tiles import WARPGROUP_ROWS, cp_async_rows
+from kernels_src.tiles import WARPGROUP_ROWS, cp_async_rows, cp_async_word
 
 _BAR_ROWS = 1  # + warpgroup: its 128 threads' gathered rows are in shared memory
 _WG_THREADS = 128
+ENTRY_RING = 2  # entry slots per warpgroup: its next tile's and the one after
 _K = warpgroup.OperandMajorMode.K
 
 
@@ -61,6 +64,7 @@ class SparseKLPingPong(SparseKLWG):
             s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
             s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
             s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+            s_ent: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, ENTRY_RING * self.tile_m * 2], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_pingpong(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
@@ -101,10 +105,18 @@ class SparseKLPingPong(SparseKLWG):
             lse2 = cute.make_rmem_tensor((rows, self.group), cutlass.Float32)
             next_i = cute.make_rmem_tensor((rows,), cutlass.Int32)
             next_lse2 = cute.make_rmem_tensor((rows, self.group), cutlass.Float32)
+            # ring[w, it % 2]: the entries of warpgroup w's it-th tile (wg + 2 it)
+            ring = storage.s_ent.get_tensor(cute.make_layout((self.tile_m, ENTRY_RING, 2)))
             if my_tiles > 0:
-                self.load_row_data(entry_query, lse, b, p, start, n_entries, wg, coord, row_i, lse2)
+                self.stage_entries(entry_query, ring[None, 0, wg], start, n_entries, wg, wg_tidx)
+                self.stage_entries(entry_query, ring[None, 1, wg], start, n_entries, wg + 2, wg_tidx)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)  # the ring's group (the key block is not committed yet)
+                cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                self.load_row_data(entry_query, lse, b, p, start, n_entries, wg, coord, row_i, lse2,
+                                   s_ent=ring[None, 0, wg])
                 self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries, wg, wg_tidx,
-                                  base=base)
+                                  base=base, s_ent=ring[None, 0, wg])
             cute.arch.cp_async_wait_group(0)
             self.publish_async_copies()
             cute.arch.sync_threads()  # the key block came from both warpgroups' threads
@@ -117,6 +129,10 @@ class SparseKLPingPong(SparseKLWG):
                     cute.arch.cp_async_wait_group(0)
                     self.publish_async_copies()
                     cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                # Read before this tile's slot takes tile + 4's entries below. Entries are sorted by query: only a
+                # tile whose first query lies inside the block sees t > i.
+                masked = ring[0, it % ENTRY_RING, wg] < t0 + self.block_size - 1
+                s_next = ring[None, (it + 1) % ENTRY_RING, wg]  # tile + 2's entries
                 for n in cutlass.range_constexpr(self.group):
                     self.wg_product(acc, s_q[None, None, base + n], s_k, wg_tidx)
                     if cutlass.const_expr(n + 1 == self.group):
@@ -125,7 +141,8 @@ class SparseKLPingPong(SparseKLWG):
                         if tile + 2 < n_tiles:
                             cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
                             self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries,
-                                              tile + 2, wg_tidx, base=base, first=0, count=self.group)
+                                              tile + 2, wg_tidx, base=base, first=0, count=self.group,
+                                              s_ent=s_next)
                     for r in cutlass.range_constexpr(rows):
                         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                             e = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r, n], fastmath=True)
@@ -136,12 +153,15 @@ class SparseKLPingPong(SparseKLWG):
                 self.wg_product(acc, s_q[None, None, base + self.group], s_kp, wg_tidx)
                 if tile + 2 < n_tiles:
                     cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                    # This tile's slot is read by nobody past the barrier at its top: it takes tile + 4's
+                    # entries, in the group of tile + 2's proxy rows.
+                    self.stage_entries(entry_query, ring[None, it % ENTRY_RING, wg], start, n_entries, tile + 4,
+                                       wg_tidx)
                     self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries, tile + 2,
-                                      wg_tidx, base=base, first=self.group, count=1)
+                                      wg_tidx, base=base, first=self.group, count=1, s_ent=s_next)
                     self.load_row_data(entry_query, lse, b, p, start, n_entries, tile + 2, coord, next_i,
-                                       next_lse2)
-                # Entries are sorted by query: only a tile whose first query lies inside the block sees t > i.
-                if entry_query[e0] < t0 + self.block_size - 1:
+                                       next_lse2, s_ent=s_next)
+                if masked:
                     self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, 0, quad_lane,
                                       scale_log2, True)
                 else:
@@ -151,6 +171,17 @@ class SparseKLPingPong(SparseKLWG):
                     row_i[r] = next_i[r]
                     for g in cutlass.range_constexpr(self.group):
                         lse2[r, g] = next_lse2[r, g]
+
+    @cute.jit
+    def stage_entries(self, entry_query, s_slot, start, n_entries, tile, wg_tidx):
+        """cp.async `tile`'s entries (queries) into a ring slot, one 4-byte copy per query (threads 0 .. 63 of the
+        warpgroup); nothing past the item's tiles. The caller commits."""
+        n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+        if wg_tidx < n_q:
+            cute.copy(cp_async_word(cutlass.Int32),
+                      cute.make_tensor(entry_query.iterator + start + tile * self.tile_queries + wg_tidx,
+                                       cute.make_layout(1)),
+                      cute.make_tensor(s_slot.iterator + wg_tidx, cute.make_layout(1)))
 
     def wg_accumulators(self, wg_tidx):
         """Trace time: this warpgroup's score accumulator and tau_sum (64 rows x the block's keys) with their rows x

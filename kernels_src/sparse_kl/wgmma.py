@@ -142,9 +142,17 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
                 cute.arch.sync_threads()
 
     @cute.jit
-    def load_row_data(self, entry_query, lse, b, p, start, n_entries, tile, coord, row_i, lse2):
-        """This thread's rows of `tile`: their queries (-1 past the tile's count) and lse_g * log2 e (+inf there,
-        so their P is 0)."""
+    def tile_entry(self, entry_query, e0, s_ent, qi):
+        """The query of the tile's entry qi: from its staged entries when the kernel stages them, else global."""
+        if cutlass.const_expr(s_ent is None):
+            return entry_query[e0 + qi]
+        else:
+            return s_ent[qi]
+
+    @cute.jit
+    def load_row_data(self, entry_query, lse, b, p, start, n_entries, tile, coord, row_i, lse2, s_ent=None):
+        """This thread's rows of `tile`: their queries (-1 past the tile's count; from the tile's staged entries
+        s_ent when given) and lse_g * log2 e (+inf there, so their P is 0)."""
         e0 = start + tile * self.tile_queries
         n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
         for r in cutlass.range_constexpr(cute.size(row_i)):
@@ -153,7 +161,7 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
             for g in cutlass.range_constexpr(self.group):
                 lse2[r, g] = cutlass.Float32.inf
             if qi < n_q:
-                i = entry_query[e0 + qi]
+                i = self.tile_entry(entry_query, e0, s_ent, qi)
                 row_i[r] = i
                 for g in cutlass.range_constexpr(self.group):
                     lse2[r, g] = lse[b, p * self.group + g, i] * _LOG2E
@@ -209,10 +217,11 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
 
     @cute.jit
     def gather_heads(self, gcopy, q, q_proxy, s_q, b, p, entry_query, start, n_entries, tile, tidx, base=None,
-                     first: cutlass.Constexpr = 0, count: cutlass.Constexpr = None):
+                     first: cutlass.Constexpr = 0, count: cutlass.Constexpr = None, s_ent=None):
         """cp.async, as one group, row r of heads [first, first + count) of `tile` (default all G main heads and
-        the proxy, n = G) into buffers base + n (default stage * (G + 1) + n) from query entry_query[e0 + r];
-        rows past the tile's queries are zero-filled. gcopy and tidx: the threads that share the copy."""
+        the proxy, n = G) into buffers base + n (default stage * (G + 1) + n) from query entry_query[e0 + r] (or
+        the tile's staged entries s_ent[r]); rows past the tile's queries are zero-filled. gcopy and tidx: the
+        threads that share the copy."""
         e0 = start + tile * self.tile_queries
         n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
         if cutlass.const_expr(base is None):
@@ -223,7 +232,7 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
         for m in cutlass.range_constexpr(cute.size(t_c, mode=[1])):
             qi = t_c[0, m, 0][0]
             if qi < n_q:
-                i = entry_query[e0 + qi]
+                i = self.tile_entry(entry_query, e0, s_ent, qi)
                 for n in cutlass.range_constexpr(first, last):
                     t_s = thr.partition_D(s_q[None, None, base + n])
                     if cutlass.const_expr(n < self.group):
