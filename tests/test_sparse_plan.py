@@ -454,3 +454,19 @@ def test_warmup_proxy_backward_in_query_chunks_matches_the_reference(monkeypatch
     assert len(plans) == 3 and [int(p.entry_query.min()) for p in plans] == [0, 128, 256]
     for g, w in zip(got, want):  # float32 accumulators and kl_grad, as the kernel's: float32 rounding
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
+def test_runtime_items_fit_the_backward_entry_table(G):
+    """sparse_bwd stages an item's entries in a shared table of ENTRY_TABLE (entries past it take a slower global
+    read): the runtime's items, a hot block's longest ones included, must fit it at every G."""
+    from flash_msa_rt.ops import sparse_bwd as sb
+    from kernels_src.sparse_bwd import ENTRY_TABLE
+
+    B, Hp, Bs = 1, 1, 128
+    S = 2 * Bs * sb.TILES_PER_ITEM * sb.TILE_M // G  # block 0's list: two full items and more
+    local = (torch.arange(S, dtype=torch.int32) // Bs).view(1, 1, S, 1).expand(B, Hp, S, 1)
+    idx = torch.cat([torch.zeros_like(local), torch.where(local > 0, local, -1)], dim=-1).contiguous()
+    plan = sparse_plan(idx, Bs, S, G, sb.TILE_M // G, sb.TILES_PER_ITEM)
+    longest = int(plan.items[:, 3].max())
+    assert longest == sb.TILES_PER_ITEM * sb.TILE_M // G <= ENTRY_TABLE

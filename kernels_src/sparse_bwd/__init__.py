@@ -1,8 +1,8 @@
 """MSA main sparse backward, KV-outer (msa-semantics.md, "Main sparse attention"; the FlashAttention-2 backward
 recurrence on gathered rows).
 
-Same work items as the forward (flash_msa_rt.ops.sparse_plan) with 64-row tiles: row r = (query r // G, head
-p*G + r % G). Per item (key block j of (b, p)), with the saved lse and delta = rowsum(dO * O):
+Same work items as the forward (flash_msa_rt.ops.sparse_plan) with 64-row tiles, head-major: row r = (query
+r % (64 // G), head p*G + r // (64 // G)). Per item (key block j of (b, p)), with the saved lse and delta = rowsum(dO * O):
   P = exp(s - lse) (causal), dP = dO V^T, dS = P (dP - delta);
   dV_j += P^T dO and dK_j += scale dS^T Q stay in registers across the item's tiles, then go to fp32 accumulators
   with atomics (items of one block, and proxy heads sharing a KV head, meet there);

@@ -5,12 +5,15 @@ Two CTAs per work item (key block j of (b, p) and the queries that chose it), ea
   - S = Q K^T and dP = dO V^T with warps 4 (rows) x 2 (keys): 32 fp32 registers each per thread;
   - P = exp(S - lse) on the causal keys, dS = P (dP - delta), both stored to shared memory (rows x keys);
   - dV += P^T dO and dK += dS^T Q with warps 4 (keys) x 2: 32 registers each, kept across the item's tiles;
-  - dQ = dS K with warps 4 x 2, times scale, staged in shared memory (fp32, rows padded against bank conflicts)
-    and added to the fp32 dq accumulator with one bulk reduction per row (cp.reduce.async.bulk), which runs
-    while the next tile computes;
+  - dQ = dS K with warps 4 x 2, times scale, staged in shared memory (fp32, a query's G head rows contiguous,
+    padded per query against bank conflicts) and added to the fp32 dq accumulator with one bulk reduction per
+    query (cp.reduce.async.bulk), which runs while the next tile computes;
   - at the item's end dV and scale * dK go to the fp32 dk / dv accumulators with vector atomics.
+Tile rows are head-major (row_query, row_head). The item's entries are staged in shared memory once, and each
+tile's lse and delta with its gather, so no phase starts with a dependent global load (NOTES.md).
 Transposed operands are transposed views of the same swizzled tiles, read with ldmatrix.trans.
 Rows of queries past the tile's count are zero-filled so that they add exactly nothing.
+The wgmma subclass (wgmma.py) takes the whole 128-key block per CTA with the same loop.
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -372,9 +375,10 @@ class SparseBackward:
     @cute.jit
     def gather_tile(self, gcopy, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query, s_entries, start,
                     n_entries, tile, tidx):
-        """cp.async tile row r <- q / dout[b, i, p*G + r % G] with i the item's entry tile * queries + r // G,
-        into buffer tile % stages, and the row's lse and delta into its row scalars (threads 0 .. 2 tile_m - 1),
-        as one group; rows past the tile's queries are zero-filled (their scalars are never read)."""
+        """cp.async tile row r <- q / dout[b, i, p*G + row_head(r)] with i the item's entry tile * queries +
+        row_query(r), into buffer tile % stages, and the row's lse and delta into its row scalars (threads
+        0 .. 2 tile_m - 1), as one group; rows past the tile's queries are zero-filled (their scalars are never
+        read)."""
         n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
         buf = tile % self.stages
         thr = gcopy.get_slice(tidx)
