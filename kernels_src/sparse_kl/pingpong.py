@@ -111,7 +111,7 @@ class SparseKLPingPong(SparseKLWG):
                 self.stage_entries(entry_query, ring[None, 0, wg], start, n_entries, wg, wg_tidx)
                 self.stage_entries(entry_query, ring[None, 1, wg], start, n_entries, wg + 2, wg_tidx)
                 cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(0)  # the ring's group (the key block is not committed yet)
+                cute.arch.cp_async_wait_group(0)  # the ring's group, which also holds the key block's copies
                 cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
                 self.load_row_data(entry_query, lse, b, p, start, n_entries, wg, coord, row_i, lse2,
                                    s_ent=ring[None, 0, wg])
