@@ -44,11 +44,15 @@ def warp_mma(dtype, warps_m: int, warps_n: int):
     )
 
 
-def cp_async_rows(dtype, cols: int, threads: int):
-    """cp.async of 16-byte chunks: cols / 8 threads per row, threads / (cols / 8) rows per pass."""
+def cp_async_rows(dtype, cols: int, threads: int, row_threads: int | None = None):
+    """cp.async of 16-byte chunks, row_threads threads per row (default and at most cols / 8), threads /
+    row_threads rows per pass. Thread t of a row takes chunks t, t + row_threads, ...: one instruction still reads
+    row_threads * 16 contiguous bytes of each row. Gathers with fewer threads per row give each thread fewer,
+    longer rows, and a gathered row costs its thread a dependent plan load and 64-bit address math (the KL pass
+    at G = 16: 4 threads per row 1.53x faster than 16; NOTES.md)."""
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
                                num_bits_per_copy=128)
-    per_row = cols // 8
+    per_row = min(cols // 8, row_threads or cols)
     thr = cute.make_ordered_layout((threads // per_row, per_row), order=(1, 0))
     return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, 8)))
 

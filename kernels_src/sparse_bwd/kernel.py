@@ -58,8 +58,12 @@ class SparseBackward:
     def _mma(self, warps_m: int, warps_n: int):
         return warp_mma(self.dtype, warps_m, warps_n)
 
+    # Threads per row of the row copies (tiles.cp_async_rows; None: a 16-byte chunk each), by measurement per
+    # kernel class: fewer, longer rows per thread where registers allow.
+    ROW_THREADS = None
+
     def _gmem_copy(self):
-        return cp_async_rows(self.dtype, self.head_dim, self.threads)
+        return cp_async_rows(self.dtype, self.head_dim, self.threads, self.ROW_THREADS)
 
     def rows_cols(self, t: cute.Tensor) -> cute.Tensor:
         """The rows x columns one thread holds of an accumulator (or of its coordinates)."""

@@ -30,6 +30,8 @@ _TILE_BUFFERS = 2  # proxy rows and row scalars: this tile's and the next one's
 
 
 class SparseProxyBackwardResident(SparseProxyBackwardWG):
+    ROW_THREADS = None  # at 255 registers: 8 or 4 threads per row spill 8 / 24 bytes at G = 4
+
     def __init__(self, config):
         super().__init__(config)
         if self.group > 4 or self.tile_n != self.block_size:

@@ -259,10 +259,15 @@ class SparseAttention:
         for r in cutlass.range_constexpr(2):
             qi = coord_mn[r, 0][0] // self.group
             i = self.row_query(entry_query, e0, qi, n_q, t0)
-            self.mask_row(acc_mn, coord_mn, r, i - t0)
-            row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
-            lse_rows[r] = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * _LN2
-            inv_l[r] = cute.arch.rcp_approx(row_sum)
+            self.softmax_row(acc_mn, coord_mn, r, i - t0, scale_log2, lse_rows, inv_l)
+
+    @cute.jit
+    def softmax_row(self, acc_mn, coord_mn, r, key_limit, scale_log2, lse_rows, inv_l):
+        """Row r of tile_softmax, its query given as key_limit = i - t0."""
+        self.mask_row(acc_mn, coord_mn, r, key_limit)
+        row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
+        lse_rows[r] = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * _LN2
+        inv_l[r] = cute.arch.rcp_approx(row_sum)
 
     @cute.jit
     def store_tile(self, acc_o_mn, coord_mn, coord_o, lse_rows, inv_l, entry_dest, o_part, lse_part, e0, n_q,
@@ -273,12 +278,17 @@ class SparseAttention:
             qi = row // self.group
             if qi < n_q:
                 # 64-bit: the (E, G, D) partial buffer passes 2**31 elements at benchmark sizes.
-                dest = cutlass.Int64(entry_dest[e0 + qi])
-                g = row % self.group
-                if quad_lane == 0:
-                    lse_part[dest, g] = lse_rows[r]
-                for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
-                    o_part[dest, g, coord_o[0, c][1]] = (acc_o_mn[r, c] * inv_l[r]).to(self.dtype)
+                self.store_row(acc_o_mn, coord_o, r, row, cutlass.Int64(entry_dest[e0 + qi]), lse_rows, inv_l,
+                               o_part, lse_part, quad_lane)
+
+    @cute.jit
+    def store_row(self, acc_o_mn, coord_o, r, row, dest, lse_rows, inv_l, o_part, lse_part, quad_lane):
+        """Row r of store_tile (tile row `row`), at partial row `dest` (Int64)."""
+        g = row % self.group
+        if quad_lane == 0:
+            lse_part[dest, g] = lse_rows[r]
+        for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
+            o_part[dest, g, coord_o[0, c][1]] = (acc_o_mn[r, c] * inv_l[r]).to(self.dtype)
 
     @cute.jit
     def row_query(self, entry_query, e0, qi, n_q, t0):

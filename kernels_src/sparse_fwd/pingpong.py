@@ -36,6 +36,16 @@ _WG_THREADS = 128
 
 
 class SparseAttentionPingPong(SparseAttentionWG):
+    # Measured against loading each plan entry where it is used with 16 threads per gathered row (NOTES.md, one
+    # 16K-query chunk at S = 64K): 8 threads per row, and at G <= 4 the tile's mask queries and destinations
+    # loaded at its top (their latency was a fifth of the warp stalls, exposed after the PV product):
+    # (b) 4.19 -> 3.90 ms, (a) 2.13 -> 2.00; at G = 16 the early loads cost 6 % and 8 threads alone gain 5 %.
+    ROW_THREADS = 8
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.entries_ahead = self.group <= 4
+
     @cute.kernel
     def kernel_forward(
         self, q, k, v, entry_query, entry_dest, items, o_part, lse_part,
@@ -45,7 +55,7 @@ class SparseAttentionPingPong(SparseAttentionWG):
     ):
         """The lockstep kernel's launch (SparseAttention.forward) and arguments; gcopy loads the key block with all
         256 threads, a 128-thread copy of the same atoms gathers a warpgroup's rows."""
-        gcopy_wg = cp_async_rows(self.dtype, self.head_dim, _WG_THREADS)
+        gcopy_wg = cp_async_rows(self.dtype, self.head_dim, _WG_THREADS, self.ROW_THREADS)
         tidx, _, _ = cute.arch.thread_idx()
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
@@ -65,17 +75,26 @@ class SparseAttentionPingPong(SparseAttentionWG):
             scale_log2 = scale * _LOG2E
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
+            gthr = gcopy_wg.get_slice(wg_tidx)
+            g_rows = cute.size(gthr.partition_S(cute.make_identity_tensor((WARPGROUP_ROWS, self.head_dim))),
+                               mode=[1])
+            g_query = cute.make_rmem_tensor((g_rows,), cutlass.Int32)
+            key_limit = cute.make_rmem_tensor((2,), cutlass.Int32)
+            dest = cute.make_rmem_tensor((2,), cutlass.Int32)
             # Group 0: the key block (both warpgroups' threads) and this warpgroup's rows of tile 0.
-            self.gather_rows(gcopy_wg, q, s_q_all, b, p, entry_query, start, n_entries, 0, row0, wg_tidx)
+            self.gather_queries(entry_query, start, n_entries, 0, row0, gthr, g_query)
+            self.gather_rows(gcopy_wg, q, s_q_all, b, p, g_query, 0, row0, gthr)
             if wg == 1:
                 cute.arch.barrier_arrive(barrier_id=_BAR_TURN, number_of_threads=2 * _WG_THREADS)
             for tile in cutlass.range(n_tiles, unroll=1):
                 e0 = start + tile * self.tile_queries
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
                 s_q = s_q_all[None, None, tile % self.stages]
+                if cutlass.const_expr(self.entries_ahead):
+                    self.row_entries(entry_query, entry_dest, e0, n_q, t0, coord_mn, key_limit, dest)
                 if tile + 1 < n_tiles:
-                    self.gather_rows(gcopy_wg, q, s_q_all, b, p, entry_query, start, n_entries, tile + 1, row0,
-                                     wg_tidx)
+                    self.gather_queries(entry_query, start, n_entries, tile + 1, row0, gthr, g_query)
+                    self.gather_rows(gcopy_wg, q, s_q_all, b, p, g_query, tile + 1, row0, gthr)
                 else:
                     cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(1)
@@ -92,33 +111,62 @@ class SparseAttentionPingPong(SparseAttentionWG):
 
                 lse_rows = cute.make_rmem_tensor((2,), cutlass.Float32)
                 inv_l = cute.make_rmem_tensor((2,), cutlass.Float32)
-                self.tile_softmax(acc_mn, coord_mn, entry_query, e0, n_q, t0, scale_log2, lse_rows, inv_l)
+                if cutlass.const_expr(self.entries_ahead):
+                    for r in cutlass.range_constexpr(2):
+                        self.softmax_row(acc_mn, coord_mn, r, key_limit[r], scale_log2, lse_rows, inv_l)
+                else:
+                    self.tile_softmax(acc_mn, coord_mn, entry_query, e0, n_q, t0, scale_log2, lse_rows, inv_l)
                 self.pv(tiled_mma_pv, thr_pv, acc, acc_o, s_vt, tidx)
 
-                self.store_tile(acc_o_mn, coord_mn, coord_o, lse_rows, inv_l, entry_dest, o_part, lse_part, e0, n_q,
-                                quad_lane)
+                if cutlass.const_expr(self.entries_ahead):
+                    for r in cutlass.range_constexpr(2):
+                        if dest[r] >= 0:
+                            self.store_row(acc_o_mn, coord_o, r, coord_mn[r, 0][0], cutlass.Int64(dest[r]), lse_rows,
+                                           inv_l, o_part, lse_part, quad_lane)
+                else:
+                    self.store_tile(acc_o_mn, coord_mn, coord_o, lse_rows, inv_l, entry_dest, o_part, lse_part, e0,
+                                    n_q, quad_lane)
                 # This warpgroup's warps are past their reads of the buffer before its gather of tile + 2.
                 cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
             if wg == 0:  # warpgroup 1's last arrival on TURN + 0 (see the module docstring)
                 cute.arch.barrier(barrier_id=_BAR_TURN, number_of_threads=2 * _WG_THREADS)
 
     @cute.jit
-    def gather_rows(self, gcopy_wg, q, s_q_all, b, p, entry_query, start, n_entries, tile, row0, wg_tidx):
-        """cp.async, as one group, this warpgroup's 64 rows [row0, row0 + 64) of `tile` into buffer tile % stages:
-        tile row r <- q[b, i, p*G + r % G], i = entry_query[e0 + r // G]. Rows past the tile's queries are left as
-        they are (never stored)."""
-        e0 = start + tile * self.tile_queries
+    def row_entries(self, entry_query, entry_dest, e0, n_q, t0, coord_mn, key_limit, dest):
+        """This thread's two score rows of the tile: key_limit = i - t0 (the causal mask; past the tile's queries a
+        limit that masks nothing, the row is never stored) and the entry's partial row (-1 past the queries)."""
+        for r in cutlass.range_constexpr(2):
+            qi = coord_mn[r, 0][0] // self.group
+            key_limit[r] = self.block_size
+            dest[r] = -1
+            if qi < n_q:
+                key_limit[r] = entry_query[e0 + qi] - t0
+                dest[r] = entry_dest[e0 + qi]
+
+    @cute.jit
+    def gather_queries(self, entry_query, start, n_entries, tile, row0, gthr, g_query):
+        """The queries of this thread's gather rows of `tile` (-1 past the tile's queries), all loaded before
+        gather_rows issues their copies."""
         n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+        t_c = gthr.partition_S(cute.make_identity_tensor((WARPGROUP_ROWS, self.head_dim)))
+        for m in cutlass.range_constexpr(cute.size(g_query)):
+            qi = (row0 + t_c[0, m, 0][0]) // self.group
+            g_query[m] = -1
+            if qi < n_q:
+                g_query[m] = entry_query[start + tile * self.tile_queries + qi]
+
+    @cute.jit
+    def gather_rows(self, gcopy_wg, q, s_q_all, b, p, g_query, tile, row0, gthr):
+        """cp.async, as one group, this warpgroup's 64 rows [row0, row0 + 64) of `tile` into buffer tile % stages:
+        tile row r <- q[b, i, p*G + r % G], i from gather_queries. Rows past the tile's queries are left as they
+        are (never stored)."""
         s_rows = cute.local_tile(s_q_all[None, None, tile % self.stages], (WARPGROUP_ROWS, self.head_dim),
                                  (row0 // WARPGROUP_ROWS, 0))
         head_base = p * self.group
-        thr = gcopy_wg.get_slice(wg_tidx)
-        t_s = thr.partition_D(s_rows)
-        t_c = thr.partition_S(cute.make_identity_tensor((WARPGROUP_ROWS, self.head_dim)))
+        t_s = gthr.partition_D(s_rows)
+        t_c = gthr.partition_S(cute.make_identity_tensor((WARPGROUP_ROWS, self.head_dim)))
         for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
             row = row0 + t_c[0, m, 0][0]
-            qi = row // self.group
-            if qi < n_q:
-                i = entry_query[e0 + qi]
-                copy_row(gcopy_wg, self.dtype, q[b, i, head_base + row % self.group, None], t_s, t_c, m)
+            if g_query[m] >= 0:
+                copy_row(gcopy_wg, self.dtype, q[b, g_query[m], head_base + row % self.group, None], t_s, t_c, m)
         cute.arch.cp_async_commit_group()

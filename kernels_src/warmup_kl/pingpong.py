@@ -32,6 +32,10 @@ _BAR_TURN = 2  # + warpgroup: whose turn it is to issue a step's first product
 
 
 class WarmupKLPingPong(WarmupKL):
+    # Threads per row of the row copies (tiles.cp_async_rows): 4 instead of 16, the producer warp's 8 rows per
+    # instruction instead of 2: (a) / (b) S = 32K 1.05x (results/ab_row_threads_*.log).
+    ROW_THREADS = 4
+
     def __init__(self, config):
         if config.threads != CONSUMERS + 32:
             raise ValueError(f"{type(self).__name__}: threads {config.threads}; {CONSUMERS} consumers + one producer "
@@ -58,7 +62,8 @@ class WarmupKLPingPong(WarmupKL):
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_ws(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_rows, scale, hp_per_hk, hp_per_hpk, l_q, l_k,
-                       cp_async_rows(self.dtype, self.head_dim, CONSUMERS), cp_async_rows(self.dtype, self.head_dim, 32),
+                       cp_async_rows(self.dtype, self.head_dim, CONSUMERS, self.ROW_THREADS),
+                       cp_async_rows(self.dtype, self.head_dim, 32, self.ROW_THREADS),
                        SharedStorage).launch(
             grid=(cute.ceil_div(q.shape[1], self.tile_m), q_proxy.shape[2], q.shape[0]),
             block=(self.block_threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)

@@ -1,0 +1,118 @@
+"""A/B of the sparse kernels' cubins built from different sources, in one process on the same plans and inputs:
+sparse_fwd, sparse_kl (one query chunk of at most 16K queries, as the forward runs them), sparse_bwd and
+sparse_bwd_proxy (the whole sequence), each with the variant the runtime picks on this GPU. Each variant is an
+artifact directory (python -m build_tools build --out DIR); the first is the baseline. Prints ms per kernel and
+whether the outputs are bitwise equal to the baseline's (else the relative max difference).
+
+    python benchmarks/ab_sparse.py old=/tmp/art_old,new=artifacts b:65536,c:65536 [fwd,kl,bwd,proxy] [reps]
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
+from benchmarks.common import cuda_time_ms  # noqa: E402
+
+
+def compare(base, got):
+    """'=' when every tensor is bitwise equal (NaN where the baseline has NaN), else the worst relative max
+    difference over the tensors' finite entries."""
+    worst = 0.0
+    for a, b in zip(base, got):
+        if torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)):
+            continue
+        fin = torch.isfinite(a) & torch.isfinite(b)
+        scale = a[fin].abs().max().clamp(min=1e-30)
+        worst = max(worst, ((a[fin] - b[fin]).abs().max() / scale).item(), float(not torch.equal(
+            torch.isfinite(a), torch.isfinite(b))))
+    return "=" if worst == 0.0 else f"{worst:.1e}"
+
+
+def main():
+    from flash_msa_rt import artifacts
+    from flash_msa_rt.loader import Kernel, device_arch
+    from flash_msa_rt.manifest import variant_name
+    from flash_msa_rt.ops import sparse_bwd as sb
+    from flash_msa_rt.ops import sparse_fwd as sf
+    from flash_msa_rt.ops.select import select_blocks_cuda
+    from flash_msa_rt.ops.sparse_plan import recut, sparse_plan
+
+    arch = device_arch(0)
+    dev = torch.device("cuda")
+    dirs = dict(v.split("=", 1) for v in sys.argv[1].split(","))
+    families = sys.argv[3].split(",") if len(sys.argv) > 3 else ["fwd", "kl", "bwd", "proxy"]
+    reps = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    mans = {n: artifacts.load_manifest(Path(d), arch) for n, d in dirs.items()}
+    for spec in sys.argv[2].split(","):
+        cfg, S = spec.split(":")
+        x = random_problem(cfg, int(S))
+        B, S, H, Hk, Hp, D, G, scale = (x[n] for n in ("B", "S", "H", "Hk", "Hp", "D", "G", "scale"))
+        qp, kp, q, k, v = (x[n] for n in ("qp", "kp", "q", "k", "v"))
+        sel = select_blocks_cuda(qp, kp, 16, 128, scale)
+        out, lse, lsep, _ = sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale)
+        go = torch.randn_like(q)
+        delta = (go.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+        grad = torch.rand(B, Hp, S, device=dev) + 0.5
+        chunk = min(S, 16384)
+        csel = sel[:, :, :chunk].contiguous()
+        fplan = sparse_plan(csel, 128, chunk, G, sf.TILE_M // G, sf.TILES_PER_ITEM)
+        kplan = recut(fplan, sf.KL_TILE, sf.per_group_tiles(sf.KL_MAIN_TILES_PER_ITEM, G))
+        bplan = sparse_plan(sel, 128, S, G, sb.TILE_M // G, sb.TILES_PER_ITEM)
+        pplan = recut(bplan, sb.TILE_M, sf.per_group_tiles(sb.PROXY_MAIN_TILES_PER_ITEM, G))
+        dt = sf.DTYPES[q.dtype]
+        confs = {"fwd": ("sparse_fwd", sf.kernel_config(dt, D, 128, G, sf.device_mma(dev, "sparse_fwd"))),
+                 "kl": ("sparse_kl", sf.kl_config(dt, D, 128, G, sf.device_mma(dev, "sparse_kl"))),
+                 "bwd": ("sparse_bwd", sb.kernel_config(dt, D, 128, G, sf.device_mma(dev, "sparse_bwd"))),
+                 "proxy": ("sparse_bwd_proxy", sb.proxy_config(dt, D, 128, G, sf.device_mma(dev, "sparse_bwd_proxy")))}
+
+        def launcher(fam, kern):
+            """(outputs, fill value, run) of one family's kernel; run() writes (fwd, kl) or adds to (bwd, proxy)
+            the outputs."""
+            f32 = dict(dtype=torch.float32, device=dev)
+            if fam == "fwd":
+                outs = (torch.empty((fplan.E, G, D), dtype=q.dtype, device=dev), torch.empty((fplan.E, G), **f32))
+                return outs, float("nan"), lambda: kern(q=q, k=k, v=v, o_part=outs[0], lse_part=outs[1], scale=scale,
+                                                        hp=Hp, hp_per_hk=Hp // Hk, **sf._plan_args(fplan))
+            if fam == "kl":
+                outs = (torch.empty((kplan.E, 3 * sf.kl_part_groups(confs["kl"][1])), **f32),)
+                return outs, float("nan"), lambda: kern(lse=lse, kl_part=outs[0],
+                                                        **sf._kl_args(qp, kp, q, k, kplan, scale))
+            if fam == "bwd":
+                outs = tuple(torch.empty(t.shape, **f32) for t in (q, k, v))
+                return outs, 0.0, lambda: kern(q=q, k=k, v=v, dout=go, lse=lse, delta=delta,
+                                               entry_query=bplan.entry_query, items=bplan.items, dq_acc=outs[0],
+                                               dk_acc=outs[1], dv_acc=outs[2], scale=scale, hp=Hp,
+                                               hp_per_hk=Hp // Hk)
+            outs = (torch.empty(qp.shape, **f32), torch.empty(kp.shape, **f32))
+            return outs, 0.0, lambda: kern(q=q, k=k, q_proxy=qp, k_proxy=kp, entry_query=pplan.entry_query,
+                                           items=pplan.items, lse=lse, lse_proxy=lsep, kl_grad=grad, dqp_acc=outs[0],
+                                           dkp_acc=outs[1], scale=scale, hp_per_hk=Hp // Hk,
+                                           hp_per_hpk=Hp // kp.shape[2])
+
+        for fam in families:
+            op, conf = confs[fam]
+            name = variant_name(op, conf, arch)
+            res = {}
+            have = [n for n in dirs if name in mans[n].variants]  # a source that does not build it: skipped
+            for n in [m for _ in range(reps) for m in have]:
+                kern = Kernel(mans[n].variants[name], 0, Path(dirs[n]) / arch)
+                outs, fill, run = launcher(fam, kern)
+                for o in outs:
+                    o.fill_(fill)
+                run()
+                torch.cuda.synchronize()
+                got = [o.clone() for o in outs]
+                t = cuda_time_ms(run, warmup=2, reps=7)  # bwd, proxy: adding to the checked sums
+                res[n] = (min(t, res[n][0]) if n in res else t, got)
+            base_t, base = next(iter(res.values()))
+            print(f"({cfg}) S={S} G={G} {fam:5s}: " + "  ".join(
+                f"{n} {t:.3f} ms (x{base_t / t:.3f}, {compare(base, got)})" for n, (t, got) in res.items())
+                + "".join(f"  {n} absent" for n in dirs if n not in have), flush=True)
+
+
+if __name__ == "__main__":
+    main()
