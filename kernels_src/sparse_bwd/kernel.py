@@ -213,8 +213,14 @@ class SparseBackward:
                 self.row_scalars(s_rows, entry_query, s_entries, start, tile, n_q, coord_s, t0, lse2, dlt, key_limit)
 
                 # S = Q K^T -> P = exp(S - lse); dP = dO V^T -> dS = P (dP - delta). Rows past n_q: P = dS = 0.
-                self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False)
-                self.gemm(mma_s, thr_s, acc_dp, s_do, s_v, tidx, False, False)
+                # The previous tile's dq reductions are issued under the two products: the bulk instructions go
+                # out one at a time per SM, and issued at that tile's end they held every other warp at this
+                # tile's first barrier (NOTES.md).
+                self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False, wait=False)
+                self.gemm(mma_s, thr_s, acc_dp, s_do, s_v, tidx, False, False, wait=False)
+                if tile > 0:
+                    self.reduce_dq(dq_acc, s_dq, entry_query, s_entries, start, n_entries, tile - 1, b, p, dq_query)
+                self.wait_products(0)
                 for r in cutlass.range_constexpr(n_rows):
                     for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                         pv = cutlass.Float32(0.0)
@@ -240,17 +246,22 @@ class SparseBackward:
                 self.wait_products(0)
                 # The next gather and the next tile's P / dS stores overwrite what this tile read; s_dq is whole.
                 cute.arch.sync_threads()
-                if dq_query >= 0:
-                    if dq_query < n_q:
-                        i = item_word(entry_query, s_entries, start, tile * self.tile_queries + dq_query)
-                        bulk_reduce_add_f32(dq_acc[b, i, p * self.group, None].iterator.toint(),
-                                            s_dq[dq_query, None].iterator.toint(),
-                                            self.group * self.head_dim * 4)
-                    cute.arch.cp_async_bulk_commit_group()
 
+            self.reduce_dq(dq_acc, s_dq, entry_query, s_entries, start, n_entries, n_tiles - 1, b, p, dq_query)
             self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[b, None, kvh, None], t0, seqlen, cutlass.Float32(1.0))
             self.flush_block(mma_kv, thr_kv, acc_dk, dk_acc[b, None, kvh, None], t0, seqlen, scale)
             self.wait_rows_done(dq_query >= 0)
+
+    @cute.jit
+    def reduce_dq(self, dq_acc, s_dq, entry_query, s_entries, start, n_entries, tile, b, p, dq_query):
+        """dq_acc rows of `tile`'s staged queries += s_dq: one bulk reduction of the query's G head rows per
+        issuing thread (dq_query >= 0), as one bulk group."""
+        if dq_query >= 0:
+            if dq_query < cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries):
+                i = item_word(entry_query, s_entries, start, tile * self.tile_queries + dq_query)
+                bulk_reduce_add_f32(dq_acc[b, i, p * self.group, None].iterator.toint(),
+                                    s_dq[dq_query, None].iterator.toint(), self.group * self.head_dim * 4)
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def store_scores(self, thr_mma, acc, s_tile):
