@@ -91,3 +91,6 @@ class SparseBackwardWG(WarpgroupTiles, SparseBackward):
     def __init__(self, config):
         super().__init__(config)
         self._check_wg_tiles("sparse_bwd")
+        # Gathered rows: 8 threads each at G <= 4 (against 16: (b) 64K 31.2 -> 30.0 ms, (a) 1.05x, (b) 16K 1.06x;
+        # 4 was 6-11 % slower); 16 at G >= 8, where 8 measured 0.98x at (c).
+        self.ROW_THREADS = 8 if self.group <= 4 else None
