@@ -68,3 +68,13 @@ def test_wgmma_register_layouts():
                          env={**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)})
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.splitlines()[0] == "0", run.stdout
+
+
+def test_row_copy_layouts():
+    """tiles.cp_async_rows with fewer threads per row (the gathers' ROW_THREADS): every element copied once, 8
+    contiguous elements per chunk, each instruction's share of a row contiguous, one lead thread per row and pass
+    (kernels_src/tiles_check.py)."""
+    from kernels_src.tiles_check import mismatches
+
+    errors = mismatches()
+    assert not errors, errors[:5]
