@@ -40,16 +40,18 @@ for mma in ['sync', 'wgmma'] if device_arch(0) == 'sm90a' else ['sync']:  # ever
     select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
     msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
-if device_arch(0) == 'sm90a':  # G = 16: the KL pass's streamed ping-pong (its heads through a ring)
+if device_arch(0) == 'sm90a':  # G = 16: the KL pass's streamed ping-pong (its heads through a ring), tau export
     sparse_fwd.FORCE_MMA = 'wgmma'
-    msa_forward_cuda(q, q[:, :, :1], torch.randn(2, 333, 32, 128, device='cuda').to(torch.bfloat16), kv, kv, sel,
-                     128, 0.1)
+    m16 = torch.randn(2, 333, 32, 128, device='cuda').to(torch.bfloat16)
+    o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m16, kv, kv, sel, 128, 0.1)
+    msa_backward_cuda(q, q[:, :, :1], m16, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m16), kl)
 if device_arch(0) == 'sm90a':  # the other wgmma builds: lockstep warpgroups, the proxy backward's heads stepped
     from flash_msa_rt.ops import sparse_bwd
     sparse_fwd.FORCE_MMA, sparse_fwd.FORCE_SCHEDULE, sparse_fwd.FORCE_KL_SCHEDULE = 'wgmma', 'lockstep', 'lockstep'
-    sparse_bwd.FORCE_PROXY_HEADS = 'stepped'
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
-    msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
+    for heads in ('stepped', 'resident'):  # tau recomputed (the default reads it from the main backward)
+        sparse_bwd.FORCE_PROXY_HEADS = heads
+        msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
 if device_arch(0) == 'sm90a':  # the dense warmup proxy kernels: G = 4 and G = 1, the KL pass in both schedules
     from flash_msa_rt.ops import warmup_kl
     from flash_msa_rt.ops.warmup_kl import warmup_kl_cuda, warmup_proxy_backward_cuda
@@ -84,6 +86,7 @@ if [[ $mode == bench || $mode == all ]]; then
   python3 benchmarks/bench_sparse_fwd.py --configs a,b,c --seqlens 65536 --out "$out/sparse_stages.json" 2>&1 \
     | tee "$out/bench_sparse_stages.log"
   python3 benchmarks/profile_sparse_bwd.py b 65536 2>&1 | tee "$out/profile_sparse_bwd.log"
+  python3 benchmarks/ab_proxy_tau.py a:65536,b:65536,c:65536,b:16384 2>&1 | tee "$out/ab_proxy_tau.log"
   python3 benchmarks/profile_msa.py b 65536 --out "$out/profile_msa.json" 2>&1 | tee "$out/profile_msa.log"
 fi
 exit $status

@@ -325,7 +325,8 @@ NAME_TAGS: dict[str, str] = {
     "stages": "s",
     "mma": "mma",  # mmasync (mma.sync) or mmawgmma (Hopper warpgroup MMA)
     "schedule": "sched",  # schedlockstep or schedpingpong: how a kernel's warpgroups share a tile's phases
-    "heads": "heads",  # headsstepped or headsresident: a tile's main heads one step at a time, or all at once
+    "heads": "heads",  # headsstepped, headsresident or headstau: how the proxy backward gets a tile's tau
+    "tau_out": "tauout",  # tauout1: the main backward also writes tau for the proxy backward
 }
 
 

@@ -62,7 +62,9 @@ def test_kl_part_columns_are_the_kernels(mma, schedule, groups):
 
 
 def test_proxy_heads_the_runtime_launches_are_built():
-    """The proxy backward with resident heads on wgmma at G <= 4, stepped otherwise (and when forced), all built."""
+    """The proxy backward recomputing tau: resident heads on wgmma at G <= 4, stepped otherwise (and when forced);
+    reading tau from the main backward on wgmma at every G (one variant, group 1), beside a main backward variant
+    that writes it; all built."""
     from kernels_src import sparse_bwd_proxy
 
     for G in (1, 2, 4, 8, 16):
@@ -71,6 +73,18 @@ def test_proxy_heads_the_runtime_launches_are_built():
                 cfg = rt_bwd.proxy_config("bf16", 128, 128, G, mma, heads)
                 assert cfg["heads"] == ("resident" if mma == "wgmma" and G <= 4 and heads is None else "stepped")
                 assert sparse_bwd_proxy.Config(**cfg) in sparse_bwd_proxy.configs()
+            cfg = rt_bwd.proxy_config("bf16", 128, 128, G, mma, tau=True)
+            assert cfg["heads"] == ("tau" if mma == "wgmma" else "stepped")
+            assert cfg["group"] == (1 if mma == "wgmma" else G)
+            assert sparse_bwd_proxy.Config(**cfg) in sparse_bwd_proxy.configs()
+        main = rt_bwd.kernel_config("bf16", 128, 128, G, "wgmma", tau_out=True)
+        assert sparse_bwd.MainConfig(**main) in sparse_bwd.configs()
+        assert sparse_bwd.can_implement(sparse_bwd.MainConfig(**main), "sm90a")[0]
+    ok, reason = sparse_bwd.can_implement(sparse_bwd.MainConfig(tau_out=1), "sm90a")  # mma.sync: 64-key slices
+    assert not ok and "tau_out 1" in reason
+    ok, reason = sparse_bwd_proxy.can_implement(sparse_bwd_proxy.Config(group=4, tile_n=128, mma="wgmma",
+                                                                        heads="tau"), "sm90a")
+    assert not ok and "group 1" in reason
     ok, reason = sparse_bwd_proxy.can_implement(sparse_bwd_proxy.Config(group=8, tile_n=128, mma="wgmma",
                                                                         heads="resident"), "sm90a")
     assert not ok and "resident" in reason and "G 8" in reason

@@ -76,12 +76,14 @@ def test_backward_matches_reference(shape, dtype):
     _check_backward(qp, kp, q, k, v, _selection(qp, kp, K, scale), scale)
 
 
-@pytest.mark.parametrize("mma,heads", [("sync", "stepped"), ("wgmma", "stepped"), ("wgmma", "resident")])
+@pytest.mark.parametrize("mma,heads", [("sync", "stepped"), ("wgmma", "stepped"), ("wgmma", "resident"),
+                                       ("wgmma", "tau")])
 @pytest.mark.parametrize("G", [1, 4, 16])
 def test_both_backward_kernels_match_reference(mma, heads, G, force_mma, monkeypatch):
     """Hopper builds the KL pass and both backward kernels twice (mma.sync, and wgmma which the runtime picks
-    there), and the proxy backward on wgmma at G <= 4 twice more (heads stepped, or resident, the runtime's
-    choice): all are checked, on odd S, whatever the device's default."""
+    there), and the proxy backward on wgmma three ways (tau read from the main backward, the runtime's choice with
+    both gradients; tau recomputed with heads stepped, or resident at G <= 4, as when only kl_grad arrives): all
+    are checked, on odd S, whatever the device's default."""
     from flash_msa_rt.ops import sparse_bwd
 
     force_mma(mma)
@@ -90,6 +92,22 @@ def test_both_backward_kernels_match_reference(mma, heads, G, force_mma, monkeyp
     qp, kp, q, k, v = _inputs(1, 1500, H, 1, H // G, 1, torch.bfloat16, seed=G + 40)
     scale = 128 ** -0.5
     _check_backward(qp, kp, q, k, v, _selection(qp, kp, 6, scale), scale)
+
+
+@pytest.mark.parametrize("G", [1, 4, 16])
+def test_tau_path_in_query_chunks(G, monkeypatch):
+    """With tau passed from the main kernel to the proxy kernel the backward runs per query chunk (each chunk's tau
+    rows within TAU_BUDGET): one block of queries per chunk, an odd S and an offset last chunk give the
+    reference's gradients too."""
+    from flash_msa_rt.ops import sparse_bwd, sparse_fwd
+
+    if sparse_fwd.device_mma(torch.device("cuda"), "sparse_bwd") != "wgmma":
+        pytest.skip("the tau path runs on wgmma (sm90a)")
+    monkeypatch.setattr(sparse_bwd, "TAU_BUDGET", 1)
+    assert sparse_bwd.tau_chunk(1, 1100, 16 // G, 5, 128) == 128
+    qp, kp, q, k, v = _inputs(1, 1100, 16, 1, 16 // G, 1, torch.bfloat16, seed=70 + G)
+    scale = 128 ** -0.5
+    _check_backward(qp, kp, q, k, v, _selection(qp, kp, 5, scale), scale)
 
 
 def test_backward_skewed_selection():

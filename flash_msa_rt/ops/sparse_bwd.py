@@ -2,10 +2,13 @@
 
   1. delta = rowsum(dO * O) in fp32 (bwd_delta kernel: dO and O read once);
   2. sparse_bwd kernel over a plan of 64-row tiles: dq, dk, dv into fp32 accumulators (atomics);
-  3. sparse_bwd_proxy kernel over a plan of 64 distinct queries per tile (it visits the G heads one after
-     another): dq_proxy, dk_proxy from (pi - tau) times the upstream gradient of kl_rows, read from the device
-     (proxy_backward_cuda, which warmup mode also runs on its own);
+  3. sparse_bwd_proxy kernel over a plan of 64 distinct queries per tile: dq_proxy, dk_proxy from (pi - tau) times
+     the upstream gradient of kl_rows, read from the device;
   4. the accumulators cast to the input dtypes.
+With both gradients on wgmma, steps 2 and 3 run per query chunk: sparse_bwd also writes each plan entry's tau (the
+mean of its G heads' P, which it has anyway), and the proxy kernel reads it ("tau" heads) instead of recomputing
+the G main score tiles; a chunk's tau rows fit TAU_BUDGET. Otherwise the proxy kernel recomputes tau (resident or
+stepped heads; proxy_backward_cuda, which warmup mode also runs on its own).
 Internal layout (B, S, heads, D). Atomics make the summation order vary run to run (not bitwise deterministic).
 """
 
@@ -27,31 +30,46 @@ PROXY_MAIN_TILES_PER_ITEM = 128  # proxy tiles are 64 queries x G heads: sparse_
 PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all-causal selection is chunked)
 
 
-def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
-    """The variant of either backward kernel: a key block split over block_size // tile_n CTAs; mma: "sync" or
+def tile_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
+    """The tiles of either backward kernel: a key block split over block_size // tile_n CTAs; mma: "sync" or
     "wgmma" (sparse_fwd.family_mma)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
             "tile_n": sparse_fwd.tile_n_for(mma, block_size), "threads": 256, "stages": 2, "mma": mma}
 
 
-# How the proxy backward's tile visits its G main heads: on wgmma at G <= 4 all at once ("resident": the G head
-# tiles and the proxy rows gathered together, S_{g+1} in flight under P_g's exponentials; kernels_src/
-# sparse_bwd_proxy/resident.py), else one step per head ("stepped").
+def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
+                  tau_out: bool = False) -> dict:
+    """sparse_bwd's variant; tau_out: it also writes tau for the proxy kernel's "tau" heads."""
+    return {**tile_config(dtype, head_dim, block_size, group, mma), "tau_out": int(tau_out)}
+
+
+# How the proxy backward gets a tile's tau on wgmma: read from the main backward when it runs beside it ("tau",
+# kernels_src/sparse_bwd_proxy/tau.py); else recomputed from the G main heads, at G <= 4 all at once ("resident":
+# the G head tiles and the proxy rows gathered together, S_{g+1} in flight under P_g's exponentials; resident.py),
+# else one step per head ("stepped"). mma.sync has the stepped kernel only.
 PROXY_RESIDENT_GROUPS = (1, 2, 4)
-FORCE_PROXY_HEADS: str | None = None  # tests and benchmarks: "stepped" runs the stepped wgmma kernel instead
+FORCE_PROXY_HEADS: str | None = None  # tests and benchmarks: "stepped" / "resident" recompute tau even when it
+                                      # could be read ("resident" stays stepped at G >= 8)
+TAU_BUDGET = 1 << 30  # bytes of one backward chunk's tau rows (the input dtype, block_size per plan entry)
 
 
-def proxy_heads(mma: str, group: int) -> str:
-    if mma != "wgmma" or group not in PROXY_RESIDENT_GROUPS:
+def proxy_heads(mma: str, group: int, tau: bool = False) -> str:
+    """tau: the main backward runs in the same call and can write tau."""
+    if mma != "wgmma":
         return "stepped"
-    return FORCE_PROXY_HEADS or "resident"
+    if tau and FORCE_PROXY_HEADS in (None, "tau"):
+        return "tau"
+    if group not in PROXY_RESIDENT_GROUPS or FORCE_PROXY_HEADS == "stepped":
+        return "stepped"
+    return "resident"
 
 
 def proxy_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
-                 heads: str | None = None) -> dict:
-    """The proxy backward's variant: the backward's tiles plus how a tile visits its heads (proxy_heads unless
-    given)."""
-    return {**kernel_config(dtype, head_dim, block_size, group, mma), "heads": heads or proxy_heads(mma, group)}
+                 heads: str | None = None, tau: bool = False) -> dict:
+    """The proxy backward's variant: the backward's tiles plus how a tile gets its tau (proxy_heads unless given);
+    the "tau" kernel does not depend on G and is built once, at group 1."""
+    heads = heads or proxy_heads(mma, group, tau)
+    return {**tile_config(dtype, head_dim, block_size, 1 if heads == "tau" else group, mma), "heads": heads}
 
 
 def delta_config(dtype: str, head_dim: int) -> dict:
@@ -60,10 +78,29 @@ def delta_config(dtype: str, head_dim: int) -> dict:
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
              arch: str = "sm90a") -> list[tuple[str, dict]]:
-    return [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, sparse_fwd.family_mma(arch, "sparse_bwd"))),
-            ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group,
-                                              sparse_fwd.family_mma(arch, "sparse_bwd_proxy"))),
-            ("bwd_delta", delta_config(dtype, head_dim))]
+    """Every (op, config) one backward may launch on arch: with both gradients (tau written and read where the
+    MMA allows), and with one of them missing."""
+    mma, mma_p = sparse_fwd.family_mma(arch, "sparse_bwd"), sparse_fwd.family_mma(arch, "sparse_bwd_proxy")
+    tau = tau_path(mma, mma_p)
+    out = [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, mma)),
+           ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, mma_p)),
+           ("bwd_delta", delta_config(dtype, head_dim))]
+    if tau:
+        out += [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, mma, tau_out=True)),
+                ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, mma_p, tau=True))]
+    return out
+
+
+def tau_path(mma: str, mma_proxy: str) -> bool:
+    """Whether the main backward writes tau for the proxy kernel: both on wgmma (whole key block per CTA), unless
+    a test or benchmark forces the recomputing heads."""
+    return mma == mma_proxy == "wgmma" and FORCE_PROXY_HEADS in (None, "tau")
+
+
+def tau_chunk(B: int, S: int, Hp: int, K: int, block_size: int, budget: int | None = None) -> int:
+    """Queries per backward chunk on the tau path: the chunk's tau rows (B Hp K entries per query, block_size
+    keys each, 2 bytes) fit budget (default TAU_BUDGET) plus sparse_fwd.CHUNK_SLACK, in equal whole blocks."""
+    return sparse_fwd.equal_chunk(S, block_size, B * Hp * K * block_size * 2, budget or TAU_BUDGET)
 
 
 def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
@@ -79,11 +116,16 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
     dq_acc = torch.zeros((B, S, H, D), dtype=f32, device=dev)
     dk_acc = torch.zeros((B, S, Hk, D), dtype=f32, device=dev)
     dv_acc = torch.zeros((B, S, Hk, D), dtype=f32, device=dev)
+    mma, mma_p = sparse_fwd.device_mma(dev, "sparse_bwd"), sparse_fwd.device_mma(dev, "sparse_bwd_proxy")
+    if grad_out is not None and kl_grad is not None and tau_path(mma, mma_p):
+        dq_proxy, dk_proxy = _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
+                                                block_size, scale, grad_out, kl_grad, dq_acc, dk_acc, dv_acc)
+        return dq_proxy, dk_proxy, dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
     plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, TILES_PER_ITEM)
     if grad_out is not None:
         delta = torch.empty((B, H, S), dtype=f32, device=dev)
         get_kernel("bwd_delta", delta_config(dt, D), dev)(dout=grad_out, out=out, delta=delta)
-        get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, sparse_fwd.device_mma(dev, "sparse_bwd")), dev)(
+        get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, mma), dev)(
             q=q, k=k, v=v, dout=grad_out, lse=lse.contiguous(), delta=delta, entry_query=plan.entry_query,
             items=plan.items, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, scale=float(scale), hp=Hp,
             hp_per_hk=Hp // Hk)
@@ -95,6 +137,44 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
     else:
         dq_proxy, dk_proxy = torch.zeros_like(q_proxy), torch.zeros_like(k_proxy)
     return dq_proxy, dk_proxy, dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
+                       kl_grad, dq_acc, dk_acc, dv_acc):
+    """Both backward kernels per query chunk, tau passed from the main kernel to the proxy kernel: fills the main
+    accumulators, returns (dq_proxy, dk_proxy). A chunk's plan holds only its queries' entries, so the main kernel's
+    atomics of two chunks meet in dk_acc / dv_acc as those of two items do, and dq rows belong to one chunk."""
+    B, S, H, D = q.shape
+    Hp, Hk, Hpk, K = q_proxy.shape[2], k.shape[2], k_proxy.shape[2], block_indices.shape[3]
+    G = H // Hp
+    dt = sparse_fwd.DTYPES[q.dtype]
+    dev = q.device
+    f32 = torch.float32
+    main = get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, "wgmma", tau_out=True), dev)
+    proxy = get_kernel("sparse_bwd_proxy", proxy_config(dt, D, block_size, G, "wgmma", tau=True), dev)
+    delta = torch.empty((B, H, S), dtype=f32, device=dev)
+    get_kernel("bwd_delta", delta_config(dt, D), dev)(dout=grad_out, out=out, delta=delta)
+    dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
+    dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
+    grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
+    lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
+    chunk = tau_chunk(B, S, Hp, K, block_size)
+    tau = torch.empty((B * Hp * min(chunk, S) * K, block_size), dtype=q.dtype, device=dev)
+    proxy_tiles = sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, 1)
+    for s0 in range(0, S, chunk):
+        s1 = min(S, s0 + chunk)
+        sel = block_indices[:, :, s0:s1].contiguous()
+        plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
+        tau_rows = tau[:plan.E]
+        main(q=q, k=k, v=v, dout=grad_out, lse=lse, delta=delta, entry_query=plan.entry_query, items=plan.items,
+             dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, tau=tau_rows, scale=float(scale), hp=Hp,
+             hp_per_hk=Hp // Hk)
+        # The main plan's sorted lists, cut into the proxy kernel's tiles: entry e's tau row is row e for both.
+        proxy_plan = recut(plan, TILE_M, proxy_tiles)
+        proxy(q_proxy=q_proxy, k_proxy=k_proxy, tau=tau_rows, entry_query=proxy_plan.entry_query,
+              items=proxy_plan.items, lse_proxy=lse_proxy, kl_grad=grad, dqp_acc=dqp_acc, dkp_acc=dkp_acc,
+              scale=float(scale), hp_per_hpk=Hp // Hpk)
+    return dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype)
 
 
 def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size, scale, kl_grad, plan=None):

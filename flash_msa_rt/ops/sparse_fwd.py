@@ -189,7 +189,13 @@ def query_chunk(B: int, S: int, Hp: int, K: int, G: int, D: int, block_size: int
     2 bytes; lse_part and the KL pass's (A, T, L) triples in fp32) of one chunk stay within budget bytes (default
     partials_budget) plus CHUNK_SLACK, and the chunks are as equal as whole blocks allow."""
     per_query = B * Hp * K * (G * D * 2 + 4 * (G + 3 * kl_groups(block_size)))
-    fit = max(1, (budget or partials_budget(B, S, Hp * G, D)) // per_query // block_size)  # blocks per chunk
+    return equal_chunk(S, block_size, per_query, budget or partials_budget(B, S, Hp * G, D))
+
+
+def equal_chunk(S: int, block_size: int, per_query: int, budget: int) -> int:
+    """Queries per chunk, whole blocks, when a query costs per_query bytes: at most budget (plus CHUNK_SLACK) per
+    chunk, and the chunks as equal as whole blocks allow."""
+    fit = max(1, budget // per_query // block_size)  # blocks per chunk
     cap = fit + int(fit * CHUNK_SLACK)
     blocks = max(1, -(-S // block_size))
     chunks = -(-blocks // cap)

@@ -93,13 +93,33 @@ class MmaConfig(Config):
     mma: str = "sync"
 
 
-def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[MmaConfig]:
-    """The backward kernels' variants (can_implement refuses wgmma off sm90a): mma.sync on 64-key slices (two
-    CTAs per key block: 128 keys spill there), wgmma on the whole key block (one CTA; dK, dV or dk_p of 128 keys in
+def mma_configs(head_dims=None, block_sizes=None, dtypes=None) -> list[MmaConfig]:
+    """The backward kernels' tiles and MMAs, which sparse_bwd_proxy and sparse_kl build on (can_implement refuses
+    wgmma off sm90a): mma.sync on 64-key slices (two CTAs per key block: 128 keys spill there), wgmma on the whole key block (one CTA; dK, dV or dk_p of 128 keys in
     registers, 255 / 210 registers, no spills). The whole block halves the gathers and the dq reductions per
     FLOP: (b) S = 64K, sparse_bwd 53.5 -> 37.6 ms, sparse_bwd_proxy 31.9 -> 19.5 (NOTES.md)."""
     return [MmaConfig(**dict(dataclasses.asdict(c), tile_n=tile_n_for(m, c.block_size)), mma=m)
             for c in tile_configs(head_dims, block_sizes, dtypes) for m in MMAS]
+
+
+@dataclass(frozen=True)
+class MainConfig(MmaConfig):
+    """sparse_bwd's variants: the backward's tiles and MMA plus tau_out = 1, the kernel also writes each entry's
+    tau = mean over the G heads of P (the input dtype, one row of block_size keys per plan entry, rows in plan
+    order), for the proxy backward that then need not recompute the G main score tiles (sparse_bwd_proxy heads
+    "tau"). wgmma on the whole key block only (one CTA holds every key of an entry's row)."""
+
+    tau_out: int = 0
+
+
+def tau_ok(config) -> bool:
+    return config.mma == "wgmma" and config.tile_n == config.block_size
+
+
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[MainConfig]:
+    """mma_configs, and the whole-block wgmma ones again with tau_out = 1."""
+    base = [MainConfig(**dataclasses.asdict(c)) for c in mma_configs(head_dims, block_sizes, dtypes)]
+    return base + [dataclasses.replace(c, tau_out=1) for c in base if tau_ok(c)]
 
 
 def tile_n_for(mma: str, block_size: int) -> int:
@@ -121,6 +141,12 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
     reason = refusal(c, arch, dtype=DTYPES, head_dim=(128,), block_size=(128,), group=GROUPS, tile_m=(64,),
                      tile_n=(64, 128), threads=(256,), stages=(1, 2)) or mma_refusal(c, arch)
+    tau_out = getattr(c, "tau_out", 0)
+    if not reason and tau_out not in (0, 1):
+        reason = f"tau_out {tau_out!r} not supported; supported: 0, 1"
+    elif not reason and tau_out and not tau_ok(c):
+        reason = (f"tau_out 1 needs wgmma on the whole key block (tile_n = block_size); got mma {c.mma!r}, "
+                  f"tile_n {c.tile_n}")
     return verdict(reason or smem_refusal(c.smem_bytes(), arch))
 
 
@@ -140,10 +166,19 @@ def params(config: Config) -> tuple:
         TensorParam("dq_acc", "f32", ("B", "S", "H", d), bshd, align=16),
         TensorParam("dk_acc", "f32", ("B", "S", "Hk", d), bshd, align=16),
         TensorParam("dv_acc", "f32", ("B", "S", "Hk", d), bshd, align=16),
+        *tau_params(c),
         ScalarParam("scale", "f32"),
         ScalarParam("hp", "i32"),  # proxy heads: item bp = b * Hp + p
         ScalarParam("hp_per_hk", "i32"),
     )
+
+
+def tau_params(config) -> tuple:
+    """tau (E, block_size) in the input dtype, rows in plan order, where the kernel writes it (tau_out = 1); its
+    16-byte rows are what the proxy backward gathers a tile of."""
+    if not getattr(config, "tau_out", 0):
+        return ()
+    return (TensorParam("tau", config.dtype, ("E", config.block_size), (config.block_size, 1), align=16),)
 
 
 def build_spec(config: Config, arch: str) -> BuildSpec:

@@ -111,6 +111,21 @@ class SparseBackward:
                  delta: cute.Tensor, entry_query: cute.Tensor, items: cute.Tensor, dq_acc: cute.Tensor,
                  dk_acc: cute.Tensor, dv_acc: cute.Tensor, scale: cutlass.Float32, hp: cutlass.Int32,
                  hp_per_hk: cutlass.Int32, stream: cuda.CUstream):
+        self.launch(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, None, scale, hp,
+                    hp_per_hk, stream)
+
+    @cute.jit
+    def call_tau(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
+                 delta: cute.Tensor, entry_query: cute.Tensor, items: cute.Tensor, dq_acc: cute.Tensor,
+                 dk_acc: cute.Tensor, dv_acc: cute.Tensor, tau: cute.Tensor, scale: cutlass.Float32,
+                 hp: cutlass.Int32, hp_per_hk: cutlass.Int32, stream: cuda.CUstream):
+        """The entry of the tau_out = 1 variants: __call__ plus the tau rows it writes (export_tau)."""
+        self.launch(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau, scale, hp,
+                    hp_per_hk, stream)
+
+    @cute.jit
+    def launch(self, q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau, scale, hp,
+               hp_per_hk, stream):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
         l_p = self._smem_layout((self.tile_m, self.tile_n))
@@ -130,10 +145,16 @@ class SparseBackward:
             s_rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_rows_f)], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        self.kernel(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, scale, hp, hp_per_hk,
-                    l_kv, l_rows, l_p, l_dq, l_rows_f, self._gmem_copy(), SharedStorage).launch(
-            grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
-            stream=stream)
+        layouts = (l_kv, l_rows, l_p, l_dq, l_rows_f, self._gmem_copy(), SharedStorage)
+        grid = (items.shape[0] * self.halves, 1, 1)
+        if cutlass.const_expr(tau is None):
+            self.kernel(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, scale, hp, hp_per_hk,
+                        *layouts).launch(grid=grid, block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
+                                         stream=stream)
+        else:
+            self.kernel_tau(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau, scale, hp,
+                            hp_per_hk, *layouts).launch(grid=grid, block=(self.threads, 1, 1),
+                                                        smem=self.traced["smem_bytes"], stream=stream)
 
     # ------------------------------------------------------------------ device side
 
@@ -142,6 +163,23 @@ class SparseBackward:
                scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
                l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
                l_rows_f: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+        self.backward(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, None, scale, hp,
+                      hp_per_hk, l_kv, l_rows, l_p, l_dq, l_rows_f, gcopy, SharedStorage)
+
+    @cute.kernel
+    def kernel_tau(self, q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau,
+                   scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
+                   l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
+                   l_dq: cute.Layout, l_rows_f: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+        self.backward(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau, scale, hp,
+                      hp_per_hk, l_kv, l_rows, l_p, l_dq, l_rows_f, gcopy, SharedStorage)
+
+    @cute.jit
+    def backward(self, q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau,
+                 scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
+                 l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
+                 l_rows_f: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+        """The kernel body; tau None (trace time): the variant without tau_out."""
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         w = cta // self.halves
@@ -243,6 +281,8 @@ class SparseBackward:
                           accumulate=True, wait=False)
                 self.wait_products(2)
                 self.stage_rows(s_dq, dq_mn, coord_dq, scale)
+                if cutlass.const_expr(tau is not None):
+                    self.export_tau(tau, s_p, start + tile * self.tile_queries, n_q, tidx)
                 self.wait_products(0)
                 # The next gather and the next tile's P / dS stores overwrite what this tile read; s_dq is whole.
                 cute.arch.sync_threads()
@@ -251,6 +291,42 @@ class SparseBackward:
             self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[b, None, kvh, None], t0, seqlen, cutlass.Float32(1.0))
             self.flush_block(mma_kv, thr_kv, acc_dk, dk_acc[b, None, kvh, None], t0, seqlen, scale)
             self.wait_rows_done(dq_query >= 0)
+
+    def _tau_copy(self):
+        """16-byte chunks of the tile's (queries x keys) tau rows, tile_n / 8 threads per row (threads / (tile_n / 8)
+        rows per pass, or the tile's queries if fewer): shared P rows -> registers -> global tau rows."""
+        per_row = self.tile_n // 8
+        rows = min(self.tile_queries, self.threads // per_row)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        return cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((rows, per_row), order=(1, 0)),
+                                       cute.make_layout((1, 8))), rows * per_row
+
+    @cute.jit
+    def export_tau(self, tau, s_p, e0, n_q, tidx):
+        """tau[e0 + qi, key] = mean over the G heads g of P[g * Q + qi, key] (tile rows are head-major), for the
+        tile's n_q queries: the proxy backward's tau, read from the shared P tile that dV's product reads, in its
+        dtype (the sum in fp32). A query's G rows sit in different warps, hence shared memory, not registers."""
+        tcopy, n_threads = self._tau_copy()
+        if tidx < n_threads:
+            queries = self.tile_queries
+            thr = tcopy.get_slice(tidx)
+            t_c = thr.partition_S(cute.make_identity_tensor((queries, self.tile_n)))
+            ptr = cute.make_ptr(self.dtype, tau[e0, None].iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+            t_g = thr.partition_D(cute.make_tensor(ptr, cute.make_layout((queries, self.tile_n),
+                                                                         stride=(self.block_size, 1))))
+            for m in cutlass.range_constexpr(cute.size(t_g, mode=[1])):
+                frag = cute.make_fragment_like(t_g[None, m, None])
+                total = cute.make_rmem_tensor(frag.shape, cutlass.Float32)
+                for g in cutlass.range_constexpr(self.group):
+                    head = thr.partition_S(cute.local_tile(s_p, (queries, self.tile_n), (g, 0)))
+                    cute.copy(tcopy, head[None, m, None], frag)
+                    if cutlass.const_expr(g == 0):
+                        total.store(frag.load().to(cutlass.Float32))
+                    else:
+                        total.store(total.load() + frag.load().to(cutlass.Float32))
+                frag.store((total.load() * (1.0 / self.group)).to(self.dtype))
+                if t_c[0, m, 0][0] < n_q:
+                    cute.copy(tcopy, frag, t_g[None, m, None])
 
     @cute.jit
     def reduce_dq(self, dq_acc, s_dq, entry_query, s_entries, start, n_entries, tile, b, p, dq_query):
@@ -434,4 +510,5 @@ def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entr
         kernel = SparseBackwardWG(config)
     else:
         kernel = SparseBackward(config)
-    return compile_tile_kernel(kernel, config, arch, params(config), config.smem_bytes())
+    entry = kernel.call_tau if getattr(config, "tau_out", 0) else None
+    return compile_tile_kernel(kernel, config, arch, params(config), config.smem_bytes(), entry=entry)

@@ -20,8 +20,10 @@ OP = "sparse_bwd_proxy"
 
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
 # "stepped": a tile visits its G main heads one step at a time (kernel.py, wgmma.py); "resident" (resident.py,
-# wgmma on the whole block at G <= 4): a tile's G head tiles and proxy rows gathered at once
-HEADS = ("stepped", "resident")
+# wgmma on the whole block at G <= 4): a tile's G head tiles and proxy rows gathered at once; "tau" (tau.py, wgmma
+# on the whole block): tau read from the main backward (sparse_bwd tau_out = 1) instead of recomputed, one variant
+# per dtype (group 1: nothing in it depends on G)
+HEADS = ("stepped", "resident", "tau")
 RESIDENT_GROUPS = (1, 2, 4)
 
 
@@ -36,11 +38,17 @@ def resident_ok(config) -> bool:
     return config.mma == "wgmma" and config.tile_n == config.block_size and config.group in RESIDENT_GROUPS
 
 
+def tau_ok(config) -> bool:
+    return (config.mma == "wgmma" and config.tile_n == config.block_size == config.head_dim
+            and config.group == 1)
+
+
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
-    """The backward's variants with the heads stepped, and the whole-block wgmma ones at G <= 4 again with them
-    resident."""
-    base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.configs(head_dims, block_sizes, dtypes)]
-    return base + [dataclasses.replace(c, heads="resident") for c in base if resident_ok(c)]
+    """The backward's variants with the heads stepped, the whole-block wgmma ones at G <= 4 again with them
+    resident, and at G = 1 with tau read."""
+    base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.mma_configs(head_dims, block_sizes, dtypes)]
+    return (base + [dataclasses.replace(c, heads="resident") for c in base if resident_ok(c)]
+            + [dataclasses.replace(c, heads="tau") for c in base if tau_ok(c)])
 
 
 def smem_bytes(config) -> int:
@@ -51,7 +59,11 @@ def smem_bytes(config) -> int:
     a = sparse_bwd._align
     keys = 2 * a(config.tile_n * config.head_dim * e, 1024)
     tile = config.tile_m * config.head_dim * e
-    if getattr(config, "heads", "stepped") == "resident":
+    heads = getattr(config, "heads", "stepped")
+    if heads == "tau":  # sK_p only; proxy rows and tau rows per stage; ints [query], floats [lse_p, kl_grad]
+        return (keys // 2 + 2 * a(config.stages * tile, 1024) + a(config.tile_m * config.tile_n * e, 1024)
+                + sparse_bwd.dq_staging_bytes(config) + row_table_bytes(config, ints=1, floats=2))
+    if heads == "resident":
         rows = a(config.group * tile, 1024) + a(config.stages * tile, 1024)
         floats = config.group + 2
     else:
@@ -79,6 +91,10 @@ def can_implement(config, arch: str) -> tuple[bool, str]:
         reason = (f"heads 'resident' needs wgmma on the whole block (tile_n = block_size), G in {RESIDENT_GROUPS} "
                   f"and stages 2; got mma {config.mma!r}, tile_n {config.tile_n}, G {config.group}, "
                   f"stages {config.stages}")
+    elif heads == "tau" and not (tau_ok(config) and config.stages == 2):
+        reason = (f"heads 'tau' needs wgmma on the whole block (tile_n = block_size = head_dim), group 1 (one "
+                  f"variant serves every G) and stages 2; got mma {config.mma!r}, tile_n {config.tile_n}, head_dim "
+                  f"{config.head_dim}, G {config.group}, stages {config.stages}")
     return verdict(reason or smem_refusal(smem_bytes(config), arch))
 
 
@@ -86,6 +102,20 @@ def params(config) -> tuple:
     c = config
     bshd = ("i64", "i64", "i64", 1)
     d = c.head_dim
+    if getattr(c, "heads", "stepped") == "tau":
+        return (
+            TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", d), bshd, align=16),
+            TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", d), bshd, align=16),
+            *sparse_bwd.tau_params(sparse_bwd.MainConfig(**dict(_mma_fields(c), tau_out=1))),
+            TensorParam("entry_query", "i32", ("E",), (1,), align=4),
+            TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
+            TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
+            TensorParam("kl_grad", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
+            TensorParam("dqp_acc", "f32", ("B", "S", "Hp", d), bshd, align=16),
+            TensorParam("dkp_acc", "f32", ("B", "S", "Hpk", d), bshd, align=16),
+            ScalarParam("scale", "f32"),
+            ScalarParam("hp_per_hpk", "i32"),
+        )
     return (
         TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
         TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
@@ -102,6 +132,10 @@ def params(config) -> tuple:
         ScalarParam("hp_per_hk", "i32"),
         ScalarParam("hp_per_hpk", "i32"),
     )
+
+
+def _mma_fields(config) -> dict:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(sparse_bwd.MmaConfig)}
 
 
 def build_spec(config, arch: str) -> BuildSpec:

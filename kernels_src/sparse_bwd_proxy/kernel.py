@@ -298,7 +298,11 @@ class SparseProxyBackward(SparseBackward):
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_bwd_proxy import params, smem_bytes
 
-    if config.heads == "resident":
+    if config.heads == "tau":
+        from kernels_src.sparse_bwd_proxy.tau import SparseProxyBackwardTau
+
+        kernel = SparseProxyBackwardTau(config)
+    elif config.heads == "resident":
         from kernels_src.sparse_bwd_proxy.resident import SparseProxyBackwardResident
 
         kernel = SparseProxyBackwardResident(config)

@@ -39,7 +39,7 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     """The proxy backward's variants in lockstep, and the whole-block wgmma ones again in ping-pong: with resident
     heads (G <= 4) single-buffered (two warpgroups x (G + 1) tiles of 16 KB beside the 64 KB key block leave no
     room for a second stage), at G >= 8 with the heads streamed through STREAM_STAGES slots per warpgroup."""
-    base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.configs(head_dims, block_sizes, dtypes)]
+    base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.mma_configs(head_dims, block_sizes, dtypes)]
     return base + [dataclasses.replace(c, schedule="pingpong", stages=1 if resident_heads(c) else STREAM_STAGES)
                    for c in base if c.mma == "wgmma" and c.tile_n == c.block_size]
 

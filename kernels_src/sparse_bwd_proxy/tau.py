@@ -1,0 +1,193 @@
+"""The proxy backward reading tau (sm90a, wgmma on the whole key block, any G): heads "tau".
+
+The stepped and resident kernels recompute tau = mean_g exp(s_g - lse_g) from the G main heads' rows: at G = 4 that
+is 4 of the 7 products per tile (57 % of the kernel's FLOPs) and 4 of the 5 exponentials per (query, key). The main
+backward has those P tiles already (in shared memory, in the input dtype, for dV's product), so with tau_out = 1 it
+writes tau per plan entry (kernels_src/sparse_bwd/kernel.py, export_tau), and this kernel reads it back: per tile of
+64 distinct queries one contiguous 16 KB block of tau rows (the entries of a tile are consecutive in the plan) and
+the proxy rows, gathered one tile ahead into the other of two buffers while S_p runs; then pi = exp(s_p - lse_p),
+dS_p = (pi - tau) * kl_grad, and the stepped kernel's dq_p / dk_p products, staging and reductions.
+Nothing here depends on G, so one variant per dtype is built (group 1). tau must come from the same plan's sorted
+entries (sparse_plan.recut of the main backward's plan): row e of tau belongs to entry e.
+Row scalar tables (tile buffer tile % 2): ints [query], floats [lse_p, kl_grad].
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+
+from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
+from kernels_src.tiles import copy_row, copy_word, cp_async_word, load_rows, row_table, transposed
+
+_LOG2E = math.log2(math.e)
+_TILE_BUFFERS = 2  # proxy rows, tau rows and row scalars: this tile's and the next one's
+_LSE_P, _KL_GRAD = 0, 1  # float fields
+
+
+class SparseProxyBackwardTau(SparseProxyBackwardWG):
+    def __init__(self, config):
+        super().__init__(config)
+        if self.tile_n != self.block_size or self.head_dim != self.block_size:
+            raise ValueError(f"sparse_bwd_proxy heads 'tau': the whole key block per CTA, and tau rows of block_size "
+                             f"keys copied like rows of head_dim (tile_n = head_dim = block_size); got tile_n "
+                             f"{self.tile_n}, head_dim {self.head_dim}, block_size {self.block_size}")
+
+    def _tau_tables(self):
+        return row_table(self.tile_m, _TILE_BUFFERS, 1), row_table(self.tile_m, _TILE_BUFFERS, 2)
+
+    @cute.jit
+    def __call__(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor, tau: cute.Tensor, entry_query: cute.Tensor,
+                 items: cute.Tensor, lse_proxy: cute.Tensor, kl_grad: cute.Tensor, dqp_acc: cute.Tensor,
+                 dkp_acc: cute.Tensor, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+        l_kv = self._smem_layout((self.tile_n, self.head_dim))
+        l_rows = self._smem_layout((self.tile_m, self.head_dim, _TILE_BUFFERS))
+        l_p = self._smem_layout((self.tile_m, self.tile_n))
+        l_dq = self._dq_layout()
+        l_ri, l_rf = self._tau_tables()
+
+        @cute.struct
+        class SharedStorage:
+            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
+            s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+            s_tau: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+            s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
+            s_dq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_dq)], 1024]
+            s_ri: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, cute.cosize(l_ri)], 1024]
+            s_rf: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_rf)], 1024]
+
+        self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
+        self.kernel_tau(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
+                        hp_per_hpk, l_kv, l_rows, l_p, l_dq, self._gmem_copy(), SharedStorage).launch(
+            grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
+
+    @cute.kernel
+    def kernel_tau(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
+                   scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout,
+                   l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout, gcopy: cute.TiledCopy,
+                   SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        w, _, _ = cute.arch.block_idx()
+        n_entries = items[w, 3]
+        if n_entries > 0:
+            b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
+            pkh = p // hp_per_hpk
+            seqlen = q_proxy.shape[1]
+            storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+            s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
+            s_qp_all = storage.s_qp.get_tensor(l_rows.outer, swizzle=l_rows.inner)
+            s_tau_all = storage.s_tau.get_tensor(l_rows.outer, swizzle=l_rows.inner)
+            s_ds = storage.s_ds.get_tensor(l_p.outer, swizzle=l_p.inner)
+            s_dq = storage.s_dq.get_tensor(l_dq)
+            l_ri, l_rf = self._tau_tables()
+            s_ri = storage.s_ri.get_tensor(l_ri)
+            s_rf = storage.s_rf.get_tensor(l_rf)
+            # K_p rows past the sequence are zero (committed with tile 0's group).
+            load_rows(gcopy, self.dtype, k_proxy[b, None, pkh, None], s_kp, t0, seqlen, tidx)
+
+            # Made here: a wgmma TiledMma's runtime state (its accumulate flag) would become kernel parameters.
+            mma_s, mma_kv = self._score_mma(), self._kv_mma()
+            thr_s = mma_s.get_slice(tidx)
+            thr_kv = mma_kv.get_slice(tidx)
+            acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
+            sp_mn = self.rows_cols(acc_s)
+            tau_r = cute.make_fragment_like(acc_s, self.dtype)
+            tau_mn = self.rows_cols(tau_r)
+            coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+            acc_dq, dq_mn, coord_dq, acc_dkp = self.proxy_gradients(thr_s, thr_kv)
+            scale_log2 = scale * _LOG2E
+            rows_per_thread = cute.size(sp_mn, mode=[0])
+            cols = cute.size(sp_mn, mode=[1])
+
+            n_tiles = cute.ceil_div(n_entries, self.tile_queries)
+            self.gather_tile(gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
+                             entry_query, start, n_entries, 0, tidx)
+            for tile in cutlass.range(n_tiles, unroll=1):
+                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                tb = tile % _TILE_BUFFERS
+                s_qp = s_qp_all[None, None, tb]
+                cute.arch.cp_async_wait_group(0)
+                self.publish_async_copies()
+                cute.arch.sync_threads()  # this tile's rows and scalars are in; the previous tile is done
+
+                # S_p, with the next tile's rows in flight into the other buffers under it.
+                self.gemm(mma_s, thr_s, acc_s, s_qp, s_kp, tidx, False, False, wait=False)
+                if tile + 1 < n_tiles:
+                    self.gather_tile(gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
+                                     entry_query, start, n_entries, tile + 1, tidx)
+                i_row = s_ri[tidx % self.tile_m, tb, 0]  # this thread's dq_p row, if it reduces one
+                src_mn = self.rows_cols(thr_s.partition_C(s_tau_all[None, None, tb]))
+                for r in cutlass.range_constexpr(rows_per_thread):
+                    cute.autovec_copy(src_mn[r, None], tau_mn[r, None])
+                self.wait_products(0)
+
+                # dS_p = (pi - tau) * kl_grad; rows past n_q have query -1 (no key), tau 0 and kl_grad 0.
+                for r in cutlass.range_constexpr(rows_per_thread):
+                    qi = coord_s[r, 0][0]
+                    lsep2 = s_rf[qi, tb, _LSE_P] * _LOG2E
+                    cg = s_rf[qi, tb, _KL_GRAD]
+                    key_limit = s_ri[qi, tb, 0] - t0
+                    for c in cutlass.range_constexpr(cols):
+                        pi = cutlass.Float32(0.0)
+                        if coord_s[0, c][1] <= key_limit:
+                            pi = cute.math.exp2(sp_mn[r, c] * scale_log2 - lsep2, fastmath=True)
+                        sp_mn[r, c] = (pi - tau_mn[r, c].to(cutlass.Float32)) * cg
+                self.store_scores(thr_s, acc_s, s_ds)
+                self.wait_rows_read(tidx < self.tile_m)  # the previous tile's dq_p rows left s_dq
+                self.publish_async_copies()  # dS_p, read next by the MMAs
+                cute.arch.sync_threads()
+
+                # dq_p = scale * dS_p K_p, dk_p += dS_p^T Q_p.
+                self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_kp), tidx, False, True, wait=False)
+                self.gemm(mma_kv, thr_kv, acc_dkp, transposed(s_ds), transposed(s_qp), tidx, True, True,
+                          accumulate=True, wait=False)
+                self.wait_products(1)
+                self.stage_rows(s_dq, dq_mn, coord_dq, scale)  # while dk_p finishes
+                self.wait_products(0)
+                # s_dq is whole; the next tile's dS_p stores and gathers come after every warp's reads.
+                cute.arch.sync_threads()
+                if tidx < self.tile_m:
+                    if tidx < n_q:
+                        self.reduce_row(dqp_acc[b, i_row, p, None], s_dq, tidx)
+                    cute.arch.cp_async_bulk_commit_group()
+
+            self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
+            self.wait_rows_done(tidx < self.tile_m)
+
+    @cute.jit
+    def gather_tile(self, gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
+                    entry_query, start, n_entries, tile, tidx):
+        """cp.async, as one group, into buffer tile % 2: row r of `tile`'s proxy rows from query i_r =
+        entry_query[e0 + r] and its tau row e0 + r (contiguous rows: no plan load), and the lead thread of a row
+        its scalars (the query as a plain store, read after the next barrier; lse_p and kl_grad). Rows past the
+        tile's queries: zeros, query -1 (no key visible), scalars 0."""
+        e0 = start + tile * self.tile_queries
+        n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+        tb = tile % _TILE_BUFFERS
+        word = cp_async_word(cutlass.Float32)
+        thr = gcopy.get_slice(tidx)
+        t_c = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        t_sqp = thr.partition_D(s_qp_all[None, None, tb])
+        t_stau = thr.partition_D(s_tau_all[None, None, tb])
+        for m in cutlass.range_constexpr(cute.size(t_c, mode=[1])):
+            qi = t_c[0, m, 0][0]
+            lead = t_c[0, m, 0][1] == 0
+            if qi < n_q:
+                copy_row(gcopy, self.dtype, tau[e0 + qi, None], t_stau, t_c, m)
+                i = entry_query[e0 + qi]
+                copy_row(gcopy, self.dtype, q_proxy[b, i, p, None], t_sqp, t_c, m)
+                if lead:
+                    s_ri[qi, tb, 0] = i
+                    copy_word(word, lse_proxy[b, p, None], i, s_rf, qi, tb, _LSE_P)
+                    copy_word(word, kl_grad[b, p, None], i, s_rf, qi, tb, _KL_GRAD)
+            else:
+                t_stau[None, m, None].fill(0)
+                t_sqp[None, m, None].fill(0)
+                if lead:
+                    s_ri[qi, tb, 0] = -1
+                    s_rf[qi, tb, _LSE_P] = 0.0
+                    s_rf[qi, tb, _KL_GRAD] = 0.0
+        cute.arch.cp_async_commit_group()
