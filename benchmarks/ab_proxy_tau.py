@@ -21,6 +21,29 @@ from benchmarks.common import cuda_time_ms  # noqa: E402
 GRADS = ("dq_proxy", "dk_proxy", "dq", "dk", "dv")
 
 
+def kernel_times(fn) -> str:
+    """CUDA time per kernel of one fn() call, torch profiler, largest first (name shortened to its family)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        if e.device_type.name != "CUDA" or e.self_device_time_total <= 0:
+            continue
+        name = e.key
+        for family in ("sparse_bwd_proxy", "sparse_bwd", "bwd_delta"):
+            if f"kernels_src{family}" in name.replace("/", "").replace(".", ""):
+                name = family
+                break
+        else:
+            name = "torch"
+        times[name] = times.get(name, 0.0) + e.self_device_time_total / 1e3
+    return ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 def main():
     from flash_msa_rt.ops import sparse_bwd as sb
     from flash_msa_rt.ops import sparse_fwd as sf
@@ -52,6 +75,7 @@ def main():
             peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
             ms = cuda_time_ms(backward, warmup=1, reps=reps)
             results[name] = (ms, peak, grads)
+            print(f"  ({cfg}) {name}: {kernel_times(backward)}", flush=True)
         sb.FORCE_PROXY_HEADS = None
         (ms0, peak0, g0), (ms1, peak1, g1) = results["recompute"], results["tau"]
         diffs = " ".join(f"{n} {((a.float() - b.float()).abs().max() / a.float().abs().max()).item():.1e}"
