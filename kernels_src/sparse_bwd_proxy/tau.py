@@ -103,6 +103,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             cols = cute.size(sp_mn, mode=[1])
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
+            i_prev, n_prev = cutlass.Int32(0), cutlass.Int32(0)  # the previous tile's dq_p row and query count
             self.gather_tile(gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
                              entry_query, start, n_entries, 0, tidx)
             for tile in cutlass.range(n_tiles, unroll=1):
@@ -118,6 +119,8 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                 if tile + 1 < n_tiles:
                     self.gather_tile(gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
                                      entry_query, start, n_entries, tile + 1, tidx)
+                if tile > 0:
+                    self.reduce_tile(dqp_acc, s_dq, b, p, i_prev, n_prev, tidx)
                 i_row = s_ri[tidx % self.tile_m, tb, 0]  # this thread's dq_p row, if it reduces one
                 src_mn = self.rows_cols(thr_s.partition_C(s_tau_all[None, None, tb]))
                 for r in cutlass.range_constexpr(rows_per_thread):
@@ -149,13 +152,22 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                 self.wait_products(0)
                 # s_dq is whole; the next tile's dS_p stores and gathers come after every warp's reads.
                 cute.arch.sync_threads()
-                if tidx < self.tile_m:
-                    if tidx < n_q:
-                        self.reduce_row(dqp_acc[b, i_row, p, None], s_dq, tidx)
-                    cute.arch.cp_async_bulk_commit_group()
+                i_prev, n_prev = i_row, n_q
 
+            self.reduce_tile(dqp_acc, s_dq, b, p, i_prev, n_prev, tidx)
             self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
             self.wait_rows_done(tidx < self.tile_m)
+
+    @cute.jit
+    def reduce_tile(self, dqp_acc, s_dq, b, p, i_row, n_q, tidx):
+        """A tile's staged dq_p rows into the fp32 accumulator, one bulk reduction per query (threads 0 .. n_q - 1,
+        row i_row each), as one bulk group per issuing thread. Issued under the next tile's S_p product: the bulk
+        instructions go out one at a time per SM, and at the tile's end they held the other warps at the next
+        tile's first barrier (the main backward's lesson, kernels_src/sparse_bwd/NOTES.md)."""
+        if tidx < self.tile_m:
+            if tidx < n_q:
+                self.reduce_row(dqp_acc[b, i_row, p, None], s_dq, tidx)
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def gather_tile(self, gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
