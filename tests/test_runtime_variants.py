@@ -119,3 +119,21 @@ def test_kl_pass_runs_wgmma_on_hopper_at_every_group():
     for G in (1, 2, 4, 8, 16):
         config = sparse_kl.Config(**rt_fwd.kl_config("bf16", 128, 128, G, "wgmma"))
         assert config.schedule == "pingpong" and sparse_kl.resident_heads(config) == (G <= 4)
+
+
+@pytest.mark.parametrize("Hp,Hk,Hpk", [(8, 8, 1), (8, 2, 2), (4, 4, 1), (6, 3, 2), (16, 1, 16), (12, 4, 3)])
+def test_tau_head_chunks_map_every_head(Hp, Hk, Hpk):
+    """The tau path's chunks of proxy heads (tau_heads, chunk_heads): whatever the budget, the chunk size divides
+    Hp and, inside a chunk, local head p' // per lands on the global KV / proxy-key head of p0 + p'."""
+    per_head = 2 * 4096 * 16 * 128 * 2  # B = 2, S = 4096, K = 16
+    seen = set()
+    for heads_in_budget in range(0, Hp + 2):
+        c = rt_bwd.tau_heads(2, 4096, Hp, Hk, Hpk, 16, 128, budget=max(1, heads_in_budget * per_head))
+        assert Hp % c == 0 and (c <= max(1, heads_in_budget))
+        seen.add(c)
+        for p0 in range(0, Hp, c):
+            for ratio in (Hp // Hk, Hp // Hpk):
+                heads, per = rt_bwd.chunk_heads(p0, c, ratio)
+                for p in range(p0, p0 + c):
+                    assert heads.start + (p - p0) // per == p // ratio < heads.stop
+    assert 1 in seen and Hp in seen

@@ -94,20 +94,26 @@ def test_both_backward_kernels_match_reference(mma, heads, G, force_mma, monkeyp
     _check_backward(qp, kp, q, k, v, _selection(qp, kp, 6, scale), scale)
 
 
+@pytest.mark.parametrize("heads_per_chunk", [0, 2])
 @pytest.mark.parametrize("G", [1, 4, 16])
-def test_tau_path_in_query_chunks(G, monkeypatch):
-    """With tau passed from the main kernel to the proxy kernel the backward runs per query chunk (each chunk's tau
-    rows within TAU_BUDGET): one block of queries per chunk, an odd S and an offset last chunk give the
-    reference's gradients too."""
+def test_tau_path_in_chunks(G, heads_per_chunk, monkeypatch):
+    """With tau passed from the main kernel to the proxy kernel the backward runs per chunk of proxy heads, and of
+    queries where one head's tau rows exceed TAU_BUDGET: two heads per chunk (head-sliced views, KV and proxy-key
+    heads shared across chunks), or one head and one block of queries per chunk (an odd S, an offset last chunk)
+    give the reference's gradients too."""
     from flash_msa_rt.ops import sparse_bwd, sparse_fwd
 
     if sparse_fwd.device_mma(torch.device("cuda"), "sparse_bwd") != "wgmma":
         pytest.skip("the tau path runs on wgmma (sm90a)")
-    monkeypatch.setattr(sparse_bwd, "TAU_BUDGET", 1)
-    assert sparse_bwd.tau_chunk(1, 1100, 16 // G, 5, 128) == 128
-    qp, kp, q, k, v = _inputs(1, 1100, 16, 1, 16 // G, 1, torch.bfloat16, seed=70 + G)
+    S, Hp, K = 1100, 16 // G, 5
+    Hk = min(2, Hp)
+    monkeypatch.setattr(sparse_bwd, "TAU_BUDGET", max(1, heads_per_chunk * S * K * 128 * 2))
+    c = sparse_bwd.tau_heads(1, S, Hp, Hk, 1, K, 128)
+    assert c == (min(Hp, heads_per_chunk) or 1)
+    assert (sparse_bwd.tau_chunk(1, S, c, K, 128) == 128) == (heads_per_chunk == 0)
+    qp, kp, q, k, v = _inputs(1, S, 16, Hk, Hp, 1, torch.bfloat16, seed=70 + G + heads_per_chunk)
     scale = 128 ** -0.5
-    _check_backward(qp, kp, q, k, v, _selection(qp, kp, 5, scale), scale)
+    _check_backward(qp, kp, q, k, v, _selection(qp, kp, K, scale), scale)
 
 
 def test_backward_skewed_selection():

@@ -5,9 +5,9 @@
   3. sparse_bwd_proxy kernel over a plan of 64 distinct queries per tile: dq_proxy, dk_proxy from (pi - tau) times
      the upstream gradient of kl_rows, read from the device;
   4. the accumulators cast to the input dtypes.
-With both gradients on wgmma, steps 2 and 3 run per query chunk: sparse_bwd also writes each plan entry's tau (the
-mean of its G heads' P, which it has anyway), and the proxy kernel reads it ("tau" heads) instead of recomputing
-the G main score tiles; a chunk's tau rows fit TAU_BUDGET. Otherwise the proxy kernel recomputes tau (resident or
+With both gradients on wgmma, steps 2 and 3 run per chunk of proxy heads: sparse_bwd also writes each plan entry's
+tau (the mean of its G heads' P, which it has anyway), and the proxy kernel reads it ("tau" heads) instead of
+recomputing the G main score tiles; a chunk's tau rows fit TAU_BUDGET. Otherwise the proxy kernel recomputes tau (resident or
 stepped heads; proxy_backward_cuda, which warmup mode also runs on its own).
 Internal layout (B, S, heads, D). Atomics make the summation order vary run to run (not bitwise deterministic).
 """
@@ -139,11 +139,32 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
     return dq_proxy, dk_proxy, dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
+def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: int, budget: int | None = None) -> int:
+    """Proxy heads per backward chunk on the tau path: the most whose tau rows (B S K entries per head, block_size
+    keys each, 2 bytes) fit budget (default TAU_BUDGET), at least 1. The count divides Hp and is a multiple or a
+    divisor of each proxy-heads-per-KV-head ratio, so a chunk's main, KV and proxy-key heads are contiguous head
+    ranges (chunk_heads). Chunks of heads keep every reverse list whole: chunks of queries cut each list into
+    shorter ones, which cost the main kernel more items (+11 % at (b) 64K in 4 query chunks, NOTES.md)."""
+    per_head = B * S * K * block_size * 2
+    fits = [c for c in range(Hp, 0, -1) if Hp % c == 0
+            and all(c % r == 0 or r % c == 0 for r in (Hp // Hk, Hp // Hpk))]
+    return next((c for c in fits if c * per_head <= (budget or TAU_BUDGET)), 1)
+
+
+def chunk_heads(p0: int, c: int, per: int) -> tuple[slice, int]:
+    """(heads, proxy heads per head inside the chunk) of the heads shared by `per` proxy heads each (KV heads,
+    proxy key heads) that proxy heads [p0, p0 + c) use (c as tau_heads gives it)."""
+    if c % per == 0:
+        return slice(p0 // per, (p0 + c) // per), per
+    return slice(p0 // per, p0 // per + 1), c
+
+
 def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
                        kl_grad, dq_acc, dk_acc, dv_acc):
-    """Both backward kernels per query chunk, tau passed from the main kernel to the proxy kernel: fills the main
-    accumulators, returns (dq_proxy, dk_proxy). A chunk's plan holds only its queries' entries, so the main kernel's
-    atomics of two chunks meet in dk_acc / dv_acc as those of two items do, and dq rows belong to one chunk."""
+    """Both backward kernels per chunk of proxy heads (and of queries, where one head's tau rows exceed the
+    budget), tau passed from the main kernel to the proxy kernel: fills the main accumulators, returns (dq_proxy,
+    dk_proxy). A chunk is the same problem on head-sliced views (strided; the kernels take any strides), with its
+    own plan; chunks meet in dk_acc / dv_acc (KV heads shared across chunks) through atomics, as items do."""
     B, S, H, D = q.shape
     Hp, Hk, Hpk, K = q_proxy.shape[2], k.shape[2], k_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
@@ -158,22 +179,29 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
     lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
-    chunk = tau_chunk(B, S, Hp, K, block_size)
-    tau = torch.empty((B * Hp * min(chunk, S) * K, block_size), dtype=q.dtype, device=dev)
+    c = tau_heads(B, S, Hp, Hk, Hpk, K, block_size)
+    chunk = tau_chunk(B, S, c, K, block_size)
+    tau = torch.empty((B * c * min(chunk, S) * K, block_size), dtype=q.dtype, device=dev)
     proxy_tiles = sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, 1)
-    for s0 in range(0, S, chunk):
-        s1 = min(S, s0 + chunk)
-        sel = block_indices[:, :, s0:s1].contiguous()
-        plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
-        tau_rows = tau[:plan.E]
-        main(q=q, k=k, v=v, dout=grad_out, lse=lse, delta=delta, entry_query=plan.entry_query, items=plan.items,
-             dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, tau=tau_rows, scale=float(scale), hp=Hp,
-             hp_per_hk=Hp // Hk)
-        # The main plan's sorted lists, cut into the proxy kernel's tiles: entry e's tau row is row e for both.
-        proxy_plan = recut(plan, TILE_M, proxy_tiles)
-        proxy(q_proxy=q_proxy, k_proxy=k_proxy, tau=tau_rows, entry_query=proxy_plan.entry_query,
-              items=proxy_plan.items, lse_proxy=lse_proxy, kl_grad=grad, dqp_acc=dqp_acc, dkp_acc=dkp_acc,
-              scale=float(scale), hp_per_hpk=Hp // Hpk)
+    for p0 in range(0, Hp, c):
+        ps, hs = slice(p0, p0 + c), slice(p0 * G, (p0 + c) * G)
+        kvs, per_kv = chunk_heads(p0, c, Hp // Hk)
+        pks, per_pk = chunk_heads(p0, c, Hp // Hpk)
+        for s0 in range(0, S, chunk):
+            s1 = min(S, s0 + chunk)
+            sel = block_indices[:, ps, s0:s1].contiguous()
+            plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
+            tau_rows = tau[:plan.E]
+            main(q=q[:, :, hs], k=k[:, :, kvs], v=v[:, :, kvs], dout=grad_out[:, :, hs], lse=lse[:, hs],
+                 delta=delta[:, hs], entry_query=plan.entry_query, items=plan.items, dq_acc=dq_acc[:, :, hs],
+                 dk_acc=dk_acc[:, :, kvs], dv_acc=dv_acc[:, :, kvs], tau=tau_rows, scale=float(scale), hp=c,
+                 hp_per_hk=per_kv)
+            # The main plan's sorted lists, cut into the proxy kernel's tiles: entry e's tau row is row e for both.
+            proxy_plan = recut(plan, TILE_M, proxy_tiles)
+            proxy(q_proxy=q_proxy[:, :, ps], k_proxy=k_proxy[:, :, pks], tau=tau_rows,
+                  entry_query=proxy_plan.entry_query, items=proxy_plan.items, lse_proxy=lse_proxy[:, ps],
+                  kl_grad=grad[:, ps], dqp_acc=dqp_acc[:, :, ps], dkp_acc=dkp_acc[:, :, pks], scale=float(scale),
+                  hp_per_hpk=per_pk)
     return dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype)
 
 
