@@ -1,10 +1,10 @@
 """A/B of the sparse kernels' cubins built from different sources, in one process on the same plans and inputs:
-sparse_fwd, sparse_kl (one query chunk of at most 16K queries, as the forward runs them), sparse_bwd and
-sparse_bwd_proxy (the whole sequence), each with the variant the runtime picks on this GPU. Each variant is an
+sparse_fwd, sparse_kl (one query chunk of at most 16K queries, as the forward runs them), sparse_bwd (also as
+"bwdtau": the variant that writes tau for the proxy kernel) and sparse_bwd_proxy (the whole sequence), each with the variant the runtime picks on this GPU. Each variant is an
 artifact directory (python -m build_tools build --out DIR); the first is the baseline. Prints ms per kernel and
 whether the outputs are bitwise equal to the baseline's (else the relative max difference).
 
-    python benchmarks/ab_sparse.py old=/tmp/art_old,new=artifacts b:65536,c:65536 [fwd,kl,bwd,proxy] [reps]
+    python benchmarks/ab_sparse.py old=/tmp/art_old,new=artifacts b:65536,c:65536 [fwd,kl,bwd,bwdtau,proxy] [reps]
 """
 
 import sys
@@ -67,6 +67,7 @@ def main():
         confs = {"fwd": ("sparse_fwd", sf.kernel_config(dt, D, 128, G, sf.device_mma(dev, "sparse_fwd"))),
                  "kl": ("sparse_kl", sf.kl_config(dt, D, 128, G, sf.device_mma(dev, "sparse_kl"))),
                  "bwd": ("sparse_bwd", sb.kernel_config(dt, D, 128, G, sf.device_mma(dev, "sparse_bwd"))),
+                 "bwdtau": ("sparse_bwd", sb.kernel_config(dt, D, 128, G, "wgmma", tau_out=True)),
                  "proxy": ("sparse_bwd_proxy", sb.proxy_config(dt, D, 128, G, sf.device_mma(dev, "sparse_bwd_proxy")))}
 
         def launcher(fam, kern):
@@ -81,12 +82,16 @@ def main():
                 outs = (torch.empty((kplan.E, 3 * sf.kl_part_groups(confs["kl"][1])), **f32),)
                 return outs, float("nan"), lambda: kern(lse=lse, kl_part=outs[0],
                                                         **sf._kl_args(qp, kp, q, k, kplan, scale))
-            if fam == "bwd":
+            if fam in ("bwd", "bwdtau"):
                 outs = tuple(torch.empty(t.shape, **f32) for t in (q, k, v))
+                tau = {}
+                if fam == "bwdtau":  # tau rows of live entries only; the rest keep the fill
+                    outs += (torch.empty((bplan.E, 128), dtype=q.dtype, device=dev),)
+                    tau = dict(tau=outs[3])
                 return outs, 0.0, lambda: kern(q=q, k=k, v=v, dout=go, lse=lse, delta=delta,
                                                entry_query=bplan.entry_query, items=bplan.items, dq_acc=outs[0],
                                                dk_acc=outs[1], dv_acc=outs[2], scale=scale, hp=Hp,
-                                               hp_per_hk=Hp // Hk)
+                                               hp_per_hk=Hp // Hk, **tau)
             outs = (torch.empty(qp.shape, **f32), torch.empty(kp.shape, **f32))
             return outs, 0.0, lambda: kern(q=q, k=k, q_proxy=qp, k_proxy=kp, entry_query=pplan.entry_query,
                                            items=pplan.items, lse=lse, lse_proxy=lsep, kl_grad=grad, dqp_acc=outs[0],
