@@ -1,10 +1,10 @@
 """A/B of the sparse kernels' cubins built from different sources, in one process on the same plans and inputs:
-sparse_fwd, sparse_kl (one query chunk of at most 16K queries, as the forward runs them), sparse_bwd (also as
+sparse_fwd, sparse_combine, sparse_kl (one query chunk of at most 16K queries, as the forward runs them), sparse_bwd (also as
 "bwdtau": the variant that writes tau for the proxy kernel) and sparse_bwd_proxy (the whole sequence), each with the variant the runtime picks on this GPU. Each variant is an
 artifact directory (python -m build_tools build --out DIR); the first is the baseline. Prints ms per kernel and
 whether the outputs are bitwise equal to the baseline's (else the relative max difference).
 
-    python benchmarks/ab_sparse.py old=/tmp/art_old,new=artifacts b:65536,c:65536 [fwd,kl,bwd,bwdtau,proxy] [reps]
+    python benchmarks/ab_sparse.py old=/tmp/art_old,new=artifacts b:65536,c:65536 [fwd,combine,kl,bwd,bwdtau,proxy] [reps]
 """
 
 import sys
@@ -34,7 +34,7 @@ def compare(base, got):
 
 def main():
     from flash_msa_rt import artifacts
-    from flash_msa_rt.loader import Kernel, device_arch
+    from flash_msa_rt.loader import Kernel, device_arch, get_kernel
     from flash_msa_rt.manifest import variant_name
     from flash_msa_rt.ops import sparse_bwd as sb
     from flash_msa_rt.ops import sparse_fwd as sf
@@ -65,6 +65,7 @@ def main():
         pplan = recut(bplan, sb.TILE_M, sf.per_group_tiles(sb.PROXY_MAIN_TILES_PER_ITEM, G))
         dt = sf.DTYPES[q.dtype]
         confs = {"fwd": ("sparse_fwd", sf.kernel_config(dt, D, 128, G, sf.device_mma(dev, "sparse_fwd"))),
+                 "combine": ("sparse_combine", sf.combine_config(dt, D, 128, G)),
                  "kl": ("sparse_kl", sf.kl_config(dt, D, 128, G, sf.device_mma(dev, "sparse_kl"))),
                  "bwd": ("sparse_bwd", sb.kernel_config(dt, D, 128, G, sf.device_mma(dev, "sparse_bwd"))),
                  "bwdtau": ("sparse_bwd", sb.kernel_config(dt, D, 128, G, "wgmma", tau_out=True)),
@@ -78,6 +79,14 @@ def main():
                 outs = (torch.empty((fplan.E, G, D), dtype=q.dtype, device=dev), torch.empty((fplan.E, G), **f32))
                 return outs, float("nan"), lambda: kern(q=q, k=k, v=v, o_part=outs[0], lse_part=outs[1], scale=scale,
                                                         hp=Hp, hp_per_hk=Hp // Hk, **sf._plan_args(fplan))
+            if fam == "combine":  # the runtime's forward kernel's partials of the chunk
+                parts = (torch.empty((fplan.E, G, D), dtype=q.dtype, device=dev), torch.empty((fplan.E, G), **f32))
+                get_kernel("sparse_fwd", confs["fwd"][1], dev)(q=q, k=k, v=v, o_part=parts[0], lse_part=parts[1],
+                                                               scale=scale, hp=Hp, hp_per_hk=Hp // Hk,
+                                                               **sf._plan_args(fplan))
+                outs = (torch.empty((B, chunk, H, D), dtype=q.dtype, device=dev), torch.empty((B, H, chunk), **f32))
+                return outs, float("nan"), lambda: kern(block_indices=csel, o_part=parts[0], lse_part=parts[1],
+                                                        out=outs[0], lse=outs[1], query_offset=0)
             if fam == "kl":
                 outs = (torch.empty((kplan.E, 3 * sf.kl_part_groups(confs["kl"][1])), **f32),)
                 return outs, float("nan"), lambda: kern(lse=lse, kl_part=outs[0],
