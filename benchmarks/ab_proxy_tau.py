@@ -5,7 +5,8 @@ resident at G <= 4, stepped above; what ran before). Per configuration: the whol
 peak memory beyond what was allocated before the call, and the largest difference of each gradient between the
 two relative to its largest entry. Further "tau" variants: artifact directories (python -m build_tools build --out
 DIR) whose cubins replace the ones of the tau path that they hold (loaded without the source check, as in
-ab_sparse.py), or "budget:N" for the runtime's cubins with TAU_BUDGET = N bytes, timed in the same process.
+ab_sparse.py), or "budget:N" for the runtime's cubins with a tau budget of N bytes per chunk (TAU_BUDGET and
+TAU_FLOOR), timed in the same process.
 
     python benchmarks/ab_proxy_tau.py [b:65536,c:65536] [reps] [name=dir|budget:N,...]
 """
@@ -93,10 +94,11 @@ def main():
 
         results = {}
         modes = [("recompute", "resident", None), ("tau", None, None)] + [(n, None, d) for n, d in extra.items()]
-        budget = sb.TAU_BUDGET
+        budget = sb.TAU_BUDGET, sb.TAU_FLOOR
         for name, force, directory in modes:
             sb.FORCE_PROXY_HEADS = force
-            sb.TAU_BUDGET = int(directory[7:]) if directory and directory.startswith("budget:") else budget
+            sb.TAU_BUDGET, sb.TAU_FLOOR = ((int(directory[7:]),) * 2 if directory and directory.startswith("budget:")
+                                           else budget)
             use_artifacts(None if directory is None or directory.startswith("budget:") else directory)
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
@@ -107,7 +109,7 @@ def main():
             ms = cuda_time_ms(backward, warmup=1, reps=reps)
             results[name] = (ms, peak, grads)
             print(f"  ({cfg}) {name}: {kernel_times(backward)}", flush=True)
-        sb.FORCE_PROXY_HEADS, sb.TAU_BUDGET = None, budget
+        sb.FORCE_PROXY_HEADS, (sb.TAU_BUDGET, sb.TAU_FLOOR) = None, budget
         use_artifacts(None)
         ms0, peak0, g0 = results["recompute"]
         for name, (ms1, peak1, g1) in results.items():

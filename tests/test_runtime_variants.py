@@ -137,3 +137,13 @@ def test_tau_head_chunks_map_every_head(Hp, Hk, Hpk):
                 for p in range(p0, p0 + c):
                     assert heads.start + (p - p0) // per == p // ratio < heads.stop
     assert 1 in seen and Hp in seen
+
+
+def test_tau_budget_follows_the_dq_accumulator():
+    """Half the fp32 dq accumulator, within [TAU_FLOOR, TAU_BUDGET]: small problems run in one chunk, large ones in
+    chunks of at most TAU_BUDGET."""
+    assert rt_bwd.tau_budget(1, 8192, 16, 128) == rt_bwd.TAU_FLOOR
+    assert rt_bwd.tau_budget(1, 65536, 16, 128) == rt_bwd.TAU_FLOOR  # (a) at B = 1: 268 MB
+    assert rt_bwd.tau_budget(2, 65536, 16, 128) == 2 * 2 * 65536 * 16 * 128  # (a) at B = 2: 537 MB
+    assert rt_bwd.tau_budget(2, 65536, 32, 128) == rt_bwd.TAU_BUDGET  # (b): 1 GiB
+    assert rt_bwd.tau_heads(1, 8192, 4, 2, 1, 16, 128, rt_bwd.tau_budget(1, 8192, 16, 128)) == 4

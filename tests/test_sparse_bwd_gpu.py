@@ -98,7 +98,7 @@ def test_both_backward_kernels_match_reference(mma, heads, G, force_mma, monkeyp
 @pytest.mark.parametrize("G", [1, 4, 16])
 def test_tau_path_in_chunks(G, heads_per_chunk, monkeypatch):
     """With tau passed from the main kernel to the proxy kernel the backward runs per chunk of proxy heads, and of
-    queries where one head's tau rows exceed TAU_BUDGET: two heads per chunk (head-sliced views, KV and proxy-key
+    queries where one head's tau rows exceed the budget: two heads per chunk (head-sliced views, KV and proxy-key
     heads shared across chunks), or one head and one block of queries per chunk (an odd S, an offset last chunk)
     give the reference's gradients too."""
     from flash_msa_rt.ops import sparse_bwd, sparse_fwd
@@ -107,10 +107,13 @@ def test_tau_path_in_chunks(G, heads_per_chunk, monkeypatch):
         pytest.skip("the tau path runs on wgmma (sm90a)")
     S, Hp, K = 1100, 16 // G, 5
     Hk = min(2, Hp)
-    monkeypatch.setattr(sparse_bwd, "TAU_BUDGET", max(1, heads_per_chunk * S * K * 128 * 2))
-    c = sparse_bwd.tau_heads(1, S, Hp, Hk, 1, K, 128)
+    budget = max(1, heads_per_chunk * S * K * 128 * 2)
+    monkeypatch.setattr(sparse_bwd, "TAU_BUDGET", budget)
+    monkeypatch.setattr(sparse_bwd, "TAU_FLOOR", budget)
+    assert sparse_bwd.tau_budget(1, S, 16, 128) == budget
+    c = sparse_bwd.tau_heads(1, S, Hp, Hk, 1, K, 128, budget)
     assert c == (min(Hp, heads_per_chunk) or 1)
-    assert (sparse_bwd.tau_chunk(1, S, c, K, 128) == 128) == (heads_per_chunk == 0)
+    assert (sparse_bwd.tau_chunk(1, S, c, K, 128, budget) == 128) == (heads_per_chunk == 0)
     qp, kp, q, k, v = _inputs(1, S, 16, Hk, Hp, 1, torch.bfloat16, seed=70 + G + heads_per_chunk)
     scale = 128 ** -0.5
     _check_backward(qp, kp, q, k, v, _selection(qp, kp, K, scale), scale)

@@ -7,7 +7,7 @@
   4. the accumulators cast to the input dtypes.
 With both gradients on wgmma, steps 2 and 3 run per chunk of proxy heads: sparse_bwd also writes each plan entry's
 tau (the mean of its G heads' P, which it has anyway), and the proxy kernel reads it ("tau" heads) instead of
-recomputing the G main score tiles; a chunk's tau rows fit TAU_BUDGET. Otherwise the proxy kernel recomputes tau (resident or
+recomputing the G main score tiles; a chunk's tau rows fit tau_budget. Otherwise the proxy kernel recomputes tau (resident or
 stepped heads; proxy_backward_cuda, which warmup mode also runs on its own).
 Internal layout (B, S, heads, D). Atomics make the summation order vary run to run (not bitwise deterministic).
 """
@@ -50,7 +50,15 @@ def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: s
 PROXY_RESIDENT_GROUPS = (1, 2, 4)
 FORCE_PROXY_HEADS: str | None = None  # tests and benchmarks: "stepped" / "resident" recompute tau even when it
                                       # could be read ("resident" stays stepped at G >= 8)
-TAU_BUDGET = 1 << 30  # bytes of one backward chunk's tau rows (the input dtype, block_size per plan entry)
+TAU_BUDGET = 1 << 30  # at most this many bytes of tau rows (the input dtype, block_size per plan entry) per chunk
+TAU_FLOOR = 1 << 28  # ... and at least this many, so that small (host-bound) problems run in one chunk
+
+
+def tau_budget(B: int, S: int, H: int, D: int) -> int:
+    """Bytes of one backward chunk's tau rows: half of the fp32 dq accumulator the backward holds anyway (4 B S H D
+    bytes), within [TAU_FLOOR, TAU_BUDGET]. A fixed 1 GiB raised the peak of (a) at B = 1, S = 64K from 1.3 to
+    2.2 GB (dense attention: 1.6; results/bench_msa_batch1_959fb40.log)."""
+    return max(TAU_FLOOR, min(TAU_BUDGET, 2 * B * S * H * D))
 
 
 def proxy_heads(mma: str, group: int, tau: bool = False) -> str:
@@ -97,10 +105,10 @@ def tau_path(mma: str, mma_proxy: str) -> bool:
     return mma == mma_proxy == "wgmma" and FORCE_PROXY_HEADS in (None, "tau")
 
 
-def tau_chunk(B: int, S: int, Hp: int, K: int, block_size: int, budget: int | None = None) -> int:
+def tau_chunk(B: int, S: int, Hp: int, K: int, block_size: int, budget: int) -> int:
     """Queries per backward chunk on the tau path: the chunk's tau rows (B Hp K entries per query, block_size
-    keys each, 2 bytes) fit budget (default TAU_BUDGET) plus sparse_fwd.CHUNK_SLACK, in equal whole blocks."""
-    return sparse_fwd.equal_chunk(S, block_size, B * Hp * K * block_size * 2, budget or TAU_BUDGET)
+    keys each, 2 bytes) fit budget bytes (tau_budget) plus sparse_fwd.CHUNK_SLACK, in equal whole blocks."""
+    return sparse_fwd.equal_chunk(S, block_size, B * Hp * K * block_size * 2, budget)
 
 
 def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
@@ -139,16 +147,16 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
     return dq_proxy, dk_proxy, dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
-def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: int, budget: int | None = None) -> int:
+def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: int, budget: int) -> int:
     """Proxy heads per backward chunk on the tau path: the most whose tau rows (B S K entries per head, block_size
-    keys each, 2 bytes) fit budget (default TAU_BUDGET), at least 1. The count divides Hp and is a multiple or a
+    keys each, 2 bytes) fit budget bytes (tau_budget), at least 1. The count divides Hp and is a multiple or a
     divisor of each proxy-heads-per-KV-head ratio, so a chunk's main, KV and proxy-key heads are contiguous head
     ranges (chunk_heads). Chunks of heads keep every reverse list whole: chunks of queries cut each list into
     shorter ones, which cost the main kernel more items (+11 % at (b) 64K in 4 query chunks, NOTES.md)."""
     per_head = B * S * K * block_size * 2
     fits = [c for c in range(Hp, 0, -1) if Hp % c == 0
             and all(c % r == 0 or r % c == 0 for r in (Hp // Hk, Hp // Hpk))]
-    return next((c for c in fits if c * per_head <= (budget or TAU_BUDGET)), 1)
+    return next((c for c in fits if c * per_head <= budget), 1)
 
 
 def chunk_heads(p0: int, c: int, per: int) -> tuple[slice, int]:
@@ -179,8 +187,9 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
     lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
-    c = tau_heads(B, S, Hp, Hk, Hpk, K, block_size)
-    chunk = tau_chunk(B, S, c, K, block_size)
+    budget = tau_budget(B, S, H, D)
+    c = tau_heads(B, S, Hp, Hk, Hpk, K, block_size, budget)
+    chunk = tau_chunk(B, S, c, K, block_size, budget)
     tau = torch.empty((B * c * min(chunk, S) * K, block_size), dtype=q.dtype, device=dev)
     proxy_tiles = sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, 1)
     for p0 in range(0, Hp, c):
