@@ -193,24 +193,33 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     tau = torch.empty((B * c * min(chunk, S) * K, block_size), dtype=q.dtype, device=dev)
     proxy_tiles = sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, 1)
     for p0 in range(0, Hp, c):
+        # One chunk of every head (small problems, where the host's work is the op's time): the tensors
+        # themselves, no views.
+        every = c == Hp
         ps, hs = slice(p0, p0 + c), slice(p0 * G, (p0 + c) * G)
         kvs, per_kv = chunk_heads(p0, c, Hp // Hk)
         pks, per_pk = chunk_heads(p0, c, Hp // Hpk)
+
+        def heads(t, dim, sl):
+            return t if every else t[(slice(None),) * dim + (sl,)]
+
+        main_args = dict(q=heads(q, 2, hs), k=heads(k, 2, kvs), v=heads(v, 2, kvs), dout=heads(grad_out, 2, hs),
+                         lse=heads(lse, 1, hs), delta=heads(delta, 1, hs), dq_acc=heads(dq_acc, 2, hs),
+                         dk_acc=heads(dk_acc, 2, kvs), dv_acc=heads(dv_acc, 2, kvs), scale=float(scale), hp=c,
+                         hp_per_hk=per_kv)
+        proxy_args = dict(q_proxy=heads(q_proxy, 2, ps), k_proxy=heads(k_proxy, 2, pks),
+                          lse_proxy=heads(lse_proxy, 1, ps), kl_grad=heads(grad, 1, ps),
+                          dqp_acc=heads(dqp_acc, 2, ps), dkp_acc=heads(dkp_acc, 2, pks), scale=float(scale),
+                          hp_per_hpk=per_pk)
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
-            sel = block_indices[:, ps, s0:s1].contiguous()
+            sel = block_indices if every and s1 - s0 == S else block_indices[:, ps, s0:s1].contiguous()
             plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
             tau_rows = tau[:plan.E]
-            main(q=q[:, :, hs], k=k[:, :, kvs], v=v[:, :, kvs], dout=grad_out[:, :, hs], lse=lse[:, hs],
-                 delta=delta[:, hs], entry_query=plan.entry_query, items=plan.items, dq_acc=dq_acc[:, :, hs],
-                 dk_acc=dk_acc[:, :, kvs], dv_acc=dv_acc[:, :, kvs], tau=tau_rows, scale=float(scale), hp=c,
-                 hp_per_hk=per_kv)
+            main(entry_query=plan.entry_query, items=plan.items, tau=tau_rows, **main_args)
             # The main plan's sorted lists, cut into the proxy kernel's tiles: entry e's tau row is row e for both.
             proxy_plan = recut(plan, TILE_M, proxy_tiles)
-            proxy(q_proxy=q_proxy[:, :, ps], k_proxy=k_proxy[:, :, pks], tau=tau_rows,
-                  entry_query=proxy_plan.entry_query, items=proxy_plan.items, lse_proxy=lse_proxy[:, ps],
-                  kl_grad=grad[:, ps], dqp_acc=dqp_acc[:, :, ps], dkp_acc=dkp_acc[:, :, pks], scale=float(scale),
-                  hp_per_hpk=per_pk)
+            proxy(tau=tau_rows, entry_query=proxy_plan.entry_query, items=proxy_plan.items, **proxy_args)
     return dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype)
 
 
