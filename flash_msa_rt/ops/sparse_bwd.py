@@ -151,8 +151,8 @@ def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: in
     """Proxy heads per backward chunk on the tau path: the most whose tau rows (B S K entries per head, block_size
     keys each, 2 bytes) fit budget bytes (tau_budget), at least 1. The count divides Hp and is a multiple or a
     divisor of each proxy-heads-per-KV-head ratio, so a chunk's main, KV and proxy-key heads are contiguous head
-    ranges (chunk_heads). Chunks of heads keep every reverse list whole: chunks of queries cut each list into
-    shorter ones, which cost the main kernel more items (+11 % at (b) 64K in 4 query chunks, NOTES.md)."""
+    ranges (chunk_heads). Chunks of heads keep every reverse list whole (chunks of queries cut each list into
+    shorter ones, one more partial item each); at (b) 64K the two measured the same within noise (NOTES.md)."""
     per_head = B * S * K * block_size * 2
     fits = [c for c in range(Hp, 0, -1) if Hp % c == 0
             and all(c % r == 0 or r % c == 0 for r in (Hp // Hk, Hp // Hpk))]
