@@ -102,21 +102,7 @@ def params(config) -> tuple:
     c = config
     bshd = ("i64", "i64", "i64", 1)
     d = c.head_dim
-    if getattr(c, "heads", "stepped") == "tau":
-        return (
-            TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", d), bshd, align=16),
-            TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", d), bshd, align=16),
-            *sparse_bwd.tau_params(sparse_bwd.MainConfig(**dict(_mma_fields(c), tau_out=1))),
-            TensorParam("entry_query", "i32", ("E",), (1,), align=4),
-            TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
-            TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
-            TensorParam("kl_grad", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
-            TensorParam("dqp_acc", "f32", ("B", "S", "Hp", d), bshd, align=16),
-            TensorParam("dkp_acc", "f32", ("B", "S", "Hpk", d), bshd, align=16),
-            ScalarParam("scale", "f32"),
-            ScalarParam("hp_per_hpk", "i32"),
-        )
-    return (
+    every = (
         TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
         TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
         TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", d), bshd, align=16),
@@ -132,6 +118,12 @@ def params(config) -> tuple:
         ScalarParam("hp_per_hk", "i32"),
         ScalarParam("hp_per_hpk", "i32"),
     )
+    if getattr(c, "heads", "stepped") != "tau":
+        return every
+    # The tau kernel needs no main rows, keys or lse; tau (E, block_size) follows the proxy keys.
+    kept = [p for p in every if p.name not in ("q", "k", "lse", "hp_per_hk")]
+    tau = sparse_bwd.tau_params(sparse_bwd.MainConfig(**dict(_mma_fields(c), tau_out=1)))
+    return (*kept[:2], *tau, *kept[2:])
 
 
 def _mma_fields(config) -> dict:

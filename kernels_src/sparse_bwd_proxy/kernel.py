@@ -62,6 +62,17 @@ class SparseProxyBackward(SparseBackward):
         acc_dkp.fill(0.0)
         return acc_dq, dq_mn, coord_dq, acc_dkp
 
+    @cute.jit
+    def proxy_products(self, mma_s, thr_s, mma_kv, thr_kv, acc_dq, dq_mn, coord_dq, acc_dkp, s_ds, s_kp, s_qp, s_dq,
+                       scale, tidx):
+        """dq_p = scale * dS_p K_p (this CTA's keys), staged in s_dq while dk_p += dS_p^T Q_p finishes."""
+        self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_kp), tidx, False, True, wait=False)
+        self.gemm(mma_kv, thr_kv, acc_dkp, transposed(s_ds), transposed(s_qp), tidx, True, True, accumulate=True,
+                  wait=False)
+        self.wait_products(1)
+        self.stage_rows(s_dq, dq_mn, coord_dq, scale)
+        self.wait_products(0)
+
     def key_tiles(self, storage, l_kv, gcopy, k, k_proxy, b, kvh, pkh, t0, seqlen, tidx):
         """Trace time: the item's K (kv head kvh) and K_p (proxy key head pkh) tiles in shared memory, their
         cp.async loads issued by every thread (committed with the caller's first group)."""
@@ -202,13 +213,8 @@ class SparseProxyBackward(SparseBackward):
                     self.publish_async_copies()  # dS_p, read next by the MMAs
                     cute.arch.sync_threads()
 
-                    # dq_p = scale * dS_p K_p (this CTA's keys), dk_p += dS_p^T Q_p.
-                    self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_kp), tidx, False, True, wait=False)
-                    self.gemm(mma_kv, thr_kv, acc_dkp, transposed(s_ds), transposed(s_qp), tidx, True, True,
-                              accumulate=True, wait=False)
-                    self.wait_products(1)
-                    self.stage_rows(s_dq, dq_mn, coord_dq, scale)  # while dk_p finishes
-                    self.wait_products(0)
+                    self.proxy_products(mma_s, thr_s, mma_kv, thr_kv, acc_dq, dq_mn, coord_dq, acc_dkp, s_ds, s_kp,
+                                        s_qp, s_dq, scale, tidx)
                 # The next steps' gathers and dS_p stores overwrite what this step read; s_dq is whole.
                 cute.arch.sync_threads()
                 if g == self.group - 1:

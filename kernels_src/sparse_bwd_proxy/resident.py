@@ -23,7 +23,7 @@ import cutlass
 import cutlass.cute as cute
 
 from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
-from kernels_src.tiles import copy_row, copy_word, cp_async_word, row_table, transposed
+from kernels_src.tiles import copy_row, copy_word, cp_async_word, row_table
 
 _LOG2E = math.log2(math.e)
 _TILE_BUFFERS = 2  # proxy rows and row scalars: this tile's and the next one's
@@ -169,13 +169,8 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
                 self.publish_async_copies()  # dS_p, read next by the MMAs
                 cute.arch.sync_threads()
 
-                # dq_p = scale * dS_p K_p, dk_p += dS_p^T Q_p.
-                self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_kp), tidx, False, True, wait=False)
-                self.gemm(mma_kv, thr_kv, acc_dkp, transposed(s_ds), transposed(s_qp), tidx, True, True,
-                          accumulate=True, wait=False)
-                self.wait_products(1)
-                self.stage_rows(s_dq, dq_mn, coord_dq, scale)  # while dk_p finishes
-                self.wait_products(0)
+                self.proxy_products(mma_s, thr_s, mma_kv, thr_kv, acc_dq, dq_mn, coord_dq, acc_dkp, s_ds, s_kp, s_qp,
+                                    s_dq, scale, tidx)
                 # s_dq is whole; the next tile's dS_p stores and proxy gathers come after every warp's reads.
                 cute.arch.sync_threads()
                 if tidx < self.tile_m:
