@@ -1,10 +1,12 @@
 """A/B of the sparse kernels' cubins built from different sources, in one process on the same plans and inputs:
-sparse_fwd, sparse_combine, sparse_kl (one query chunk of at most 16K queries, as the forward runs them), sparse_bwd (also as
-"bwdtau": the variant that writes tau for the proxy kernel) and sparse_bwd_proxy (the whole sequence), each with the variant the runtime picks on this GPU. Each variant is an
-artifact directory (python -m build_tools build --out DIR); the first is the baseline. Prints ms per kernel and
-whether the outputs are bitwise equal to the baseline's (else the relative max difference).
+sparse_fwd, sparse_combine, sparse_kl (one query chunk of at most 16K queries, as the forward runs them),
+sparse_bwd (also as "bwdtau": the variant that writes tau for the proxy kernel) and sparse_bwd_proxy (the whole
+sequence), each with the variant the runtime picks on this GPU. Each variant is an artifact directory
+(python -m build_tools build --out DIR); the first is the baseline. Prints ms per kernel and whether the outputs
+are bitwise equal to the baseline's (else the relative max difference).
 
-    python benchmarks/ab_sparse.py old=/tmp/art_old,new=artifacts b:65536,c:65536 [fwd,combine,kl,bwd,bwdtau,proxy] [reps]
+    python benchmarks/ab_sparse.py old=/tmp/art_old,new=artifacts b:65536,c:65536 \
+        [fwd,combine,kl,bwd,bwdtau,proxy] [reps]
 """
 
 import sys

@@ -7,8 +7,8 @@
   4. the accumulators cast to the input dtypes.
 With both gradients on wgmma, steps 2 and 3 run per chunk of proxy heads: sparse_bwd also writes each plan entry's
 tau (the mean of its G heads' P, which it has anyway), and the proxy kernel reads it ("tau" heads) instead of
-recomputing the G main score tiles; a chunk's tau rows fit tau_budget. Otherwise the proxy kernel recomputes tau (resident or
-stepped heads; proxy_backward_cuda, which warmup mode also runs on its own).
+recomputing the G main score tiles; a chunk's tau rows fit tau_budget. Otherwise the proxy kernel recomputes tau
+(resident or stepped heads; proxy_backward_cuda, which warmup mode also runs on its own).
 Internal layout (B, S, heads, D). Atomics make the summation order vary run to run (not bitwise deterministic).
 """
 

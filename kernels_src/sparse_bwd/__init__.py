@@ -95,8 +95,8 @@ class MmaConfig(Config):
 
 def mma_configs(head_dims=None, block_sizes=None, dtypes=None) -> list[MmaConfig]:
     """The backward kernels' tiles and MMAs, which sparse_bwd_proxy and sparse_kl build on (can_implement refuses
-    wgmma off sm90a): mma.sync on 64-key slices (two CTAs per key block: 128 keys spill there), wgmma on the whole key block (one CTA; dK, dV or dk_p of 128 keys in
-    registers, 255 / 210 registers, no spills). The whole block halves the gathers and the dq reductions per
+    wgmma off sm90a): mma.sync on 64-key slices (two CTAs per key block: 128 keys spill there), wgmma on the whole
+    key block (one CTA; dK, dV or dk_p of 128 keys in registers, 255 / 210 registers, no spills). The whole block halves the gathers and the dq reductions per
     FLOP: (b) S = 64K, sparse_bwd 53.5 -> 37.6 ms, sparse_bwd_proxy 31.9 -> 19.5 (NOTES.md)."""
     return [MmaConfig(**dict(dataclasses.asdict(c), tile_n=tile_n_for(m, c.block_size)), mma=m)
             for c in tile_configs(head_dims, block_sizes, dtypes) for m in MMAS]
