@@ -40,11 +40,15 @@ for mma in ['sync', 'wgmma'] if device_arch(0) == 'sm90a' else ['sync']:  # ever
     select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
     msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
-if device_arch(0) == 'sm90a':  # G = 16: the KL pass's streamed ping-pong (its heads through a ring), tau export
+if device_arch(0) == 'sm90a':  # G = 16: the KL pass's streamed ping-pong (its heads through a ring), tau export;
+    # the deterministic backward kernels (partial rows stored) at G = 16 and G = 4
     sparse_fwd.FORCE_MMA = 'wgmma'
     m16 = torch.randn(2, 333, 32, 128, device='cuda').to(torch.bfloat16)
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m16, kv, kv, sel, 128, 0.1)
     msa_backward_cuda(q, q[:, :, :1], m16, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m16), kl)
+    msa_backward_cuda(q, q[:, :, :1], m16, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m16), kl, True)
+    o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)  # deterministic at G = 4
+    msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl, True)
 if device_arch(0) == 'sm90a':  # the other wgmma builds: lockstep warpgroups, the proxy backward's heads stepped
     from flash_msa_rt.ops import sparse_bwd
     sparse_fwd.FORCE_MMA, sparse_fwd.FORCE_SCHEDULE, sparse_fwd.FORCE_KL_SCHEDULE = 'wgmma', 'lockstep', 'lockstep'

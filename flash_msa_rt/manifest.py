@@ -327,6 +327,7 @@ NAME_TAGS: dict[str, str] = {
     "schedule": "sched",  # schedlockstep or schedpingpong: how a kernel's warpgroups share a tile's phases
     "heads": "heads",  # headsstepped, headsresident or headstau: how the proxy backward gets a tile's tau
     "tau_out": "tauout",  # tauout1: the main backward also writes tau for the proxy backward
+    "deterministic": "det",  # det1: partial rows stored for a fixed-order sum instead of fp32 atomics
 }
 
 

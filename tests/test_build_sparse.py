@@ -23,9 +23,9 @@ def test_sparse_kernels_build(tmp_path, arch):
     specs = [s for s in variants((arch,), only=["sparse_*_bf16_*g4_*", "sparse_combine_kl_*"]) if s.op in FAMILIES]
     # sm90a builds every family but the combines twice: mma.sync and wgmma (Hopper only); the forward and the KL
     # pass on wgmma once more each, with their warpgroups in ping-pong, the proxy backward with resident heads, and
-    # the main backward writing tau (the proxy kernel reading it is built at g1 only)
-    extra = ["sparse_fwd", "sparse_fwd", "sparse_kl", "sparse_kl", "sparse_bwd", "sparse_bwd", "sparse_bwd_proxy",
-             "sparse_bwd_proxy"] if arch == "sm90a" else []
+    # the main backward writing tau, with atomics and deterministic (the proxy kernel reading it is built at g1 only)
+    extra = ["sparse_fwd", "sparse_fwd", "sparse_kl", "sparse_kl", "sparse_bwd", "sparse_bwd", "sparse_bwd",
+             "sparse_bwd_proxy", "sparse_bwd_proxy"] if arch == "sm90a" else []
     assert sorted(s.op for s in specs) == sorted([*FAMILIES, *extra])
     outcomes = build(specs, tmp_path, jobs=2, progress=False)
     assert all(o.status == "built" for o in outcomes), outcomes
@@ -36,6 +36,10 @@ def test_sparse_kernels_build(tmp_path, arch):
         assert v.smem_bytes == s.smem_bytes <= 227 * 1024
         ptx = (tmp_path / arch / "ptx" / f"{s.name}.ptx").read_text()
         assert ptx_facts.single_entry(ptx).params == param_layout(s.params)
+        if s.op == "sparse_bwd":  # the deterministic variant stores its rows; the others add them
+            det = "_det1_" in s.name
+            assert ("red.global.add" in ptx and "cp.reduce.async.bulk" in ptx) != det, s.name
+            assert ("st.global.v2.f32" in ptx and "cp.async.bulk.global.shared::cta" in ptx) == det, s.name
 
 
 def test_sparse_kernels_refuse_what_they_cannot_run():

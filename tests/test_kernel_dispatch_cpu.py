@@ -16,7 +16,6 @@ def _problem(op="msa_backward", dtype=torch.bfloat16, **over):
 
 
 @pytest.mark.parametrize("over, words", [
-    ({"deterministic": True}, "use_deterministic_algorithms"),
     ({"varlen": True}, "cu_seqlens"),
     ({"group": 3}, "G 3"),
     ({"head_dim": 64}, "D 64"),
@@ -28,6 +27,20 @@ def test_sparse_kernels_decline_with_a_reason(over, words):
             _nothing():
         reason = kernels._msa_supports(_problem(**over))
     assert reason is not None and words in reason
+
+
+def test_deterministic_backward_is_declined_off_the_tau_path(monkeypatch):
+    """Under deterministic algorithms the backward runs the tau path's deterministic kernels (wgmma, sm90a); on
+    sm100a (mma.sync) it is declined with the reason, and warned about once."""
+    from flash_msa_rt import loader
+
+    monkeypatch.setattr(loader, "device_arch", lambda index: "sm100a")
+    with pytest.warns(RuntimeWarning) if not kernels._warned_deterministic else _nothing():
+        reason = kernels._msa_supports(_problem(deterministic=True))
+    assert "use_deterministic_algorithms" in reason and "sm100a" in reason and "reference" in reason
+    monkeypatch.setattr(loader, "device_arch", lambda index: "sm90a")
+    reason = kernels._msa_supports(_problem(deterministic=True))  # only the artifacts can decline it here
+    assert reason is None or "use_deterministic_algorithms" not in reason
 
 
 def test_float32_is_declined():

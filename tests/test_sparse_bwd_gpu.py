@@ -32,7 +32,9 @@ def _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed, D=128):
     return rnd(B, S, Hp, D), rnd(B, S, Hpk, D), rnd(B, S, H, D), rnd(B, S, Hk, D), rnd(B, S, Hk, D)
 
 
-def _check_backward(qp, kp, q, k, v, sel, scale, seed=0):
+def _check_backward(qp, kp, q, k, v, sel, scale, seed=0, deterministic=False, repeat=False):
+    """The kernels' five gradients against the reference's; deterministic: the deterministic kernels, and with
+    repeat a second backward on the same inputs must give bitwise-identical gradients."""
     from flash_msa_rt import reference
     from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
     from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
@@ -44,7 +46,11 @@ def _check_backward(qp, kp, q, k, v, sel, scale, seed=0):
     grad_out = torch.randn(B, S, H, D, device="cuda", generator=g).to(q.dtype)
     kl_grad = torch.rand(B, Hp, S, device="cuda", generator=g) + 0.5
     out, lse, lse_p, _ = msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale)
-    got = msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, scale, grad_out, kl_grad)
+    got = msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, scale, grad_out, kl_grad, deterministic)
+    if repeat:
+        again = msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, scale, grad_out, kl_grad, deterministic)
+        for name, a, b in zip(("dq_proxy", "dk_proxy", "dq", "dk", "dv"), got, again):
+            assert torch.equal(a, b), f"{name}: two deterministic backward passes differ"
     torch.cuda.synchronize()
 
     def ref(dt):
@@ -119,8 +125,10 @@ def test_tau_path_in_chunks(G, heads_per_chunk, monkeypatch):
     _check_backward(qp, kp, q, k, v, _selection(qp, kp, K, scale), scale)
 
 
-def test_backward_skewed_selection():
-    """Every query keeps block 0: block 0's list spans all queries, cut into many items that meet in atomics."""
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_skewed_selection(deterministic):
+    """Every query keeps block 0: block 0's list spans all queries, cut into many items that meet in atomics (or,
+    deterministic, in the fixed-order item sums)."""
     B, S, H, Hk, Hp, Hpk, K = 1, 3000, 8, 2, 2, 1, 4
     qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, torch.bfloat16, seed=12)
     i = torch.arange(S, device="cuda")
@@ -130,7 +138,53 @@ def test_backward_skewed_selection():
         rep = (sel[:, s:s + 1] == sel[:, :s]).any(-1) | (sel[:, s] < 0)
         sel[:, s] = torch.where(rep, torch.full_like(sel[:, s], -1), sel[:, s])
     sel = sel.to(torch.int32).view(1, 1, S, K).expand(B, Hp, S, K).contiguous()
-    _check_backward(qp, kp, q, k, v, sel, 128 ** -0.5)
+    if deterministic:
+        _skip_without_deterministic_kernels()
+    _check_backward(qp, kp, q, k, v, sel, 128 ** -0.5, deterministic=deterministic, repeat=deterministic)
+
+
+def _skip_without_deterministic_kernels():
+    from flash_msa_rt.loader import device_arch
+    from flash_msa_rt.ops import sparse_bwd
+
+    why = sparse_bwd.deterministic_refusal(device_arch(torch.cuda.current_device()))
+    if why:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("heads_per_chunk", [0, 2])
+@pytest.mark.parametrize("G", [1, 4, 16])
+def test_deterministic_backward_matches_reference_and_repeats(G, heads_per_chunk, monkeypatch):
+    """The deterministic kernels (partial rows stored, summed in plan order) give the reference's gradients and
+    the same bits twice, in one chunk, in chunks of two proxy heads (KV and proxy-key heads shared across chunks),
+    and in chunks of one head and one block of queries (an odd S, an offset last chunk)."""
+    from flash_msa_rt.ops import sparse_bwd
+
+    _skip_without_deterministic_kernels()
+    S, Hp, K = 1100, 16 // G, 5
+    Hk = min(2, Hp)
+    per_entry = sparse_bwd.entry_bytes(128, G, 128, True)
+    budget = heads_per_chunk * S * K * per_entry or 1
+    monkeypatch.setattr(sparse_bwd, "DETERMINISTIC_BUDGET", budget)
+    monkeypatch.setattr(sparse_bwd, "TAU_FLOOR", budget)
+    assert sparse_bwd.deterministic_budget(1, S, 16, 128) == budget
+    c = sparse_bwd.tau_heads(1, S, Hp, Hk, 1, K, 128, budget, per_entry)
+    assert c == (min(Hp, heads_per_chunk) or 1)
+    assert (sparse_bwd.tau_chunk(1, S, c, K, 128, budget, per_entry) == 128) == (heads_per_chunk == 0)
+    qp, kp, q, k, v = _inputs(1, S, 16, Hk, Hp, 1, torch.bfloat16, seed=90 + G + heads_per_chunk)
+    scale = 128 ** -0.5
+    _check_backward(qp, kp, q, k, v, _selection(qp, kp, K, scale), scale, deterministic=True, repeat=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_deterministic_backward_in_one_chunk(shape, dtype):
+    """The deterministic kernels on the shapes of test_backward_matches_reference, at the runtime's budget."""
+    _skip_without_deterministic_kernels()
+    B, S, H, Hk, Hp, Hpk, K = shape
+    qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=S + H + 5)
+    scale = 128 ** -0.5
+    _check_backward(qp, kp, q, k, v, _selection(qp, kp, K, scale), scale, deterministic=True, repeat=True)
 
 
 def test_missing_gradients_give_zeros():
@@ -147,6 +201,23 @@ def test_missing_gradients_give_zeros():
     dqp, dkp, dq, dk, dv = msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, 0.1, torch.ones_like(q),
                                              None)
     assert not dqp.any() and not dkp.any() and dq.abs().sum() > 0
+
+
+def test_deterministic_missing_gradients_give_zeros():
+    """The deterministic backward with one gradient missing: that side's gradients are exactly zero."""
+    from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
+    from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
+
+    _skip_without_deterministic_kernels()
+    qp, kp, q, k, v = _inputs(1, 500, 8, 2, 2, 1, torch.bfloat16, seed=3)
+    sel = _selection(qp, kp, 3, 0.1)
+    out, lse, lse_p, _ = msa_forward_cuda(qp, kp, q, k, v, sel, 128, 0.1)
+    dqp, dkp, dq, dk, dv = msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, 0.1, None,
+                                             torch.ones(()), deterministic=True)
+    assert not dq.any() and not dk.any() and not dv.any() and dqp.abs().sum() > 0 and dkp.abs().sum() > 0
+    dqp, dkp, dq, dk, dv = msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, 0.1, torch.ones_like(q),
+                                             None, deterministic=True)
+    assert not dqp.any() and not dkp.any() and dq.abs().sum() > 0 and dv.abs().sum() > 0
 
 
 def test_fwd_bwd_capture_in_a_cuda_graph():
@@ -192,8 +263,9 @@ def test_training_steps_match_the_reference():
 
 
 def test_deterministic_mode_runs_the_reproducible_backward():
-    """Under torch.use_deterministic_algorithms the atomics-based kernels are declined (the warning is checked in
-    test_kernel_dispatch_cpu) and two backward passes give bitwise-identical gradients."""
+    """Under torch.use_deterministic_algorithms the atomics-based kernels are declined: sm90a runs the
+    deterministic kernels, other archs the reference (the warning is checked in test_kernel_dispatch_cpu); either
+    way two backward passes through flash_msa_func give bitwise-identical gradients."""
     import flash_msa_rt
     from flash_msa_rt.ops import dispatch
 
@@ -211,7 +283,11 @@ def test_deterministic_mode_runs_the_reproducible_backward():
         impl = dispatch.implementation("msa_backward", torch.device("cuda"), torch.bfloat16, head_dim=128,
                                        proxy_head_dim=128, block_size=128, group=4, kv_group=4, varlen=False,
                                        deterministic=True)
-        assert impl is dispatch.reference_impl("msa_backward")
+        from flash_msa_rt.loader import device_arch
+        from flash_msa_rt.ops import sparse_bwd
+
+        kernels = sparse_bwd.deterministic_refusal(device_arch(torch.cuda.current_device())) is None
+        assert (impl is dispatch.reference_impl("msa_backward")) != kernels
         first = grads()
         second = grads()
     finally:

@@ -53,21 +53,24 @@ def _select_supports(problem: dispatch.Problem) -> str | None:
 
 
 _DETERMINISTIC_REASON = (
-    "torch.use_deterministic_algorithms(True) is on and the sparse backward kernels add gradients with fp32 "
-    "atomics (summation order varies run to run); the backward runs on the pure-PyTorch reference instead "
-    "(bitwise reproducible, much slower)")
+    "torch.use_deterministic_algorithms(True) is on and {why}; the backward runs on the pure-PyTorch reference "
+    "instead (bitwise reproducible, much slower)")
 _warned_deterministic = False
 
 
 def _msa_supports(problem: dispatch.Problem) -> str | None:
-    """msa_forward and msa_backward: the same problem limits, each op's own variants."""
+    """msa_forward and msa_backward: the same problem limits, each op's own variants (under deterministic
+    algorithms, the backward's deterministic ones where the arch has them)."""
     global _warned_deterministic
     c = problem.config
-    if c.get("deterministic"):
+    deterministic = bool(c.get("deterministic")) and problem.op == "msa_backward"
+    why = sparse_bwd.deterministic_refusal(_arch(problem)) if deterministic else None
+    if why:
+        reason = _DETERMINISTIC_REASON.format(why=why)
         if not _warned_deterministic:  # dispatch's own fallback warning is shown once for all reasons
             _warned_deterministic = True
-            warnings.warn(f"flash_msa: {_DETERMINISTIC_REASON}", RuntimeWarning, stacklevel=4)
-        return _DETERMINISTIC_REASON
+            warnings.warn(f"flash_msa: {reason}", RuntimeWarning, stacklevel=4)
+        return reason
     if c.get("varlen"):
         return "the sparse attention kernels do not take cu_seqlens yet"
     if problem.dtype not in _DTYPE_NAMES:
@@ -80,11 +83,16 @@ def _msa_supports(problem: dispatch.Problem) -> str | None:
     if kv_group % g:
         return (f"H / Hk = {kv_group} is not a multiple of G = H / Hp = {g}: the sparse forward kernel needs "
                 f"Hp >= Hk with Hp a multiple of Hk")
+    if problem.op == "msa_forward":
+        return _built(problem, sparse_fwd.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g, _arch(problem)))
+    return _built(problem, sparse_bwd.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g, _arch(problem),
+                                               deterministic))
+
+
+def _arch(problem: dispatch.Problem) -> str:
     from flash_msa_rt.loader import device_arch
 
-    index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
-    family = sparse_fwd if problem.op == "msa_forward" else sparse_bwd
-    return _built(problem, family.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g, device_arch(index)))
+    return device_arch(problem.device.index if problem.device.index is not None else torch.cuda.current_device())
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -113,7 +121,8 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
     q_proxy, k_proxy, q, k, v, out = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v, out))
     grad_out = _tma_ready(grad_out) if grad_out is not None else None
     return sparse_bwd.msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices.contiguous(),
-                                        block_size, scale, grad_out, kl_grad)
+                                        block_size, scale, grad_out, kl_grad,
+                                        deterministic=torch.are_deterministic_algorithms_enabled())
 
 
 # Warmup's KL pass and proxy backward run on the dense kernels where they are built (flash_msa_rt.ops.warmup_kl:

@@ -9,7 +9,9 @@ With both gradients on wgmma, steps 2 and 3 run per chunk of proxy heads: sparse
 tau (the mean of its G heads' P, which it has anyway), and the proxy kernel reads it ("tau" heads) instead of
 recomputing the G main score tiles; a chunk's tau rows fit tau_budget. Otherwise the proxy kernel recomputes tau
 (resident or stepped heads; proxy_backward_cuda, which warmup mode also runs on its own).
-Internal layout (B, S, heads, D). Atomics make the summation order vary run to run (not bitwise deterministic).
+Internal layout (B, S, heads, D). Atomics make the summation order vary run to run (not bitwise deterministic);
+under torch.use_deterministic_algorithms(True) the tau path runs its deterministic variants instead, which store
+partial rows that sparse_bwd_sums adds up in a fixed order (missing gradients then count as zeros).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from flash_msa_rt.loader import get_kernel
-from flash_msa_rt.ops import sparse_fwd
+from flash_msa_rt.ops import sparse_bwd_sums, sparse_fwd
 from flash_msa_rt.ops.sparse_plan import recut, sparse_plan
 
 TILE_M = 64
@@ -38,9 +40,11 @@ def tile_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str
 
 
 def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
-                  tau_out: bool = False) -> dict:
-    """sparse_bwd's variant; tau_out: it also writes tau for the proxy kernel's "tau" heads."""
-    return {**tile_config(dtype, head_dim, block_size, group, mma), "tau_out": int(tau_out)}
+                  tau_out: bool = False, deterministic: bool = False) -> dict:
+    """sparse_bwd's variant; tau_out: it also writes tau for the proxy kernel's "tau" heads; deterministic (with
+    tau_out): partial rows stored for sparse_bwd_sums instead of atomics."""
+    return {**tile_config(dtype, head_dim, block_size, group, mma), "tau_out": int(tau_out),
+            "deterministic": int(deterministic)}
 
 
 # How the proxy backward gets a tile's tau on wgmma: read from the main backward when it runs beside it ("tau",
@@ -52,6 +56,7 @@ FORCE_PROXY_HEADS: str | None = None  # tests and benchmarks: "stepped" / "resid
                                       # could be read ("resident" stays stepped at G >= 8)
 TAU_BUDGET = 1 << 30  # at most this many bytes of tau rows (the input dtype, block_size per plan entry) per chunk
 TAU_FLOOR = 1 << 28  # ... and at least this many, so that small (host-bound) problems run in one chunk
+DETERMINISTIC_BUDGET = 1 << 31  # deterministic: at most this many bytes of one chunk's tau and partial dq rows
 
 
 def tau_budget(B: int, S: int, H: int, D: int) -> int:
@@ -59,6 +64,18 @@ def tau_budget(B: int, S: int, H: int, D: int) -> int:
     bytes), within [TAU_FLOOR, TAU_BUDGET]. A fixed 1 GiB raised the peak of (a) at B = 1, S = 64K from 1.3 to
     2.2 GB (dense attention: 1.6; results/bench_msa_batch1_959fb40.log)."""
     return max(TAU_FLOOR, min(TAU_BUDGET, 2 * B * S * H * D))
+
+
+def deterministic_budget(B: int, S: int, H: int, D: int) -> int:
+    """Bytes of one deterministic chunk's tau and partial dq / dq_p rows: the fp32 dq accumulator they replace
+    (4 B S H D bytes), within [TAU_FLOOR, DETERMINISTIC_BUDGET]."""
+    return max(TAU_FLOOR, min(DETERMINISTIC_BUDGET, 4 * B * S * H * D))
+
+
+def entry_bytes(block_size: int, group: int, head_dim: int, deterministic: bool = False) -> int:
+    """Bytes per plan entry of a tau-path chunk: its tau row (block_size keys, 2 bytes), and when deterministic
+    its fp32 partial dq rows (G heads) and dq_p row plus its slot's int64 row index."""
+    return 2 * block_size + ((4 * group * head_dim + 4 * head_dim + 8) if deterministic else 0)
 
 
 def proxy_heads(mma: str, group: int, tau: bool = False) -> str:
@@ -73,11 +90,12 @@ def proxy_heads(mma: str, group: int, tau: bool = False) -> str:
 
 
 def proxy_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
-                 heads: str | None = None, tau: bool = False) -> dict:
+                 heads: str | None = None, tau: bool = False, deterministic: bool = False) -> dict:
     """The proxy backward's variant: the backward's tiles plus how a tile gets its tau (proxy_heads unless given);
-    the "tau" kernel does not depend on G and is built once, at group 1."""
+    the "tau" kernel does not depend on G and is built once, at group 1; deterministic: its partial-row variant."""
     heads = heads or proxy_heads(mma, group, tau)
-    return {**tile_config(dtype, head_dim, block_size, 1 if heads == "tau" else group, mma), "heads": heads}
+    return {**tile_config(dtype, head_dim, block_size, 1 if heads == "tau" else group, mma), "heads": heads,
+            "deterministic": int(deterministic)}
 
 
 def delta_config(dtype: str, head_dim: int) -> dict:
@@ -85,10 +103,15 @@ def delta_config(dtype: str, head_dim: int) -> dict:
 
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
-             arch: str = "sm90a") -> list[tuple[str, dict]]:
+             arch: str = "sm90a", deterministic: bool = False) -> list[tuple[str, dict]]:
     """Every (op, config) one backward may launch on arch: with both gradients (tau written and read where the
-    MMA allows), and with one of them missing."""
+    MMA allows), and with one of them missing; deterministic: the deterministic tau path's (deterministic_refusal
+    says where there is none)."""
     mma, mma_p = sparse_fwd.family_mma(arch, "sparse_bwd"), sparse_fwd.family_mma(arch, "sparse_bwd_proxy")
+    if deterministic:
+        return [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, mma, True, True)),
+                ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, mma_p, "tau", True, True)),
+                ("bwd_delta", delta_config(dtype, head_dim))]
     tau = tau_path(mma, mma_p)
     out = [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, mma)),
            ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, mma_p)),
@@ -99,32 +122,53 @@ def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, gr
     return out
 
 
+def deterministic_refusal(arch: str) -> str | None:
+    """Why arch has no deterministic backward kernels, or None: they are the tau path's (wgmma on both kernels)."""
+    mma, mma_p = sparse_fwd.family_mma(arch, "sparse_bwd"), sparse_fwd.family_mma(arch, "sparse_bwd_proxy")
+    if mma == mma_p == "wgmma":
+        return None
+    return (f"the deterministic backward kernels are the wgmma tau path (sm90a); {arch} runs sparse_bwd on {mma!r} "
+            f"and sparse_bwd_proxy on {mma_p!r}")
+
+
 def tau_path(mma: str, mma_proxy: str) -> bool:
     """Whether the main backward writes tau for the proxy kernel: both on wgmma (whole key block per CTA), unless
     a test or benchmark forces the recomputing heads."""
     return mma == mma_proxy == "wgmma" and FORCE_PROXY_HEADS in (None, "tau")
 
 
-def tau_chunk(B: int, S: int, Hp: int, K: int, block_size: int, budget: int) -> int:
-    """Queries per backward chunk on the tau path: the chunk's tau rows (B Hp K entries per query, block_size
-    keys each, 2 bytes) fit budget bytes (tau_budget) plus sparse_fwd.CHUNK_SLACK, in equal whole blocks."""
-    return sparse_fwd.equal_chunk(S, block_size, B * Hp * K * block_size * 2, budget)
+def tau_chunk(B: int, S: int, Hp: int, K: int, block_size: int, budget: int, per_entry: int | None = None) -> int:
+    """Queries per backward chunk on the tau path: the chunk's rows (B Hp K entries per query, per_entry bytes
+    each: entry_bytes, by default a tau row of block_size keys, 2 bytes) fit budget bytes (tau_budget) plus
+    sparse_fwd.CHUNK_SLACK, in equal whole blocks."""
+    per_entry = per_entry or 2 * block_size
+    return sparse_fwd.equal_chunk(S, block_size, B * Hp * K * per_entry, budget)
 
 
 def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                      kl_grad):
+                      kl_grad, deterministic: bool = False):
     """(dq_proxy, dk_proxy, dq, dk, dv). grad_out (B, S, H, D) or None; kl_grad broadcastable to (B, Hp, S) or
-    None (a missing gradient gives zeros). Tensors validated, 16-byte aligned, unit-stride head dim."""
+    None (a missing gradient gives zeros). Tensors validated, 16-byte aligned, unit-stride head dim.
+    deterministic: bitwise reproducible gradients (the tau path's deterministic variants; the device must have
+    them: deterministic_refusal)."""
     B, S, H, D = q.shape
     Hp, Hk = q_proxy.shape[2], k.shape[2]
     G = H // Hp
     dt = sparse_fwd.DTYPES[q.dtype]
     dev = q.device
     f32 = torch.float32
+    mma, mma_p = sparse_fwd.device_mma(dev, "sparse_bwd"), sparse_fwd.device_mma(dev, "sparse_bwd_proxy")
+    if deterministic:
+        if not mma == mma_p == "wgmma":
+            raise NotImplementedError(f"msa_backward deterministic: the kernels are the wgmma tau path (sm90a); this "
+                                      f"device runs sparse_bwd on {mma!r}, sparse_bwd_proxy on {mma_p!r}")
+        grad_out = grad_out if grad_out is not None else torch.zeros_like(out)
+        kl_grad = kl_grad if kl_grad is not None else torch.zeros((B, Hp, S), dtype=f32, device=dev)
+        return _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
+                                  grad_out, kl_grad, None, None, None, deterministic=True)
     dq_acc = torch.zeros((B, S, H, D), dtype=f32, device=dev)
     dk_acc = torch.zeros((B, S, Hk, D), dtype=f32, device=dev)
     dv_acc = torch.zeros((B, S, Hk, D), dtype=f32, device=dev)
-    mma, mma_p = sparse_fwd.device_mma(dev, "sparse_bwd"), sparse_fwd.device_mma(dev, "sparse_bwd_proxy")
     if grad_out is not None and kl_grad is not None and tau_path(mma, mma_p):
         dq_proxy, dk_proxy = _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
                                                 block_size, scale, grad_out, kl_grad, dq_acc, dk_acc, dv_acc)
@@ -147,13 +191,14 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
     return dq_proxy, dk_proxy, dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
-def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: int, budget: int) -> int:
-    """Proxy heads per backward chunk on the tau path: the most whose tau rows (B S K entries per head, block_size
-    keys each, 2 bytes) fit budget bytes (tau_budget), at least 1. The count divides Hp and is a multiple or a
+def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: int, budget: int,
+              per_entry: int | None = None) -> int:
+    """Proxy heads per backward chunk on the tau path: the most whose rows (B S K entries per head, per_entry bytes
+    each: entry_bytes, by default a tau row of block_size keys, 2 bytes) fit budget bytes (tau_budget), at least 1. The count divides Hp and is a multiple or a
     divisor of each proxy-heads-per-KV-head ratio, so a chunk's main, KV and proxy-key heads are contiguous head
     ranges (chunk_heads). Chunks of heads keep every reverse list whole (chunks of queries cut each list into
     shorter ones, one more partial item each); at (b) 64K the two measured the same within noise (NOTES.md)."""
-    per_head = B * S * K * block_size * 2
+    per_head = B * S * K * (per_entry or 2 * block_size)
     fits = [c for c in range(Hp, 0, -1) if Hp % c == 0
             and all(c % r == 0 or r % c == 0 for r in (Hp // Hk, Hp // Hpk))]
     return next((c for c in fits if c * per_head <= budget), 1)
@@ -168,30 +213,38 @@ def chunk_heads(p0: int, c: int, per: int) -> tuple[slice, int]:
 
 
 def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                       kl_grad, dq_acc, dk_acc, dv_acc):
+                       kl_grad, dq_acc, dk_acc, dv_acc, deterministic: bool = False):
     """Both backward kernels per chunk of proxy heads (and of queries, where one head's tau rows exceed the
     budget), tau passed from the main kernel to the proxy kernel: fills the main accumulators, returns (dq_proxy,
     dk_proxy). A chunk is the same problem on head-sliced views (strided; the kernels take any strides), with its
-    own plan; chunks meet in dk_acc / dv_acc (KV heads shared across chunks) through atomics, as items do."""
+    own plan; chunks meet in dk_acc / dv_acc (KV heads shared across chunks) through atomics, as items do.
+    deterministic: the accumulators are not used (None); the kernels store partial rows, each chunk sums them in
+    plan order (sparse_bwd_sums) and the chunks add up in chunk order; returns (dq_proxy, dk_proxy, dq, dk, dv)."""
     B, S, H, D = q.shape
     Hp, Hk, Hpk, K = q_proxy.shape[2], k.shape[2], k_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
     dt = sparse_fwd.DTYPES[q.dtype]
     dev = q.device
     f32 = torch.float32
-    main = get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, "wgmma", tau_out=True), dev)
-    proxy = get_kernel("sparse_bwd_proxy", proxy_config(dt, D, block_size, G, "wgmma", tau=True), dev)
+    det = deterministic
+    main = get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, "wgmma", True, det), dev)
+    proxy = get_kernel("sparse_bwd_proxy", proxy_config(dt, D, block_size, G, "wgmma", "tau", True, det), dev)
     delta = torch.empty((B, H, S), dtype=f32, device=dev)
     get_kernel("bwd_delta", delta_config(dt, D), dev)(dout=grad_out, out=out, delta=delta)
-    dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
-    dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
     lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
-    budget = tau_budget(B, S, H, D)
-    c = tau_heads(B, S, Hp, Hk, Hpk, K, block_size, budget)
-    chunk = tau_chunk(B, S, c, K, block_size, budget)
-    tau = torch.empty((B * c * min(chunk, S) * K, block_size), dtype=q.dtype, device=dev)
+    budget = deterministic_budget(B, S, H, D) if det else tau_budget(B, S, H, D)
+    per_entry = entry_bytes(block_size, G, D, det)
+    c = tau_heads(B, S, Hp, Hk, Hpk, K, block_size, budget, per_entry)
+    chunk = tau_chunk(B, S, c, K, block_size, budget, per_entry)
+    rows = B * c * min(chunk, S) * K
+    tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
     proxy_tiles = sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, 1)
+    if det:
+        sums = _DeterministicSums(q_proxy, k_proxy, q, k, block_size, rows)
+    else:
+        dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
+        dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     for p0 in range(0, Hp, c):
         # One chunk of every head (small problems, where the host's work is the op's time): the tensors
         # themselves, no views.
@@ -204,23 +257,98 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
             return t if every else t[(slice(None),) * dim + (sl,)]
 
         main_args = dict(q=heads(q, 2, hs), k=heads(k, 2, kvs), v=heads(v, 2, kvs), dout=heads(grad_out, 2, hs),
-                         lse=heads(lse, 1, hs), delta=heads(delta, 1, hs), dq_acc=heads(dq_acc, 2, hs),
-                         dk_acc=heads(dk_acc, 2, kvs), dv_acc=heads(dv_acc, 2, kvs), scale=float(scale), hp=c,
+                         lse=heads(lse, 1, hs), delta=heads(delta, 1, hs), scale=float(scale), hp=c,
                          hp_per_hk=per_kv)
         proxy_args = dict(q_proxy=heads(q_proxy, 2, ps), k_proxy=heads(k_proxy, 2, pks),
-                          lse_proxy=heads(lse_proxy, 1, ps), kl_grad=heads(grad, 1, ps),
-                          dqp_acc=heads(dqp_acc, 2, ps), dkp_acc=heads(dkp_acc, 2, pks), scale=float(scale),
+                          lse_proxy=heads(lse_proxy, 1, ps), kl_grad=heads(grad, 1, ps), scale=float(scale),
                           hp_per_hpk=per_pk)
+        if not det:
+            main_args.update(dq_acc=heads(dq_acc, 2, hs), dk_acc=heads(dk_acc, 2, kvs), dv_acc=heads(dv_acc, 2, kvs))
+            proxy_args.update(dqp_acc=heads(dqp_acc, 2, ps), dkp_acc=heads(dkp_acc, 2, pks))
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
             sel = block_indices if every and s1 - s0 == S else block_indices[:, ps, s0:s1].contiguous()
             plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
             tau_rows = tau[:plan.E]
-            main(entry_query=plan.entry_query, items=plan.items, tau=tau_rows, **main_args)
             # The main plan's sorted lists, cut into the proxy kernel's tiles: entry e's tau row is row e for both.
             proxy_plan = recut(plan, TILE_M, proxy_tiles)
+            if det:
+                main_args.update(sums.main_parts(plan))
+                proxy_args.update(sums.proxy_parts(proxy_plan))
+            main(entry_query=plan.entry_query, items=plan.items, tau=tau_rows, **main_args)
             proxy(tau=tau_rows, entry_query=proxy_plan.entry_query, items=proxy_plan.items, **proxy_args)
+            if det:
+                sums.add_chunk(plan, proxy_plan, sel, (s0, s1), (hs, kvs, per_kv), (ps, pks, per_pk), c)
+    if det:
+        return sums.gradients()
     return dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype)
+
+
+class _DeterministicSums:
+    """The deterministic tau path's buffers and fixed-order sums (sparse_bwd_sums): per chunk, plan-order partial
+    dq / dq_p rows (one spare zero row after them for the dead slots) and per-item dk / dv / dk_p rows; dq and dq_p
+    written per chunk (a query's slots all live in its chunk), the key-block gradients added per chunk into fp32
+    block buffers in chunk order."""
+
+    def __init__(self, q_proxy, k_proxy, q, k, block_size: int, rows: int):
+        B, S, H, D = q.shape
+        Hp, Hk, Hpk = q_proxy.shape[2], k.shape[2], k_proxy.shape[2]
+        dev, f32 = q.device, torch.float32
+        self.B, self.S, self.G, self.D, self.block_size = B, S, H // Hp, D, block_size
+        self.Hk, self.Hpk, self.NB = Hk, Hpk, -(-S // block_size)
+        self.dtypes = (q_proxy.dtype, k_proxy.dtype, q.dtype, k.dtype)
+        self.dq_part = torch.empty((rows + 1, self.G * D), dtype=f32, device=dev)
+        self.dqp_part = torch.empty((rows + 1, D), dtype=f32, device=dev)
+        self.dk = torch.zeros((B * Hk * self.NB + 1, block_size, D), dtype=f32, device=dev)
+        self.dv = torch.zeros_like(self.dk)
+        self.dkp = torch.zeros((B * Hpk * self.NB + 1, block_size, D), dtype=f32, device=dev)
+        self.dq = torch.empty((B, S, H, D), dtype=q.dtype, device=dev)
+        self.dqp = torch.empty(q_proxy.shape, dtype=q_proxy.dtype, device=dev)
+
+    def _items(self, name: str, plan) -> torch.Tensor:
+        """Item rows (plan.W, Bs, D), kept across chunks: zeroed once, so that the rows of items past the real
+        count, which the kernels never write but add_items reads (into the spare row), are initialised."""
+        buf = getattr(self, name, None)
+        if buf is None or buf.shape[0] < plan.W:
+            buf = torch.zeros((plan.W, self.block_size, self.D), dtype=torch.float32, device=self.dk.device)
+            setattr(self, name, buf)
+        return buf[:plan.W]
+
+    def main_parts(self, plan) -> dict:
+        self.parts = dict(dq_part=self.dq_part[:plan.E], dk_part=self._items("_dk_items", plan),
+                          dv_part=self._items("_dv_items", plan))
+        return self.parts
+
+    def proxy_parts(self, proxy_plan) -> dict:
+        self.proxy = dict(dqp_part=self.dqp_part[:proxy_plan.E], dkp_part=self._items("_dkp_items", proxy_plan))
+        return self.proxy
+
+    def add_chunk(self, plan, proxy_plan, sel, queries, main_heads, proxy_heads, c: int) -> None:
+        """Sum one chunk's partial rows: plan and proxy_plan (its recut) over selection rows sel of queries
+        [s0, s1) and proxy heads proxy_heads[0]; main_heads / proxy_heads: (heads slice, KV (proxy key) heads
+        slice, proxy heads per KV (proxy key) head inside the chunk)."""
+        B, G, D, (s0, s1) = self.B, self.G, self.D, queries
+        n = s1 - s0
+        (hs, kvs, per_kv), (ps, pks, per_pk) = main_heads, proxy_heads
+        slots = sparse_bwd_sums.slot_entries(plan, sel)
+        for part in (self.dq_part, self.dqp_part):
+            part[plan.E].zero_()  # the dead slots' row
+        dq = sparse_bwd_sums.sum_slots(self.dq_part[:plan.E + 1], slots)
+        self.dq[:, s0:s1, hs].unflatten(2, (c, G)).copy_(dq.view(B, c, n, G, D).permute(0, 2, 1, 3, 4))
+        dqp = sparse_bwd_sums.sum_slots(self.dqp_part[:plan.E + 1], slots)
+        self.dqp[:, s0:s1, ps].copy_(dqp.view(B, c, n, D).permute(0, 2, 1, 3))
+        targets = sparse_bwd_sums.item_targets(plan.items, c, per_kv, kvs.start, self.Hk, self.NB, B)
+        sparse_bwd_sums.add_items(self.dk, targets, self.parts["dk_part"])
+        sparse_bwd_sums.add_items(self.dv, targets, self.parts["dv_part"])
+        targets = sparse_bwd_sums.item_targets(proxy_plan.items, c, per_pk, pks.start, self.Hpk, self.NB, B)
+        sparse_bwd_sums.add_items(self.dkp, targets, self.proxy["dkp_part"])
+
+    def gradients(self):
+        """(dq_proxy, dk_proxy, dq, dk, dv) in the inputs' dtypes."""
+        _, dt_kp, _, dt_k = self.dtypes
+        rows = sparse_bwd_sums.blocks_to_rows
+        return (self.dqp, rows(self.dkp, self.B, self.Hpk, self.S, dt_kp), self.dq,
+                rows(self.dk, self.B, self.Hk, self.S, dt_k), rows(self.dv, self.B, self.Hk, self.S, dt_k))
 
 
 def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size, scale, kl_grad, plan=None):

@@ -107,9 +107,14 @@ class MainConfig(MmaConfig):
     """sparse_bwd's variants: the backward's tiles and MMA plus tau_out = 1, the kernel also writes each entry's
     tau = mean over the G heads of P (the input dtype, one row of block_size keys per plan entry, rows in plan
     order), for the proxy backward that then need not recompute the G main score tiles (sparse_bwd_proxy heads
-    "tau"). wgmma on the whole key block only (one CTA holds every key of an entry's row)."""
+    "tau"). wgmma on the whole key block only (one CTA holds every key of an entry's row).
+
+    deterministic = 1 (with tau_out = 1): no atomics. The kernel stores each entry's dq rows (G x D, fp32) at its
+    row of dq_part (plan order) and each item's dK, dV at its rows of dk_part / dv_part; the runtime sums them in a
+    fixed order (flash_msa_rt.ops.sparse_bwd_sums), so gradients are bitwise identical run to run."""
 
     tau_out: int = 0
+    deterministic: int = 0
 
 
 def tau_ok(config) -> bool:
@@ -117,9 +122,9 @@ def tau_ok(config) -> bool:
 
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[MainConfig]:
-    """mma_configs, and the whole-block wgmma ones again with tau_out = 1."""
+    """mma_configs, and the whole-block wgmma ones again with tau_out = 1, atomic and deterministic."""
     base = [MainConfig(**dataclasses.asdict(c)) for c in mma_configs(head_dims, block_sizes, dtypes)]
-    return base + [dataclasses.replace(c, tau_out=1) for c in base if tau_ok(c)]
+    return base + [dataclasses.replace(c, tau_out=1, deterministic=d) for d in (0, 1) for c in base if tau_ok(c)]
 
 
 def tile_n_for(mma: str, block_size: int) -> int:
@@ -141,9 +146,13 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
     reason = refusal(c, arch, dtype=DTYPES, head_dim=(128,), block_size=(128,), group=GROUPS, tile_m=(64,),
                      tile_n=(64, 128), threads=(256,), stages=(1, 2)) or mma_refusal(c, arch)
-    tau_out = getattr(c, "tau_out", 0)
+    tau_out, det = getattr(c, "tau_out", 0), getattr(c, "deterministic", 0)
     if not reason and tau_out not in (0, 1):
         reason = f"tau_out {tau_out!r} not supported; supported: 0, 1"
+    elif not reason and det not in (0, 1):
+        reason = f"deterministic {det!r} not supported; supported: 0, 1"
+    elif not reason and det and hasattr(c, "tau_out") and not tau_out:  # (sparse_bwd_proxy checks its own)
+        reason = "deterministic 1 is built with tau_out 1 only (the deterministic backward is the tau path)"
     elif not reason and tau_out and not tau_ok(c):
         reason = (f"tau_out 1 needs wgmma on the whole key block (tile_n = block_size); got mma {c.mma!r}, "
                   f"tile_n {c.tile_n}")
@@ -163,14 +172,25 @@ def params(config: Config) -> tuple:
         TensorParam("delta", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
         TensorParam("entry_query", "i32", ("E",), (1,), align=4),
         TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
-        TensorParam("dq_acc", "f32", ("B", "S", "H", d), bshd, align=16),
-        TensorParam("dk_acc", "f32", ("B", "S", "Hk", d), bshd, align=16),
-        TensorParam("dv_acc", "f32", ("B", "S", "Hk", d), bshd, align=16),
+        *gradient_params(c, ("dq", "H"), ("dk", "Hk"), ("dv", "Hk")),
         *tau_params(c),
         ScalarParam("scale", "f32"),
         ScalarParam("hp", "i32"),  # proxy heads: item bp = b * Hp + p
         ScalarParam("hp_per_hk", "i32"),
     )
+
+
+def gradient_params(config, dq, *dkv) -> tuple:
+    """The fp32 gradient buffers, (name, heads) each: accumulators (B, S, heads, D) that the kernel adds to, or
+    with deterministic = 1 the partial rows it stores, per plan entry for dq ((E, G D): the query's G heads) and
+    per item for the key-block gradients ((W, block_size, D))."""
+    d = config.head_dim
+    if getattr(config, "deterministic", 0):
+        return (TensorParam(f"{dq[0]}_part", "f32", ("E", config.group * d), (config.group * d, 1), align=16),
+                *(TensorParam(f"{name}_part", "f32", ("W", config.block_size, d), (config.block_size * d, d, 1),
+                              align=16) for name, _ in dkv))
+    bshd = ("i64", "i64", "i64", 1)
+    return tuple(TensorParam(f"{name}_acc", "f32", ("B", "S", heads, d), bshd, align=16) for name, heads in (dq, *dkv))
 
 
 def tau_params(config) -> tuple:

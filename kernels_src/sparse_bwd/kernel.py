@@ -9,6 +9,9 @@ Two CTAs per work item (key block j of (b, p) and the queries that chose it), ea
     padded per query against bank conflicts) and added to the fp32 dq accumulator with one bulk reduction per
     query (cp.reduce.async.bulk), which runs while the next tile computes;
   - at the item's end dV and scale * dK go to the fp32 dk / dv accumulators with vector atomics.
+The deterministic variants (wgmma, tau_out = 1) store instead of adding: a query's staged dq rows to its entry's row
+of dq_part (plan order), the item's dK and dV to its own rows of dk_part / dv_part; the runtime sums both in a fixed
+order (flash_msa_rt.ops.sparse_bwd_sums), so the gradients are bitwise reproducible.
 Tile rows are head-major (row_query, row_head). The item's entries are staged in shared memory once, and each
 tile's lse and delta with its gather, so no phase starts with a dependent global load (NOTES.md).
 Transposed operands are transposed views of the same swizzled tiles, read with ldmatrix.trans.
@@ -25,7 +28,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
-from kernels_src.atomics import bulk_reduce_add_f32, red_add_v2
+from kernels_src.atomics import bulk_reduce_add_f32, bulk_store_f32, red_add_v2, store_v2
 from kernels_src.sparse_bwd import DQ_ROW_PAD, ENTRY_TABLE
 from kernels_src.spec import Compiled
 from kernels_src.tiles import (acc_rows_cols, compile_tile_kernel, copy_row, copy_word, cp_async_rows, cp_async_word,
@@ -48,6 +51,9 @@ class SparseBackward:
         self.tile_queries = config.tile_m // config.group
         self.threads = config.threads
         self.stages = config.stages
+        # Partial rows stored, not added (see the module docstring); the tensors named dq_acc, dk_acc, dv_acc
+        # below are then dq_part (E, G D), dk_part and dv_part (W, block_size, D).
+        self.deterministic = bool(getattr(config, "deterministic", 0))
         self.traced: dict = {}
 
     # ------------------------------------------------------------------ host side
@@ -288,8 +294,14 @@ class SparseBackward:
                 cute.arch.sync_threads()
 
             self.reduce_dq(dq_acc, s_dq, entry_query, s_entries, start, n_entries, n_tiles - 1, b, p, dq_query)
-            self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[b, None, kvh, None], t0, seqlen, cutlass.Float32(1.0))
-            self.flush_block(mma_kv, thr_kv, acc_dk, dk_acc[b, None, kvh, None], t0, seqlen, scale)
+            if cutlass.const_expr(self.deterministic):  # the item's own rows, every key (past S they are 0)
+                self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[w, None, None], 0, self.block_size,
+                                 cutlass.Float32(1.0))
+                self.flush_block(mma_kv, thr_kv, acc_dk, dk_acc[w, None, None], 0, self.block_size, scale)
+            else:
+                self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[b, None, kvh, None], t0, seqlen,
+                                 cutlass.Float32(1.0))
+                self.flush_block(mma_kv, thr_kv, acc_dk, dk_acc[b, None, kvh, None], t0, seqlen, scale)
             self.wait_rows_done(dq_query >= 0)
 
     def _tau_copy(self):
@@ -331,12 +343,18 @@ class SparseBackward:
     @cute.jit
     def reduce_dq(self, dq_acc, s_dq, entry_query, s_entries, start, n_entries, tile, b, p, dq_query):
         """dq_acc rows of `tile`'s staged queries += s_dq: one bulk reduction of the query's G head rows per
-        issuing thread (dq_query >= 0), as one bulk group."""
+        issuing thread (dq_query >= 0), as one bulk group. Deterministic: one bulk store of them to the entry's
+        row of dq_part instead."""
         if dq_query >= 0:
             if dq_query < cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries):
-                i = item_word(entry_query, s_entries, start, tile * self.tile_queries + dq_query)
-                bulk_reduce_add_f32(dq_acc[b, i, p * self.group, None].iterator.toint(),
-                                    s_dq[dq_query, None].iterator.toint(), self.group * self.head_dim * 4)
+                nbytes = self.group * self.head_dim * 4
+                if cutlass.const_expr(self.deterministic):
+                    e = start + tile * self.tile_queries + dq_query
+                    bulk_store_f32(dq_acc[e, None].iterator.toint(), s_dq[dq_query, None].iterator.toint(), nbytes)
+                else:
+                    i = item_word(entry_query, s_entries, start, tile * self.tile_queries + dq_query)
+                    bulk_reduce_add_f32(dq_acc[b, i, p * self.group, None].iterator.toint(),
+                                        s_dq[dq_query, None].iterator.toint(), nbytes)
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
@@ -394,8 +412,12 @@ class SparseBackward:
 
     @cute.jit
     def reduce_row(self, dst, s_rows, row):
-        """dst (one fp32 row of D) += s_rows[row], one asynchronous bulk reduction (the caller commits)."""
-        bulk_reduce_add_f32(dst.iterator.toint(), s_rows[row, None].iterator.toint(), self.head_dim * 4)
+        """dst (one fp32 row of D) += s_rows[row], one asynchronous bulk reduction (the caller commits);
+        deterministic: dst = s_rows[row], a bulk store."""
+        if cutlass.const_expr(self.deterministic):
+            bulk_store_f32(dst.iterator.toint(), s_rows[row, None].iterator.toint(), self.head_dim * 4)
+        else:
+            bulk_reduce_add_f32(dst.iterator.toint(), s_rows[row, None].iterator.toint(), self.head_dim * 4)
 
     @cute.jit
     def wait_rows_read(self, reduces):
@@ -424,10 +446,14 @@ class SparseBackward:
     @cute.jit
     def red_row(self, dst, acc_mn, coord, r, factor):
         """dst[col] += factor * acc_mn[r, c] for the thread's columns of row r, two adjacent columns per vector
-        reduction (the accumulator's column pairs; dst rows are fp32 with 8-byte aligned even columns)."""
+        reduction (the accumulator's column pairs; dst rows are fp32 with 8-byte aligned even columns);
+        deterministic: dst[col] = ..., vector stores."""
         base = dst.iterator.toint()
         for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
-            red_add_v2(base + coord[0, c][1] * 4, acc_mn[r, c] * factor, acc_mn[r, c + 1] * factor)
+            if cutlass.const_expr(self.deterministic):
+                store_v2(base + coord[0, c][1] * 4, acc_mn[r, c] * factor, acc_mn[r, c + 1] * factor)
+            else:
+                red_add_v2(base + coord[0, c][1] * 4, acc_mn[r, c] * factor, acc_mn[r, c + 1] * factor)
 
     @cute.jit
     def gemm(self, tiled_mma, thr_mma, acc, s_a, s_b, tidx, trans_a: cutlass.Constexpr, trans_b: cutlass.Constexpr,

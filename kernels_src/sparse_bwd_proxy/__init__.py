@@ -32,6 +32,7 @@ class Config(sparse_bwd.MmaConfig):
     """The backward's tiles and MMA (mma "sync" or "wgmma", sm90a only) plus how a tile visits its heads."""
 
     heads: str = "stepped"
+    deterministic: int = 0  # 1: heads "tau" storing partial rows instead of adding (sparse_bwd.MainConfig)
 
 
 def resident_ok(config) -> bool:
@@ -48,7 +49,7 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     resident, and at G = 1 with tau read."""
     base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.mma_configs(head_dims, block_sizes, dtypes)]
     return (base + [dataclasses.replace(c, heads="resident") for c in base if resident_ok(c)]
-            + [dataclasses.replace(c, heads="tau") for c in base if tau_ok(c)])
+            + [dataclasses.replace(c, heads="tau", deterministic=d) for d in (0, 1) for c in base if tau_ok(c)])
 
 
 def smem_bytes(config) -> int:
@@ -85,7 +86,10 @@ def can_implement(config, arch: str) -> tuple[bool, str]:
     if not ok:
         return ok, reason
     heads = getattr(config, "heads", "stepped")
-    if heads not in HEADS:
+    det = getattr(config, "deterministic", 0)
+    if det not in (0, 1) or (det and heads != "tau"):
+        reason = f"deterministic {det!r} with heads {heads!r}: supported deterministic 0, or 1 with heads 'tau'"
+    elif heads not in HEADS:
         reason = f"heads {heads!r} not supported; supported: {', '.join(map(repr, HEADS))}"
     elif heads == "resident" and not (resident_ok(config) and config.stages == 2):
         reason = (f"heads 'resident' needs wgmma on the whole block (tile_n = block_size), G in {RESIDENT_GROUPS} "
@@ -112,8 +116,7 @@ def params(config) -> tuple:
         TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
         TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
         TensorParam("kl_grad", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
-        TensorParam("dqp_acc", "f32", ("B", "S", "Hp", d), bshd, align=16),
-        TensorParam("dkp_acc", "f32", ("B", "S", "Hpk", d), bshd, align=16),
+        *sparse_bwd.gradient_params(dataclasses.replace(c, group=1), ("dqp", "Hp"), ("dkp", "Hpk")),
         ScalarParam("scale", "f32"),
         ScalarParam("hp_per_hk", "i32"),
         ScalarParam("hp_per_hpk", "i32"),

@@ -10,6 +10,8 @@ dS_p = (pi - tau) * kl_grad, and the stepped kernel's dq_p / dk_p products, stag
 Nothing here depends on G, so one variant per dtype is built (group 1). tau must come from the same plan's sorted
 entries (sparse_plan.recut of the main backward's plan): row e of tau belongs to entry e.
 Row scalar tables (tile buffer tile % 2): ints [query], floats [lse_p, kl_grad].
+Deterministic variants store a tile's dq_p rows at their entries' rows of dqp_part (plan order) and the item's
+dk_p at its own rows of dkp_part, for the runtime's fixed-order sums (the tensors named dqp_acc, dkp_acc here).
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -103,7 +105,9 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             cols = cute.size(sp_mn, mode=[1])
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
-            i_prev, n_prev = cutlass.Int32(0), cutlass.Int32(0)  # the previous tile's dq_p row and query count
+            # The previous tile's first dq_p row (its first query's row, or deterministic its first entry) and its
+            # query count.
+            i_prev, n_prev = cutlass.Int32(0), cutlass.Int32(0)
             self.gather_tile(gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
                              entry_query, start, n_entries, 0, tidx)
             for tile in cutlass.range(n_tiles, unroll=1):
@@ -122,6 +126,8 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                 if tile > 0:
                     self.reduce_tile(dqp_acc, s_dq, b, p, i_prev, n_prev, tidx)
                 i_row = s_ri[tidx % self.tile_m, tb, 0]  # this thread's dq_p row, if it reduces one
+                if cutlass.const_expr(self.deterministic):
+                    i_row = start + tile * self.tile_queries + tidx % self.tile_m
                 src_mn = self.rows_cols(thr_s.partition_C(s_tau_all[None, None, tb]))
                 for r in cutlass.range_constexpr(rows_per_thread):
                     cute.autovec_copy(src_mn[r, None], tau_mn[r, None])
@@ -150,7 +156,10 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                 i_prev, n_prev = i_row, n_q
 
             self.reduce_tile(dqp_acc, s_dq, b, p, i_prev, n_prev, tidx)
-            self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
+            if cutlass.const_expr(self.deterministic):  # the item's own rows, every key (past S they are 0)
+                self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[w, None, None], 0, self.block_size, scale)
+            else:
+                self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
             self.wait_rows_done(tidx < self.tile_m)
 
     @cute.jit
@@ -158,10 +167,14 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
         """A tile's staged dq_p rows into the fp32 accumulator, one bulk reduction per query (threads 0 .. n_q - 1,
         row i_row each), as one bulk group per issuing thread. Issued under the next tile's S_p product: the bulk
         instructions go out one at a time per SM, and at the tile's end they held the other warps at the next
-        tile's first barrier (the main backward's lesson, kernels_src/sparse_bwd/NOTES.md)."""
+        tile's first barrier (the main backward's lesson, kernels_src/sparse_bwd/NOTES.md). Deterministic: row
+        i_row of dqp_part (the thread's entry), stored."""
         if tidx < self.tile_m:
             if tidx < n_q:
-                self.reduce_row(dqp_acc[b, i_row, p, None], s_dq, tidx)
+                if cutlass.const_expr(self.deterministic):
+                    self.reduce_row(dqp_acc[i_row, None], s_dq, tidx)
+                else:
+                    self.reduce_row(dqp_acc[b, i_row, p, None], s_dq, tidx)
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
