@@ -5,8 +5,11 @@
 - `bulk_reduce_add_f32`: one cp.reduce.async.bulk per accumulator row, staged in shared memory, for the rows that
   leave once per tile (dq, dq_p). L2 applies a whole row per request instead of 8 bytes per red, which is what the
   dq traffic (34 GB at configuration (b), S = 64K) was bound by.
-- `store_v2`, `bulk_store_f32`: the same two shapes as plain stores, for the deterministic variants, which write
-  each item's (or entry's) rows to a partial buffer of its own that the runtime then sums in a fixed order.
+- `bulk_store_f32`: bulk_reduce_add_f32 as a plain store, for the deterministic variants, which write each
+  entry's dq rows to a partial row of its own that the runtime then sums in a fixed order.
+- `wait_flag`, `raise_flag`: an acquire / release pair on a global int32 flag, by which the deterministic
+  variants' items of one key block take turns at their dk / dv atomics, in item order (CUTLASS's generic barrier
+  pattern: one thread waits or signals, the CTA barrier orders the others).
 """
 
 from cutlass import Float32, Int32, Int64
@@ -51,22 +54,6 @@ def bulk_reduce_add_f32(dst: Int64, src: Int32, nbytes: int, *, loc=None, ip=Non
 
 
 @dsl_user_op
-def store_v2(address: Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
-    """*(float2 *)address = (a, b). address must be 8-byte aligned."""
-    llvm.inline_asm(
-        res=None,
-        operands_=[Int64(address).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip),
-                   Float32(b).ir_value(loc=loc, ip=ip)],
-        asm_string="st.global.v2.f32 [$0], {$1, $2};",
-        constraints="l,f,f,~{memory}",
-        has_side_effects=True,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
 def bulk_store_f32(dst: Int64, src: Int32, nbytes: int, *, loc=None, ip=None) -> None:
     """float dst[nbytes / 4] = shared src[...], asynchronously: bulk_reduce_add_f32's copy without the add (the
     same alignment, bulk_group completion and waits)."""
@@ -75,6 +62,40 @@ def bulk_store_f32(dst: Int64, src: Int32, nbytes: int, *, loc=None, ip=None) ->
         operands_=[Int64(dst).ir_value(loc=loc, ip=ip), Int32(src).ir_value(loc=loc, ip=ip)],
         asm_string=f"cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], {int(nbytes)};",
         constraints="l,r,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def wait_flag(address: Int64, *, loc=None, ip=None) -> None:
+    """Spin until the int32 at address is non-zero, with gpu-scope acquire semantics (what the flag's raiser wrote
+    before raise_flag is visible to this thread after it; a CTA barrier after it extends that to the CTA)."""
+    llvm.inline_asm(
+        res=None,
+        operands_=[Int64(address).ir_value(loc=loc, ip=ip)],
+        asm_string=("{\n\t.reg .b32 f;\n\t.reg .pred p;\n\tWAIT${:uid}:\n\t"
+                    "ld.acquire.gpu.global.b32 f, [$0];\n\tsetp.eq.s32 p, f, 0;\n\t"
+                    "@p nanosleep.u32 64;\n\t@p bra WAIT${:uid};\n\t}"),
+        constraints="l,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def raise_flag(address: Int64, *, loc=None, ip=None) -> None:
+    """*(int32 *)address = 1 with gpu-scope release semantics: called by one thread after a CTA barrier that
+    follows the CTA's writes, which then happen before anything a wait_flag on this flag is followed by."""
+    llvm.inline_asm(
+        res=None,
+        operands_=[Int64(address).ir_value(loc=loc, ip=ip)],
+        asm_string="{\n\t.reg .b32 one;\n\tmov.b32 one, 1;\n\tst.release.gpu.global.b32 [$0], one;\n\t}",
+        constraints="l,~{memory}",
         has_side_effects=True,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,

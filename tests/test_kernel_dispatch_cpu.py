@@ -41,6 +41,9 @@ def test_deterministic_backward_is_declined_off_the_tau_path(monkeypatch):
     monkeypatch.setattr(loader, "device_arch", lambda index: "sm90a")
     reason = kernels._msa_supports(_problem(deterministic=True))  # only the artifacts can decline it here
     assert reason is None or "use_deterministic_algorithms" not in reason
+    # warmup's backward has no deterministic kernels on any arch
+    reason = kernels._warmup_supports(_problem("warmup_backward", deterministic=True))
+    assert "use_deterministic_algorithms" in reason and "warmup" in reason
 
 
 def test_float32_is_declined():

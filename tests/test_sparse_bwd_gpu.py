@@ -166,7 +166,7 @@ def test_deterministic_backward_matches_reference_and_repeats(G, heads_per_chunk
     per_entry = sparse_bwd.entry_bytes(128, G, 128, True)
     budget = heads_per_chunk * S * K * per_entry or 1
     monkeypatch.setattr(sparse_bwd, "DETERMINISTIC_BUDGET", budget)
-    monkeypatch.setattr(sparse_bwd, "TAU_FLOOR", budget)
+    monkeypatch.setattr(sparse_bwd, "DETERMINISTIC_FLOOR", budget)
     assert sparse_bwd.deterministic_budget(1, S, 16, 128) == budget
     c = sparse_bwd.tau_heads(1, S, Hp, Hk, 1, K, 128, budget, per_entry)
     assert c == (min(Hp, heads_per_chunk) or 1)

@@ -153,3 +153,24 @@ def test_warmup_fwd_bwd_capture_in_a_cuda_graph():
     for name, g_, w_ in zip(NAMES, (*got_f, *got_b), (*want_f, *want_b)):
         tol = 0.0 if name in ("out", "lse") else 1e-2 * max(1e-6, w_.float().abs().max().item())
         assert (g_.float() - w_.float()).abs().max().item() <= tol, name
+
+
+def test_deterministic_warmup_backward_runs_the_reference():
+    """Warmup's backward has no deterministic kernels: under torch.use_deterministic_algorithms dispatch runs the
+    reference for it on every arch (sparse mode's backward has kernels for it on sm90a), bitwise reproducible."""
+    from flash_msa_rt.ops import dispatch
+
+    config = dict(head_dim=128, proxy_head_dim=128, block_size=None, group=4, kv_group=4, varlen=False,
+                  deterministic=True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        impl = dispatch.implementation("warmup_backward", torch.device("cuda"), torch.bfloat16, **config)
+        assert impl is dispatch.reference_impl("warmup_backward")
+        qp, kp, q, k, v = _inputs(1, 300, 8, 2, 2, 1, torch.bfloat16, seed=9)
+        go, klg = torch.randn_like(q), torch.full((), 0.5, device="cuda")
+        f = _impl("warmup_forward", 4, 4)(qp, kp, q, k, v, 0.1)
+        first, second = (impl(qp, kp, q, k, v, *f[:3], 0.1, go, klg) for _ in range(2))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)

@@ -61,16 +61,11 @@ _warned_deterministic = False
 def _msa_supports(problem: dispatch.Problem) -> str | None:
     """msa_forward and msa_backward: the same problem limits, each op's own variants (under deterministic
     algorithms, the backward's deterministic ones where the arch has them)."""
-    global _warned_deterministic
     c = problem.config
     deterministic = bool(c.get("deterministic")) and problem.op == "msa_backward"
     why = sparse_bwd.deterministic_refusal(_arch(problem)) if deterministic else None
     if why:
-        reason = _DETERMINISTIC_REASON.format(why=why)
-        if not _warned_deterministic:  # dispatch's own fallback warning is shown once for all reasons
-            _warned_deterministic = True
-            warnings.warn(f"flash_msa: {reason}", RuntimeWarning, stacklevel=4)
-        return reason
+        return _decline_deterministic(why)
     if c.get("varlen"):
         return "the sparse attention kernels do not take cu_seqlens yet"
     if problem.dtype not in _DTYPE_NAMES:
@@ -87,6 +82,15 @@ def _msa_supports(problem: dispatch.Problem) -> str | None:
         return _built(problem, sparse_fwd.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g, _arch(problem)))
     return _built(problem, sparse_bwd.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g, _arch(problem),
                                                deterministic))
+
+
+def _decline_deterministic(why: str) -> str:
+    global _warned_deterministic
+    reason = _DETERMINISTIC_REASON.format(why=why)
+    if not _warned_deterministic:  # dispatch's own fallback warning is shown once for all reasons
+        _warned_deterministic = True
+        warnings.warn(f"flash_msa: {reason}", RuntimeWarning, stacklevel=5)
+    return reason
 
 
 def _arch(problem: dispatch.Problem) -> str:
@@ -248,6 +252,9 @@ def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad
 
 
 def _warmup_supports(problem: dispatch.Problem) -> str | None:
+    if problem.op == "warmup_backward" and problem.config.get("deterministic"):
+        return _decline_deterministic("warmup's backward (cuDNN's dense backward, the proxy kernels) adds with fp32 "
+                                      "atomics")
     op = "msa_forward" if problem.op == "warmup_forward" else "msa_backward"
     c = dict(problem.config, block_size=WARMUP_BLOCK)
     return _msa_supports(dispatch.Problem(op, problem.device, problem.dtype, c))

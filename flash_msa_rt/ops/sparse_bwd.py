@@ -56,7 +56,8 @@ FORCE_PROXY_HEADS: str | None = None  # tests and benchmarks: "stepped" / "resid
                                       # could be read ("resident" stays stepped at G >= 8)
 TAU_BUDGET = 1 << 30  # at most this many bytes of tau rows (the input dtype, block_size per plan entry) per chunk
 TAU_FLOOR = 1 << 28  # ... and at least this many, so that small (host-bound) problems run in one chunk
-DETERMINISTIC_BUDGET = 1 << 31  # deterministic: at most this many bytes of one chunk's tau and partial dq rows
+DETERMINISTIC_BUDGET = 1 << 32  # deterministic: at most this many bytes of one chunk's tau and partial dq rows
+DETERMINISTIC_FLOOR = 1 << 30  # ... and at least this many: chunks cost host work (a plan, ~25 ops each)
 
 
 def tau_budget(B: int, S: int, H: int, D: int) -> int:
@@ -67,14 +68,15 @@ def tau_budget(B: int, S: int, H: int, D: int) -> int:
 
 
 def deterministic_budget(B: int, S: int, H: int, D: int) -> int:
-    """Bytes of one deterministic chunk's tau and partial dq / dq_p rows: the fp32 dq accumulator they replace
-    (4 B S H D bytes), within [TAU_FLOOR, DETERMINISTIC_BUDGET]."""
-    return max(TAU_FLOOR, min(DETERMINISTIC_BUDGET, 4 * B * S * H * D))
+    """Bytes of one deterministic chunk's tau and partial dq / dq_p rows: twice the fp32 dq accumulator they
+    replace (4 B S H D bytes), within [DETERMINISTIC_FLOOR, DETERMINISTIC_BUDGET]. Deterministic mode is a
+    debugging mode: it may hold a little more memory than the atomic path for fewer, longer chunks."""
+    return max(DETERMINISTIC_FLOOR, min(DETERMINISTIC_BUDGET, 8 * B * S * H * D))
 
 
 def entry_bytes(block_size: int, group: int, head_dim: int, deterministic: bool = False) -> int:
     """Bytes per plan entry of a tau-path chunk: its tau row (block_size keys, 2 bytes), and when deterministic
-    its fp32 partial dq rows (G heads) and dq_p row plus its slot's int64 row index."""
+    its fp32 partial dq rows (G heads) and dq_p row plus its slot's int64 row index (sparse_bwd_sums.slot_rows)."""
     return 2 * block_size + ((4 * group * head_dim + 4 * head_dim + 8) if deterministic else 0)
 
 
@@ -194,9 +196,9 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
 def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: int, budget: int,
               per_entry: int | None = None) -> int:
     """Proxy heads per backward chunk on the tau path: the most whose rows (B S K entries per head, per_entry bytes
-    each: entry_bytes, by default a tau row of block_size keys, 2 bytes) fit budget bytes (tau_budget), at least 1. The count divides Hp and is a multiple or a
-    divisor of each proxy-heads-per-KV-head ratio, so a chunk's main, KV and proxy-key heads are contiguous head
-    ranges (chunk_heads). Chunks of heads keep every reverse list whole (chunks of queries cut each list into
+    each: entry_bytes, by default a tau row of block_size keys, 2 bytes) fit budget bytes (tau_budget), at least 1.
+    The count divides Hp and is a multiple or a divisor of each proxy-heads-per-KV-head ratio, so a chunk's main, KV
+    and proxy-key heads are contiguous head ranges (chunk_heads). Chunks of heads keep every reverse list whole (chunks of queries cut each list into
     shorter ones, one more partial item each); at (b) 64K the two measured the same within noise (NOTES.md)."""
     per_head = B * S * K * (per_entry or 2 * block_size)
     fits = [c for c in range(Hp, 0, -1) if Hp % c == 0
@@ -218,8 +220,9 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     budget), tau passed from the main kernel to the proxy kernel: fills the main accumulators, returns (dq_proxy,
     dk_proxy). A chunk is the same problem on head-sliced views (strided; the kernels take any strides), with its
     own plan; chunks meet in dk_acc / dv_acc (KV heads shared across chunks) through atomics, as items do.
-    deterministic: the accumulators are not used (None); the kernels store partial rows, each chunk sums them in
-    plan order (sparse_bwd_sums) and the chunks add up in chunk order; returns (dq_proxy, dk_proxy, dq, dk, dv)."""
+    deterministic: the accumulators are allocated here (pass None); the kernels store dq / dq_p partial rows, which
+    each chunk sums in slot order (sparse_bwd_sums), and add dk / dv / dk_p in item order (turns); chunks follow
+    each other on the stream; returns (dq_proxy, dk_proxy, dq, dk, dv)."""
     B, S, H, D = q.shape
     Hp, Hk, Hpk, K = q_proxy.shape[2], k.shape[2], k_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
@@ -241,10 +244,11 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
     proxy_tiles = sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, 1)
     if det:
-        sums = _DeterministicSums(q_proxy, k_proxy, q, k, block_size, rows)
+        sums = _DeterministicSums(q_proxy, k_proxy, q, k, rows)
+        dk_acc, dv_acc = (torch.zeros(k.shape, dtype=f32, device=dev) for _ in range(2))
     else:
         dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
-        dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
+    dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     for p0 in range(0, Hp, c):
         # One chunk of every head (small problems, where the host's work is the op's time): the tensors
         # themselves, no views.
@@ -262,9 +266,11 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
         proxy_args = dict(q_proxy=heads(q_proxy, 2, ps), k_proxy=heads(k_proxy, 2, pks),
                           lse_proxy=heads(lse_proxy, 1, ps), kl_grad=heads(grad, 1, ps), scale=float(scale),
                           hp_per_hpk=per_pk)
+        main_args.update(dk_acc=heads(dk_acc, 2, kvs), dv_acc=heads(dv_acc, 2, kvs))
+        proxy_args.update(dkp_acc=heads(dkp_acc, 2, pks))
         if not det:
-            main_args.update(dq_acc=heads(dq_acc, 2, hs), dk_acc=heads(dk_acc, 2, kvs), dv_acc=heads(dv_acc, 2, kvs))
-            proxy_args.update(dqp_acc=heads(dqp_acc, 2, ps), dkp_acc=heads(dkp_acc, 2, pks))
+            main_args.update(dq_acc=heads(dq_acc, 2, hs))
+            proxy_args.update(dqp_acc=heads(dqp_acc, 2, ps))
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
             sel = block_indices if every and s1 - s0 == S else block_indices[:, ps, s0:s1].contiguous()
@@ -273,82 +279,53 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
             # The main plan's sorted lists, cut into the proxy kernel's tiles: entry e's tau row is row e for both.
             proxy_plan = recut(plan, TILE_M, proxy_tiles)
             if det:
-                main_args.update(sums.main_parts(plan))
-                proxy_args.update(sums.proxy_parts(proxy_plan))
+                main_args.update(sums.main_args(plan, c, per_kv))
+                proxy_args.update(sums.proxy_args(proxy_plan, c, per_pk))
             main(entry_query=plan.entry_query, items=plan.items, tau=tau_rows, **main_args)
             proxy(tau=tau_rows, entry_query=proxy_plan.entry_query, items=proxy_plan.items, **proxy_args)
             if det:
-                sums.add_chunk(plan, proxy_plan, sel, (s0, s1), (hs, kvs, per_kv), (ps, pks, per_pk), c)
+                sums.sum_chunk(plan, sel, (s0, s1), hs, ps, c)
     if det:
-        return sums.gradients()
+        return sums.dqp, dkp_acc.to(k_proxy.dtype), sums.dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
     return dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype)
 
 
 class _DeterministicSums:
-    """The deterministic tau path's buffers and fixed-order sums (sparse_bwd_sums): per chunk, plan-order partial
-    dq / dq_p rows (one spare zero row after them for the dead slots) and per-item dk / dv / dk_p rows; dq and dq_p
-    written per chunk (a query's slots all live in its chunk), the key-block gradients added per chunk into fp32
-    block buffers in chunk order."""
+    """The deterministic tau path's query-gradient rows and turns (sparse_bwd_sums): per chunk, fp32 partial dq /
+    dq_p rows at the chunk's slot rows (one spare zero row after them, for the dead slots), summed in slot order
+    into dq and dq_proxy (a query's slots all live in its chunk); per launch, the items' turns for their key-block
+    atomics."""
 
-    def __init__(self, q_proxy, k_proxy, q, k, block_size: int, rows: int):
+    def __init__(self, q_proxy, k_proxy, q, k, rows: int):
         B, S, H, D = q.shape
-        Hp, Hk, Hpk = q_proxy.shape[2], k.shape[2], k_proxy.shape[2]
         dev, f32 = q.device, torch.float32
-        self.B, self.S, self.G, self.D, self.block_size = B, S, H // Hp, D, block_size
-        self.Hk, self.Hpk, self.NB = Hk, Hpk, -(-S // block_size)
-        self.dtypes = (q_proxy.dtype, k_proxy.dtype, q.dtype, k.dtype)
+        self.B, self.G, self.D = B, H // q_proxy.shape[2], D
         self.dq_part = torch.empty((rows + 1, self.G * D), dtype=f32, device=dev)
         self.dqp_part = torch.empty((rows + 1, D), dtype=f32, device=dev)
-        self.dk = torch.zeros((B * Hk * self.NB + 1, block_size, D), dtype=f32, device=dev)
-        self.dv = torch.zeros_like(self.dk)
-        self.dkp = torch.zeros((B * Hpk * self.NB + 1, block_size, D), dtype=f32, device=dev)
         self.dq = torch.empty((B, S, H, D), dtype=q.dtype, device=dev)
         self.dqp = torch.empty(q_proxy.shape, dtype=q_proxy.dtype, device=dev)
 
-    def _items(self, name: str, plan) -> torch.Tensor:
-        """Item rows (plan.W, Bs, D), kept across chunks: zeroed once, so that the rows of items past the real
-        count, which the kernels never write but add_items reads (into the spare row), are initialised."""
-        buf = getattr(self, name, None)
-        if buf is None or buf.shape[0] < plan.W:
-            buf = torch.zeros((plan.W, self.block_size, self.D), dtype=torch.float32, device=self.dk.device)
-            setattr(self, name, buf)
-        return buf[:plan.W]
+    def main_args(self, plan, c: int, per_kv: int) -> dict:
+        prev, done = sparse_bwd_sums.item_turns(plan.items, c, per_kv)
+        return dict(dq_part=self.dq_part[:plan.E], entry_dest=plan.entry_dest, item_prev=prev, item_done=done)
 
-    def main_parts(self, plan) -> dict:
-        self.parts = dict(dq_part=self.dq_part[:plan.E], dk_part=self._items("_dk_items", plan),
-                          dv_part=self._items("_dv_items", plan))
-        return self.parts
+    def proxy_args(self, proxy_plan, c: int, per_pk: int) -> dict:
+        prev, done = sparse_bwd_sums.item_turns(proxy_plan.items, c, per_pk)
+        return dict(dqp_part=self.dqp_part[:proxy_plan.E], entry_dest=proxy_plan.entry_dest, item_prev=prev,
+                    item_done=done)
 
-    def proxy_parts(self, proxy_plan) -> dict:
-        self.proxy = dict(dqp_part=self.dqp_part[:proxy_plan.E], dkp_part=self._items("_dkp_items", proxy_plan))
-        return self.proxy
-
-    def add_chunk(self, plan, proxy_plan, sel, queries, main_heads, proxy_heads, c: int) -> None:
-        """Sum one chunk's partial rows: plan and proxy_plan (its recut) over selection rows sel of queries
-        [s0, s1) and proxy heads proxy_heads[0]; main_heads / proxy_heads: (heads slice, KV (proxy key) heads
-        slice, proxy heads per KV (proxy key) head inside the chunk)."""
+    def sum_chunk(self, plan, sel, queries, hs: slice, ps: slice, c: int) -> None:
+        """dq and dq_proxy of the chunk's queries [s0, s1) and heads hs / proxy heads ps, from its partial rows
+        (plan over selection rows sel)."""
         B, G, D, (s0, s1) = self.B, self.G, self.D, queries
         n = s1 - s0
-        (hs, kvs, per_kv), (ps, pks, per_pk) = main_heads, proxy_heads
-        slots = sparse_bwd_sums.slot_entries(plan, sel)
+        slots = sparse_bwd_sums.slot_rows(plan, sel)
         for part in (self.dq_part, self.dqp_part):
             part[plan.E].zero_()  # the dead slots' row
         dq = sparse_bwd_sums.sum_slots(self.dq_part[:plan.E + 1], slots)
         self.dq[:, s0:s1, hs].unflatten(2, (c, G)).copy_(dq.view(B, c, n, G, D).permute(0, 2, 1, 3, 4))
         dqp = sparse_bwd_sums.sum_slots(self.dqp_part[:plan.E + 1], slots)
         self.dqp[:, s0:s1, ps].copy_(dqp.view(B, c, n, D).permute(0, 2, 1, 3))
-        targets = sparse_bwd_sums.item_targets(plan.items, c, per_kv, kvs.start, self.Hk, self.NB, B)
-        sparse_bwd_sums.add_items(self.dk, targets, self.parts["dk_part"])
-        sparse_bwd_sums.add_items(self.dv, targets, self.parts["dv_part"])
-        targets = sparse_bwd_sums.item_targets(proxy_plan.items, c, per_pk, pks.start, self.Hpk, self.NB, B)
-        sparse_bwd_sums.add_items(self.dkp, targets, self.proxy["dkp_part"])
-
-    def gradients(self):
-        """(dq_proxy, dk_proxy, dq, dk, dv) in the inputs' dtypes."""
-        _, dt_kp, _, dt_k = self.dtypes
-        rows = sparse_bwd_sums.blocks_to_rows
-        return (self.dqp, rows(self.dkp, self.B, self.Hpk, self.S, dt_kp), self.dq,
-                rows(self.dk, self.B, self.Hk, self.S, dt_k), rows(self.dv, self.B, self.Hk, self.S, dt_k))
 
 
 def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size, scale, kl_grad, plan=None):

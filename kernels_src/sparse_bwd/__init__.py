@@ -109,9 +109,10 @@ class MainConfig(MmaConfig):
     order), for the proxy backward that then need not recompute the G main score tiles (sparse_bwd_proxy heads
     "tau"). wgmma on the whole key block only (one CTA holds every key of an entry's row).
 
-    deterministic = 1 (with tau_out = 1): no atomics. The kernel stores each entry's dq rows (G x D, fp32) at its
-    row of dq_part (plan order) and each item's dK, dV at its rows of dk_part / dv_part; the runtime sums them in a
-    fixed order (flash_msa_rt.ops.sparse_bwd_sums), so gradients are bitwise identical run to run."""
+    deterministic = 1 (with tau_out = 1): every fp32 sum in a fixed order, so gradients are bitwise identical run
+    to run. The kernel stores each entry's dq rows (G x D) at its slot's row of dq_part (entry_dest), which the
+    runtime sums over the query's slots in slot order (flash_msa_rt.ops.sparse_bwd_sums); the items of one key
+    block add their dK, dV in item order, each waiting for its predecessor's flag (item_prev, item_done)."""
 
     tau_out: int = 0
     deterministic: int = 0
@@ -174,6 +175,7 @@ def params(config: Config) -> tuple:
         TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
         *gradient_params(c, ("dq", "H"), ("dk", "Hk"), ("dv", "Hk")),
         *tau_params(c),
+        *turn_params(c),
         ScalarParam("scale", "f32"),
         ScalarParam("hp", "i32"),  # proxy heads: item bp = b * Hp + p
         ScalarParam("hp_per_hk", "i32"),
@@ -181,16 +183,26 @@ def params(config: Config) -> tuple:
 
 
 def gradient_params(config, dq, *dkv) -> tuple:
-    """The fp32 gradient buffers, (name, heads) each: accumulators (B, S, heads, D) that the kernel adds to, or
-    with deterministic = 1 the partial rows it stores, per plan entry for dq ((E, G D): the query's G heads) and
-    per item for the key-block gradients ((W, block_size, D))."""
+    """The fp32 gradient buffers, (name, heads) each: accumulators (B, S, heads, D) that the kernel adds to, except
+    with deterministic = 1 the query gradient's partial rows that it stores, one per plan entry ((E, G D): the
+    query's G heads), at its slot's row)."""
     d = config.head_dim
-    if getattr(config, "deterministic", 0):
-        return (TensorParam(f"{dq[0]}_part", "f32", ("E", config.group * d), (config.group * d, 1), align=16),
-                *(TensorParam(f"{name}_part", "f32", ("W", config.block_size, d), (config.block_size * d, d, 1),
-                              align=16) for name, _ in dkv))
     bshd = ("i64", "i64", "i64", 1)
-    return tuple(TensorParam(f"{name}_acc", "f32", ("B", "S", heads, d), bshd, align=16) for name, heads in (dq, *dkv))
+    acc = tuple(TensorParam(f"{name}_acc", "f32", ("B", "S", heads, d), bshd, align=16) for name, heads in dkv)
+    if getattr(config, "deterministic", 0):
+        return (TensorParam(f"{dq[0]}_part", "f32", ("E", config.group * d), (config.group * d, 1), align=16), *acc)
+    return (TensorParam(f"{dq[0]}_acc", "f32", ("B", "S", dq[1], d), bshd, align=16), *acc)
+
+
+def turn_params(config) -> tuple:
+    """deterministic = 1: per plan entry, the flat (b, p, i, slot) row of its partial dq rows (the plan's
+    entry_dest: a query's slots are adjacent rows for the runtime's sum); per item, the item before it on the same
+    key-block rows (-1: none) and the flag it raises once its atomics are done (zeros at launch)."""
+    if not getattr(config, "deterministic", 0):
+        return ()
+    return (TensorParam("entry_dest", "i32", ("E",), (1,), align=4),
+            TensorParam("item_prev", "i32", ("W",), (1,), align=4),
+            TensorParam("item_done", "i32", ("W",), (1,), align=4))
 
 
 def tau_params(config) -> tuple:

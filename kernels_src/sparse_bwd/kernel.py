@@ -9,9 +9,10 @@ Two CTAs per work item (key block j of (b, p) and the queries that chose it), ea
     padded per query against bank conflicts) and added to the fp32 dq accumulator with one bulk reduction per
     query (cp.reduce.async.bulk), which runs while the next tile computes;
   - at the item's end dV and scale * dK go to the fp32 dk / dv accumulators with vector atomics.
-The deterministic variants (wgmma, tau_out = 1) store instead of adding: a query's staged dq rows to its entry's row
-of dq_part (plan order), the item's dK and dV to its own rows of dk_part / dv_part; the runtime sums both in a fixed
-order (flash_msa_rt.ops.sparse_bwd_sums), so the gradients are bitwise reproducible.
+The deterministic variants (wgmma, tau_out = 1) make the order of every fp32 sum fixed: a query's staged dq rows
+are stored to its slot's row of dq_part (entry_dest), which the runtime sums over the query's slots in slot order
+(flash_msa_rt.ops.sparse_bwd_sums); the items of one key block take turns at their dk / dv atomics in item order
+(item_prev[w]: the item before w on the same rows, whose item_done flag w waits for before its own atomics).
 Tile rows are head-major (row_query, row_head). The item's entries are staged in shared memory once, and each
 tile's lse and delta with its gather, so no phase starts with a dependent global load (NOTES.md).
 Transposed operands are transposed views of the same swizzled tiles, read with ldmatrix.trans.
@@ -28,7 +29,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
-from kernels_src.atomics import bulk_reduce_add_f32, bulk_store_f32, red_add_v2, store_v2
+from kernels_src.atomics import bulk_reduce_add_f32, bulk_store_f32, raise_flag, red_add_v2, wait_flag
 from kernels_src.sparse_bwd import DQ_ROW_PAD, ENTRY_TABLE
 from kernels_src.spec import Compiled
 from kernels_src.tiles import (acc_rows_cols, compile_tile_kernel, copy_row, copy_word, cp_async_rows, cp_async_word,
@@ -51,8 +52,8 @@ class SparseBackward:
         self.tile_queries = config.tile_m // config.group
         self.threads = config.threads
         self.stages = config.stages
-        # Partial rows stored, not added (see the module docstring); the tensors named dq_acc, dk_acc, dv_acc
-        # below are then dq_part (E, G D), dk_part and dv_part (W, block_size, D).
+        # dq rows stored, not added, and the item's dk / dv atomics in turn (see the module docstring); the tensor
+        # named dq_acc below is then dq_part (E, G D).
         self.deterministic = bool(getattr(config, "deterministic", 0))
         self.traced: dict = {}
 
@@ -130,8 +131,18 @@ class SparseBackward:
                     hp_per_hk, stream)
 
     @cute.jit
+    def call_det(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
+                 delta: cute.Tensor, entry_query: cute.Tensor, items: cute.Tensor, dq_part: cute.Tensor,
+                 dk_acc: cute.Tensor, dv_acc: cute.Tensor, tau: cute.Tensor, entry_dest: cute.Tensor,
+                 item_prev: cute.Tensor, item_done: cute.Tensor, scale: cutlass.Float32, hp: cutlass.Int32,
+                 hp_per_hk: cutlass.Int32, stream: cuda.CUstream):
+        """The entry of the deterministic variants: call_tau with dq rows stored to dq_part, and the items' turns."""
+        self.launch(q, k, v, dout, lse, delta, entry_query, items, dq_part, dk_acc, dv_acc, tau, scale, hp,
+                    hp_per_hk, stream, (entry_dest, item_prev, item_done))
+
+    @cute.jit
     def launch(self, q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau, scale, hp,
-               hp_per_hk, stream):
+               hp_per_hk, stream, turns=None):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
         l_p = self._smem_layout((self.tile_m, self.tile_n))
@@ -157,6 +168,10 @@ class SparseBackward:
             self.kernel(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, scale, hp, hp_per_hk,
                         *layouts).launch(grid=grid, block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
                                          stream=stream)
+        elif cutlass.const_expr(turns is not None):
+            self.kernel_det(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau, *turns,
+                            scale, hp, hp_per_hk, *layouts).launch(grid=grid, block=(self.threads, 1, 1),
+                                                                   smem=self.traced["smem_bytes"], stream=stream)
         else:
             self.kernel_tau(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau, scale, hp,
                             hp_per_hk, *layouts).launch(grid=grid, block=(self.threads, 1, 1),
@@ -180,12 +195,22 @@ class SparseBackward:
         self.backward(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau, scale, hp,
                       hp_per_hk, l_kv, l_rows, l_p, l_dq, l_rows_f, gcopy, SharedStorage)
 
+    @cute.kernel
+    def kernel_det(self, q, k, v, dout, lse, delta, entry_query, items, dq_part, dk_acc, dv_acc, tau, entry_dest,
+                   item_prev, item_done, scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
+                   l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
+                   l_dq: cute.Layout, l_rows_f: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+        self.backward(q, k, v, dout, lse, delta, entry_query, items, dq_part, dk_acc, dv_acc, tau, scale, hp,
+                      hp_per_hk, l_kv, l_rows, l_p, l_dq, l_rows_f, gcopy, SharedStorage,
+                      (entry_dest, item_prev, item_done))
+
     @cute.jit
     def backward(self, q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau,
                  scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
                  l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
-                 l_rows_f: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
-        """The kernel body; tau None (trace time): the variant without tau_out."""
+                 l_rows_f: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr, turns=None):
+        """The kernel body; tau None (trace time): the variant without tau_out; turns (entry_dest, item_prev,
+        item_done): the deterministic variant's."""
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         w = cta // self.halves
@@ -263,7 +288,8 @@ class SparseBackward:
                 self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False, wait=False)
                 self.gemm(mma_s, thr_s, acc_dp, s_do, s_v, tidx, False, False, wait=False)
                 if tile > 0:
-                    self.reduce_dq(dq_acc, s_dq, entry_query, s_entries, start, n_entries, tile - 1, b, p, dq_query)
+                    self.reduce_dq(dq_acc, s_dq, entry_query, s_entries, start, n_entries, tile - 1, b, p, dq_query,
+                                   turns)
                 self.wait_products(0)
                 for r in cutlass.range_constexpr(n_rows):
                     for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
@@ -293,15 +319,13 @@ class SparseBackward:
                 # The next gather and the next tile's P / dS stores overwrite what this tile read; s_dq is whole.
                 cute.arch.sync_threads()
 
-            self.reduce_dq(dq_acc, s_dq, entry_query, s_entries, start, n_entries, n_tiles - 1, b, p, dq_query)
-            if cutlass.const_expr(self.deterministic):  # the item's own rows, every key (past S they are 0)
-                self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[w, None, None], 0, self.block_size,
-                                 cutlass.Float32(1.0))
-                self.flush_block(mma_kv, thr_kv, acc_dk, dk_acc[w, None, None], 0, self.block_size, scale)
-            else:
-                self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[b, None, kvh, None], t0, seqlen,
-                                 cutlass.Float32(1.0))
-                self.flush_block(mma_kv, thr_kv, acc_dk, dk_acc[b, None, kvh, None], t0, seqlen, scale)
+            self.reduce_dq(dq_acc, s_dq, entry_query, s_entries, start, n_entries, n_tiles - 1, b, p, dq_query, turns)
+            if cutlass.const_expr(turns is not None):
+                self.take_turn(turns, w, tidx)
+            self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[b, None, kvh, None], t0, seqlen, cutlass.Float32(1.0))
+            self.flush_block(mma_kv, thr_kv, acc_dk, dk_acc[b, None, kvh, None], t0, seqlen, scale)
+            if cutlass.const_expr(turns is not None):
+                self.end_turn(turns, w, tidx)
             self.wait_rows_done(dq_query >= 0)
 
     def _tau_copy(self):
@@ -341,16 +365,16 @@ class SparseBackward:
                     cute.copy(tcopy, frag, t_g[None, m, None])
 
     @cute.jit
-    def reduce_dq(self, dq_acc, s_dq, entry_query, s_entries, start, n_entries, tile, b, p, dq_query):
+    def reduce_dq(self, dq_acc, s_dq, entry_query, s_entries, start, n_entries, tile, b, p, dq_query, turns=None):
         """dq_acc rows of `tile`'s staged queries += s_dq: one bulk reduction of the query's G head rows per
         issuing thread (dq_query >= 0), as one bulk group. Deterministic: one bulk store of them to the entry's
-        row of dq_part instead."""
+        slot row of dq_part (turns[0]: entry_dest) instead."""
         if dq_query >= 0:
             if dq_query < cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries):
                 nbytes = self.group * self.head_dim * 4
-                if cutlass.const_expr(self.deterministic):
-                    e = start + tile * self.tile_queries + dq_query
-                    bulk_store_f32(dq_acc[e, None].iterator.toint(), s_dq[dq_query, None].iterator.toint(), nbytes)
+                if cutlass.const_expr(turns is not None):
+                    row = turns[0][start + tile * self.tile_queries + dq_query]
+                    bulk_store_f32(dq_acc[row, None].iterator.toint(), s_dq[dq_query, None].iterator.toint(), nbytes)
                 else:
                     i = item_word(entry_query, s_entries, start, tile * self.tile_queries + dq_query)
                     bulk_reduce_add_f32(dq_acc[b, i, p * self.group, None].iterator.toint(),
@@ -411,6 +435,25 @@ class SparseBackward:
         cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
+    def take_turn(self, turns, w, tidx):
+        """Deterministic variants, before item w's key-block atomics: wait until the item before it on the same
+        rows (item_prev[w], -1 for none; always a lower item, so already running or done) has raised its flag."""
+        _, item_prev, item_done = turns
+        prev = item_prev[w]
+        if tidx == 0:
+            if prev >= 0:
+                wait_flag(item_done.iterator.toint() + prev * 4)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def end_turn(self, turns, w, tidx):
+        """After item w's atomics (every thread's, by the barrier): raise item_done[w] for the item after it."""
+        _, _, item_done = turns
+        cute.arch.sync_threads()
+        if tidx == 0:
+            raise_flag(item_done.iterator.toint() + w * 4)
+
+    @cute.jit
     def reduce_row(self, dst, s_rows, row):
         """dst (one fp32 row of D) += s_rows[row], one asynchronous bulk reduction (the caller commits);
         deterministic: dst = s_rows[row], a bulk store."""
@@ -446,14 +489,10 @@ class SparseBackward:
     @cute.jit
     def red_row(self, dst, acc_mn, coord, r, factor):
         """dst[col] += factor * acc_mn[r, c] for the thread's columns of row r, two adjacent columns per vector
-        reduction (the accumulator's column pairs; dst rows are fp32 with 8-byte aligned even columns);
-        deterministic: dst[col] = ..., vector stores."""
+        reduction (the accumulator's column pairs; dst rows are fp32 with 8-byte aligned even columns)."""
         base = dst.iterator.toint()
         for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
-            if cutlass.const_expr(self.deterministic):
-                store_v2(base + coord[0, c][1] * 4, acc_mn[r, c] * factor, acc_mn[r, c + 1] * factor)
-            else:
-                red_add_v2(base + coord[0, c][1] * 4, acc_mn[r, c] * factor, acc_mn[r, c + 1] * factor)
+            red_add_v2(base + coord[0, c][1] * 4, acc_mn[r, c] * factor, acc_mn[r, c + 1] * factor)
 
     @cute.jit
     def gemm(self, tiled_mma, thr_mma, acc, s_a, s_b, tidx, trans_a: cutlass.Constexpr, trans_b: cutlass.Constexpr,
@@ -536,5 +575,6 @@ def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entr
         kernel = SparseBackwardWG(config)
     else:
         kernel = SparseBackward(config)
-    entry = kernel.call_tau if getattr(config, "tau_out", 0) else None
+    entry = kernel.call_det if getattr(config, "deterministic", 0) else \
+        kernel.call_tau if getattr(config, "tau_out", 0) else None
     return compile_tile_kernel(kernel, config, arch, params(config), config.smem_bytes(), entry=entry)

@@ -126,7 +126,7 @@ def params(config) -> tuple:
     # The tau kernel needs no main rows, keys or lse; tau (E, block_size) follows the proxy keys.
     kept = [p for p in every if p.name not in ("q", "k", "lse", "hp_per_hk")]
     tau = sparse_bwd.tau_params(sparse_bwd.MainConfig(**dict(_mma_fields(c), tau_out=1)))
-    return (*kept[:2], *tau, *kept[2:])
+    return (*kept[:2], *tau, *kept[2:-2], *sparse_bwd.turn_params(c), *kept[-2:])  # turns after dkp
 
 
 def _mma_fields(config) -> dict:

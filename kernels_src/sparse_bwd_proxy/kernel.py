@@ -304,10 +304,12 @@ class SparseProxyBackward(SparseBackward):
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_bwd_proxy import params, smem_bytes
 
+    entry = None
     if config.heads == "tau":
         from kernels_src.sparse_bwd_proxy.tau import SparseProxyBackwardTau
 
         kernel = SparseProxyBackwardTau(config)
+        entry = kernel.call_det if getattr(config, "deterministic", 0) else None
     elif config.heads == "resident":
         from kernels_src.sparse_bwd_proxy.resident import SparseProxyBackwardResident
 
@@ -318,4 +320,4 @@ def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entr
         kernel = SparseProxyBackwardWG(config)
     else:
         kernel = SparseProxyBackward(config)
-    return compile_tile_kernel(kernel, config, arch, params(config), smem_bytes(config))
+    return compile_tile_kernel(kernel, config, arch, params(config), smem_bytes(config), entry=entry)

@@ -10,8 +10,9 @@ dS_p = (pi - tau) * kl_grad, and the stepped kernel's dq_p / dk_p products, stag
 Nothing here depends on G, so one variant per dtype is built (group 1). tau must come from the same plan's sorted
 entries (sparse_plan.recut of the main backward's plan): row e of tau belongs to entry e.
 Row scalar tables (tile buffer tile % 2): ints [query], floats [lse_p, kl_grad].
-Deterministic variants store a tile's dq_p rows at their entries' rows of dqp_part (plan order) and the item's
-dk_p at its own rows of dkp_part, for the runtime's fixed-order sums (the tensors named dqp_acc, dkp_acc here).
+Deterministic variants store a tile's dq_p rows at their entries' slot rows of dqp_part (entry_dest; the tensor
+named dqp_acc here), which the runtime sums in slot order, and add an item's dk_p in its turn among the items of its
+key block (item_prev, item_done: sparse_bwd's take_turn / end_turn).
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -45,6 +46,21 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
     def __call__(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor, tau: cute.Tensor, entry_query: cute.Tensor,
                  items: cute.Tensor, lse_proxy: cute.Tensor, kl_grad: cute.Tensor, dqp_acc: cute.Tensor,
                  dkp_acc: cute.Tensor, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+        self.launch(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
+                    hp_per_hpk, stream)
+
+    @cute.jit
+    def call_det(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor, tau: cute.Tensor, entry_query: cute.Tensor,
+                 items: cute.Tensor, lse_proxy: cute.Tensor, kl_grad: cute.Tensor, dqp_part: cute.Tensor,
+                 dkp_acc: cute.Tensor, entry_dest: cute.Tensor, item_prev: cute.Tensor, item_done: cute.Tensor,
+                 scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+        """The deterministic variants' entry: dq_p rows stored to dqp_part, the items' dk_p atomics in turn."""
+        self.launch(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc, scale,
+                    hp_per_hpk, stream, (entry_dest, item_prev, item_done))
+
+    @cute.jit
+    def launch(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
+               hp_per_hpk, stream, turns=None):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, _TILE_BUFFERS))
         l_p = self._smem_layout((self.tile_m, self.tile_n))
@@ -62,15 +78,39 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             s_rf: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_rf)], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        self.kernel_tau(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
-                        hp_per_hpk, l_kv, l_rows, l_p, l_dq, self._gmem_copy(), SharedStorage).launch(
-            grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
+        layouts = (l_kv, l_rows, l_p, l_dq, self._gmem_copy(), SharedStorage)
+        launch = dict(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
+                      stream=stream)
+        if cutlass.const_expr(turns is None):
+            self.kernel_tau(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
+                            hp_per_hpk, *layouts).launch(**launch)
+        else:
+            self.kernel_tau_det(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
+                                *turns, scale, hp_per_hpk, *layouts).launch(**launch)
 
     @cute.kernel
     def kernel_tau(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
                    scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout,
                    l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout, gcopy: cute.TiledCopy,
                    SharedStorage: cutlass.Constexpr):
+        self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
+                          hp_per_hpk, l_kv, l_rows, l_p, l_dq, gcopy, SharedStorage)
+
+    @cute.kernel
+    def kernel_tau_det(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc,
+                       entry_dest, item_prev, item_done, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
+                       l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
+                       l_dq: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+        self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc, scale,
+                          hp_per_hpk, l_kv, l_rows, l_p, l_dq, gcopy, SharedStorage,
+                          (entry_dest, item_prev, item_done))
+
+    @cute.jit
+    def tau_backward(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
+                     scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout,
+                     l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
+                     gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr, turns=None):
+        """The kernel body; turns (entry_dest, item_prev, item_done): the deterministic variant's."""
         tidx, _, _ = cute.arch.thread_idx()
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
@@ -126,8 +166,10 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                 if tile > 0:
                     self.reduce_tile(dqp_acc, s_dq, b, p, i_prev, n_prev, tidx)
                 i_row = s_ri[tidx % self.tile_m, tb, 0]  # this thread's dq_p row, if it reduces one
-                if cutlass.const_expr(self.deterministic):
-                    i_row = start + tile * self.tile_queries + tidx % self.tile_m
+                if cutlass.const_expr(turns is not None):  # the thread's entry's slot row of dqp_part
+                    i_row = cutlass.Int32(0)
+                    if tidx < self.tile_m and tidx < n_q:
+                        i_row = turns[0][start + tile * self.tile_queries + tidx]
                 src_mn = self.rows_cols(thr_s.partition_C(s_tau_all[None, None, tb]))
                 for r in cutlass.range_constexpr(rows_per_thread):
                     cute.autovec_copy(src_mn[r, None], tau_mn[r, None])
@@ -156,10 +198,11 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                 i_prev, n_prev = i_row, n_q
 
             self.reduce_tile(dqp_acc, s_dq, b, p, i_prev, n_prev, tidx)
-            if cutlass.const_expr(self.deterministic):  # the item's own rows, every key (past S they are 0)
-                self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[w, None, None], 0, self.block_size, scale)
-            else:
-                self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
+            if cutlass.const_expr(turns is not None):
+                self.take_turn(turns, w, tidx)
+            self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
+            if cutlass.const_expr(turns is not None):
+                self.end_turn(turns, w, tidx)
             self.wait_rows_done(tidx < self.tile_m)
 
     @cute.jit
