@@ -93,16 +93,19 @@ def test_proxy_heads_the_runtime_launches_are_built():
 def test_deterministic_backward_variants_are_built():
     """Under deterministic algorithms sm90a runs the tau path's deterministic variants (every G, both dtypes);
     sm100a has none (mma.sync) and says so; deterministic is refused off the tau path's configurations."""
-    from kernels_src import sparse_bwd_proxy
+    from kernels_src import slot_sum, sparse_bwd_proxy
 
     for dt in ("bf16", "f16"):
         for G in (1, 2, 4, 8, 16):
             launched = rt_bwd.variants(dt, 128, 128, 128, G, "sm90a", deterministic=True)
-            assert [op for op, _ in launched] == ["sparse_bwd", "sparse_bwd_proxy", "bwd_delta"]
+            assert [op for op, _ in launched] == ["sparse_bwd", "sparse_bwd_proxy", "bwd_delta", "slot_sum",
+                                                  "slot_sum"]
             main, proxy = launched[0][1], launched[1][1]
             assert main["deterministic"] == proxy["deterministic"] == 1 and main["tau_out"] == 1
             assert sparse_bwd.MainConfig(**main) in sparse_bwd.configs()
             assert sparse_bwd_proxy.Config(**proxy) in sparse_bwd_proxy.configs()
+            for (_, cfg), group in zip(launched[3:], (G, 1)):  # dq over G heads, dq_p over one
+                assert cfg["group"] == group and slot_sum.Config(**cfg) in slot_sum.configs()
     assert rt_bwd.deterministic_refusal("sm90a") is None
     assert "sm100a" in rt_bwd.deterministic_refusal("sm100a")
     ok, reason = sparse_bwd.can_implement(sparse_bwd.MainConfig(tile_n=128, mma="wgmma", deterministic=1), "sm90a")
@@ -113,10 +116,10 @@ def test_deterministic_backward_variants_are_built():
 
 
 def test_deterministic_budget_and_entry_bytes():
-    """Deterministic chunks hold tau plus fp32 dq / dq_p rows and a slot index per entry, within twice the dq
+    """Deterministic chunks hold tau plus fp32 dq / dq_p rows per entry, within twice the dq
     accumulator bounded by [DETERMINISTIC_FLOOR, DETERMINISTIC_BUDGET]."""
     assert rt_bwd.entry_bytes(128, 4, 128) == 256
-    assert rt_bwd.entry_bytes(128, 4, 128, True) == 256 + 4 * 4 * 128 + 4 * 128 + 8
+    assert rt_bwd.entry_bytes(128, 4, 128, True) == 256 + 4 * 4 * 128 + 4 * 128
     assert rt_bwd.deterministic_budget(1, 8192, 16, 128) == rt_bwd.DETERMINISTIC_FLOOR
     assert rt_bwd.deterministic_budget(1, 65536, 16, 128) == 8 * 65536 * 16 * 128
     assert rt_bwd.deterministic_budget(2, 65536, 32, 128) == rt_bwd.DETERMINISTIC_BUDGET

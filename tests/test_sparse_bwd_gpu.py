@@ -317,3 +317,29 @@ def test_delta_kernel_matches_float64(shape, dtype):
     bound = 128 * 2.0 ** -24 * terms.abs().sum(-1).transpose(1, 2)
     assert torch.isfinite(delta).all()
     assert ((delta.double() - want).abs() <= bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("G", [1, 4, 16])
+def test_slot_sum_kernel_matches_its_statement(G, dtype):
+    """The deterministic backward's slot_sum kernel against sparse_bwd_sums.slot_sums, bitwise (the same fp32
+    additions in the same order): dead slots' rows are NaN and must not be read, the output is a strided view
+    (a query chunk's rows of some heads) and nothing outside it is written."""
+    from flash_msa_rt.loader import get_kernel
+    from flash_msa_rt.ops import sparse_bwd, sparse_bwd_sums, sparse_fwd
+    from flash_msa_rt.ops.sparse_plan import live_slots
+    from tests.test_sparse_plan import random_indices
+
+    B, Hp, S, K, offset = 2, 3, 700, 5, 256
+    idx = random_indices(torch.Generator().manual_seed(G), B, Hp, S, K, 128).cuda()
+    g = torch.Generator(device="cuda").manual_seed(G)
+    part = torch.randn(B * Hp * S * K, G, 128, device="cuda", generator=g)
+    part[~live_slots(idx, 128, offset).reshape(-1)] = float("nan")
+    whole = torch.full((B, S + 3, Hp * G + 2, 128), float("nan"), dtype=dtype, device="cuda")
+    out = whole[:, 1:S + 1, 1:Hp * G + 1]
+    kernel = get_kernel("slot_sum", sparse_bwd.slot_sum_config(sparse_fwd.DTYPES[dtype], 128, 128, G), idx.device)
+    kernel(block_indices=idx, part=part, out=out, query_offset=offset)
+    assert torch.equal(out, sparse_bwd_sums.slot_sums(part, idx, 128, offset).to(dtype))
+    outside = whole.clone()
+    outside[:, 1:S + 1, 1:Hp * G + 1] = float("nan")
+    assert outside.isnan().all()

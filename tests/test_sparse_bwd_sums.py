@@ -20,24 +20,26 @@ def _plan(B=2, Hp=3, S=700, K=5, Bs=128, G=2, offset=0, seed=0, tiles=2):
 
 @pytest.mark.parametrize("offset", [0, 256])
 def test_slot_sums_add_each_querys_live_slots_in_slot_order(offset):
-    """The kernels store an entry's rows at entry_dest; sum_slots over slot_rows gives, per (b, p, i), the sum of
-    the rows its live slots' entries wrote, and reads no other row."""
+    """The kernels store an entry's G head rows at its slot's row (entry_dest); slot_sums (the slot_sum kernel's
+    statement) gives, per (b, i, p * G + g), the sum of the rows of the query's live slots, and reads no other row
+    (the others are NaN here)."""
     idx, plan, gen = _plan(offset=offset)
     B, Hp, S, K = idx.shape
-    F = 6
-    part = torch.full((plan.E + 1, F), float("nan"), dtype=torch.float64)
+    G, D = plan.group, 4
+    part = torch.full((plan.E, G, D), float("nan"), dtype=torch.float64)
     live = live_slots(idx, plan.block_size, offset).reshape(-1)
     dest = plan.entry_dest.long()
     written = dest[live[dest]]  # the slot rows of live entries: what the kernels write
-    part[written] = torch.randn((len(written), F), generator=gen, dtype=torch.float64)
-    part[plan.E] = 0
-    got = sparse_bwd_sums.sum_slots(part, sparse_bwd_sums.slot_rows(plan, idx))
-    want = torch.zeros((B * Hp * S, F), dtype=torch.float64)
+    part[written] = torch.randn((len(written), G, D), generator=gen, dtype=torch.float64)
+    got = sparse_bwd_sums.slot_sums(part.float(), idx, plan.block_size, offset)
+    want = torch.zeros((B, S, Hp * G, D), dtype=torch.float32)
     for flat in range(B * Hp * S * K):
         if live[flat]:
-            want[flat // K] += part[flat]
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            bp, rest = divmod(flat, S * K)
+            b, p = divmod(bp, Hp)
+            want[b, rest // K, p * G:(p + 1) * G] += part[flat].float()
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert torch.equal(got, want)  # the same fp32 additions in the same order
 
 
 @pytest.mark.parametrize("per_head", [1, 3])

@@ -76,8 +76,8 @@ def deterministic_budget(B: int, S: int, H: int, D: int) -> int:
 
 def entry_bytes(block_size: int, group: int, head_dim: int, deterministic: bool = False) -> int:
     """Bytes per plan entry of a tau-path chunk: its tau row (block_size keys, 2 bytes), and when deterministic
-    its fp32 partial dq rows (G heads) and dq_p row plus its slot's int64 row index (sparse_bwd_sums.slot_rows)."""
-    return 2 * block_size + ((4 * group * head_dim + 4 * head_dim + 8) if deterministic else 0)
+    its fp32 partial dq rows (G heads) and dq_p row."""
+    return 2 * block_size + ((4 * group * head_dim + 4 * head_dim) if deterministic else 0)
 
 
 def proxy_heads(mma: str, group: int, tau: bool = False) -> str:
@@ -104,6 +104,11 @@ def delta_config(dtype: str, head_dim: int) -> dict:
     return {"dtype": dtype, "head_dim": head_dim, "threads": 256}
 
 
+def slot_sum_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
+    """The deterministic backward's dq (group G) and dq_p (group 1) sums over a query's slots."""
+    return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "threads": 256}
+
+
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
              arch: str = "sm90a", deterministic: bool = False) -> list[tuple[str, dict]]:
     """Every (op, config) one backward may launch on arch: with both gradients (tau written and read where the
@@ -113,7 +118,9 @@ def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, gr
     if deterministic:
         return [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, mma, True, True)),
                 ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, mma_p, "tau", True, True)),
-                ("bwd_delta", delta_config(dtype, head_dim))]
+                ("bwd_delta", delta_config(dtype, head_dim)),
+                ("slot_sum", slot_sum_config(dtype, head_dim, block_size, group)),
+                ("slot_sum", slot_sum_config(dtype, proxy_head_dim, block_size, 1))]
     tau = tau_path(mma, mma_p)
     out = [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, mma)),
            ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, mma_p)),
@@ -198,8 +205,9 @@ def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: in
     """Proxy heads per backward chunk on the tau path: the most whose rows (B S K entries per head, per_entry bytes
     each: entry_bytes, by default a tau row of block_size keys, 2 bytes) fit budget bytes (tau_budget), at least 1.
     The count divides Hp and is a multiple or a divisor of each proxy-heads-per-KV-head ratio, so a chunk's main, KV
-    and proxy-key heads are contiguous head ranges (chunk_heads). Chunks of heads keep every reverse list whole (chunks of queries cut each list into
-    shorter ones, one more partial item each); at (b) 64K the two measured the same within noise (NOTES.md)."""
+    and proxy-key heads are contiguous head ranges (chunk_heads). Chunks of heads keep every reverse list whole
+    (chunks of queries cut each list into shorter ones, one more partial item each); at (b) 64K the two measured
+    the same within noise (NOTES.md)."""
     per_head = B * S * K * (per_entry or 2 * block_size)
     fits = [c for c in range(Hp, 0, -1) if Hp % c == 0
             and all(c % r == 0 or r % c == 0 for r in (Hp // Hk, Hp // Hpk))]
@@ -221,7 +229,7 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     dk_proxy). A chunk is the same problem on head-sliced views (strided; the kernels take any strides), with its
     own plan; chunks meet in dk_acc / dv_acc (KV heads shared across chunks) through atomics, as items do.
     deterministic: the accumulators are allocated here (pass None); the kernels store dq / dq_p partial rows, which
-    each chunk sums in slot order (sparse_bwd_sums), and add dk / dv / dk_p in item order (turns); chunks follow
+    each chunk sums in slot order (the slot_sum kernel), and add dk / dv / dk_p in item order (turns); chunks follow
     each other on the stream; returns (dq_proxy, dk_proxy, dq, dk, dv)."""
     B, S, H, D = q.shape
     Hp, Hk, Hpk, K = q_proxy.shape[2], k.shape[2], k_proxy.shape[2], block_indices.shape[3]
@@ -244,7 +252,7 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
     proxy_tiles = sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, 1)
     if det:
-        sums = _DeterministicSums(q_proxy, k_proxy, q, k, rows)
+        sums = _DeterministicSums(q_proxy, q, rows, block_size)
         dk_acc, dv_acc = (torch.zeros(k.shape, dtype=f32, device=dev) for _ in range(2))
     else:
         dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
@@ -284,48 +292,43 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
             main(entry_query=plan.entry_query, items=plan.items, tau=tau_rows, **main_args)
             proxy(tau=tau_rows, entry_query=proxy_plan.entry_query, items=proxy_plan.items, **proxy_args)
             if det:
-                sums.sum_chunk(plan, sel, (s0, s1), hs, ps, c)
+                sums.sum_chunk(plan, sel, s0, s1, hs, ps)
     if det:
         return sums.dqp, dkp_acc.to(k_proxy.dtype), sums.dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
     return dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype)
 
 
 class _DeterministicSums:
-    """The deterministic tau path's query-gradient rows and turns (sparse_bwd_sums): per chunk, fp32 partial dq /
-    dq_p rows at the chunk's slot rows (one spare zero row after them, for the dead slots), summed in slot order
-    into dq and dq_proxy (a query's slots all live in its chunk); per launch, the items' turns for their key-block
-    atomics."""
+    """The deterministic tau path's query gradients and turns: per chunk, fp32 partial dq / dq_p rows at the chunk's
+    slot rows, which the slot_sum kernel adds in slot order into dq and dq_proxy (a query's slots all live in its
+    chunk); per launch, the items' turns for their key-block atomics (sparse_bwd_sums.item_turns)."""
 
-    def __init__(self, q_proxy, k_proxy, q, k, rows: int):
+    def __init__(self, q_proxy, q, rows: int, block_size: int):
         B, S, H, D = q.shape
-        dev, f32 = q.device, torch.float32
-        self.B, self.G, self.D = B, H // q_proxy.shape[2], D
-        self.dq_part = torch.empty((rows + 1, self.G * D), dtype=f32, device=dev)
-        self.dqp_part = torch.empty((rows + 1, D), dtype=f32, device=dev)
+        Hp, dev, f32 = q_proxy.shape[2], q.device, torch.float32
+        G, dt = H // Hp, sparse_fwd.DTYPES[q.dtype]
+        self.dq_part = torch.empty((rows, G, D), dtype=f32, device=dev)
+        self.dqp_part = torch.empty((rows, 1, D), dtype=f32, device=dev)
         self.dq = torch.empty((B, S, H, D), dtype=q.dtype, device=dev)
         self.dqp = torch.empty(q_proxy.shape, dtype=q_proxy.dtype, device=dev)
+        self.sum_dq = get_kernel("slot_sum", slot_sum_config(dt, D, block_size, G), dev)
+        self.sum_dqp = get_kernel("slot_sum", slot_sum_config(dt, q_proxy.shape[3], block_size, 1), dev)
 
     def main_args(self, plan, c: int, per_kv: int) -> dict:
         prev, done = sparse_bwd_sums.item_turns(plan.items, c, per_kv)
-        return dict(dq_part=self.dq_part[:plan.E], entry_dest=plan.entry_dest, item_prev=prev, item_done=done)
+        return dict(dq_part=self.dq_part[:plan.E].view(plan.E, -1), entry_dest=plan.entry_dest, item_prev=prev,
+                    item_done=done)
 
     def proxy_args(self, proxy_plan, c: int, per_pk: int) -> dict:
         prev, done = sparse_bwd_sums.item_turns(proxy_plan.items, c, per_pk)
-        return dict(dqp_part=self.dqp_part[:proxy_plan.E], entry_dest=proxy_plan.entry_dest, item_prev=prev,
+        return dict(dqp_part=self.dqp_part[:proxy_plan.E, 0], entry_dest=proxy_plan.entry_dest, item_prev=prev,
                     item_done=done)
 
-    def sum_chunk(self, plan, sel, queries, hs: slice, ps: slice, c: int) -> None:
-        """dq and dq_proxy of the chunk's queries [s0, s1) and heads hs / proxy heads ps, from its partial rows
-        (plan over selection rows sel)."""
-        B, G, D, (s0, s1) = self.B, self.G, self.D, queries
-        n = s1 - s0
-        slots = sparse_bwd_sums.slot_rows(plan, sel)
-        for part in (self.dq_part, self.dqp_part):
-            part[plan.E].zero_()  # the dead slots' row
-        dq = sparse_bwd_sums.sum_slots(self.dq_part[:plan.E + 1], slots)
-        self.dq[:, s0:s1, hs].unflatten(2, (c, G)).copy_(dq.view(B, c, n, G, D).permute(0, 2, 1, 3, 4))
-        dqp = sparse_bwd_sums.sum_slots(self.dqp_part[:plan.E + 1], slots)
-        self.dqp[:, s0:s1, ps].copy_(dqp.view(B, c, n, D).permute(0, 2, 1, 3))
+    def sum_chunk(self, plan, sel, s0: int, s1: int, hs: slice, ps: slice) -> None:
+        """dq and dq_proxy of the chunk's queries [s0, s1) and heads hs / proxy heads ps, from the partial rows
+        that the chunk's plan (over selection rows sel) stored."""
+        self.sum_dq(block_indices=sel, part=self.dq_part[:plan.E], out=self.dq[:, s0:s1, hs], query_offset=s0)
+        self.sum_dqp(block_indices=sel, part=self.dqp_part[:plan.E], out=self.dqp[:, s0:s1, ps], query_offset=s0)
 
 
 def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size, scale, kl_grad, plan=None):

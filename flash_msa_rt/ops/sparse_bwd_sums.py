@@ -4,8 +4,8 @@ The atomic kernels add a query's dq rows from every item that holds one of its K
 (dk_p) rows from every item of its list (long lists are cut into several items; proxy heads share KV heads): the
 order of those fp32 additions changes from run to run. The deterministic kernels fix both orders:
   - dq (dq_p) rows are stored, not added, at their slot's row of a partial buffer (the plan's entry_dest: row
-    ((b * Hp + p) * S + i) * K + slot), and sum_slots adds a query's K rows in slot order (embedding_bag: one
-    sequential sum per bag and feature); dead slots point at a zero row instead of their never-written rows;
+    ((b * Hp + p) * S + i) * K + slot), and the slot_sum kernel adds a query's live slots' rows in slot order
+    (slot_sums states it in torch); dead slots' rows are never written nor read;
   - the items that add into the same key-block rows take turns in item order: item_turns gives each item the
     item before it on those rows, whose flag the kernel waits for before its own atomics (kernels_src.atomics).
 Every size comes from shapes: nothing here synchronises the host with the device.
@@ -14,27 +14,25 @@ Every size comes from shapes: nothing here synchronises the host with the device
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from flash_msa_rt.ops.sparse_plan import SparsePlan, live_slots
+from flash_msa_rt.ops.sparse_plan import live_slots
 
 _BLOCKS = 1 << 31  # more key blocks than any sequence has: (b, head, j) -> one int64 row key
 
 
-def slot_rows(plan: SparsePlan, block_indices: torch.Tensor) -> torch.Tensor:
-    """int64 (B * Hp * S, K): for each slot (b, p, i, slot) of the plan's chunk, its partial row (the flat slot
-    index, where the kernels store it), or E (the zero row after them) where the slot is dead (no entry of any
-    item: the kernels never write its row)."""
-    E, dev = plan.E, block_indices.device
-    live = live_slots(block_indices, plan.block_size, plan.query_offset).reshape(-1)
-    rows = torch.arange(E, dtype=torch.int64, device=dev)
-    return torch.where(live, rows, torch.full((), E, dtype=torch.int64, device=dev)).view(-1, plan.K)
-
-
-def sum_slots(part: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """(bags, F) fp32: per row of slots, the sum of the part rows (E + 1, F) it lists, in slot order (row E, the dead
-    slots' row, must be zero)."""
-    return F.embedding_bag(slots, part, mode="sum")
+def slot_sums(part: torch.Tensor, block_indices: torch.Tensor, block_size: int, query_offset: int = 0) -> torch.Tensor:
+    """The slot_sum kernel's contract in torch: (B, S, Hp * G, D) fp32, row (b, i, p * G + g) the sum over the
+    live slots k of (b, p, i), in order k = 0 .. K-1, of part[((b * Hp + p) * S + i) * K + k, g] (part (E, G, D)
+    fp32); dead slots' rows are not read (they may hold anything). Row i of block_indices is query
+    query_offset + i."""
+    B, Hp, S, K = block_indices.shape
+    G, D = part.shape[1:]
+    rows = part.view(B, Hp, S, K, G, D)
+    live = live_slots(block_indices, block_size, query_offset)
+    out = torch.zeros((B, Hp, S, G, D), dtype=torch.float32, device=part.device)
+    for k in range(K):
+        out += torch.where(live[:, :, :, k, None, None], rows[:, :, :, k], 0.0)
+    return out.permute(0, 2, 1, 3, 4).reshape(B, S, Hp * G, D)
 
 
 def item_turns(items: torch.Tensor, heads: int, per_head: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,74 @@
+"""The deterministic backward's slot sum (CuTeDSL): one warp per (b, p, i, g) row, lane l owns D/32 contiguous
+elements; the live slots' fp32 rows are added in slot order (16-byte loads per lane, 512 coalesced bytes per row)."""
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_stream
+
+from kernels_src.block_scores.kernel import compile_kernel
+from kernels_src.spec import Compiled, fake_tensor
+
+_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
+
+
+class SlotSum:
+    def __init__(self, config):
+        self.cfg = config
+        self.dtype = _DTYPES[config.dtype]
+        self.head_dim = config.head_dim
+        self.block_size = config.block_size
+        self.group = config.group
+        self.threads = config.threads
+        self.per_lane = config.head_dim // 32
+        self.traced = {"smem_bytes": 0}
+
+    @cute.jit
+    def __call__(self, block_indices: cute.Tensor, part: cute.Tensor, out: cute.Tensor, query_offset: cutlass.Int32,
+                 stream: cuda.CUstream):
+        B, Hp, S, _ = block_indices.shape
+        rows = B * Hp * S * self.group
+        warps = self.threads // 32
+        self.kernel(block_indices, part, out, query_offset).launch(
+            grid=(cute.ceil_div(rows, warps), 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, block_indices, part, out, query_offset: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        B, Hp, S, K = block_indices.shape
+        row = cta * (self.threads // 32) + tidx // 32
+        if row < B * Hp * S * self.group:
+            g = row % self.group
+            bpi = row // self.group
+            i = bpi % S
+            bp = bpi // S
+            b = bp // Hp
+            p = bp - b * Hp
+            local = (query_offset + i) // self.block_size
+            acc = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
+            acc.fill(0.0)
+            for k in cutlass.range(K, unroll=1):
+                j = block_indices[b, p, i, k]
+                if j >= 0 and j <= local:
+                    d = cutlass.Int64(bpi) * K + k  # 64-bit: d * G * D passes 2**31 at benchmark sizes
+                    rows_k = cute.local_tile(part[d, g, None], (self.per_lane,), (lane,)).load()
+                    for e in cutlass.range_constexpr(self.per_lane):
+                        acc[e] = acc[e] + rows_k[e]
+            res = cute.make_rmem_tensor((self.per_lane,), self.dtype)
+            for e in cutlass.range_constexpr(self.per_lane):
+                res[e] = acc[e].to(self.dtype)
+            row_out = out[b, i, p * self.group + g, None]
+            ptr = cute.make_ptr(self.dtype, row_out.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+            dst = cute.local_tile(cute.make_tensor(ptr, cute.make_layout(self.head_dim)), (self.per_lane,), (lane,))
+            cute.autovec_copy(res, dst)
+
+
+def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
+    from kernels_src.slot_sum import params
+
+    kernel = SlotSum(config)
+    fake = (*(fake_tensor(p) for p in params(config) if p.kind == "tensor"), cutlass.Int32(0), make_fake_stream())
+    return compile_kernel(kernel, config, arch, fake)
