@@ -121,7 +121,8 @@ def test_deterministic_budget_and_entry_bytes():
     assert rt_bwd.entry_bytes(128, 4, 128) == 256
     assert rt_bwd.entry_bytes(128, 4, 128, True) == 256 + 4 * 4 * 128 + 4 * 128
     assert rt_bwd.deterministic_budget(1, 8192, 16, 128) == rt_bwd.DETERMINISTIC_FLOOR
-    assert rt_bwd.deterministic_budget(1, 65536, 16, 128) == 8 * 65536 * 16 * 128
+    assert rt_bwd.deterministic_budget(1, 65536, 16, 128) == rt_bwd.DETERMINISTIC_FLOOR
+    assert rt_bwd.deterministic_budget(3, 65536, 16, 128) == 8 * 3 * 65536 * 16 * 128
     assert rt_bwd.deterministic_budget(2, 65536, 32, 128) == rt_bwd.DETERMINISTIC_BUDGET
     per_entry = rt_bwd.entry_bytes(128, 4, 128, True)
     c = rt_bwd.tau_heads(2, 65536, 8, 8, 1, 16, 128, rt_bwd.DETERMINISTIC_BUDGET, per_entry)

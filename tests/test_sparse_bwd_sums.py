@@ -71,9 +71,10 @@ def test_item_turns_chain_the_items_of_each_key_block_in_item_order(per_head, ti
 
 
 def test_item_turns_of_a_head_chunk():
-    """A chunk plan of c = 2 proxy heads, each its own KV head (per_head 1): items of different heads or batches
-    never wait for each other."""
-    items = torch.tensor([[0, 2, 0, 5], [0, 2, 5, 3], [1, 2, 8, 1], [2, 2, 9, 4], [0, 0, 0, 0], [0, 2, 13, 1]],
+    """List-major items of a chunk plan of 2 proxy heads: with a KV head each (per_head 1) items of different
+    heads or batches never wait for each other; sharing one (per_head 2), head 1's items of block 2 wait for head
+    0's."""
+    items = torch.tensor([[0, 2, 0, 5], [0, 2, 5, 3], [1, 2, 8, 1], [1, 3, 9, 2], [2, 2, 11, 4], [0, 0, 0, 0]],
                          dtype=torch.int32)
-    prev, _ = sparse_bwd_sums.item_turns(items, 2, 1)
-    assert prev.tolist() == [-1, 0, -1, -1, -1, 1]
+    assert sparse_bwd_sums.item_turns(items, 2, 1)[0].tolist() == [-1, 0, -1, -1, -1, -1]
+    assert sparse_bwd_sums.item_turns(items, 2, 2)[0].tolist() == [-1, 0, 1, -1, -1, -1]

@@ -57,7 +57,8 @@ FORCE_PROXY_HEADS: str | None = None  # tests and benchmarks: "stepped" / "resid
 TAU_BUDGET = 1 << 30  # at most this many bytes of tau rows (the input dtype, block_size per plan entry) per chunk
 TAU_FLOOR = 1 << 28  # ... and at least this many, so that small (host-bound) problems run in one chunk
 DETERMINISTIC_BUDGET = 1 << 32  # deterministic: at most this many bytes of one chunk's tau and partial dq rows
-DETERMINISTIC_FLOOR = 1 << 30  # ... and at least this many: chunks cost host work (a plan, ~25 ops each)
+DETERMINISTIC_FLOOR = 1 << 31  # ... and at least this many: each chunk costs ~2 ms of host work (its plan and
+                               # sums); at 1 GiB (a) B = 1, S = 32K ran 8 chunks, host-bound at 4.5x the GPU time
 
 
 def tau_budget(B: int, S: int, H: int, D: int) -> int:

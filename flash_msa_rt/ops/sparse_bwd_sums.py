@@ -46,12 +46,16 @@ def item_turns(items: torch.Tensor, heads: int, per_head: int) -> tuple[torch.Te
     rows = (b * heads + torch.div(p, per_head, rounding_mode="floor")) * _BLOCKS + j
     w = torch.arange(W, dtype=torch.int64, device=dev)
     rows = torch.where(n > 0, rows, -1 - w)  # a row of its own for each spare item
-    order = torch.sort(rows, stable=True).indices
-    sorted_rows = rows[order]
+    if per_head == 1:
+        # Items are list-major (bp, j, chunk): one head's items of a block are adjacent, no sort needed.
+        order, sorted_rows = w, rows
+    else:
+        sorted_rows, order = torch.sort(rows, stable=True)
     same = torch.zeros(W, dtype=torch.bool, device=dev)
     same[1:] = sorted_rows[1:] == sorted_rows[:-1]
     before = torch.full((W,), -1, dtype=torch.int64, device=dev)
     before[1:] = order[:-1]
-    prev = torch.empty(W, dtype=torch.int32, device=dev)
-    prev[order] = torch.where(same, before, -1).to(torch.int32)  # order is a permutation: no index repeats
+    prev = torch.where(same, before, -1).to(torch.int32)
+    if per_head != 1:  # back to item order (order is a permutation: index_copy_ is deterministic)
+        prev = torch.empty_like(prev).index_copy_(0, order, prev)
     return prev, torch.zeros(W, dtype=torch.int32, device=dev)
