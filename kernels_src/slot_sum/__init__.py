@@ -17,39 +17,28 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.spec import BuildSpec, family_spec, refusal, verdict
+from kernels_src import sparse_combine
+from kernels_src.spec import BuildSpec, family_spec
 
 OP = "slot_sum"
 
-DTYPES = ("bf16", "f16")
-GROUPS = (1, 2, 4, 8, 16)  # dq at G heads per proxy head; dq_p at 1
-ROWS_PER_CTA = 8  # warps
+ROWS_PER_CTA = sparse_combine.ROWS_PER_CTA  # warps
 
 
 @dataclass(frozen=True)
-class Config:
-    dtype: str = "bf16"
-    head_dim: int = 128
-    block_size: int = 128
-    group: int = 4
-    threads: int = 32 * ROWS_PER_CTA
+class Config(sparse_combine.Config):
+    """The forward combine's rows (one warp per (b, p, i, g) row, dtype of out, G heads per slot row; G = 1 for
+    dq_p), and its limits (can_implement)."""
 
     def variant_name(self, arch: str) -> str:
         return variant_name(OP, dataclasses.asdict(self), arch)
 
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
-    dts = tuple(dtypes) if dtypes else DTYPES
-    ds = tuple(head_dims) if head_dims else (128,)
-    bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g) for dt in dts for d in ds for bs in bss
-            for g in GROUPS]
+    return [Config(**dataclasses.asdict(c)) for c in sparse_combine.configs(head_dims, block_sizes, dtypes)]
 
 
-def can_implement(config: Config, arch: str) -> tuple[bool, str]:
-    return verdict(refusal(config, arch, dtype=DTYPES, head_dim=(64, 128), block_size=(64, 128), group=GROUPS,
-                           threads=(32 * ROWS_PER_CTA,),
-                           notes={"head_dim": "32 lanes x 2 or 4 elements", "threads": "one warp per row"}))
+can_implement = sparse_combine.can_implement
 
 
 def params(config: Config) -> tuple:
