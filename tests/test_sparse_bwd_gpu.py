@@ -228,13 +228,13 @@ def test_deterministic_missing_gradients_give_zeros():
     assert not dqp.any() and not dkp.any() and dq.abs().sum() > 0 and dv.abs().sum() > 0
 
 
-def test_fwd_bwd_capture_in_a_cuda_graph():
-    """Forward and backward never synchronise the host: both capture into one CUDA graph; the replay on new
-    inputs matches eager up to the atomics' summation order."""
+def _captured_and_eager(seed, deterministic):
+    """(replayed, eager) outputs of one fwd + bwd: captured into a CUDA graph, replayed after q changed, and run
+    eagerly on the changed q."""
     from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
     from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
 
-    qp, kp, q, k, v = _inputs(1, 1500, 8, 2, 2, 1, torch.bfloat16, seed=4)
+    qp, kp, q, k, v = _inputs(1, 1500, 8, 2, 2, 1, torch.bfloat16, seed=seed)
     scale = 128 ** -0.5
     sel = _selection(qp, kp, 4, scale)
     go = torch.randn_like(q)
@@ -242,7 +242,8 @@ def test_fwd_bwd_capture_in_a_cuda_graph():
 
     def step():
         out, lse, lse_p, kl = msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale)
-        return (out, kl, *msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, scale, go, klg))
+        return (out, kl, *msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, scale, go, klg,
+                                            deterministic))
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -255,8 +256,13 @@ def test_fwd_bwd_capture_in_a_cuda_graph():
     q.copy_(q.flip(1))
     graph.replay()
     torch.cuda.synchronize()
-    eager = step()
-    for a, b in zip(static, eager):
+    return static, step()
+
+
+def test_fwd_bwd_capture_in_a_cuda_graph():
+    """Forward and backward never synchronise the host: both capture into one CUDA graph; the replay on new
+    inputs matches eager up to the atomics' summation order."""
+    for a, b in zip(*_captured_and_eager(4, False)):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
 
 
@@ -273,33 +279,8 @@ def test_training_steps_match_the_reference():
 def test_deterministic_fwd_bwd_capture_in_a_cuda_graph():
     """The deterministic backward never synchronises the host either (item turns and sums come from shapes): a
     captured fwd + bwd replays to the same bits as an eager run on the same inputs."""
-    from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
-    from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
-
     _skip_without_deterministic_kernels()
-    qp, kp, q, k, v = _inputs(1, 1500, 8, 2, 2, 1, torch.bfloat16, seed=5)
-    scale = 128 ** -0.5
-    sel = _selection(qp, kp, 4, scale)
-    go = torch.randn_like(q)
-    klg = torch.full((), 1e-3, device="cuda")
-
-    def step():
-        out, lse, lse_p, kl = msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale)
-        return (out, kl, *msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, scale, go, klg, True))
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
-    q.copy_(q.flip(1))
-    graph.replay()
-    torch.cuda.synchronize()
-    eager = step()
-    for a, b in zip(static, eager):
+    for a, b in zip(*_captured_and_eager(5, True)):
         assert torch.equal(a, b)
 
 
