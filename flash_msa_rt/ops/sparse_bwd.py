@@ -20,7 +20,6 @@ import torch
 
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops import sparse_bwd_sums, sparse_fwd
-from flash_msa_rt.ops.overlap import Forked
 from flash_msa_rt.ops.sparse_plan import recut, sparse_plan
 
 TILE_M = 64
@@ -250,14 +249,8 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     per_entry = entry_bytes(block_size, G, D, det)
     c = tau_heads(B, S, Hp, Hk, Hpk, K, block_size, budget, per_entry)
     chunk = tau_chunk(B, S, c, K, block_size, budget, per_entry)
-    buffers = 1
-    if not det and sparse_fwd.OVERLAP and dev.type == "cuda" and (c < Hp or chunk < S):
-        # Overlapped chunks (sparse_fwd._overlapped): two tau buffers, each a share of the budget.
-        buffers, budget = 2, int(budget * sparse_fwd.OVERLAP_SHARE)
-        c = tau_heads(B, S, Hp, Hk, Hpk, K, block_size, budget, per_entry)
-        chunk = tau_chunk(B, S, c, K, block_size, budget, per_entry)
     rows = B * c * min(chunk, S) * K
-    taus = [torch.empty((rows, block_size), dtype=q.dtype, device=dev) for _ in range(buffers)]
+    tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
     proxy_tiles = sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, 1)
     if det:
         sums = _DeterministicSums(q_proxy, q, rows, block_size)
@@ -265,7 +258,6 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     else:
         dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
     dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
-    chunks = []  # (main_args, proxy_args, selection rows or None, s0, s1, hs, ps, per_kv, per_pk) of every chunk
     for p0 in range(0, Hp, c):
         # One chunk of every head (small problems, where the host's work is the op's time): the tensors
         # themselves, no views.
@@ -290,52 +282,18 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
             proxy_args.update(dqp_acc=heads(dqp_acc, 2, ps))
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
-            sel = None if every and s1 - s0 == S else (slice(None), ps, slice(s0, s1))
-            chunks.append((main_args, proxy_args, sel, s0, s1, hs, ps, per_kv, per_pk))
-
-    def plans(sel, s0, s1):
-        sel = block_indices if sel is None else block_indices[sel].contiguous()
-        plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
-        # The main plan's sorted lists, cut into the proxy kernel's tiles: entry e's tau row is row e for both.
-        return sel, plan, recut(plan, TILE_M, proxy_tiles)
-
-    def run_main(main_args, plan, tau):
-        main(entry_query=plan.entry_query, items=plan.items, tau=tau[:plan.E], **main_args)
-
-    def run_proxy(proxy_args, plan, proxy_plan, tau):
-        proxy(tau=tau[:plan.E], entry_query=proxy_plan.entry_query, items=proxy_plan.items, **proxy_args)
-
-    if buffers == 1:
-        for main_args, proxy_args, sel, s0, s1, hs, ps, per_kv, per_pk in chunks:
-            sel, plan, proxy_plan = plans(sel, s0, s1)
+            sel = block_indices if every and s1 - s0 == S else block_indices[:, ps, s0:s1].contiguous()
+            plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
+            tau_rows = tau[:plan.E]
+            # The main plan's sorted lists, cut into the proxy kernel's tiles: entry e's tau row is row e for both.
+            proxy_plan = recut(plan, TILE_M, proxy_tiles)
             if det:
-                main_args = {**main_args, **sums.main_args(plan, ps.stop - ps.start, per_kv)}
-                proxy_args = {**proxy_args, **sums.proxy_args(proxy_plan, ps.stop - ps.start, per_pk)}
-            run_main(main_args, plan, taus[0])
-            run_proxy(proxy_args, plan, proxy_plan, taus[0])
+                main_args.update(sums.main_args(plan, c, per_kv))
+                proxy_args.update(sums.proxy_args(proxy_plan, c, per_pk))
+            main(entry_query=plan.entry_query, items=plan.items, tau=tau_rows, **main_args)
+            proxy(tau=tau_rows, entry_query=proxy_plan.entry_query, items=proxy_plan.items, **proxy_args)
             if det:
                 sums.sum_chunk(plan, sel, s0, s1, hs, ps)
-    else:
-        # Every chunk's plan on the "plan" stream ahead of the kernels; sparse_bwd of chunk n on the caller's
-        # stream into taus[n % 2], once its plan is ready and chunk n - 2's proxy kernel has read that buffer;
-        # chunk n's proxy kernel on the "post" stream once its sparse_bwd is done (sparse_fwd._overlapped).
-        with Forked(dev, "plan", "post") as f:
-            planned = []  # referenced until the join: the plans cross streams
-            with torch.cuda.stream(f.stream("plan")):
-                for _, _, sel, s0, s1, *_ in chunks:
-                    planned.append((*plans(sel, s0, s1), Forked.mark(f.stream("plan"))))
-            read = []
-            for n, ((main_args, proxy_args, *_), (_, plan, proxy_plan, ready)) in enumerate(zip(chunks, planned)):
-                tau = taus[n % buffers]
-                f.main.wait_event(ready)
-                if n >= buffers:
-                    f.main.wait_event(read[n - buffers])
-                run_main(main_args, plan, tau)
-                computed = Forked.mark(f.main)
-                with torch.cuda.stream(f.stream("post")):
-                    f.stream("post").wait_event(computed)
-                    run_proxy(proxy_args, plan, proxy_plan, tau)
-                    read.append(Forked.mark(f.stream("post")))
     if det:
         return sums.dqp, dkp_acc.to(k_proxy.dtype), sums.dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
     return dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype)

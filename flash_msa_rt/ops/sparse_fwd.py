@@ -14,13 +14,11 @@ Internal layout (B, S, heads, D); the public API validates user input and routes
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
 
 from flash_msa_rt.loader import get_kernel
-from flash_msa_rt.ops.overlap import Forked
 from flash_msa_rt.ops.sparse_plan import kl_groups, recut, sparse_plan
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -210,14 +208,18 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     The caller has validated shapes and made every tensor 16-byte aligned with a unit-stride head dim.
     Queries run in chunks whose per-slot partial outputs fit partials_budget: a row's K slots all belong to its
     chunk, so each chunk is planned, computed, combined and its KL taken on its own; extra memory is the plan
-    (O(B*Hp*S*K) int32) plus the chunks' partials, whatever S. Several chunks run overlapped (_overlapped).
+    (O(B*Hp*S*K) int32) plus one chunk's partials, whatever S.
     """
     B, S, H, D = q.shape
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
     dt = DTYPES[q.dtype]
     dev = q.device
+    fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, device_mma(dev, "sparse_fwd")), dev)
     kl_cfg = kl_config(dt, D, block_size, G, device_mma(dev, "sparse_kl"))
+    kl = get_kernel("sparse_kl", kl_cfg, dev)
+    combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
+    combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
@@ -225,114 +227,35 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     if out.numel() == 0:
         return out, lse, lse_proxy, kl_rows
     chunk = query_chunk(B, S, Hp, K, G, D, block_size)
-    buffers = 1
-    if OVERLAP and chunk < S and dev.type == "cuda":
-        buffers = 2
-        chunk = query_chunk(B, S, Hp, K, G, D, block_size, int(partials_budget(B, S, H, D) * OVERLAP_SHARE))
     E_max = B * Hp * min(chunk, S) * K
-    partials = [(torch.empty((E_max, G, D), dtype=q.dtype, device=dev),
-                 torch.empty((E_max, G), dtype=torch.float32, device=dev)) for _ in range(buffers)]
+    o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
+    lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
     kl_buf = torch.empty((E_max, 3 * kl_part_groups(kl_cfg)), dtype=torch.float32, device=dev)
-    chunks = _ForwardChunks(
-        get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, device_mma(dev, "sparse_fwd")), dev),
-        get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev), get_kernel("sparse_kl", kl_cfg, dev),
-        get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev),
-        q_proxy, k_proxy, q, k, v, block_indices, out, lse, lse_proxy, kl_rows, kl_buf, float(scale), block_size)
-    starts = range(0, S, chunk)
-    if buffers == 1:
-        for s0 in starts:
-            sel, plan, kl_plan = chunks.plans(s0, min(S, s0 + chunk))
-            chunks.main(plan, partials[0])
-            chunks.post(sel, plan, kl_plan, s0, partials[0])
-    else:
-        _overlapped(chunks, [(s0, min(S, s0 + chunk)) for s0 in starts], partials)
+    for s0 in range(0, S, chunk):
+        s1 = min(S, s0 + chunk)
+        sel = block_indices[:, :, s0:s1].contiguous()
+        plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
+        E = plan.E
+        o_part, lse_part = o_buf[:E], lse_buf[:E]
+        fwd(q=q, k=k, v=v, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=Hp, hp_per_hk=Hp // k.shape[2],
+            **_plan_args(plan))
+        combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out[:, s0:s1], lse=lse[:, :, s0:s1],
+                query_offset=s0)
+        _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale,
+                  lse_proxy, kl_rows, plan)
     return out, lse, lse_proxy, kl_rows
 
 
-# The overlapped forward (several chunks): two partial buffers, each OVERLAP_SHARE of partials_budget, so that chunk
-# n + 1's sparse_fwd runs while chunk n's partials are combined (overlap.py says why that pays).
-OVERLAP = True  # tests and benchmarks: False runs the chunks one after another on the caller's stream
-OVERLAP_SHARE = 0.5
-
-
-def _overlapped(chunks: "_ForwardChunks", bounds: list[tuple[int, int]], partials: list) -> None:
-    """Every chunk's plan on the "plan" stream ahead of the kernels; sparse_fwd on the caller's stream into
-    partials[n % 2]; combine, KL pass and KL merge on the "post" stream. sparse_fwd of chunk n waits for its plan
-    and for chunk n - 2's combine (the last reader of its buffer); chunk n's post work waits for its sparse_fwd."""
-    with Forked(chunks.q.device, "plan", "post") as f:
-        plan_stream, post = f.stream("plan"), f.stream("post")
-        planned = []  # (sel, plan, kl_plan, ready): referenced until the join (they cross streams)
-        with torch.cuda.stream(plan_stream):
-            for s0, s1 in bounds:
-                planned.append((*chunks.plans(s0, s1), Forked.mark(plan_stream)))
-        read = []  # per chunk: its partial buffer has been combined
-        for n, ((s0, _), (sel, plan, kl_plan, ready)) in enumerate(zip(bounds, planned)):
-            part = partials[n % len(partials)]
-            f.main.wait_event(ready)
-            if n >= len(partials):
-                f.main.wait_event(read[n - len(partials)])
-            chunks.main(plan, part)
-            computed = Forked.mark(f.main)
-            with torch.cuda.stream(post):
-                post.wait_event(computed)
-                read.append(chunks.post(sel, plan, kl_plan, s0, part, mark=True))
-
-
-@dataclasses.dataclass
-class _ForwardChunks:
-    """One forward's kernels and tensors; a chunk of queries [s0, s1) runs plans, then main (sparse_fwd into a
-    partial buffer), then post (combine into out / lse, the KL pass, the KL merge into lse_proxy / kl_rows)."""
-
-    fwd: object
-    combine: object
-    kl: object
-    combine_kl: object
-    q_proxy: torch.Tensor
-    k_proxy: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    block_indices: torch.Tensor
-    out: torch.Tensor
-    lse: torch.Tensor
-    lse_proxy: torch.Tensor
-    kl_rows: torch.Tensor
-    kl_buf: torch.Tensor
-    scale: float
-    block_size: int
-
-    @property
-    def group(self) -> int:
-        return self.q.shape[2] // self.q_proxy.shape[2]
-
-    def plans(self, s0: int, s1: int):
-        """(sel, plan, kl_plan) of queries [s0, s1): the selection rows, sparse_fwd's plan and the KL pass's
-        (the same sorted lists recut into its tiles: no second sort)."""
-        G = self.group
-        sel = self.block_indices[:, :, s0:s1].contiguous()
-        plan = sparse_plan(sel, self.block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
-        return sel, plan, recut(plan, KL_TILE, per_group_tiles(KL_MAIN_TILES_PER_ITEM, G))
-
-    def main(self, plan, partial) -> None:
-        Hp = self.q_proxy.shape[2]
-        self.fwd(q=self.q, k=self.k, v=self.v, o_part=partial[0][:plan.E], lse_part=partial[1][:plan.E],
-                 scale=self.scale, hp=Hp, hp_per_hk=Hp // self.k.shape[2], **_plan_args(plan))
-
-    def post(self, sel, plan, kl_plan, s0: int, partial, mark: bool = False) -> torch.cuda.Event | None:
-        """Combine, then the KL pass; mark: return an event recorded after the combine (the partial buffer's last
-        read)."""
-        s1 = s0 + sel.shape[2]
-        self.combine(block_indices=sel, o_part=partial[0][:plan.E], lse_part=partial[1][:plan.E],
-                     out=self.out[:, s0:s1], lse=self.lse[:, :, s0:s1], query_offset=s0)
-        combined = Forked.mark(torch.cuda.current_stream(self.q.device)) if mark else None
-        _kl_chunk(self.kl, self.combine_kl, self.q_proxy, self.k_proxy, self.q, self.k, self.lse, sel, s0,
-                  self.kl_buf, self.scale, self.lse_proxy, self.kl_rows, kl_plan)
-        return combined
-
-
-def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan):
-    """The KL pass over queries [s0, s0 + sel.shape[2]) on kl_plan (the KL pass's tiles), given the final main lse:
-    writes lse_proxy and kl_rows (B, Hp, S) there."""
+def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale, lse_proxy,
+              kl_rows, plan=None):
+    """The KL pass over queries [s0, s0 + sel.shape[2]) given the final main lse: writes lse_proxy and kl_rows
+    (B, Hp, S) there. plan: the forward's plan of the same chunk, recut into the KL pass's tiles (no second sort),
+    if there is one."""
+    tiles = per_group_tiles(KL_MAIN_TILES_PER_ITEM, G)
+    if plan is not None:
+        kl_plan = recut(plan, KL_TILE, tiles)
+    else:
+        kl_plan = sparse_plan(sel, block_size, sel.shape[2], G, KL_TILE, tiles, query_offset=s0)
     kl_part = kl_buf[:kl_plan.E]
     kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
     s1 = s0 + sel.shape[2]
@@ -363,7 +286,6 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         sel = block_indices[:, :, s0:s1].contiguous()
-        kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, per_group_tiles(KL_MAIN_TILES_PER_ITEM, G),
-                              query_offset=s0)
-        _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan)
+        _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale, lse_proxy,
+                  kl_rows)
     return lse_proxy, kl_rows
