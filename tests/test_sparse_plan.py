@@ -470,3 +470,66 @@ def test_runtime_items_fit_the_backward_entry_table(G):
     plan = sparse_plan(idx, Bs, S, G, sb.TILE_M // G, sb.TILES_PER_ITEM)
     longest = int(plan.items[:, 3].max())
     assert longest == sb.TILES_PER_ITEM * sb.TILE_M // G <= ENTRY_TABLE
+
+
+CHUNK_CASES = [  # (B, Hp, S, K, Bs, heads, queries, batch entries)
+    (2, 3, 300, 4, 16, 3, 64, None),  # query chunks, an odd last one
+    (1, 4, 333, 5, 32, 2, 96, None),  # head and query chunks
+    (2, 4, 200, 3, 16, 1, 1000, None),  # head chunks only
+    (1, 2, 45, 9, 16, 2, 45, None),  # one chunk, K > blocks
+    (2, 2, 500, 4, 16, 1, 48, 2 * 2 * 4 * 100),  # sorted in batches of two query chunks
+]
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES)
+def test_chunk_plans_equal_each_chunks_own_plan(case, monkeypatch):
+    """chunk_plans sorts every chunk at once; each chunk's plans equal sparse_plan / recut of that chunk's rows
+    field for field, for every tile cut, including the batched sorts of long sequences."""
+    from flash_msa_rt.ops import sparse_plan as sp
+
+    B, Hp, S, K, Bs, heads, queries, batch = case
+    if batch:
+        monkeypatch.setattr(sp, "PLAN_BATCH_ENTRIES", batch)
+    gen = torch.Generator().manual_seed(S + Hp)
+    idx = random_indices(gen, B, Hp, S, K, Bs)
+    cuts = ((8, 2), (3, 5), (64, 1))
+    got = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts)
+    starts = [(p0, s0) for p0 in range(0, Hp, heads) for s0 in range(0, S, queries)]
+    assert sorted(got) == sorted(starts)
+    for p0, s0 in starts:
+        s1 = min(S, s0 + queries)
+        sel = idx[:, p0:p0 + heads, s0:s1].contiguous()
+        for (tq, T), plan in zip(cuts, got[(p0, s0)]):
+            want = sparse_plan(sel, Bs, s1 - s0, 4, tq, T, query_offset=s0)
+            for field in ("E", "W", "K", "Hp", "S", "B", "NB", "block_size", "group", "tile_queries",
+                          "tiles_per_item", "query_offset"):
+                assert getattr(plan, field) == getattr(want, field), (field, p0, s0)
+            for field in ("entry_query", "entry_dest", "items", "item_count", "list_bounds"):
+                g, w = getattr(plan, field), getattr(want, field)
+                assert g.dtype == w.dtype and torch.equal(g, w), (field, p0, s0, tq, T)
+        if s0 == 0:
+            check_plan(got[(p0, s0)][0], sel, Bs, *cuts[0])
+
+
+def test_chunk_plans_never_sync():
+    """chunk_plans runs under FakeTensorMode (shapes only: capturable, no host read of a device value)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flash_msa_rt.ops.sparse_plan import chunk_plans
+
+    with FakeTensorMode():
+        idx = torch.zeros(2, 4, 301, 5, dtype=torch.int32)
+        plans = chunk_plans(idx, 16, 4, 2, 128, ((32, 2), (64, 4)))
+    assert sorted(plans) == [(0, 0), (0, 128), (0, 256), (2, 0), (2, 128), (2, 256)]
+    plan, kl_plan = plans[(2, 256)]
+    assert plan.E == 2 * 2 * 45 * 5 and plan.items.shape == (plan.W, 4) and kl_plan.tile_queries == 64
+
+
+def test_chunk_plans_reject_misaligned_chunks():
+    from flash_msa_rt.ops.sparse_plan import chunk_plans
+
+    idx = torch.zeros(1, 4, 300, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="heads = 3 must divide Hp = 4"):
+        chunk_plans(idx, 16, 2, 3, 64, ((8, 1),))
+    with pytest.raises(ValueError, match="queries = 40 .* multiple of block_size = 16"):
+        chunk_plans(idx, 16, 2, 2, 40, ((8, 1),))

@@ -20,7 +20,7 @@ import torch
 
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops import sparse_bwd_sums, sparse_fwd
-from flash_msa_rt.ops.sparse_plan import recut, sparse_plan
+from flash_msa_rt.ops.sparse_plan import chunk_plans, recut, sparse_plan
 
 TILE_M = 64
 # Rows per item: dk / dv leave registers (atomics) once per item. benchmarks/sweep_items.py, (b) S = 64K:
@@ -250,8 +250,12 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     c = tau_heads(B, S, Hp, Hk, Hpk, K, block_size, budget, per_entry)
     chunk = tau_chunk(B, S, c, K, block_size, budget, per_entry)
     rows = B * c * min(chunk, S) * K
-    tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
     proxy_tiles = sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, 1)
+    # Every chunk's main plan and its recut into the proxy kernel's tiles from one sort (sparse_plan.chunk_plans;
+    # before the tau rows exist, so the sort's temporaries do not add to the peak). The main plan's sorted lists
+    # are the proxy plan's: entry e's tau row is row e for both.
+    plans = chunk_plans(block_indices, block_size, G, c, chunk, ((TILE_M // G, TILES_PER_ITEM), (TILE_M, proxy_tiles)))
+    tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
     if det:
         sums = _DeterministicSums(q_proxy, q, rows, block_size)
         dk_acc, dv_acc = (torch.zeros(k.shape, dtype=f32, device=dev) for _ in range(2))
@@ -282,12 +286,10 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
             proxy_args.update(dqp_acc=heads(dqp_acc, 2, ps))
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
-            sel = block_indices if every and s1 - s0 == S else block_indices[:, ps, s0:s1].contiguous()
-            plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
+            plan, proxy_plan = plans[(p0, s0)]
             tau_rows = tau[:plan.E]
-            # The main plan's sorted lists, cut into the proxy kernel's tiles: entry e's tau row is row e for both.
-            proxy_plan = recut(plan, TILE_M, proxy_tiles)
             if det:
+                sel = block_indices if every and s1 - s0 == S else block_indices[:, ps, s0:s1].contiguous()
                 main_args.update(sums.main_args(plan, c, per_kv))
                 proxy_args.update(sums.proxy_args(proxy_plan, c, per_pk))
             main(entry_query=plan.entry_query, items=plan.items, tau=tau_rows, **main_args)

@@ -2,7 +2,8 @@
 
 Steps, all on the device with no host synchronisation:
   0. the queries are cut into chunks whose partial buffers fit PARTIALS_BUDGET; per chunk:
-  1. sparse_plan: the reverse index (key block -> the queries that chose it), cut into bounded work items;
+  1. sparse_plan: the reverse index (key block -> the queries that chose it), cut into bounded work items (every
+     chunk's at once: chunk_plans);
   2. sparse_fwd kernel: per (entry, head) the one-block partial output and its lse;
   3. sparse_combine kernel: logsumexp merge of each row's K slots -> out, lse;
   4. sparse_kl kernel (its own plan: tiles of 64 distinct queries): with the final lse, each entry's (A, T, L)
@@ -19,7 +20,7 @@ import functools
 import torch
 
 from flash_msa_rt.loader import get_kernel
-from flash_msa_rt.ops.sparse_plan import kl_groups, recut, sparse_plan
+from flash_msa_rt.ops.sparse_plan import chunk_plans, kl_groups, sparse_plan
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 HEAD_DIMS = (128,)
@@ -227,6 +228,11 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     if out.numel() == 0:
         return out, lse, lse_proxy, kl_rows
     chunk = query_chunk(B, S, Hp, K, G, D, block_size)
+    # Every chunk's plan and the KL pass's recut of it from one sort (chunk_plans: the host's work per chunk is
+    # then its slices and launches); planned before the partial buffers exist, so the sort's temporaries do not
+    # add to the peak.
+    cuts = ((TILE_M // G, TILES_PER_ITEM), (KL_TILE, per_group_tiles(KL_MAIN_TILES_PER_ITEM, G)))
+    plans = chunk_plans(block_indices, block_size, G, Hp, chunk, cuts)
     E_max = B * Hp * min(chunk, S) * K
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
@@ -234,28 +240,20 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         sel = block_indices[:, :, s0:s1].contiguous()
-        plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M // G, TILES_PER_ITEM, query_offset=s0)
+        plan, kl_plan = plans[(0, s0)]
         E = plan.E
         o_part, lse_part = o_buf[:E], lse_buf[:E]
         fwd(q=q, k=k, v=v, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=Hp, hp_per_hk=Hp // k.shape[2],
             **_plan_args(plan))
         combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out[:, s0:s1], lse=lse[:, :, s0:s1],
                 query_offset=s0)
-        _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale,
-                  lse_proxy, kl_rows, plan)
+        _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan)
     return out, lse, lse_proxy, kl_rows
 
 
-def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale, lse_proxy,
-              kl_rows, plan=None):
-    """The KL pass over queries [s0, s0 + sel.shape[2]) given the final main lse: writes lse_proxy and kl_rows
-    (B, Hp, S) there. plan: the forward's plan of the same chunk, recut into the KL pass's tiles (no second sort),
-    if there is one."""
-    tiles = per_group_tiles(KL_MAIN_TILES_PER_ITEM, G)
-    if plan is not None:
-        kl_plan = recut(plan, KL_TILE, tiles)
-    else:
-        kl_plan = sparse_plan(sel, block_size, sel.shape[2], G, KL_TILE, tiles, query_offset=s0)
+def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan):
+    """The KL pass over queries [s0, s0 + sel.shape[2]) on kl_plan (the KL pass's tiles) given the final main lse:
+    writes lse_proxy and kl_rows (B, Hp, S) there."""
     kl_part = kl_buf[:kl_plan.E]
     kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
     s1 = s0 + sel.shape[2]
@@ -286,6 +284,7 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         sel = block_indices[:, :, s0:s1].contiguous()
-        _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, block_size, G, kl_buf, scale, lse_proxy,
-                  kl_rows)
+        kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, per_group_tiles(KL_MAIN_TILES_PER_ITEM, G),
+                              query_offset=s0)
+        _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan)
     return lse_proxy, kl_rows

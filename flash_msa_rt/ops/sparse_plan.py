@@ -176,6 +176,134 @@ def _cut_items(bounds: torch.Tensor, NB: int, E: int, C: int):
     return items, chunk_end[-1:].to(torch.int32), W
 
 
+# --- every chunk's plan from one sort ------------------------------------------------------------------------
+
+# Entries one chunk_plans sort may hold (its temporaries take ~16 bytes each beyond the plan's 8): more are sorted in
+# batches of whole query chunks.
+PLAN_BATCH_ENTRIES = 1 << 26
+
+
+def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads: int, queries: int,
+                cuts: tuple[tuple[int, int], ...]) -> dict[tuple[int, int], tuple[SparsePlan, ...]]:
+    """The plans of every chunk of `heads` proxy heads x `queries` queries of block_indices (B, Hp, S, K), from one
+    stable sort: {(p0, s0): (plan, ...)} with one plan per (tile_queries, tiles_per_item) in cuts, each equal
+    field for field (items up to its W) to sparse_plan(block_indices[:, p0:p0 + heads, s0:s1], block_size,
+    s1 - s0, group, tile_queries, tiles_per_item, query_offset=s0). Its tensors are views of shared arrays.
+
+    Why. The forward and the backward run in chunks (bounded partial buffers), and each sparse_plan is ~45 small
+    torch ops on the host: at (a) S = 64K, B = 2 the 8 forward chunks' plans and recuts kept the host behind the
+    GPU (a 25.8 ms forward whose kernels took 17.5). Here the chunk is the major sort key, so chunk c's entries,
+    dead ones last, fill the shape-static range [sum of the earlier chunks' E, + its own E) of one sorted array,
+    and all chunks' items are cut in one batched pass.
+    """
+    B, Hp, S, K = block_indices.shape
+    if Hp % heads or queries % block_size and queries < S:
+        raise ValueError(f"chunk_plans: heads = {heads} must divide Hp = {Hp} and queries = {queries} be a multiple "
+                         f"of block_size = {block_size} (or cover S = {S})")
+    per_batch = max(1, PLAN_BATCH_ENTRIES // max(1, B * Hp * K * queries)) * queries
+    plans = {}
+    for r0 in range(0, S, per_batch):
+        batch = block_indices[:, :, r0:min(S, r0 + per_batch)]
+        plans.update(_batch_plans(batch, r0, block_size, group, heads, queries, cuts))
+    return plans
+
+
+def _batch_plans(block_indices, query_offset, block_size, group, heads, queries, cuts):
+    """chunk_plans of the query rows [query_offset, + block_indices.shape[2]) (the chunks start at query_offset)."""
+    B, Hp, S, K = block_indices.shape
+    Bs, c, dev = block_size, heads, block_indices.device
+    n_q = -(-S // queries)
+    n_ch = (Hp // c) * n_q  # chunk ch = (p // c) * n_q + query chunk; host-side sizes per chunk:
+    q_lo = [query_offset + (ch % n_q) * queries for ch in range(n_ch)]
+    q_hi = [min(query_offset + S, lo + queries) for lo in q_lo]
+    NB = [-(-hi // Bs) for hi in q_hi]
+    L = [B * c * nb for nb in NB]
+    E = [B * c * (hi - lo) * K for lo, hi in zip(q_lo, q_hi)]
+    if max(e * group for e in E) >= _INT32_LIMIT or sum(n + 1 for n in L) >= _INT32_LIMIT:
+        raise ValueError(f"chunk_plans: block_indices {tuple(block_indices.shape)} with group = {group}: a chunk "
+                         f"holds past int32 (< 2**31) partial rows or lists: use smaller chunks")
+    # The same sizes on the device, from aranges (no host-to-device copy: capturable).
+    i32, i64 = torch.int32, torch.int64
+    ch_t = torch.arange(n_ch, device=dev, dtype=i64)
+    lo_t = query_offset + (ch_t % n_q) * queries
+    hi_t = torch.clamp(lo_t + queries, max=query_offset + S)
+    NB_t = torch.div(hi_t + (Bs - 1), Bs, rounding_mode="floor")
+    L_t = B * c * NB_t
+    base_t = torch.cumsum(L_t + 1, 0) - (L_t + 1)  # first key of each chunk's lists
+    E_t = B * c * (hi_t - lo_t) * K
+    off_t = torch.cumsum(E_t, 0) - E_t  # first sorted entry of each chunk
+
+    # Key of every entry (b, p, r, slot): base[chunk] + its list in the chunk, (b * c + p % c) * NB + j, or the
+    # chunk's dead list L for a dead slot.
+    live = live_slots(block_indices, Bs, query_offset)
+    p = torch.arange(Hp, device=dev, dtype=i64).view(1, Hp, 1, 1)
+    r = torch.arange(S, device=dev, dtype=i64).view(1, 1, S, 1)
+    b = torch.arange(B, device=dev, dtype=i64).view(B, 1, 1, 1)
+    ch = (torch.div(p, c, rounding_mode="floor") * n_q + torch.div(r, queries, rounding_mode="floor"))
+    lists = (b * c + p.remainder(c)) * NB_t[ch] + block_indices
+    key = (base_t[ch] + torch.where(live, lists, L_t[ch])).to(i32)
+    sorted_key, order = torch.sort(key.reshape(-1), stable=True)
+    del key, lists, live
+    # Decode each sorted entry: its query, and its row in its chunk's (B, c, length, K) partial grid (int32: a
+    # batch holds fewer than PLAN_BATCH_ENTRIES entries).
+    order = order.to(i32)
+    slot = order.remainder(K)
+    rest = torch.div(order, K, rounding_mode="floor")
+    row = rest.remainder(S)
+    rest = torch.div(rest, S, rounding_mode="floor")
+    p_e, b_e = rest.remainder(Hp), torch.div(rest, Hp, rounding_mode="floor")
+    qi = torch.div(row, queries, rounding_mode="floor")
+    length = torch.clamp(S - qi * queries, max=queries)
+    entry_query = (row + query_offset).to(i32)
+    entry_dest = (((b_e * c + p_e.remainder(c)) * length + row - qi * queries) * K + slot).to(i32)
+    bounds = torch.searchsorted(sorted_key, torch.arange(sum(n + 1 for n in L) + 1, device=dev, dtype=i32))
+    # Per chunk, its lists' relative starts and counts, padded to the longest chunk's L with empty lists.
+    L_max = max(L)
+    col = torch.arange(L_max + 1, device=dev, dtype=i64).view(1, -1)
+    index = torch.clamp(base_t.view(-1, 1) + col, max=bounds.shape[0] - 1)
+    starts = bounds[index] - off_t.view(-1, 1)  # (n_ch, L_max + 1): list starts, then the dead list's
+    valid = col[:, :L_max] < L_t.view(-1, 1)
+    counts = torch.where(valid, starts[:, 1:] - starts[:, :-1], torch.zeros((), dtype=i64, device=dev))
+    cut = {tc: _cut_batched(starts[:, :-1], counts, NB_t, tc[0] * tc[1], E, L) for tc in cuts}
+
+    plans = {}
+    for n in range(n_ch):
+        e0 = sum(E[:n])
+        p0, s0 = (n // n_q) * c, q_lo[n]
+        chunk_bounds = starts[n, :L[n] + 1]
+        plans[(p0, s0)] = tuple(
+            SparsePlan(entry_query=entry_query[e0:e0 + E[n]], entry_dest=entry_dest[e0:e0 + E[n]],
+                       items=cut[tc][0][n, :cut[tc][2][n]], item_count=cut[tc][1][n:n + 1],
+                       list_bounds=chunk_bounds, E=E[n], W=cut[tc][2][n], K=K, Hp=c, S=q_hi[n] - s0, B=B, NB=NB[n],
+                       block_size=Bs, group=group, tile_queries=tc[0], tiles_per_item=tc[1], query_offset=s0)
+            for tc in cuts)
+    return plans
+
+
+def _cut_batched(list_start, counts, NB_t, C: int, E: list[int], L: list[int]):
+    """_cut_items of every chunk at once: list_start, counts (n_ch, L_max) int64 (padding lists empty), NB_t
+    (n_ch,) -> (items (n_ch, W_max, 4) int32, item_count (n_ch,) int32, W per chunk)."""
+    W = [-(-e // C) + n for e, n in zip(E, L)]
+    W_max, L_max = max(W), counts.shape[1]
+    dev = counts.device
+    chunks = torch.div(counts + (C - 1), C, rounding_mode="floor")
+    chunk_end = torch.cumsum(chunks, 1)  # items up to and including list l, per chunk
+    w = torch.arange(W_max, device=dev, dtype=torch.int64).expand(counts.shape[0], W_max).contiguous()
+    lw = torch.searchsorted(chunk_end, w, right=True)  # the list of item w; L_max past the real count
+    real = lw < L_max
+    lc = lw.clamp(max=L_max - 1)
+    chunk = w - (chunk_end.gather(1, lc) - chunks.gather(1, lc))
+    NB = NB_t.view(-1, 1)
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    items = torch.stack([
+        torch.where(real, torch.div(lc, NB, rounding_mode="floor"), zero),
+        torch.where(real, lc.remainder(NB), zero),
+        torch.where(real, list_start.gather(1, lc) + chunk * C, zero),
+        torch.where(real, (counts.gather(1, lc) - chunk * C).clamp(0, C), zero),
+    ], dim=2).to(torch.int32)
+    return items, chunk_end[:, -1].to(torch.int32), W
+
+
 # --- partial buffers ---------------------------------------------------------------------------------------------
 
 def kl_groups(block_size: int, tile_n: int = 64) -> int:
