@@ -200,6 +200,9 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     if Hp % heads or queries % block_size and queries < S:
         raise ValueError(f"chunk_plans: heads = {heads} must divide Hp = {Hp} and queries = {queries} be a multiple "
                          f"of block_size = {block_size} (or cover S = {S})")
+    if heads == Hp and queries >= S:  # one chunk: sparse_plan and recut take fewer torch ops
+        plan = sparse_plan(block_indices, block_size, S, group, *cuts[0])
+        return {(0, 0): (plan, *(recut(plan, *tc) for tc in cuts[1:]))}
     per_batch = max(1, PLAN_BATCH_ENTRIES // max(1, B * Hp * K * queries)) * queries
     plans = {}
     for r0 in range(0, S, per_batch):
