@@ -208,10 +208,15 @@ def test_public_api_routes_forward_to_the_kernel():
     torch.testing.assert_close(kl, ref[3].mean(), rtol=1e-6, atol=1e-8)
 
 
-def test_query_chunks_bound_the_partials(monkeypatch):
-    """A small partials budget cuts the forward into query chunks; the results are bitwise those of one chunk
-    (an entry's partial does not depend on the other rows of its tile), and the peak memory drops."""
+@pytest.mark.parametrize("chunks", ["heads", "queries"])
+def test_query_chunks_bound_the_partials(chunks, monkeypatch):
+    """A small partials budget cuts the forward into chunks: of one proxy head and some queries (head-sliced
+    views; two proxy heads share a KV head, four the proxy key head), or of every head and fewer queries. The
+    results are bitwise those of one chunk (an entry's partial does not depend on the other rows of its tile), and
+    the peak memory drops."""
     from flash_msa_rt.ops import sparse_fwd
+
+    monkeypatch.setattr(sparse_fwd, "FORWARD_CHUNKS", chunks)
 
     qp, kp, q, k, v = _inputs(2, 3000, 16, 2, 4, 1, torch.bfloat16, seed=8)
     scale = 128 ** -0.5
@@ -224,6 +229,8 @@ def test_query_chunks_bound_the_partials(monkeypatch):
     peak_whole = torch.cuda.max_memory_allocated() - base
     monkeypatch.setattr(sparse_fwd, "PARTIALS_BUDGET", 4 << 20)
     assert sparse_fwd.query_chunk(2, 3000, 4, 16, 4, 128, 128) < 3000  # several chunks
+    heads, queries = sparse_fwd.forward_chunks(2, 3000, 4, 2, 1, 16, 4, 128, 128)
+    assert (heads, queries < 3000) == ((1, True) if chunks == "heads" else (4, True))
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     chunked = sparse_fwd.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale)

@@ -203,24 +203,14 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
 
 def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: int, budget: int,
               per_entry: int | None = None) -> int:
-    """Proxy heads per backward chunk on the tau path: the most whose rows (B S K entries per head, per_entry bytes
-    each: entry_bytes, by default a tau row of block_size keys, 2 bytes) fit budget bytes (tau_budget), at least 1.
-    The count divides Hp and is a multiple or a divisor of each proxy-heads-per-KV-head ratio, so a chunk's main, KV
-    and proxy-key heads are contiguous head ranges (chunk_heads). Chunks of heads keep every reverse list whole
-    (chunks of queries cut each list into shorter ones, one more partial item each); at (b) 64K the two measured
-    the same within noise (NOTES.md)."""
-    per_head = B * S * K * (per_entry or 2 * block_size)
-    fits = [c for c in range(Hp, 0, -1) if Hp % c == 0
-            and all(c % r == 0 or r % c == 0 for r in (Hp // Hk, Hp // Hpk))]
-    return next((c for c in fits if c * per_head <= budget), 1)
+    """Proxy heads per backward chunk on the tau path: sparse_fwd.heads_per_chunk of the chunk's rows (B S K entries
+    per head, per_entry bytes each: entry_bytes, by default a tau row of block_size keys, 2 bytes) in budget bytes
+    (tau_budget). Chunks of heads keep every reverse list whole; at (b) 64K chunks of queries measured the same
+    within noise for the backward (NOTES.md)."""
+    return sparse_fwd.heads_per_chunk(B * S * K * (per_entry or 2 * block_size), Hp, Hk, Hpk, budget)
 
 
-def chunk_heads(p0: int, c: int, per: int) -> tuple[slice, int]:
-    """(heads, proxy heads per head inside the chunk) of the heads shared by `per` proxy heads each (KV heads,
-    proxy key heads) that proxy heads [p0, p0 + c) use (c as tau_heads gives it)."""
-    if c % per == 0:
-        return slice(p0 // per, (p0 + c) // per), per
-    return slice(p0 // per, p0 // per + 1), c
+chunk_heads = sparse_fwd.chunk_heads
 
 
 def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,

@@ -193,6 +193,40 @@ def query_chunk(B: int, S: int, Hp: int, K: int, G: int, D: int, block_size: int
     return equal_chunk(S, block_size, per_query, budget or partials_budget(B, S, Hp * G, D))
 
 
+def heads_per_chunk(per_head: int, Hp: int, Hk: int, Hpk: int, budget: int) -> int:
+    """Proxy heads per chunk when one head's buffers take per_head bytes: the most that fit budget, at least 1. The
+    count divides Hp and is a multiple or a divisor of each proxy-heads-per-KV-head ratio, so a chunk's main, KV and
+    proxy-key heads are contiguous head ranges (chunk_heads)."""
+    fits = [c for c in range(Hp, 0, -1) if Hp % c == 0
+            and all(c % r == 0 or r % c == 0 for r in (Hp // Hk, Hp // Hpk))]
+    return next((c for c in fits if c * per_head <= budget), 1)
+
+
+def chunk_heads(p0: int, c: int, per: int) -> tuple[slice, int]:
+    """(heads, proxy heads per head inside the chunk) of the heads shared by `per` proxy heads each (KV heads,
+    proxy key heads) that proxy heads [p0, p0 + c) use (c as heads_per_chunk gives it)."""
+    if c % per == 0:
+        return slice(p0 // per, (p0 + c) // per), per
+    return slice(p0 // per, p0 // per + 1), c
+
+
+# How the forward cuts a problem whose partials exceed the budget: "heads" first (chunks of proxy heads over every
+# query, then queries too where one head's partials do not fit), or "queries" (every head, chunks of queries).
+# Chunks of heads keep each reverse list whole, so its items are full: a query chunk of 1 / n of the sequence cuts
+# every list into n shorter ones, each ending in a partial item.
+FORWARD_CHUNKS = "heads"
+
+
+def forward_chunks(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, G: int, D: int, block_size: int,
+                   budget: int | None = None) -> tuple[int, int]:
+    """(proxy heads, queries) per forward chunk: the partial buffers of one chunk (o_part in 2 bytes, lse_part and
+    the KL pass's (A, T, L) triples in fp32, per entry) fit budget (default partials_budget) plus CHUNK_SLACK."""
+    budget = budget or partials_budget(B, S, Hp * G, D)
+    per_entry = G * D * 2 + 4 * (G + 3 * kl_groups(block_size))
+    c = heads_per_chunk(B * S * K * per_entry, Hp, Hk, Hpk, budget) if FORWARD_CHUNKS == "heads" else Hp
+    return c, equal_chunk(S, block_size, B * c * K * per_entry, budget)
+
+
 def equal_chunk(S: int, block_size: int, per_query: int, budget: int) -> int:
     """Queries per chunk, whole blocks, when a query costs per_query bytes: at most budget (plus CHUNK_SLACK) per
     chunk, and the chunks as equal as whole blocks allow."""
@@ -227,27 +261,43 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev)
     if out.numel() == 0:
         return out, lse, lse_proxy, kl_rows
-    chunk = query_chunk(B, S, Hp, K, G, D, block_size)
+    Hk, Hpk = k.shape[2], k_proxy.shape[2]
+    c, chunk = forward_chunks(B, S, Hp, Hk, Hpk, K, G, D, block_size)
     # Every chunk's plan and the KL pass's recut of it from one sort (chunk_plans: the host's work per chunk is
-    # then its slices and launches); planned before the partial buffers exist, so the sort's temporaries do not
+    # then its views and launches); planned before the partial buffers exist, so the sort's temporaries do not
     # add to the peak.
     cuts = ((TILE_M // G, TILES_PER_ITEM), (KL_TILE, per_group_tiles(KL_MAIN_TILES_PER_ITEM, G)))
-    plans = chunk_plans(block_indices, block_size, G, Hp, chunk, cuts)
-    E_max = B * Hp * min(chunk, S) * K
+    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts)
+    E_max = B * c * min(chunk, S) * K
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
     kl_buf = torch.empty((E_max, 3 * kl_part_groups(kl_cfg)), dtype=torch.float32, device=dev)
-    for s0 in range(0, S, chunk):
-        s1 = min(S, s0 + chunk)
-        sel = block_indices[:, :, s0:s1].contiguous()
-        plan, kl_plan = plans[(0, s0)]
-        E = plan.E
-        o_part, lse_part = o_buf[:E], lse_buf[:E]
-        fwd(q=q, k=k, v=v, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=Hp, hp_per_hk=Hp // k.shape[2],
-            **_plan_args(plan))
-        combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out[:, s0:s1], lse=lse[:, :, s0:s1],
-                query_offset=s0)
-        _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan)
+    for p0 in range(0, Hp, c):
+        # A chunk is the same problem on head-sliced views (strided: the kernels take any strides).
+        every = c == Hp
+        ps, hs = slice(p0, p0 + c), slice(p0 * G, (p0 + c) * G)
+        kvs, per_kv = chunk_heads(p0, c, Hp // Hk)
+        pks, per_pk = chunk_heads(p0, c, Hp // Hpk)
+
+        def heads(t, dim, sl):
+            return t if every else t[(slice(None),) * dim + (sl,)]
+
+        q_c, k_c, v_c, lse_c = heads(q, 2, hs), heads(k, 2, kvs), heads(v, 2, kvs), heads(lse, 1, hs)
+        kl_args = dict(q=q_c, k=k_c, q_proxy=heads(q_proxy, 2, ps), k_proxy=heads(k_proxy, 2, pks),
+                       scale=float(scale), hp_per_hk=per_kv, hp_per_hpk=per_pk)
+        for s0 in range(0, S, chunk):
+            s1 = min(S, s0 + chunk)
+            sel = block_indices[:, ps, s0:s1].contiguous()
+            plan, kl_plan = plans[(p0, s0)]
+            o_part, lse_part = o_buf[:plan.E], lse_buf[:plan.E]
+            fwd(q=q_c, k=k_c, v=v_c, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=c, hp_per_hk=per_kv,
+                **_plan_args(plan))
+            combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out[:, s0:s1, hs],
+                    lse=lse_c[:, :, s0:s1], query_offset=s0)
+            kl_part = kl_buf[:kl_plan.E]
+            kl(lse=lse_c, kl_part=kl_part, **kl_args, **_plan_args(kl_plan))
+            combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=lse_proxy[:, ps, s0:s1],
+                       kl_rows=kl_rows[:, ps, s0:s1], query_offset=s0)
     return out, lse, lse_proxy, kl_rows
 
 
