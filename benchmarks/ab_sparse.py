@@ -63,7 +63,7 @@ def main():
         csel = sel[:, :, :chunk].contiguous()
         fplan = sparse_plan(csel, 128, chunk, G, sf.TILE_M // G, sf.TILES_PER_ITEM)
         kplan = recut(fplan, sf.KL_TILE, sf.per_group_tiles(sf.KL_MAIN_TILES_PER_ITEM, G))
-        bplan = sparse_plan(sel, 128, S, G, sb.TILE_M // G, sb.TILES_PER_ITEM)
+        bplan = sparse_plan(sel, 128, S, G, sb.TILE_M // G, sb.tiles_per_item(G))
         pplan = recut(bplan, sb.TILE_M, sf.per_group_tiles(sb.PROXY_MAIN_TILES_PER_ITEM, G))
         dt = sf.DTYPES[q.dtype]
         confs = {"fwd": ("sparse_fwd", sf.kernel_config(dt, D, 128, G, sf.device_mma(dev, "sparse_fwd"))),

@@ -29,7 +29,7 @@ def main():
     nnz = nnz_of(sel, S, G)
     out, lse, lse_p, _ = msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale)
     go = torch.randn_like(q)
-    plan = sparse_plan(sel, 128, S, G, sb.TILE_M // G, sb.TILES_PER_ITEM)
+    plan = sparse_plan(sel, 128, S, G, sb.TILE_M // G, sb.tiles_per_item(G))
     f32 = torch.float32
     dq, dk, dv = (torch.zeros(t.shape, dtype=f32, device="cuda") for t in (q, k, v))
     dqp, dkp = (torch.zeros(t.shape, dtype=f32, device="cuda") for t in (qp, kp))
@@ -42,7 +42,7 @@ def main():
         "delta (torch, fp32 copies)": lambda: (go.float() * out.float()).sum(-1).transpose(1, 2).contiguous(),
         "delta (bwd_delta kernel)": lambda: get_kernel("bwd_delta", sb.delta_config("bf16", D), q.device)(
             dout=go, out=out, delta=delta),
-        "plan": lambda: sparse_plan(sel, 128, S, G, sb.TILE_M // G, sb.TILES_PER_ITEM),
+        "plan": lambda: sparse_plan(sel, 128, S, G, sb.TILE_M // G, sb.tiles_per_item(G)),
         "zeros": lambda: [torch.zeros(t.shape, dtype=f32, device="cuda") for t in (q, k, v, qp, kp)],
     }
     for m, kernel in main.items():

@@ -75,7 +75,7 @@ def main(argv=None):
     # (kernel, launch, queries per tile, what the runtime ships, how the runtime turns T into the plan's T)
     kernels = (("sparse_fwd", fwd, sf.TILE_M // G, sf.TILES_PER_ITEM),
                ("sparse_kl", kl, sf.KL_TILE, sf.per_group_tiles(sf.KL_MAIN_TILES_PER_ITEM, G)),
-               ("sparse_bwd", bwd, sb.TILE_M // G, sb.TILES_PER_ITEM),
+               ("sparse_bwd", bwd, sb.TILE_M // G, sb.tiles_per_item(G)),
                ("sparse_bwd_proxy", prox, sb.TILE_M, sf.per_group_tiles(sb.PROXY_MAIN_TILES_PER_ITEM, G)))
     result = {"commit": commit(), "device": torch.cuda.get_device_name(), "config": a.config, "B": B, "S": S,
               "G": G, "rows": []}

@@ -464,12 +464,14 @@ def test_runtime_items_fit_the_backward_entry_table(G):
     from kernels_src.sparse_bwd import ENTRY_TABLE
 
     B, Hp, Bs = 1, 1, 128
-    S = 2 * Bs * sb.TILES_PER_ITEM * sb.TILE_M // G  # block 0's list: two full items and more
+    assert sb.ITEM_ENTRIES == ENTRY_TABLE
+    T = sb.tiles_per_item(G)
+    S = 2 * Bs * T * sb.TILE_M // G  # block 0's list: two full items and more
     local = (torch.arange(S, dtype=torch.int32) // Bs).view(1, 1, S, 1).expand(B, Hp, S, 1)
     idx = torch.cat([torch.zeros_like(local), torch.where(local > 0, local, -1)], dim=-1).contiguous()
-    plan = sparse_plan(idx, Bs, S, G, sb.TILE_M // G, sb.TILES_PER_ITEM)
+    plan = sparse_plan(idx, Bs, S, G, sb.TILE_M // G, T)
     longest = int(plan.items[:, 3].max())
-    assert longest == sb.TILES_PER_ITEM * sb.TILE_M // G <= ENTRY_TABLE
+    assert longest == T * sb.TILE_M // G <= ENTRY_TABLE
 
 
 CHUNK_CASES = [  # (B, Hp, S, K, Bs, heads, queries, batch entries)

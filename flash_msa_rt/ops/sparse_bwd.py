@@ -27,7 +27,19 @@ TILE_M = 64
 # sparse_bwd 60.4 ms at 8 tiles, 56.1 at 16, 53.5 at 32; sparse_bwd_proxy 38.5 at 4 tiles (of 64 queries x G
 # heads), 36.8 at 16, 36.3 at 32. Again on the whole-block wgmma kernels (results/sweep_items_b_ac5e11f.json):
 # sparse_bwd 43.78 / 40.13 / 37.78 ms at 8 / 16 / 32, sparse_bwd_proxy 20.13 / 19.52 / 19.30 at 8 / 16 / 32.
-TILES_PER_ITEM = 32  # 2048 rows
+# With the forward's and backward's chunk plans (whole lists, results/ab_tiles_per_item_59e1276.log, one process):
+# 64 tiles against 32, whole backward (b) / (a) / (c) 64K and (a) B = 1 64K: 42.71 -> 41.68, 21.39 -> 20.89,
+# 76.09 -> 74.26, 13.62 -> 13.20 ms. An item's entries must fit the kernel's shared table (ITEM_ENTRIES).
+TILES_PER_ITEM = 64  # at most (tiles_per_item)
+ITEM_ENTRIES = 2048  # kernels_src.sparse_bwd.ENTRY_TABLE: entries past it take a slower global read
+
+
+def tiles_per_item(group: int) -> int:
+    """Tiles per sparse_bwd item at G = group: TILES_PER_ITEM, fewer where the item's entries (tiles of 64 // G
+    queries) would pass ITEM_ENTRIES (G = 1: 32 tiles)."""
+    return max(1, min(TILES_PER_ITEM, ITEM_ENTRIES // max(1, TILE_M // group)))
+
+
 PROXY_MAIN_TILES_PER_ITEM = 128  # proxy tiles are 64 queries x G heads: sparse_fwd.per_group_tiles(128, G) per item
 PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all-causal selection is chunked)
 
@@ -183,7 +195,7 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
         dq_proxy, dk_proxy = _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
                                                 block_size, scale, grad_out, kl_grad, dq_acc, dk_acc, dv_acc)
         return dq_proxy, dk_proxy, dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-    plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, TILES_PER_ITEM)
+    plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, tiles_per_item(G))
     if grad_out is not None:
         delta = torch.empty((B, H, S), dtype=f32, device=dev)
         get_kernel("bwd_delta", delta_config(dt, D), dev)(dout=grad_out, out=out, delta=delta)
@@ -244,7 +256,7 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     # Every chunk's main plan and its recut into the proxy kernel's tiles from one sort (sparse_plan.chunk_plans;
     # before the tau rows exist, so the sort's temporaries do not add to the peak). The main plan's sorted lists
     # are the proxy plan's: entry e's tau row is row e for both.
-    plans = chunk_plans(block_indices, block_size, G, c, chunk, ((TILE_M // G, TILES_PER_ITEM), (TILE_M, proxy_tiles)))
+    plans = chunk_plans(block_indices, block_size, G, c, chunk, ((TILE_M // G, tiles_per_item(G)), (TILE_M, proxy_tiles)))
     tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
     if det:
         sums = _DeterministicSums(q_proxy, q, rows, block_size)

@@ -32,8 +32,10 @@ TILE_M = 128
 # pass (results/sweep_items_b_ac5e11f.json, (b) S = 64K): sparse_fwd 18.94 / 17.88 / 17.34 ms at 8 / 16 / 32
 # tiles, the KL pass 12.73 / 12.53 / 12.47 at 8 / 16 / 32 (KL_MAIN_TILES_PER_ITEM 128 gives 32 at G = 4). In the
 # chunked whole op the gain does not show (fewer, longer items per chunk): (b) 64K forward 40.53 ms at 16 tiles,
-# 40.65 at 32 (results/bench_msa_ac5e11f.log, bench_msa_64k_128k_f3ec34b.log).
-TILES_PER_ITEM = 32
+# 40.65 at 32 (results/bench_msa_ac5e11f.log, bench_msa_64k_128k_f3ec34b.log). With chunks of heads (whole lists)
+# and one sort for every chunk, 64 against 32 in one process (results/ab_tiles_per_item_59e1276.log): whole forward
+# (b) / (a) / (c) 64K and (a) B = 1 64K 35.47 -> 34.31, 17.91 -> 17.70, 65.62 -> 64.96, 11.34 -> 11.18 ms.
+TILES_PER_ITEM = 64
 KL_TILE = 64  # distinct queries per KL tile; the tile visits the G heads one after another
 KL_MAIN_TILES_PER_ITEM = 128  # KL items: ~128 // G tiles of 64 queries x G heads, 1 to 32 tiles (per_group_tiles)
 PARTIALS_BUDGET = 1 << 30  # the least bytes of per-slot partials one forward chunk may hold (partials_budget)
