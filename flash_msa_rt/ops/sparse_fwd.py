@@ -195,13 +195,14 @@ def query_chunk(B: int, S: int, Hp: int, K: int, G: int, D: int, block_size: int
     return equal_chunk(S, block_size, per_query, budget or partials_budget(B, S, Hp * G, D))
 
 
-def heads_per_chunk(per_head: int, Hp: int, Hk: int, Hpk: int, budget: int) -> int:
-    """Proxy heads per chunk when one head's buffers take per_head bytes: the most that fit budget, at least 1. The
-    count divides Hp and is a multiple or a divisor of each proxy-heads-per-KV-head ratio, so a chunk's main, KV and
-    proxy-key heads are contiguous head ranges (chunk_heads)."""
+def heads_per_chunk(per_head: int, Hp: int, Hk: int, Hpk: int, budget: int, slack: float = 0.0) -> int:
+    """Proxy heads per chunk when one head's buffers take per_head bytes: the most that fit budget (plus the
+    fraction slack of it), at least 1. The count divides Hp and is a multiple or a divisor of each
+    proxy-heads-per-KV-head ratio, so a chunk's main, KV and proxy-key heads are contiguous head ranges
+    (chunk_heads)."""
     fits = [c for c in range(Hp, 0, -1) if Hp % c == 0
             and all(c % r == 0 or r % c == 0 for r in (Hp // Hk, Hp // Hpk))]
-    return next((c for c in fits if c * per_head <= budget), 1)
+    return next((c for c in fits if c * per_head <= budget * (1 + slack)), 1)
 
 
 def chunk_heads(p0: int, c: int, per: int) -> tuple[slice, int]:
@@ -225,7 +226,11 @@ def forward_chunks(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, G: int, D
     the KL pass's (A, T, L) triples in fp32, per entry) fit budget (default partials_budget) plus CHUNK_SLACK."""
     budget = budget or partials_budget(B, S, Hp * G, D)
     per_entry = G * D * 2 + 4 * (G + 3 * kl_groups(block_size))
-    c = heads_per_chunk(B * S * K * per_entry, Hp, Hk, Hpk, budget) if FORWARD_CHUNKS == "heads" else Hp
+    # CHUNK_SLACK as for queries: (a) at B = 1, S = 16K holds 1.14 GB of partials against a 1 GiB budget, and two
+    # chunks of two heads doubled its host-bound forward's launches (results/bench_msa_batch1_1989e46.log).
+    c = Hp
+    if FORWARD_CHUNKS == "heads":
+        c = heads_per_chunk(B * S * K * per_entry, Hp, Hk, Hpk, budget, CHUNK_SLACK)
     return c, equal_chunk(S, block_size, B * c * K * per_entry, budget)
 
 
