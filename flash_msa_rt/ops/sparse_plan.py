@@ -122,6 +122,17 @@ def sparse_plan(block_indices: torch.Tensor, block_size: int, seqlen: int, group
                          f"partial rows, past int32 (< 2**31): split the batch or the sequence")
     if isinstance(query_offset, bool) or not isinstance(query_offset, int) or query_offset < 0:
         raise ValueError(f"{fn}: query_offset must be a non-negative int, got {query_offset!r}")
+    entry_query, entry_dest, bounds, NB = _sorted_lists(block_indices, Bs, query_offset)
+    items, item_count, W = _cut_items(bounds, NB, E, tq * T)
+    return SparsePlan(entry_query=entry_query, entry_dest=entry_dest, items=items, item_count=item_count,
+                      list_bounds=bounds, E=E, W=W, K=K, Hp=Hp, S=S, B=B, NB=NB, block_size=Bs, group=G,
+                      tile_queries=tq, tiles_per_item=T, query_offset=query_offset)
+
+
+def _sorted_lists(block_indices: torch.Tensor, Bs: int, query_offset: int):
+    """(entry_query, entry_dest, list_bounds, NB) of sparse_plan: the entries sorted by list, and the lists'
+    bounds."""
+    B, Hp, S, K = block_indices.shape
     NB = -(-(query_offset + S) // Bs)
     L = B * Hp * NB  # lists, one per (bp, j)
     dev = block_indices.device
@@ -138,10 +149,7 @@ def sparse_plan(block_indices: torch.Tensor, block_size: int, seqlen: int, group
 
     # List boundaries by binary search on the sorted ids: contention-free even when one list holds every query.
     bounds = torch.searchsorted(sorted_list, torch.arange(L + 1, device=dev, dtype=torch.int32))
-    items, item_count, W = _cut_items(bounds, NB, E, tq * T)
-    return SparsePlan(entry_query=entry_query, entry_dest=entry_dest, items=items, item_count=item_count,
-                      list_bounds=bounds, E=E, W=W, K=K, Hp=Hp, S=S, B=B, NB=NB, block_size=Bs, group=G,
-                      tile_queries=tq, tiles_per_item=T, query_offset=query_offset)
+    return entry_query, entry_dest, bounds, NB
 
 
 def recut(plan: SparsePlan, tile_queries: int, tiles_per_item: int) -> SparsePlan:
@@ -200,9 +208,17 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     if Hp % heads or queries % block_size and queries < S:
         raise ValueError(f"chunk_plans: heads = {heads} must divide Hp = {Hp} and queries = {queries} be a multiple "
                          f"of block_size = {block_size} (or cover S = {S})")
-    if heads == Hp and queries >= S:  # one chunk: sparse_plan and recut take fewer torch ops
-        plan = sparse_plan(block_indices, block_size, S, group, *cuts[0])
-        return {(0, 0): (plan, *(recut(plan, *tc) for tc in cuts[1:]))}
+    if heads == Hp and queries >= S:  # one chunk: sparse_plan's sort (fewer torch ops), every cut in one pass
+        entry_query, entry_dest, bounds, NB = _sorted_lists(block_indices, block_size, 0)
+        E, L, dev = B * Hp * S * K, bounds.shape[0] - 1, bounds.device
+        counts = (bounds[1:] - bounds[:-1]).view(1, L)
+        items, item_count, W = _cut_batched(bounds[:-1].view(1, L), counts,
+                                            torch.full((1,), NB, dtype=torch.int64, device=dev), cuts, [E], [L])
+        return {(0, 0): tuple(
+            SparsePlan(entry_query=entry_query, entry_dest=entry_dest, items=items[n, 0, :W[n][0]],
+                       item_count=item_count[n, :1], list_bounds=bounds, E=E, W=W[n][0], K=K, Hp=Hp, S=S, B=B,
+                       NB=NB, block_size=block_size, group=group, tile_queries=tq, tiles_per_item=T)
+            for n, (tq, T) in enumerate(cuts))}
     per_batch = max(1, PLAN_BATCH_ENTRIES // max(1, B * Hp * K * queries)) * queries
     plans = {}
     for r0 in range(0, S, per_batch):
@@ -267,7 +283,7 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
     starts = bounds[index] - off_t.view(-1, 1)  # (n_ch, L_max + 1): list starts, then the dead list's
     valid = col[:, :L_max] < L_t.view(-1, 1)
     counts = torch.where(valid, starts[:, 1:] - starts[:, :-1], torch.zeros((), dtype=i64, device=dev))
-    cut = {tc: _cut_batched(starts[:, :-1], counts, NB_t, tc[0] * tc[1], E, L) for tc in cuts}
+    items, item_count, W = _cut_batched(starts[:, :-1], counts, NB_t, cuts, E, L)
 
     plans = {}
     for n in range(n_ch):
@@ -276,35 +292,41 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
         chunk_bounds = starts[n, :L[n] + 1]
         plans[(p0, s0)] = tuple(
             SparsePlan(entry_query=entry_query[e0:e0 + E[n]], entry_dest=entry_dest[e0:e0 + E[n]],
-                       items=cut[tc][0][n, :cut[tc][2][n]], item_count=cut[tc][1][n:n + 1],
-                       list_bounds=chunk_bounds, E=E[n], W=cut[tc][2][n], K=K, Hp=c, S=q_hi[n] - s0, B=B, NB=NB[n],
-                       block_size=Bs, group=group, tile_queries=tc[0], tiles_per_item=tc[1], query_offset=s0)
-            for tc in cuts)
+                       items=items[m, n, :W[m][n]], item_count=item_count[m, n:n + 1], list_bounds=chunk_bounds,
+                       E=E[n], W=W[m][n], K=K, Hp=c, S=q_hi[n] - s0, B=B, NB=NB[n], block_size=Bs, group=group,
+                       tile_queries=tq, tiles_per_item=T, query_offset=s0)
+            for m, (tq, T) in enumerate(cuts))
     return plans
 
 
-def _cut_batched(list_start, counts, NB_t, C: int, E: list[int], L: list[int]):
-    """_cut_items of every chunk at once: list_start, counts (n_ch, L_max) int64 (padding lists empty), NB_t
-    (n_ch,) -> (items (n_ch, W_max, 4) int32, item_count (n_ch,) int32, W per chunk)."""
-    W = [-(-e // C) + n for e, n in zip(E, L)]
-    W_max, L_max = max(W), counts.shape[1]
+def _cut_batched(list_start, counts, NB_t, cuts, E: list[int], L: list[int]):
+    """_cut_items of every chunk and every (tile_queries, tiles_per_item) cut at once: list_start, counts (n_ch,
+    L_max) int64 (padding lists empty), NB_t (n_ch,), E and L per chunk -> (items (n_cuts, n_ch, W_max, 4) int32,
+    item_count (n_cuts, n_ch) int32, W[cut][chunk])."""
+    sizes = [tq * T for tq, T in cuts]
+    W = [[-(-e // C) + n for e, n in zip(E, L)] for C in sizes]
+    W_max, L_max, n_ch = max(max(w) for w in W), counts.shape[1], counts.shape[0]
     dev = counts.device
+    i64 = torch.int64
+    C = torch.cat([torch.full((n_ch, 1), size, dtype=i64, device=dev) for size in sizes])  # (rows, 1)
+    rows = len(sizes) * n_ch
+    counts, list_start, NB = counts.repeat(len(sizes), 1), list_start.repeat(len(sizes), 1), NB_t.repeat(len(sizes))
     chunks = torch.div(counts + (C - 1), C, rounding_mode="floor")
-    chunk_end = torch.cumsum(chunks, 1)  # items up to and including list l, per chunk
-    w = torch.arange(W_max, device=dev, dtype=torch.int64).expand(counts.shape[0], W_max).contiguous()
+    chunk_end = torch.cumsum(chunks, 1)  # items up to and including list l, per row
+    w = torch.arange(W_max, device=dev, dtype=i64).expand(rows, W_max).contiguous()
     lw = torch.searchsorted(chunk_end, w, right=True)  # the list of item w; L_max past the real count
     real = lw < L_max
     lc = lw.clamp(max=L_max - 1)
     chunk = w - (chunk_end.gather(1, lc) - chunks.gather(1, lc))
-    NB = NB_t.view(-1, 1)
-    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    NB = NB.view(-1, 1)
+    zero = torch.zeros((), dtype=i64, device=dev)
     items = torch.stack([
         torch.where(real, torch.div(lc, NB, rounding_mode="floor"), zero),
         torch.where(real, lc.remainder(NB), zero),
         torch.where(real, list_start.gather(1, lc) + chunk * C, zero),
-        torch.where(real, (counts.gather(1, lc) - chunk * C).clamp(0, C), zero),
+        torch.where(real, torch.minimum((counts.gather(1, lc) - chunk * C).clamp(min=0), C), zero),
     ], dim=2).to(torch.int32)
-    return items, chunk_end[:, -1].to(torch.int32), W
+    return items.view(len(sizes), n_ch, W_max, 4), chunk_end[:, -1].to(torch.int32).view(len(sizes), n_ch), W
 
 
 # --- partial buffers ---------------------------------------------------------------------------------------------
