@@ -1,0 +1,83 @@
+"""Host work of the chunked forward and backward (CPU, fake tensors, kernels replaced by recorders).
+
+Small problems are host-bound (kernels_src/sparse_fwd/NOTES.md, "Host overhead"), and each torch op the launchers
+issue costs the host ~10-20 us. The plans of every chunk come from one sort (sparse_plan.chunk_plans), so the ops
+a call issues must not grow with its chunk count beyond the per-chunk selection copy: this pins that down.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops that only make views or read metadata (no device work, no kernel launch).
+VIEWS = {"aten.slice", "aten.select", "aten.alias", "aten.view", "aten.as_strided", "aten.expand", "aten.unsqueeze",
+         "aten._unsafe_view", "aten.t", "aten.permute", "aten.transpose", "prim.device", "aten.detach",
+         "aten.lift_fresh", "aten.split", "aten.unbind"}
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name not in VIEWS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count(B, S, H, Hk, Hp, budgets, monkeypatch):
+    """(forward ops, backward ops, launches per kernel) of one msa_forward_cuda + msa_backward_cuda on sm90a's
+    kernels (the tau path), with the forward's partials and the backward's tau rows held to budgets (bytes)."""
+    from flash_msa_rt.ops import sparse_bwd as sb
+    from flash_msa_rt.ops import sparse_fwd as sf
+
+    launches = collections.Counter()
+
+    def recorder(op, config, device):
+        def launch(**kwargs):
+            launches[op] += 1
+        return launch
+
+    monkeypatch.setattr(sf, "device_mma", lambda device, op: sf.family_mma("sm90a", op))
+    monkeypatch.setattr(sf, "get_kernel", recorder)
+    monkeypatch.setattr(sb, "get_kernel", recorder)
+    if budgets:
+        monkeypatch.setattr(sf, "partials_budget", lambda *shape: budgets[0])
+        monkeypatch.setattr(sb, "tau_budget", lambda *shape: budgets[1])
+    D, K, bf16 = 128, 16, torch.bfloat16
+    with FakeTensorMode():
+        qp, kp = torch.empty(B, S, Hp, D, dtype=bf16), torch.empty(B, S, 1, D, dtype=bf16)
+        q = torch.empty(B, S, H, D, dtype=bf16)
+        k, v = torch.empty(B, S, Hk, D, dtype=bf16), torch.empty(B, S, Hk, D, dtype=bf16)
+        sel = torch.zeros(B, Hp, S, K, dtype=torch.int32)
+        with _Count() as fwd:
+            out, lse, lse_p, _ = sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, 0.1)
+        with _Count() as bwd:
+            sb.msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, 0.1, torch.empty_like(q),
+                                 torch.full((), 1.0))
+    return sum(fwd.ops.values()), sum(bwd.ops.values()), launches
+
+
+@pytest.mark.parametrize("shape", [(1, 8192, 16, 2, 4), (2, 4096, 32, 8, 8)])
+def test_host_ops_do_not_grow_with_the_chunks(shape, monkeypatch):
+    """Many chunks cost the host what one chunk costs, plus the batched plan's fixed work and one selection copy
+    per chunk; every chunk still launches its kernels."""
+    B, S, H, Hk, Hp = shape
+    fwd1, bwd1, launches1 = _count(B, S, H, Hk, Hp, None, monkeypatch)
+    assert launches1["sparse_fwd"] == launches1["sparse_bwd"] == 1
+    monkeypatch.undo()
+    E, G = B * S * 16, H // Hp  # one proxy head's entries
+    per_entry = (G * 128 * 2 + 4 * (G + 12), 2 * 128)  # partials, tau row
+    fwd_n, bwd_n, launches_n = _count(B, S, H, Hk, Hp, [E * n // 4 for n in per_entry], monkeypatch)
+    n_fwd, n_bwd = launches_n["sparse_fwd"], launches_n["sparse_bwd"]
+    assert n_fwd >= 4 * Hp and n_bwd >= 4 * Hp, (n_fwd, n_bwd)  # four chunks of queries per head
+    assert launches_n["sparse_kl"] == launches_n["sparse_combine"] == n_fwd
+    assert fwd_n <= fwd1 + 80 + 2 * n_fwd, (fwd1, fwd_n, n_fwd)
+    assert bwd_n <= bwd1 + 80 + 2 * n_bwd, (bwd1, bwd_n, n_bwd)
