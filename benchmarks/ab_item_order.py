@@ -1,5 +1,5 @@
 """A/B of the order in which a plan's work items are launched, in one process on the same selection and inputs:
-"list" (list-major: bp, then key block j, then chunk; what sparse_plan gives) against "size" (the same items,
+"list" (list-major: bp, then key block j, then chunk; what sparse_plan and chunk_plans give) against "size" (the same items,
 longest first: a chunk's grid then ends on its shortest items, so the last wave's tail is short; the longest-
 processing-time-first rule). Items are only reordered, never changed, so the forward's outputs must be bitwise
 those of list order. Per configuration and order: msa_forward_cuda and msa_backward_cuda in ms (median of reps,
@@ -18,11 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
-from benchmarks.common import commit  # noqa: E402
-
-FAMILIES = ("sparse_bwd_proxy", "sparse_bwd", "sparse_fwd", "sparse_kl", "sparse_combine_kl", "sparse_combine",
-            "bwd_delta")
+from benchmarks.bench_sparse_fwd import spec_problem  # noqa: E402
+from benchmarks.common import commit, kernel_times  # noqa: E402
 
 
 def by_size(plan):
@@ -32,53 +29,30 @@ def by_size(plan):
 
 
 def use_order(name: str) -> None:
-    """Make both launchers plan with items in this order ("list" restores sparse_plan's own)."""
+    """Make both launchers plan with items in this order ("list" restores the runtime's own)."""
     from flash_msa_rt.ops import sparse_bwd as sb
     from flash_msa_rt.ops import sparse_fwd as sf
     from flash_msa_rt.ops import sparse_plan as sp
 
+    def chunk_plans_by_size(*args, **kwargs):
+        return {key: tuple(by_size(p) for p in plans) for key, plans in sp.chunk_plans(*args, **kwargs).items()}
+
     for mod in (sf, sb):
-        if name == "list":
-            mod.sparse_plan, mod.recut = sp.sparse_plan, sp.recut
-        else:
-            mod.sparse_plan = lambda *a, **k: by_size(sp.sparse_plan(*a, **k))
-            mod.recut = lambda *a, **k: by_size(sp.recut(*a, **k))
-
-
-def kernel_times(fn) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    times = {}
-    for e in prof.key_averages():
-        if e.device_type.name != "CUDA" or e.self_device_time_total <= 0:
-            continue
-        flat = e.key.replace("/", "").replace(".", "")
-        name = next((f for f in FAMILIES if f"kernels_src{f}" in flat), "torch")
-        times[name] = times.get(name, 0.0) + e.self_device_time_total / 1e3
-    return ", ".join(f"{n} {t:.2f}" for n, t in sorted(times.items(), key=lambda kv: -kv[1]))
+        mod.chunk_plans = sp.chunk_plans if name == "list" else chunk_plans_by_size
 
 
 def main():
     from flash_msa_rt.ops import sparse_bwd as sb
     from flash_msa_rt.ops import sparse_fwd as sf
-    from flash_msa_rt.ops.select import select_blocks_cuda
 
     specs = sys.argv[1].split(",") if len(sys.argv) > 1 else ["b:65536", "a:65536", "c:65536", "a:65536:1"]
     reps = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     orders = ("list", "size")
     print(f"commit {commit()}, {torch.cuda.get_device_name()}, reps {reps}")
     for spec in specs:
-        cfg, S, *batch = spec.split(":")  # cfg:S or cfg:S:B (default B * S = 128K tokens)
-        x = random_problem(cfg, int(S), int(S) * int(batch[0]) if batch else 131072)
-        B, S, Hp, scale = x["B"], x["S"], x["Hp"], x["scale"]
-        qp, kp, q, k, v = (x[n] for n in ("qp", "kp", "q", "k", "v"))
-        sel = select_blocks_cuda(qp, kp, 16, 128, scale)
-        go = torch.randn_like(q)
-        kl_grad = torch.full((), 1.0 / (B * Hp * S), device="cuda")
+        x = spec_problem(spec)  # cfg:S or cfg:S:B (default B * S = 128K tokens)
+        cfg, B, S, scale = x["cfg"], x["B"], x["S"], x["scale"]
+        qp, kp, q, k, v, sel, go, kl_grad = (x[n] for n in ("qp", "kp", "q", "k", "v", "sel", "go", "kl_grad"))
 
         def forward():
             return sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale)

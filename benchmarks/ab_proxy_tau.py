@@ -19,32 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
-from benchmarks.common import cuda_time_ms  # noqa: E402
+from benchmarks.common import cuda_time_ms, kernel_times  # noqa: E402
 
 GRADS = ("dq_proxy", "dk_proxy", "dq", "dk", "dv")
-
-
-def kernel_times(fn) -> str:
-    """CUDA time per kernel of one fn() call, torch profiler, largest first (name shortened to its family)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    times = {}
-    for e in prof.key_averages():
-        if e.device_type.name != "CUDA" or e.self_device_time_total <= 0:
-            continue
-        name = e.key
-        for family in ("sparse_bwd_proxy", "sparse_bwd", "bwd_delta"):
-            if f"kernels_src{family}" in name.replace("/", "").replace(".", ""):
-                name = family
-                break
-        else:
-            name = "torch"
-        times[name] = times.get(name, 0.0) + e.self_device_time_total / 1e3
-    return ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def use_artifacts(directory):

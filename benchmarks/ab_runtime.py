@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
+from benchmarks.bench_sparse_fwd import spec_problem  # noqa: E402
 from benchmarks.common import commit  # noqa: E402
 
 
@@ -73,7 +73,6 @@ def timed(fn):
 def main():
     from flash_msa_rt.ops import sparse_bwd as sb
     from flash_msa_rt.ops import sparse_fwd as sf
-    from flash_msa_rt.ops.select import select_blocks_cuda
 
     specs = sys.argv[1].split(",") if len(sys.argv) > 1 else ["b:65536", "a:65536"]
     reps = int(sys.argv[2]) if len(sys.argv) > 2 else 5
@@ -81,13 +80,9 @@ def main():
     settings = {v: parse(v) for v in variants}
     print(f"commit {commit()}, {torch.cuda.get_device_name()}, reps {reps}")
     for spec in specs:
-        cfg, S, *batch = spec.split(":")  # cfg:S or cfg:S:B (default B * S = 128K tokens)
-        x = random_problem(cfg, int(S), int(S) * int(batch[0]) if batch else 131072)
-        B, S, Hp, scale = x["B"], x["S"], x["Hp"], x["scale"]
-        qp, kp, q, k, v = (x[n] for n in ("qp", "kp", "q", "k", "v"))
-        sel = select_blocks_cuda(qp, kp, 16, 128, scale)
-        go = torch.randn_like(q)
-        kl_grad = torch.full((), 1.0 / (B * Hp * S), device="cuda")
+        x = spec_problem(spec)  # cfg:S or cfg:S:B (default B * S = 128K tokens)
+        cfg, B, S, scale = x["cfg"], x["B"], x["S"], x["scale"]
+        qp, kp, q, k, v, sel, go, kl_grad = (x[n] for n in ("qp", "kp", "q", "k", "v", "sel", "go", "kl_grad"))
         rows = {n: {"fwd": [], "bwd": [], "hf": [], "hb": [], "pf": 0.0, "pb": 0.0} for n in variants}
         first = {}
         for rep in range(reps + 1):  # round 0 warms every variant up

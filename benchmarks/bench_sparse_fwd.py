@@ -35,6 +35,20 @@ def random_problem(cfg: str, S: int, tokens: int = 131072, device="cuda", seed: 
     return dict(B=B, S=S, H=H, Hk=Hk, Hp=Hp, Hpk=Hpk, D=D, G=H // Hp, scale=D ** -0.5, qp=qp, kp=kp, q=q, k=k, v=v)
 
 
+def spec_problem(spec: str) -> dict:
+    """random_problem of "cfg:S" (B * S = 128K tokens) or "cfg:S:B", plus the selection kernel's block_indices
+    (top_k 2048: K 16) as "sel", an upstream gradient "go" and a KL gradient "kl_grad" (the mean's, 1 / (B Hp S))."""
+    from flash_msa_rt.ops.select import select_blocks_cuda
+
+    cfg, S, *batch = spec.split(":")
+    x = random_problem(cfg, int(S), int(S) * int(batch[0]) if batch else 131072)
+    x["cfg"] = cfg
+    x["sel"] = select_blocks_cuda(x["qp"], x["kp"], 16, 128, x["scale"])
+    x["go"] = torch.randn_like(x["q"])
+    x["kl_grad"] = torch.full((), 1.0 / (x["B"] * x["Hp"] * x["S"]), device="cuda")
+    return x
+
+
 def nnz_of(sel: torch.Tensor, S: int, G: int, Bs: int = 128) -> int:
     """sum over (b, h, i) of |A_h(i)|: causal keys of each live selected block, times G heads."""
     i = torch.arange(S, device=sel.device).view(1, 1, S, 1)

@@ -67,3 +67,28 @@ def write_results(name: str, payload: dict) -> Path:
     if out:
         Path(out, path.name).write_text(path.read_text())
     return path
+
+
+# Kernel families by how their names appear in a profile (sparse_bwd_proxy before sparse_bwd: a name matches the
+# first family it contains).
+FAMILIES = ("sparse_bwd_proxy", "sparse_bwd", "sparse_fwd", "sparse_kl", "sparse_combine_kl", "sparse_combine",
+            "bwd_delta", "slot_sum", "select", "block_scores", "warmup_kl", "warmup_bwd_proxy")
+
+
+def kernel_times(fn) -> str:
+    """CUDA time per kernel family of one fn() call (torch profiler), largest first; every other kernel (torch's
+    own) counts as "torch"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        if e.device_type.name != "CUDA" or e.self_device_time_total <= 0:
+            continue
+        flat = e.key.replace("/", "").replace(".", "")
+        name = next((f for f in FAMILIES if f"kernels_src{f}" in flat), "torch")
+        times[name] = times.get(name, 0.0) + e.self_device_time_total / 1e3
+    return ", ".join(f"{n} {t:.2f} ms" for n, t in sorted(times.items(), key=lambda kv: -kv[1]))

@@ -264,40 +264,29 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     else:
         dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
     dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
-    for p0 in range(0, Hp, c):
-        # One chunk of every head (small problems, where the host's work is the op's time): the tensors
-        # themselves, no views.
-        every = c == Hp
-        ps, hs = slice(p0, p0 + c), slice(p0 * G, (p0 + c) * G)
-        kvs, per_kv = chunk_heads(p0, c, Hp // Hk)
-        pks, per_pk = chunk_heads(p0, c, Hp // Hpk)
-
-        def heads(t, dim, sl):
-            return t if every else t[(slice(None),) * dim + (sl,)]
-
-        main_args = dict(q=heads(q, 2, hs), k=heads(k, 2, kvs), v=heads(v, 2, kvs), dout=heads(grad_out, 2, hs),
-                         lse=heads(lse, 1, hs), delta=heads(delta, 1, hs), scale=float(scale), hp=c,
-                         hp_per_hk=per_kv)
-        proxy_args = dict(q_proxy=heads(q_proxy, 2, ps), k_proxy=heads(k_proxy, 2, pks),
-                          lse_proxy=heads(lse_proxy, 1, ps), kl_grad=heads(grad, 1, ps), scale=float(scale),
-                          hp_per_hpk=per_pk)
-        main_args.update(dk_acc=heads(dk_acc, 2, kvs), dv_acc=heads(dv_acc, 2, kvs))
-        proxy_args.update(dkp_acc=heads(dkp_acc, 2, pks))
+    for hc in sparse_fwd.head_chunks(Hp, Hk, Hpk, G, c):
+        main_args = dict(q=hc.view(q, 2, "main"), k=hc.view(k, 2, "kv"), v=hc.view(v, 2, "kv"),
+                         dout=hc.view(grad_out, 2, "main"), lse=hc.view(lse, 1, "main"),
+                         delta=hc.view(delta, 1, "main"), dk_acc=hc.view(dk_acc, 2, "kv"),
+                         dv_acc=hc.view(dv_acc, 2, "kv"), scale=float(scale), hp=c, hp_per_hk=hc.per_kv)
+        proxy_args = dict(q_proxy=hc.view(q_proxy, 2, "proxy"), k_proxy=hc.view(k_proxy, 2, "proxy_key"),
+                          lse_proxy=hc.view(lse_proxy, 1, "proxy"), kl_grad=hc.view(grad, 1, "proxy"),
+                          dkp_acc=hc.view(dkp_acc, 2, "proxy_key"), scale=float(scale), hp_per_hpk=hc.per_pk)
         if not det:
-            main_args.update(dq_acc=heads(dq_acc, 2, hs))
-            proxy_args.update(dqp_acc=heads(dqp_acc, 2, ps))
+            main_args.update(dq_acc=hc.view(dq_acc, 2, "main"))
+            proxy_args.update(dqp_acc=hc.view(dqp_acc, 2, "proxy"))
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
-            plan, proxy_plan = plans[(p0, s0)]
+            plan, proxy_plan = plans[(hc.p0, s0)]
             tau_rows = tau[:plan.E]
             if det:
-                sel = block_indices if every and s1 - s0 == S else block_indices[:, ps, s0:s1].contiguous()
-                main_args.update(sums.main_args(plan, c, per_kv))
-                proxy_args.update(sums.proxy_args(proxy_plan, c, per_pk))
+                sel = block_indices if hc.every and s1 - s0 == S else block_indices[:, hc.proxy, s0:s1].contiguous()
+                main_args.update(sums.main_args(plan, c, hc.per_kv))
+                proxy_args.update(sums.proxy_args(proxy_plan, c, hc.per_pk))
             main(entry_query=plan.entry_query, items=plan.items, tau=tau_rows, **main_args)
             proxy(tau=tau_rows, entry_query=proxy_plan.entry_query, items=proxy_plan.items, **proxy_args)
             if det:
-                sums.sum_chunk(plan, sel, s0, s1, hs, ps)
+                sums.sum_chunk(plan, sel, s0, s1, hc.main, hc.proxy)
     if det:
         return sums.dqp, dkp_acc.to(k_proxy.dtype), sums.dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
     return dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype)

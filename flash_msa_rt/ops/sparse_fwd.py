@@ -15,6 +15,7 @@ Internal layout (B, S, heads, D); the public API validates user input and routes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -213,6 +214,36 @@ def chunk_heads(p0: int, c: int, per: int) -> tuple[slice, int]:
     return slice(p0 // per, p0 // per + 1), c
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadChunk:
+    """Proxy heads `proxy` of a chunk and the heads they use: main heads (G each), KV heads (per_kv proxy heads
+    each inside the chunk) and proxy key heads (per_pk each). A chunk of every head (small problems, where the
+    host's work is the op's time) uses the tensors themselves, no views."""
+
+    p0: int
+    proxy: slice
+    main: slice
+    kv: slice
+    per_kv: int
+    proxy_key: slice
+    per_pk: int
+    every: bool
+
+    def view(self, t: torch.Tensor, dim: int, part: str) -> torch.Tensor:
+        """t sliced along dim to this chunk's heads of kind part ("proxy", "main", "kv" or "proxy_key")."""
+        return t if self.every else t[(slice(None),) * dim + (getattr(self, part),)]
+
+
+def head_chunks(Hp: int, Hk: int, Hpk: int, G: int, c: int) -> list[HeadChunk]:
+    """The chunks of c proxy heads (c as heads_per_chunk gives it) in order."""
+    chunks = []
+    for p0 in range(0, Hp, c):
+        kv, per_kv = chunk_heads(p0, c, Hp // Hk)
+        pk, per_pk = chunk_heads(p0, c, Hp // Hpk)
+        chunks.append(HeadChunk(p0, slice(p0, p0 + c), slice(p0 * G, (p0 + c) * G), kv, per_kv, pk, per_pk, c == Hp))
+    return chunks
+
+
 # How the forward cuts a problem whose partials exceed the budget: "heads" first (chunks of proxy heads over every
 # query, then queries too where one head's partials do not fit), or "queries" (every head, chunks of queries).
 # Chunks of heads keep each reverse list whole, so its items are full: a query chunk of 1 / n of the sequence cuts
@@ -279,32 +310,24 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
     kl_buf = torch.empty((E_max, 3 * kl_part_groups(kl_cfg)), dtype=torch.float32, device=dev)
-    for p0 in range(0, Hp, c):
+    for hc in head_chunks(Hp, Hk, Hpk, G, c):
         # A chunk is the same problem on head-sliced views (strided: the kernels take any strides).
-        every = c == Hp
-        ps, hs = slice(p0, p0 + c), slice(p0 * G, (p0 + c) * G)
-        kvs, per_kv = chunk_heads(p0, c, Hp // Hk)
-        pks, per_pk = chunk_heads(p0, c, Hp // Hpk)
-
-        def heads(t, dim, sl):
-            return t if every else t[(slice(None),) * dim + (sl,)]
-
-        q_c, k_c, v_c, lse_c = heads(q, 2, hs), heads(k, 2, kvs), heads(v, 2, kvs), heads(lse, 1, hs)
-        kl_args = dict(q=q_c, k=k_c, q_proxy=heads(q_proxy, 2, ps), k_proxy=heads(k_proxy, 2, pks),
-                       scale=float(scale), hp_per_hk=per_kv, hp_per_hpk=per_pk)
+        q_c, k_c, v_c, lse_c = hc.view(q, 2, "main"), hc.view(k, 2, "kv"), hc.view(v, 2, "kv"), hc.view(lse, 1, "main")
+        kl_args = dict(q=q_c, k=k_c, q_proxy=hc.view(q_proxy, 2, "proxy"), k_proxy=hc.view(k_proxy, 2, "proxy_key"),
+                       scale=float(scale), hp_per_hk=hc.per_kv, hp_per_hpk=hc.per_pk)
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
-            sel = block_indices[:, ps, s0:s1].contiguous()
-            plan, kl_plan = plans[(p0, s0)]
+            sel = block_indices[:, hc.proxy, s0:s1].contiguous()
+            plan, kl_plan = plans[(hc.p0, s0)]
             o_part, lse_part = o_buf[:plan.E], lse_buf[:plan.E]
-            fwd(q=q_c, k=k_c, v=v_c, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=c, hp_per_hk=per_kv,
-                **_plan_args(plan))
-            combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out[:, s0:s1, hs],
+            fwd(q=q_c, k=k_c, v=v_c, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=c,
+                hp_per_hk=hc.per_kv, **_plan_args(plan))
+            combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out[:, s0:s1, hc.main],
                     lse=lse_c[:, :, s0:s1], query_offset=s0)
             kl_part = kl_buf[:kl_plan.E]
             kl(lse=lse_c, kl_part=kl_part, **kl_args, **_plan_args(kl_plan))
-            combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=lse_proxy[:, ps, s0:s1],
-                       kl_rows=kl_rows[:, ps, s0:s1], query_offset=s0)
+            combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=lse_proxy[:, hc.proxy, s0:s1],
+                       kl_rows=kl_rows[:, hc.proxy, s0:s1], query_offset=s0)
     return out, lse, lse_proxy, kl_rows
 
 
