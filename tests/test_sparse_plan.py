@@ -535,3 +535,76 @@ def test_chunk_plans_reject_misaligned_chunks():
         chunk_plans(idx, 16, 2, 3, 64, ((8, 1),))
     with pytest.raises(ValueError, match="queries = 40 .* multiple of block_size = 16"):
         chunk_plans(idx, 16, 2, 2, 40, ((8, 1),))
+
+
+@pytest.mark.parametrize("chunks, budget_heads, Hk, Hpk, heads, query_chunks", [
+    ("heads", 1.1, 2, 1, 1, False),  # one proxy head per chunk, two sharing a KV head
+    ("heads", 2.3, 2, 2, 2, False),  # two proxy heads per chunk on one KV head and one proxy key head
+    ("heads", 0.5, 4, 1, 1, True),  # one head per chunk, its queries in chunks too
+    ("queries", 1.1, 2, 1, 4, True),  # every head, queries in chunks
+])
+def test_forward_chunks_match_the_reference(chunks, budget_heads, Hk, Hpk, heads, query_chunks, monkeypatch):
+    """msa_forward_cuda's chunking (heads first or queries, head-sliced views, every chunk planned by chunk_plans)
+    with the four kernels replaced by their emulated contracts on the views they are given: out, lse, lse_proxy and
+    kl_rows are the reference forward's (float64 inputs; lse and the KL land in the launcher's float32 buffers)."""
+    from flash_msa_rt import reference
+    from flash_msa_rt.ops import sparse_fwd
+    from flash_msa_rt.ops import sparse_plan as sp
+
+    gen = torch.Generator().manual_seed(40 + heads + 2 * query_chunks)
+    B, S, H, Hp, D, K, Bs = 2, 700, 16, 4, 16, 4, 128
+    G, scale = H // Hp, D ** -0.5
+    qp, kp, q, k, v = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (Hp, Hpk, H, Hk, Hk))
+    idx = random_indices(gen, B, Hp, S, K, Bs)
+    plans = {}  # id(items) -> plan, for the emulated kernels to find the plan they were launched with
+
+    def recorded_chunk_plans(*args, **kwargs):
+        out = sp.chunk_plans(*args, **kwargs)
+        plans.update({id(p.items): p for chunk in out.values() for p in chunk})
+        return out
+
+    last = {}
+
+    def emulated_kernel(op, config, device):
+        def fwd(q, k, v, o_part, lse_part, items, scale, hp, hp_per_hk, **_):
+            plan = last["fwd"] = plans[id(items)]
+            assert hp == plan.Hp and k.shape[2] * hp_per_hk == hp
+            zeros = torch.zeros(q.shape[0], q.shape[1], hp, q.shape[3], dtype=q.dtype)  # proxy scores unused
+            o_part[:], lse_part[:] = emulate_forward(plan, q, k, v, zeros, zeros[:, :, :1], scale)
+
+        def combine(block_indices, o_part, lse_part, out, lse, query_offset):
+            plan = last["fwd"]
+            assert query_offset == plan.query_offset
+            out[:], lse[:] = combine_forward(plan, block_indices, o_part, lse_part)
+
+        def kl(q, k, q_proxy, k_proxy, lse, kl_part, items, scale, hp_per_hk, hp_per_hpk, **_):
+            plan = last["kl"] = plans[id(items)]
+            Hpc = q_proxy.shape[2]
+            assert k.shape[2] * hp_per_hk == Hpc and k_proxy.shape[2] * hp_per_hpk == Hpc
+            kl_part[:] = emulate_kl(plan, q, k, q_proxy, k_proxy, lse, scale)
+
+        def combine_kl(block_indices, kl_part, lse_proxy, kl_rows, query_offset):
+            lse_proxy[:], kl_rows[:] = combine_kl_lse(last["kl"], block_indices, kl_part)
+
+        return {"sparse_fwd": fwd, "sparse_combine": combine, "sparse_kl": kl, "sparse_combine_kl": combine_kl}[op]
+
+    monkeypatch.setattr(sparse_fwd, "chunk_plans", recorded_chunk_plans)
+    monkeypatch.setattr(sparse_fwd, "get_kernel", emulated_kernel)
+    monkeypatch.setattr(sparse_fwd, "DTYPES", {torch.float64: "f64"})
+    monkeypatch.setattr(sparse_fwd, "FORWARD_CHUNKS", chunks)
+    per_head = B * S * K * (G * D * 2 + 4 * (G + 3 * kl_groups(Bs)))
+    monkeypatch.setattr(sparse_fwd, "partials_budget", lambda *shape: int(budget_heads * per_head))
+    c, queries = sparse_fwd.forward_chunks(B, S, Hp, Hk, Hpk, K, G, D, Bs)
+    assert (c, queries < S) == (heads, query_chunks)
+    got = sparse_fwd.msa_forward_cuda(qp, kp, q, k, v, idx, Bs, scale)
+    assert len({p.query_offset for p in plans.values()}) == -(-S // queries)
+    # Against one chunk of the same emulated pipeline (tiles group other queries, so BLAS may round differently),
+    # and that against the reference: lse and kl_rows are float32 buffers, and the KL pass reads the float32 lse
+    # (KL = ln 2 sum A + lse_p sum T cancels: ~eps32 |lse|).
+    monkeypatch.setattr(sparse_fwd, "partials_budget", lambda *shape: 1 << 40)
+    assert sparse_fwd.forward_chunks(B, S, Hp, Hk, Hpk, K, G, D, Bs) == (Hp, -(-S // Bs) * Bs)
+    whole = sparse_fwd.msa_forward_cuda(qp, kp, q, k, v, idx, Bs, scale)
+    want = reference.msa_forward(qp, kp, q, k, v, idx, Bs, scale)
+    for name, g, one, w in zip(("out", "lse", "lse_proxy", "kl_rows"), got, whole, want):
+        torch.testing.assert_close(g, one, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(one.double(), w, rtol=1e-6, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
