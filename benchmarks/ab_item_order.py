@@ -1,9 +1,9 @@
 """A/B of the order in which a plan's work items are launched, in one process on the same selection and inputs:
-"list" (list-major: bp, then key block j, then chunk; what sparse_plan and chunk_plans give) against "size" (the same items,
-longest first: a chunk's grid then ends on its shortest items, so the last wave's tail is short; the longest-
-processing-time-first rule). Items are only reordered, never changed, so the forward's outputs must be bitwise
-those of list order. Per configuration and order: msa_forward_cuda and msa_backward_cuda in ms (median of reps,
-orders interleaved) and the kernels' CUDA time by family (torch profiler, one call).
+"list" (list-major: bp, then key block j, then chunk; what sparse_plan and chunk_plans give) against "size" (the
+same items, longest first: a chunk's grid then ends on its shortest items, so the last wave's tail is short; the
+longest-processing-time-first rule). Items are only reordered, never changed, so the forward's outputs must be
+bitwise those of list order. Per configuration and order: msa_forward_cuda and msa_backward_cuda in ms (median of
+reps, orders interleaved) and the kernels' CUDA time by family (torch profiler, one call).
 
     python benchmarks/ab_item_order.py [b:65536,a:65536:1] [reps]
 """

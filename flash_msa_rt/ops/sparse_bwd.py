@@ -256,7 +256,8 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     # Every chunk's main plan and its recut into the proxy kernel's tiles from one sort (sparse_plan.chunk_plans;
     # before the tau rows exist, so the sort's temporaries do not add to the peak). The main plan's sorted lists
     # are the proxy plan's: entry e's tau row is row e for both.
-    plans = chunk_plans(block_indices, block_size, G, c, chunk, ((TILE_M // G, tiles_per_item(G)), (TILE_M, proxy_tiles)))
+    cuts = ((TILE_M // G, tiles_per_item(G)), (TILE_M, proxy_tiles))
+    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts)
     tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
     if det:
         sums = _DeterministicSums(q_proxy, q, rows, block_size)
