@@ -64,15 +64,16 @@ def main(argv=None):
     result["budgets"] = []
     for gib in (float(x) for x in a.budgets.split(",")):
         sf.partials_budget = lambda *shape, nbytes=int(gib * 2 ** 30): nbytes
-        chunk = sf.query_chunk(B, S, Hp, 16, G, D, 128)
+        heads, chunk = sf.forward_chunks(B, S, Hp, Hk, Hpk, 16, G, D, 128)
+        n_chunks = (Hp // heads) * -(-S // chunk)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         ms = cuda_time_ms(forward, warmup=1, reps=3)
         extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-        result["budgets"].append({"budget_gib": gib, "chunks": -(-S // chunk), "forward_ms": ms,
+        result["budgets"].append({"budget_gib": gib, "chunks": n_chunks, "forward_ms": ms,
                                   "forward_extra_peak_gib": extra})
-        print(f"partials budget {gib:4.1f} GiB: {-(-S // chunk):3d} chunks, forward {ms:7.2f} ms, "
+        print(f"partials budget {gib:4.1f} GiB: {n_chunks:3d} chunks, forward {ms:7.2f} ms, "
               f"peak beyond the inputs {extra:5.2f} GiB", flush=True)
     sf.partials_budget = default
 
