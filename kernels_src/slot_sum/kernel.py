@@ -8,30 +8,15 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream
 
 from kernels_src.block_scores.kernel import compile_kernel
+from kernels_src.sparse_combine.kernel import RowWarps
 from kernels_src.spec import Compiled, fake_tensor
 
-_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
-
-
-class SlotSum:
-    def __init__(self, config):
-        self.cfg = config
-        self.dtype = _DTYPES[config.dtype]
-        self.head_dim = config.head_dim
-        self.block_size = config.block_size
-        self.group = config.group
-        self.threads = config.threads
-        self.per_lane = config.head_dim // 32
-        self.traced = {"smem_bytes": 0}
-
+class SlotSum(RowWarps):
     @cute.jit
     def __call__(self, block_indices: cute.Tensor, part: cute.Tensor, out: cute.Tensor, query_offset: cutlass.Int32,
                  stream: cuda.CUstream):
-        B, Hp, S, _ = block_indices.shape
-        rows = B * Hp * S * self.group
-        warps = self.threads // 32
         self.kernel(block_indices, part, out, query_offset).launch(
-            grid=(cute.ceil_div(rows, warps), 1, 1), block=(self.threads, 1, 1), stream=stream)
+            grid=self.row_grid(block_indices), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, block_indices, part, out, query_offset: cutlass.Int32):

@@ -20,7 +20,10 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
 
-class SparseCombine:
+class RowWarps:
+    """A kernel with one warp per (b, p, i, g) row of a (B, Hp, S, K) selection, lane l owning D / 32 contiguous
+    elements (this family's combine, slot_sum): the config's fields and the grid that covers every row."""
+
     def __init__(self, config):
         self.cfg = config
         self.dtype = _DTYPES[config.dtype]
@@ -31,14 +34,17 @@ class SparseCombine:
         self.per_lane = config.head_dim // 32
         self.traced = {"smem_bytes": 0}
 
+    def row_grid(self, block_indices):
+        B, Hp, S, _ = block_indices.shape
+        return (cute.ceil_div(B * Hp * S * self.group, self.threads // 32), 1, 1)
+
+
+class SparseCombine(RowWarps):
     @cute.jit
     def __call__(self, block_indices: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, out: cute.Tensor,
                  lse: cute.Tensor, query_offset: cutlass.Int32, stream: cuda.CUstream):
-        B, Hp, S, _ = block_indices.shape
-        rows = B * Hp * S * self.group
-        warps = self.threads // 32
         self.kernel(block_indices, o_part, lse_part, out, lse, query_offset).launch(
-            grid=(cute.ceil_div(rows, warps), 1, 1), block=(self.threads, 1, 1), stream=stream)
+            grid=self.row_grid(block_indices), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, block_indices, o_part, lse_part, out, lse, query_offset: cutlass.Int32):
