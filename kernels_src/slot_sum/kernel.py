@@ -26,13 +26,7 @@ class SlotSum(RowWarps):
         B, Hp, S, K = block_indices.shape
         row = cta * (self.threads // 32) + tidx // 32
         if row < B * Hp * S * self.group:
-            g = row % self.group
-            bpi = row // self.group
-            i = bpi % S
-            bp = bpi // S
-            b = bp // Hp
-            p = bp - b * Hp
-            local = (query_offset + i) // self.block_size
+            b, p, i, g, bpi, local = self.row_coords(row, Hp, S, query_offset)
             acc = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
             acc.fill(0.0)
             for k in cutlass.range(K, unroll=1):

@@ -38,6 +38,16 @@ class RowWarps:
         B, Hp, S, _ = block_indices.shape
         return (cute.ceil_div(B * Hp * S * self.group, self.threads // 32), 1, 1)
 
+    def row_coords(self, row, Hp, S, query_offset):
+        """(b, p, i, g, bpi, local) of row = bpi G + g, bpi = (b Hp + p) S + i: its batch, proxy head, query (in the
+        chunk), head in the group, selection row, and the query's own block (query_offset + i) // Bs."""
+        g = row % self.group
+        bpi = row // self.group
+        i = bpi % S
+        bp = bpi // S
+        b = bp // Hp
+        return b, bp - b * Hp, i, g, bpi, (query_offset + i) // self.block_size
+
 
 class SparseCombine(RowWarps):
     @cute.jit
@@ -54,13 +64,7 @@ class SparseCombine(RowWarps):
         B, Hp, S, K = block_indices.shape
         row = cta * (self.threads // 32) + tidx // 32
         if row < B * Hp * S * self.group:
-            g = row % self.group
-            bpi = row // self.group
-            i = bpi % S
-            bp = bpi // S
-            b = bp // Hp
-            p = bp - b * Hp
-            local = (query_offset + i) // self.block_size
+            b, p, i, g, bpi, local = self.row_coords(row, Hp, S, query_offset)
             neg_inf = -cutlass.Float32.inf
             acc = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
             acc.fill(0.0)
