@@ -1,4 +1,5 @@
 """A/B of the sparse kernels' cubins built from different sources, in one process on the same plans and inputs:
+select (the whole sequence; TFLOP/s of its 2 Dp Hp B S (S + 1) / 2 FLOPs printed beside it),
 sparse_fwd, sparse_combine, sparse_kl (one query chunk of at most 16K queries, as the forward runs them),
 sparse_bwd (also as "bwdtau": the variant that writes tau for the proxy kernel) and sparse_bwd_proxy (the whole
 sequence), each with the variant the runtime picks on this GPU. Each variant is an artifact directory
@@ -6,7 +7,7 @@ sequence), each with the variant the runtime picks on this GPU. Each variant is 
 are bitwise equal to the baseline's (else the relative max difference).
 
     python benchmarks/ab_sparse.py old=/tmp/art_old,new=artifacts b:65536,c:65536 \
-        [fwd,combine,kl,bwd,bwdtau,proxy] [reps]
+        [select,fwd,combine,kl,bwd,bwdtau,proxy] [reps]
 """
 
 import sys
@@ -27,6 +28,7 @@ def compare(base, got):
     for a, b in zip(base, got):
         if torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)):
             continue
+        a, b = a.double(), b.double()  # integer outputs (select's block indices) too
         fin = torch.isfinite(a) & torch.isfinite(b)
         scale = a[fin].abs().max().clamp(min=1e-30)
         worst = max(worst, ((a[fin] - b[fin]).abs().max() / scale).item(), float(not torch.equal(
@@ -39,6 +41,7 @@ def main():
     from flash_msa_rt.loader import Kernel, device_arch, get_kernel
     from flash_msa_rt.manifest import variant_name
     from flash_msa_rt.ops import sparse_bwd as sb
+    from flash_msa_rt.ops import select as sel_op
     from flash_msa_rt.ops import sparse_fwd as sf
     from flash_msa_rt.ops.select import select_blocks_cuda
     from flash_msa_rt.ops.sparse_plan import recut, sparse_plan
@@ -66,7 +69,8 @@ def main():
         bplan = sparse_plan(sel, 128, S, G, sb.TILE_M // G, sb.tiles_per_item(G))
         pplan = recut(bplan, sb.TILE_M, sf.per_group_tiles(sb.PROXY_MAIN_TILES_PER_ITEM, G))
         dt = sf.DTYPES[q.dtype]
-        confs = {"fwd": ("sparse_fwd", sf.kernel_config(dt, D, 128, G, sf.device_mma(dev, "sparse_fwd"))),
+        confs = {"select": ("select", sel_op.kernel_config(dt, qp.shape[3], 128, 16, sel_op.device_mma(dev))),
+                 "fwd": ("sparse_fwd", sf.kernel_config(dt, D, 128, G, sf.device_mma(dev, "sparse_fwd"))),
                  "combine": ("sparse_combine", sf.combine_config(dt, D, 128, G)),
                  "kl": ("sparse_kl", sf.kl_config(dt, D, 128, G, sf.device_mma(dev, "sparse_kl"))),
                  "bwd": ("sparse_bwd", sb.kernel_config(dt, D, 128, G, sf.device_mma(dev, "sparse_bwd"))),
@@ -77,6 +81,10 @@ def main():
             """(outputs, fill value, run) of one family's kernel; run() writes (fwd, kl) or adds to (bwd, proxy)
             the outputs."""
             f32 = dict(dtype=torch.float32, device=dev)
+            if fam == "select":
+                outs = (torch.empty((B, Hp, S, 16), dtype=torch.int32, device=dev),)
+                return outs, -7, lambda: kern(q_proxy=qp, k_proxy=kp, block_indices=outs[0], scale=scale,
+                                              group=Hp // kp.shape[2])
             if fam == "fwd":
                 outs = (torch.empty((fplan.E, G, D), dtype=q.dtype, device=dev), torch.empty((fplan.E, G), **f32))
                 return outs, float("nan"), lambda: kern(q=q, k=k, v=v, o_part=outs[0], lse_part=outs[1], scale=scale,
@@ -125,8 +133,10 @@ def main():
                 t = cuda_time_ms(run, warmup=2, reps=7)  # bwd, proxy: adding to the checked sums
                 res[n] = (min(t, res[n][0]) if n in res else t, got)
             base_t, base = next(iter(res.values()))
+            flops = 2 * qp.shape[3] * Hp * B * S * (S + 1) / 2 if fam == "select" else 0
+            rate = (lambda t: f", {flops / t / 1e9:.0f} TFLOP/s") if flops else (lambda t: "")
             print(f"({cfg}) S={S} G={G} {fam:5s}: " + "  ".join(
-                f"{n} {t:.3f} ms (x{base_t / t:.3f}, {compare(base, got)})" for n, (t, got) in res.items())
+                f"{n} {t:.3f} ms (x{base_t / t:.3f}{rate(t)}, {compare(base, got)})" for n, (t, got) in res.items())
                 + "".join(f"  {n} absent" for n in dirs if n not in have), flush=True)
 
 

@@ -15,6 +15,8 @@ written last, after the kept blocks in ascending order, then -1 for empty slots.
 
 from __future__ import annotations
 
+import dataclasses
+
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -24,6 +26,17 @@ from cutlass.cute.runtime import make_fake_stream
 from kernels_src.block_scores.kernel import ProxyBlockScores, check_traced, compile_kernel
 from kernels_src.select import Config, params
 from kernels_src.spec import Compiled, fake_tensor
+
+
+@dataclasses.dataclass
+class RowHeap:
+    """Trace-time handles of the owned row's heap: its slots, row, slot count and local block."""
+
+    slot_score: object
+    slot_block: object
+    row: object
+    n_slots: object
+    local_block: object
 
 
 class ProxySelect(ProxyBlockScores):
@@ -121,17 +134,36 @@ class ProxySelect(ProxyBlockScores):
         if n_slots <= 0:
             worst_score = cutlass.Float32.inf  # K = 1: only the local block, no candidate ever enters
 
+        heap = RowHeap(slot_score=slot_score, slot_block=slot_block, row=row, n_slots=n_slots,
+                       local_block=local_block)
         self.start_loads(t, tidx, warp_idx, n_blocks)
-        for j in cutlass.range(n_blocks, unroll=1):
-            self.score_block(t, tiled_mma, warp_idx, j, n_blocks)
-            if j >= first_masked:
-                self.mask_causal(t.acc_mn, t.coord_mn, m0, j * self.block_size)
-            score = self.owned_row_max(t.acc_mn, quad_lane) * scale  # scale first: ties as the reference sees them
-            if j < local_block and score > worst_score:
-                worst_score = self.heap_replace_worst(slot_score, slot_block, row, n_slots, score, j)
+        self.scan_blocks(t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, heap, worst_score)
 
         if i < seqlen:
             self.write_selection(block_indices, slot_block, b, p, i, row, local_block, n_slots, top_k)
+
+    @cute.jit
+    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, heap, worst_score):
+        """Every key block the tile's rows can see, in ascending order, offered to the owned row's heap."""
+        for j in cutlass.range(n_blocks, unroll=1):
+            score = self.owned_block_max(t, tiled_mma, warp_idx, j, n_blocks, m0, first_masked, quad_lane)
+            worst_score = self.offer(heap, score * scale, j, worst_score)  # scale first: the reference's ties
+
+    @cute.jit
+    def offer(self, heap, score, j, worst_score):
+        """Block j enters the row's heap if it is an earlier block than the local one and beats the threshold
+        strictly (ascending blocks: an equal later block loses the tie); returns the threshold."""
+        if j < heap.local_block and score > worst_score:
+            worst_score = self.heap_replace_worst(heap.slot_score, heap.slot_block, heap.row, heap.n_slots, score, j)
+        return worst_score
+
+    @cute.jit
+    def owned_block_max(self, t, tiled_mma, warp_idx, j, n_blocks, m0, first_masked, quad_lane) -> cutlass.Float32:
+        """The unscaled score of key block j for the row this thread owns (max over its causal keys)."""
+        self.score_block(t, tiled_mma, warp_idx, j, n_blocks)
+        if j >= first_masked:
+            self.mask_causal(t.acc_mn, t.coord_mn, m0, j * self.block_size)
+        return self.owned_row_max(t.acc_mn, quad_lane)
 
     @cute.jit
     def owned_row_max(self, acc_mn: cute.Tensor, quad_lane) -> cutlass.Float32:

@@ -1,14 +1,105 @@
 """MSA selection on Hopper's warpgroup MMA (wgmma, sm90a only): the mma.sync kernel's CTA, TMA pipeline, row
-ownership and heaps, with each key block's scores from one warpgroup's products (kernels_src.block_scores.wgmma:
-the score tiles, shared with block_scores). Two CTAs per SM (shared memory unchanged, 109 KB at max_k 16) let
-one CTA's row maxima and heap inserts run under the other's products.
+ownership and heaps, with each key block's scores from one warpgroup's products, pipelined across blocks.
+
+The 128-row tile is scored as two 64-row halves with accumulators of their own (64 fp32 per thread each, the
+128 of one whole-tile accumulator), one wgmma group per half. While block j's two products run, the thread offers
+block j - 1's score to its heap (the divergent, shared-memory-bound part), then reduces half 0 while half 1 still
+runs; only half 1's reduction is left outside the products (the unpipelined kernel, 556 TFLOP/s at (b) 64K, left
+all of it to the SM's second CTA: NOTES.md). Two CTAs per SM still fit (shared memory unchanged, 109 KB at
+max_k 16).
+
+Rows: a thread of a 64-row product holds rows r and r + 8; over the halves its rows are r, r + 8, r + 64, r + 72,
+the whole-tile accumulator's (2, MMA_M) row order (kernels_src.tiles.wg_acc_rows_cols), so quad lanes 0 and 1 own
+half 0's rows and lanes 2 and 3 half 1's, as in the kernel this one replaced.
 """
 
 from __future__ import annotations
 
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import warpgroup
+
 from kernels_src.block_scores.wgmma import WarpgroupScores
 from kernels_src.select.kernel import ProxySelect
+from kernels_src.tiles import WARPGROUP_ROWS, wg_acc_rows_cols
+
+_HALVES = 2  # 64-row products per 128-row tile
 
 
 class ProxySelectWG(WarpgroupScores, ProxySelect):
-    pass
+    def __init__(self, config):
+        super().__init__(config)
+        if self.tile_m != _HALVES * WARPGROUP_ROWS:
+            raise ValueError(f"{type(self).__name__}: tile_m {self.tile_m}; {_HALVES * WARPGROUP_ROWS} only")
+
+    def score_tiles(self, storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, tiled_mma,
+                    tidx, b, m_block, p, pk):
+        """WarpgroupScores' handles plus, per half h, its accumulator, its (row, key) coordinates relative to
+        the half and its Q rows [64 h, 64 h + 64)."""
+        t = super().score_tiles(storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, tiled_mma,
+                                tidx, b, m_block, p, pk)
+        thr = self._wg_mma().get_slice(tidx)
+        shape = (WARPGROUP_ROWS, self.block_size)
+        t.half_acc = [cute.make_rmem_tensor(thr.partition_shape_C(shape), cutlass.Float32) for _ in range(_HALVES)]
+        t.half_acc_mn = [wg_acc_rows_cols(a) for a in t.half_acc]
+        t.half_coord_mn = wg_acc_rows_cols(thr.partition_C(cute.make_identity_tensor(shape)))
+        t.half_q = [cute.local_tile(t.s_q, (WARPGROUP_ROWS, self.head_dim), (h, 0)) for h in range(_HALVES)]
+        return t
+
+    @cute.jit
+    def issue_half(self, t, j, h: cutlass.Constexpr):
+        """Half h of block j's scores, S_h = Q_h K_j^T, issued as one wgmma group (not waited for). The caller has
+        waited for K stage j % stages to be full. The MMA object is made here: its accumulate flag is state set
+        per step, which must not outlive this call."""
+        mma = self._wg_mma()
+        thr = mma.get_slice(t.tidx)
+        t_ra = thr.make_fragment_A(thr.partition_A(t.half_q[h]))
+        t_rb = thr.make_fragment_B(thr.partition_B(t.s_k[None, None, j % self.stages]))
+        warpgroup.fence()  # the half's accumulator registers were read and masked since its last products
+        for kk in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
+            mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
+            cute.gemm(mma, t.half_acc[h], t_ra[None, None, kk], t_rb[None, None, kk], t.half_acc[h])
+        warpgroup.commit_group()
+
+    @cute.jit
+    def half_row_maxes(self, t, h: cutlass.Constexpr, j, m0, first_masked):
+        """Block j's max over its causal keys of each of half h's two rows of this thread's quad (quad
+        butterfly: every lane of the quad holds both)."""
+        acc_mn = t.half_acc_mn[h]
+        if j >= first_masked:
+            self.mask_causal(acc_mn, t.half_coord_mn, m0 + h * WARPGROUP_ROWS, j * self.block_size)
+        maxes = []
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            row_max = acc_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
+            maxes.append(cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1)))
+        return maxes
+
+    @cute.jit
+    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, heap, worst_score):
+        """Per block j: both halves issued; block j - 1's score offered to the heap while they run; half 0
+        reduced while half 1 runs; then half 1. Every product is waited for in the step that issued it: ptxas
+        serialises wgmma whose group is still pending across the loop's back edge (C7514)."""
+        score = -cutlass.Float32.inf  # block j - 1's score of the owned row (none before block 0)
+        for j in cutlass.range(n_blocks, unroll=1):
+            stage = j % self.stages
+            cute.arch.mbarrier_wait(t.k_full + stage, (j // self.stages) % 2)
+            for h in cutlass.range_constexpr(_HALVES):
+                self.issue_half(t, j, h)
+            if j > 0:
+                worst_score = self.offer(heap, score, j - 1, worst_score)
+
+            warpgroup.wait_group(1)
+            maxes = self.half_row_maxes(t, 0, j, m0, first_masked)
+            warpgroup.wait_group(0)
+            cute.arch.sync_threads()  # every warp is past its reads of K stage j: warp 0 refills it
+            if warp_idx == 0:
+                if j + self.stages < n_blocks:
+                    self.load_k_block(t.tma_atom_k, t.t_k_g, t.t_k_s, t.k_full, t.k_bytes, j + self.stages, stage)
+            maxes += self.half_row_maxes(t, 1, j, m0, first_masked)
+
+            score = -cutlass.Float32.inf
+            for r in cutlass.range_constexpr(len(maxes)):
+                if quad_lane == r:
+                    score = maxes[r] * scale  # scale first: the reference's ties
+        self.offer(heap, score, n_blocks - 1, worst_score)
