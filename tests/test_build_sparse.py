@@ -22,10 +22,11 @@ FAMILIES = ("sparse_fwd", "sparse_combine", "sparse_kl", "sparse_combine_kl", "s
 def test_sparse_kernels_build(tmp_path, arch):
     specs = [s for s in variants((arch,), only=["sparse_*_bf16_*g4_*", "sparse_combine_kl_*"]) if s.op in FAMILIES]
     # sm90a builds every family but the combines twice: mma.sync and wgmma (Hopper only); the forward and the KL
-    # pass on wgmma once more each, with their warpgroups in ping-pong, the proxy backward with resident heads, and
-    # the main backward writing tau, with atomics and deterministic (the proxy kernel reading it is built at g1 only)
-    extra = ["sparse_fwd", "sparse_fwd", "sparse_kl", "sparse_kl", "sparse_bwd", "sparse_bwd", "sparse_bwd",
-             "sparse_bwd_proxy", "sparse_bwd_proxy"] if arch == "sm90a" else []
+    # pass on wgmma once more each, with their warpgroups in ping-pong (the forward twice: one and two q buffers),
+    # the proxy backward with resident heads, and the main backward writing tau, with atomics and deterministic
+    # (the proxy kernel reading it is built at g1 only)
+    extra = ["sparse_fwd", "sparse_fwd", "sparse_fwd", "sparse_kl", "sparse_kl", "sparse_bwd", "sparse_bwd",
+             "sparse_bwd", "sparse_bwd_proxy", "sparse_bwd_proxy"] if arch == "sm90a" else []
     assert sorted(s.op for s in specs) == sorted([*FAMILIES, *extra])
     outcomes = build(specs, tmp_path, jobs=2, progress=False)
     assert all(o.status == "built" for o in outcomes), outcomes
@@ -36,6 +37,8 @@ def test_sparse_kernels_build(tmp_path, arch):
         assert v.smem_bytes == s.smem_bytes <= 227 * 1024
         ptx = (tmp_path / arch / "ptx" / f"{s.name}.ptx").read_text()
         assert ptx_facts.single_entry(ptx).params == param_layout(s.params)
+        if s.op == "sparse_fwd" and "_s1_" in s.name:  # one q buffer: two CTAs of 256 threads share the SM
+            assert v.registers <= 128 and 2 * v.smem_bytes <= 227 * 1024, (s.name, v.registers, v.smem_bytes)
         if s.op == "sparse_bwd":  # the deterministic variant stores its dq rows and takes turns at its atomics
             det = "_det1_" in s.name
             assert "red.global.add" in ptx, s.name
@@ -55,6 +58,11 @@ def test_sparse_kernels_refuse_what_they_cannot_run():
     assert not ok and "dtype" in reason
     ok, reason = sparse_fwd.can_implement(sparse_fwd.Config(mma="wgmma"), "sm100a")
     assert not ok and "sm90a only" in reason
+    ok, reason = sparse_fwd.can_implement(sparse_fwd.Config(mma="wgmma", schedule="pingpong", stages=1, group=1),
+                                          "sm90a")
+    assert not ok and "stages 2 builds" in reason
+    ok, reason = sparse_fwd.can_implement(sparse_fwd.Config(mma="wgmma", stages=1), "sm90a")
+    assert not ok and "stages 1 not supported with schedule 'lockstep'" in reason
 
 
 def test_wgmma_register_layouts():

@@ -46,8 +46,17 @@ def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: s
                   schedule: str | None = None) -> dict:
     """The variant launched for a problem; fields in the order the build names them.
     mma: family_mma(arch, "sparse_fwd"); schedule: fwd_schedule(mma) unless given."""
+    schedule = schedule or fwd_schedule(mma)
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
-            "threads": 256, "stages": 2, "mma": mma, "schedule": schedule or fwd_schedule(mma)}
+            "threads": 256, "stages": fwd_stages(schedule, group), "mma": mma, "schedule": schedule}
+
+
+# q tile buffers: the ping-pong kernel with one buffer (96 KB) runs two CTAs per SM, and each warpgroup gathers its
+# next tile under its softmax, PV and epilogue instead of a tile ahead. One 16K-query chunk, same plan, outputs
+# bitwise equal (results/ab_fwd_stages_*.log), 2 -> 1 buffers: (b) 64K 3.85 -> 3.40 ms, (a) 1.96 -> 1.80, (c) G = 16
+# 8.25 -> 6.96, (b) 8K 14.28 -> 13.59. At G = 1 one buffer spills (16 bytes at the 128 registers two CTAs allow).
+def fwd_stages(schedule: str, group: int) -> int:
+    return 1 if schedule == "pingpong" and group >= 2 else 2
 
 
 # How sparse_fwd's two warpgroups share a tile (kernels_src/sparse_fwd/pingpong.py), per MMA: on wgmma each

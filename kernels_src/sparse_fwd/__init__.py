@@ -26,6 +26,8 @@ HEAD_DIMS = (128,)
 GROUPS = (1, 2, 4, 8, 16)  # G = H / Hp: a power of two that divides the 16 rows of one warp's MMA slab
 MMAS = ("sync", "wgmma")
 SCHEDULES = {"sync": ("lockstep",), "wgmma": ("lockstep", "pingpong")}  # built per MMA
+# q tile buffers built per schedule; ping-pong with one buffer runs two CTAs per SM (pingpong.py)
+STAGES = {"lockstep": (2,), "pingpong": (1, 2)}
 
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
 
@@ -65,8 +67,9 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else DTYPES
     ds = tuple(head_dims) if head_dims else (128,)
     bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, mma=m, schedule=sc)
-            for dt in dts for d in ds for bs in bss for g in GROUPS for m in MMAS for sc in SCHEDULES[m]]
+    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, mma=m, schedule=sc, stages=st)
+            for dt in dts for d in ds for bs in bss for g in GROUPS for m in MMAS for sc in SCHEDULES[m]
+            for st in STAGES[sc] if st == 2 or g >= 2]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
@@ -77,6 +80,11 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
                             "tile_m": "8 warps x 16 rows", "threads": "8 warps x 16 rows"})
     if reason is None and c.mma == "wgmma" and arch != "sm90a":
         reason = f"mma 'wgmma' is Hopper's warpgroup MMA: sm90a only, not {arch}"
+    if reason is None and c.stages not in STAGES.get(c.schedule, ()):
+        reason = (f"stages {c.stages} not supported with schedule {c.schedule!r}; supported: "
+                  f"{', '.join(map(str, STAGES.get(c.schedule, ())))}")
+    if reason is None and c.stages == 1 and c.group == 1:
+        reason = "stages 1 at group 1 spills at the 128 registers of two CTAs per SM (pingpong.py); stages 2 builds"
     if reason is None and c.schedule not in SCHEDULES[c.mma]:
         reason = (f"schedule {c.schedule!r} not supported with mma {c.mma!r}; supported: "
                   f"{', '.join(map(repr, SCHEDULES[c.mma]))} (ping-pong takes turns between warpgroup MMAs)")

@@ -82,7 +82,11 @@ class SparseAttention:
             q, k, v, entry_query, entry_dest, items, o_part, lse_part, scale, hp, hp_per_hk, l_q, l_k,
             cp_async_rows(self.dtype, self.head_dim, self.threads), SharedStorage,
         ).launch(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
-                 stream=stream)
+                 stream=stream, **self.occupancy())
+
+    def occupancy(self) -> dict:
+        """Launch bounds: none here (one CTA per SM, shared memory bound)."""
+        return {}
 
     # ------------------------------------------------------------------ device side: the kernel
 

@@ -46,6 +46,13 @@ class SparseAttentionPingPong(SparseAttentionWG):
         super().__init__(config)
         self.entries_ahead = self.group <= 4
 
+    def occupancy(self) -> dict:
+        """One q buffer (96 KB of shared memory): two CTAs per SM, so ptxas must keep to 128 registers (the build
+        refuses a spill). The carveout is given so that the compile does not query a device for it."""
+        if self.stages == 1:
+            return dict(min_blocks_per_mp=2, preferred_smem_carveout=100)
+        return {}
+
     @cute.kernel
     def kernel_forward(
         self, q, k, v, entry_query, entry_dest, items, o_part, lse_part,
@@ -92,12 +99,15 @@ class SparseAttentionPingPong(SparseAttentionWG):
                 s_q = s_q_all[None, None, tile % self.stages]
                 if cutlass.const_expr(self.entries_ahead):
                     self.row_entries(entry_query, entry_dest, e0, n_q, t0, coord_mn, key_limit, dest)
-                if tile + 1 < n_tiles:
-                    self.gather_queries(entry_query, start, n_entries, tile + 1, row0, gthr, g_query)
-                    self.gather_rows(gcopy_wg, q, s_q_all, b, p, g_query, tile + 1, row0, gthr)
+                if cutlass.const_expr(self.stages == 1):
+                    cute.arch.cp_async_wait_group(0)  # this tile's rows, gathered under the last tile's math
                 else:
-                    cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(1)
+                    if tile + 1 < n_tiles:
+                        self.gather_queries(entry_query, start, n_entries, tile + 1, row0, gthr, g_query)
+                        self.gather_rows(gcopy_wg, q, s_q_all, b, p, g_query, tile + 1, row0, gthr)
+                    else:
+                        cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(1)
                 self.publish_async_copies()
                 if tile == 0:
                     cute.arch.sync_threads()  # the key block came from both warpgroups' threads
@@ -108,6 +118,13 @@ class SparseAttentionPingPong(SparseAttentionWG):
                 self.qk(tiled_mma, thr_mma, acc, s_q, s_k, tidx, wait=False)
                 cute.arch.barrier_arrive(barrier_id=_BAR_TURN + 1 - wg, number_of_threads=2 * _WG_THREADS)
                 warpgroup.wait_group(0)
+                if cutlass.const_expr(self.stages == 1):
+                    # One buffer: once every warp's QK has read it, the next tile's rows go into it and arrive
+                    # under this tile's softmax, PV product and epilogue.
+                    cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                    if tile + 1 < n_tiles:
+                        self.gather_queries(entry_query, start, n_entries, tile + 1, row0, gthr, g_query)
+                        self.gather_rows(gcopy_wg, q, s_q_all, b, p, g_query, tile + 1, row0, gthr)
 
                 lse_rows = cute.make_rmem_tensor((2,), cutlass.Float32)
                 inv_l = cute.make_rmem_tensor((2,), cutlass.Float32)
@@ -126,8 +143,9 @@ class SparseAttentionPingPong(SparseAttentionWG):
                 else:
                     self.store_tile(acc_o_mn, coord_mn, coord_o, lse_rows, inv_l, entry_dest, o_part, lse_part, e0,
                                     n_q, quad_lane)
-                # This warpgroup's warps are past their reads of the buffer before its gather of tile + 2.
-                cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                if cutlass.const_expr(self.stages == 2):
+                    # This warpgroup's warps are past their reads of the buffer before its gather of tile + 2.
+                    cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
             if wg == 0:  # warpgroup 1's last arrival on TURN + 0 (see the module docstring)
                 cute.arch.barrier(barrier_id=_BAR_TURN, number_of_threads=2 * _WG_THREADS)
 
