@@ -53,8 +53,12 @@ if device_arch(0) == 'sm90a':  # G = 16: the KL pass's streamed ping-pong (its h
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)  # deterministic at G = 4
     msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl, True)
     torch.use_deterministic_algorithms(False)
-if device_arch(0) == 'sm90a':  # the other wgmma builds: lockstep warpgroups, the proxy backward's heads stepped
+if device_arch(0) == 'sm90a':  # the other wgmma builds: ping-pong with two q buffers, lockstep warpgroups, the
+    # proxy backward's heads stepped
     from flash_msa_rt.ops import sparse_bwd
+    sparse_fwd.FORCE_MMA, sparse_fwd.FORCE_STAGES = 'wgmma', 2
+    msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
+    sparse_fwd.FORCE_STAGES = None
     sparse_fwd.FORCE_MMA, sparse_fwd.FORCE_SCHEDULE, sparse_fwd.FORCE_KL_SCHEDULE = 'wgmma', 'lockstep', 'lockstep'
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
     for heads in ('stepped', 'resident'):  # tau recomputed (the default reads it from the main backward)

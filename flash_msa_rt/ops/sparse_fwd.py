@@ -55,8 +55,13 @@ def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: s
 # next tile under its softmax, PV and epilogue instead of a tile ahead. One 16K-query chunk, same plan, outputs
 # bitwise equal (results/ab_fwd_stages_*.log), 2 -> 1 buffers: (b) 64K 3.85 -> 3.40 ms, (a) 1.96 -> 1.80, (c) G = 16
 # 8.25 -> 6.96, (b) 8K 14.28 -> 13.59. At G = 1 one buffer spills (16 bytes at the 128 registers two CTAs allow).
+FORCE_STAGES: int | None = None  # tests and benchmarks: run the ping-pong forward with this many q buffers
+
+
 def fwd_stages(schedule: str, group: int) -> int:
-    return 1 if schedule == "pingpong" and group >= 2 else 2
+    if schedule != "pingpong":
+        return 2
+    return FORCE_STAGES or (1 if group >= 2 else 2)
 
 
 # How sparse_fwd's two warpgroups share a tile (kernels_src/sparse_fwd/pingpong.py), per MMA: on wgmma each
