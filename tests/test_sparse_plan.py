@@ -478,6 +478,7 @@ CHUNK_CASES = [  # (B, Hp, S, K, Bs, heads, queries, batch entries)
     (2, 3, 300, 4, 16, 3, 64, None),  # query chunks, an odd last one
     (1, 4, 333, 5, 32, 2, 96, None),  # head and query chunks
     (2, 4, 200, 3, 16, 1, 1000, None),  # head chunks only
+    (3, 6, 150, 4, 16, 2, 150, None),  # head chunks of two heads, three sequences
     (1, 2, 45, 9, 16, 2, 45, None),  # one chunk, K > blocks
     (2, 2, 500, 4, 16, 1, 48, 2 * 2 * 4 * 100),  # sorted in batches of two query chunks
 ]

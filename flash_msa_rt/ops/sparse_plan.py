@@ -144,8 +144,10 @@ def _sorted_lists(block_indices: torch.Tensor, Bs: int, query_offset: int):
     # A stable sort on the list id keeps the (i, slot) order inside each list: sorted by query, since a row's
     # blocks are distinct (one entry per query per list). int32 keys: fewer radix passes than (list, i) int64 keys.
     sorted_list, order = torch.sort(list_id.reshape(-1), stable=True)
-    entry_dest = order.to(torch.int32)
-    entry_query = (torch.div(order, K, rounding_mode="floor").remainder(S) + query_offset).to(torch.int32)
+    entry_dest = order.to(torch.int32)  # E < 2**31 (sparse_plan checks): the decode runs in int32
+    entry_query = torch.div(entry_dest, K, rounding_mode="floor").remainder(S)
+    if query_offset:
+        entry_query = entry_query + query_offset
 
     # List boundaries by binary search on the sorted ids: contention-free even when one list holds every query.
     bounds = torch.searchsorted(sorted_list, torch.arange(L + 1, device=dev, dtype=torch.int32))
@@ -256,25 +258,37 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
     # chunk's dead list L for a dead slot.
     live = live_slots(block_indices, Bs, query_offset)
     p = torch.arange(Hp, device=dev, dtype=i64).view(1, Hp, 1, 1)
-    r = torch.arange(S, device=dev, dtype=i64).view(1, 1, S, 1)
     b = torch.arange(B, device=dev, dtype=i64).view(B, 1, 1, 1)
-    ch = (torch.div(p, c, rounding_mode="floor") * n_q + torch.div(r, queries, rounding_mode="floor"))
-    lists = (b * c + p.remainder(c)) * NB_t[ch] + block_indices
-    key = (base_t[ch] + torch.where(live, lists, L_t[ch])).to(i32)
+    if n_q == 1:  # chunks of heads only: the chunk is p // c, so per-(b, p) int32 tables do the arithmetic
+        ch = torch.div(p, c, rounding_mode="floor")
+        first = (base_t[ch] + (b * c + p.remainder(c)) * NB_t[ch]).to(i32)  # (B, Hp, 1, 1)
+        key = torch.where(live, block_indices + first, (base_t[ch] + L_t[ch]).to(i32))
+    else:
+        r = torch.arange(S, device=dev, dtype=i64).view(1, 1, S, 1)
+        ch = (torch.div(p, c, rounding_mode="floor") * n_q + torch.div(r, queries, rounding_mode="floor"))
+        lists = (b * c + p.remainder(c)) * NB_t[ch] + block_indices
+        key = (base_t[ch] + torch.where(live, lists, L_t[ch])).to(i32)
+        del lists
     sorted_key, order = torch.sort(key.reshape(-1), stable=True)
-    del key, lists, live
+    del key, live
     # Decode each sorted entry: its query, and its row in its chunk's (B, c, length, K) partial grid (int32: a
     # batch holds fewer than PLAN_BATCH_ENTRIES entries).
     order = order.to(i32)
-    slot = order.remainder(K)
     rest = torch.div(order, K, rounding_mode="floor")
     row = rest.remainder(S)
-    rest = torch.div(rest, S, rounding_mode="floor")
-    p_e, b_e = rest.remainder(Hp), torch.div(rest, Hp, rounding_mode="floor")
-    qi = torch.div(row, queries, rounding_mode="floor")
-    length = torch.clamp(S - qi * queries, max=queries)
-    entry_query = (row + query_offset).to(i32)
-    entry_dest = (((b_e * c + p_e.remainder(c)) * length + row - qi * queries) * K + slot).to(i32)
+    entry_query = row + query_offset if query_offset else row
+    if n_q == 1:  # the flat (B, Hp, S, K) index less the rows of the other chunks before it: a per-(b, p) table
+        bp = torch.arange(B * Hp, device=dev, dtype=i64)
+        p_t = bp.remainder(Hp)
+        skipped = (torch.div(bp, Hp, rounding_mode="floor") * (Hp - c) + p_t - p_t.remainder(c)) * (S * K)
+        entry_dest = order - skipped.to(i32)[torch.div(rest, S, rounding_mode="floor")]
+    else:
+        slot = order - rest * K
+        rest = torch.div(rest, S, rounding_mode="floor")
+        p_e, b_e = rest.remainder(Hp), torch.div(rest, Hp, rounding_mode="floor")
+        qi = torch.div(row, queries, rounding_mode="floor")
+        length = torch.clamp(S - qi * queries, max=queries)
+        entry_dest = (((b_e * c + p_e.remainder(c)) * length + row - qi * queries) * K + slot).to(i32)
     bounds = torch.searchsorted(sorted_key, torch.arange(sum(n + 1 for n in L) + 1, device=dev, dtype=i32))
     # Per chunk, its lists' relative starts and counts, padded to the longest chunk's L with empty lists.
     L_max = max(L)
