@@ -34,6 +34,7 @@ class Compiled:
     cubin: bytes
     ptx: str
     smem_bytes: int | None = None  # dynamic shared memory read back from the lowered host code, if found
+    ptxas_warnings: tuple[str, ...] = ()  # ptxas's performance warnings ("C7514: ..."), from its verbose log
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,11 @@ Per CTA: one (query tile of tile_m rows, proxy head p, batch b).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import re
+import sys
 import tempfile
 from pathlib import Path
 
@@ -369,9 +372,17 @@ def compile_kernel(kernel, config, arch: str, fake_args, entry=None) -> Compiled
     environment variables; keeping artifacts also turns CuTeDSL's compile cache off, so they are always fresh).
     entry: the jit function to compile when the kernel object has several (default: the object itself).
     """
+    # remarks{ptx}: CuTeDSL runs ptxas verbose and reports its log on stderr, the only place ptxas's performance
+    # warnings show (e.g. C7514, every wgmma serialised: kernels_src/select/NOTES.md); the build refuses them.
+    log = io.StringIO()
     with tempfile.TemporaryDirectory(prefix=f"{type(kernel).__name__}_") as dump:
-        options = f"--gpu-arch {GPU_ARCH_OPTION[arch]} --keep-ptx --keep-cubin --dump-dir {dump}"
-        compiled = cute.compile(entry or kernel, *fake_args, options=options)
+        options = f"--gpu-arch {GPU_ARCH_OPTION[arch]} --keep-ptx --keep-cubin --dump-dir {dump} remarks{{ptx}}"
+        try:
+            with contextlib.redirect_stderr(log):
+                compiled = cute.compile(entry or kernel, *fake_args, options=options)
+        except Exception:
+            sys.stderr.write(log.getvalue())  # the compiler's own report of the failure
+            raise
         ptx, cubin = compiled.__ptx__, compiled.__cubin__
         if not ptx or not cubin:  # fall back to the dump files
             files = {p.suffix: p for p in Path(dump).iterdir()}
@@ -379,7 +390,23 @@ def compile_kernel(kernel, config, arch: str, fake_args, entry=None) -> Compiled
             cubin = cubin or files[".cubin"].read_bytes()
     if isinstance(cubin, str):
         cubin = cubin.encode("latin-1")
-    return Compiled(cubin=bytes(cubin), ptx=ptx, smem_bytes=kernel.traced["smem_bytes"])
+    return Compiled(cubin=bytes(cubin), ptx=ptx, smem_bytes=kernel.traced["smem_bytes"],
+                    ptxas_warnings=ptxas_performance_warnings(log.getvalue()))
+
+
+# ptxas's performance warnings: "(C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized
+# due to ...", "(C7512) ... due to insufficient register resources ...", "(C7517) wgmma.wait_group is injected ...".
+_PTXAS_WARNING = re.compile(r"\((C75\d\d)\)\s*([^\n]*)")
+
+
+def ptxas_performance_warnings(log: str) -> tuple[str, ...]:
+    """The distinct "C75xx: text" warnings in a ptxas log, each cut before the kernel's (long) name."""
+    found = set()
+    for code, text in _PTXAS_WARNING.findall(log):
+        for cut in (" for the function", " in the function", " in function"):
+            text = text.split(cut)[0]
+        found.add(f"{code}: {text.strip()}")
+    return tuple(sorted(found))
 
 
 def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name

@@ -44,7 +44,10 @@ class SparseAttentionPingPong(SparseAttentionWG):
 
     def __init__(self, config):
         super().__init__(config)
-        self.entries_ahead = self.group <= 4
+        # With one q buffer at G >= 8, loading the entries where they are used leaves ptxas short of registers at
+        # the 128 two CTAs per SM allow, and it serialises every wgmma (C7512; the build refuses it); loaded at
+        # the tile's top they fit, and measured 1.02x at G = 16 (6.93 -> 6.82 ms, results/ab_fwd_knobs_8fbc399.log).
+        self.entries_ahead = self.group <= 4 or self.stages == 1
 
     def occupancy(self) -> dict:
         """One q buffer (96 KB of shared memory): two CTAs per SM, so ptxas must keep to 128 registers (the build
