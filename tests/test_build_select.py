@@ -31,3 +31,50 @@ def test_select_refuses_what_it_cannot_hold():
     assert not ok and "max_k 24" in reason
     ok, reason = can_implement(Config(dtype="f32"), "sm90a")
     assert not ok and "dtype" in reason
+
+
+def test_serialised_wgmma_fails_the_build():
+    """ptxas serialises every wgmma when a group is waited for in a later loop step than the one that issued it
+    (the first try at pipelining select, 0.87-0.93x: kernels_src/select/NOTES.md). CuTeDSL prints that warning
+    only in ptxas's verbose log; the build reads it and refuses the kernel, naming the warning."""
+    import cutlass
+    from cutlass.cute.nvgpu import warpgroup
+
+    import cutlass.cute as cute
+    from build_tools.build import BuildError, check_compiled
+    from kernels_src.block_scores.kernel import compile_kernel, ptxas_performance_warnings
+    from kernels_src.select.kernel import _fake_args
+    from kernels_src.select.wgmma import ProxySelectWG
+
+    class AcrossSteps(ProxySelectWG):
+        """Block j + 1's products issued in step j and waited for in step j + 1 (no refill: compile only)."""
+
+        @cute.jit
+        def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, heap,
+                        worst_score):
+            cute.arch.mbarrier_wait(t.k_full, 0)
+            for h in cutlass.range_constexpr(2):
+                self.issue_half(t, 0, h)
+            for j in cutlass.range(n_blocks, unroll=1):
+                warpgroup.wait_group(1)
+                maxes = self.half_row_maxes(t, 0, j, m0, first_masked)
+                self.issue_half(t, j + 1, 0)
+                warpgroup.wait_group(1)
+                maxes += self.half_row_maxes(t, 1, j, m0, first_masked)
+                self.issue_half(t, j + 1, 1)
+                worst_score = self.offer(heap, maxes[0] * scale, j, worst_score)
+            warpgroup.wait_group(0)
+
+    config = Config(mma="wgmma")
+    shipped = compile_kernel(ProxySelectWG(config), config, "sm90a", _fake_args(config))
+    assert shipped.ptxas_warnings == ()
+    compiled = compile_kernel(AcrossSteps(config), config, "sm90a", _fake_args(config))
+    assert any(w.startswith("C7514: Potential Performance Loss") for w in compiled.ptxas_warnings), \
+        compiled.ptxas_warnings
+    spec = next(s for s in variants(("sm90a",)) if s.name == config.variant_name("sm90a"))
+    with pytest.raises(BuildError, match="C7514"):
+        check_compiled(spec, compiled)
+    log = ("ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+           "to insufficient register resources for the function 'kernel_x'\nptxas info    : Used 128 registers")
+    assert ptxas_performance_warnings(log) == ("C7512: Potential Performance Loss: wgmma.mma_async instructions "
+                                               "are serialized due to insufficient register resources",)
