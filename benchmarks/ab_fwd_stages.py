@@ -1,24 +1,26 @@
-"""A/B: sparse_fwd ping-pong with 2 q buffers (1 CTA/SM) vs 1 buffer (2 CTAs/SM), same plan and inputs, one process.
-python benchmarks/ab_fwd_stages.py b:65536,a:65536,c:65536 [reps]"""
+"""A/B: sparse_fwd ping-pong with 2 q buffers (1 CTA/SM) vs 1 buffer (2 CTAs/SM), same plan and inputs, one process:
+ms of each on one query chunk (at most 16K queries) and whether their outputs are bitwise equal
+(results/ab_fwd_stages_8fbc399.log). A variant that is not built prints nan and the error.
+
+    python benchmarks/ab_fwd_stages.py b:65536,a:65536,c:65536 [reps]
+"""
 import sys
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
+from benchmarks.bench_sparse_fwd import spec_problem  # noqa: E402
 from benchmarks.common import cuda_time_ms  # noqa: E402
+from flash_msa_rt.errors import MissingVariantError  # noqa: E402
 from flash_msa_rt.loader import get_kernel  # noqa: E402
 from flash_msa_rt.ops import sparse_fwd as sf  # noqa: E402
-from flash_msa_rt.ops.select import select_blocks_cuda  # noqa: E402
 from flash_msa_rt.ops.sparse_plan import sparse_plan  # noqa: E402
 
 dev = torch.device("cuda")
 reps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 for spec in sys.argv[1].split(","):
-    cfg, S = spec.split(":")
-    x = random_problem(cfg, int(S))
-    B, S, H, Hk, Hp, D, G, scale = (x[n] for n in ("B", "S", "H", "Hk", "Hp", "D", "G", "scale"))
-    qp, kp, q, k, v = (x[n] for n in ("qp", "kp", "q", "k", "v"))
-    sel = select_blocks_cuda(qp, kp, 16, 128, scale)
+    x = spec_problem(spec)
+    cfg, S, Hk, Hp, D, G, scale, sel = (x[n] for n in ("cfg", "S", "Hk", "Hp", "D", "G", "scale", "sel"))
+    q, k, v = x["q"], x["k"], x["v"]
     chunk = min(S, 16384)
     csel = sel[:, :, :chunk].contiguous()
     plan = sparse_plan(csel, 128, chunk, G, sf.TILE_M // G, sf.TILES_PER_ITEM)
@@ -28,7 +30,7 @@ for spec in sys.argv[1].split(","):
         conf["stages"] = st
         try:
             kern = get_kernel("sparse_fwd", conf, dev)
-        except Exception as e:  # not built
+        except MissingVariantError as e:
             res[st] = (float("nan"), None, str(e)[:60])
             continue
         outs = (torch.full((plan.E, G, D), float("nan"), dtype=q.dtype, device=dev),
