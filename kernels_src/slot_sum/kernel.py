@@ -20,12 +20,9 @@ class SlotSum(RowWarps):
 
     @cute.kernel
     def kernel(self, block_indices, part, out, query_offset: cutlass.Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        B, Hp, S, K = block_indices.shape
-        row = cta * (self.threads // 32) + tidx // 32
-        if row < B * Hp * S * self.group:
+        lane, row, live = self.warp_row(block_indices)
+        _, Hp, S, K = block_indices.shape
+        if live:
             b, p, i, g, bpi, local = self.row_coords(row, Hp, S, query_offset)
             acc = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
             acc.fill(0.0)

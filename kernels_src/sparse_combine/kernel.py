@@ -38,6 +38,15 @@ class RowWarps:
         B, Hp, S, _ = block_indices.shape
         return (cute.ceil_div(B * Hp * S * self.group, self.threads // 32), 1, 1)
 
+    def warp_row(self, block_indices):
+        """(lane, row, live): this thread's lane, its warp's row of the grid and whether that is a real row."""
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        B, Hp, S, _ = block_indices.shape
+        row = cta * (self.threads // 32) + tidx // 32
+        return lane, row, row < B * Hp * S * self.group
+
     def row_coords(self, row, Hp, S, query_offset):
         """(b, p, i, g, bpi, local) of row = bpi G + g, bpi = (b Hp + p) S + i: its batch, proxy head, query (in the
         chunk), head in the group, selection row, and the query's own block (query_offset + i) // Bs."""
@@ -58,12 +67,9 @@ class SparseCombine(RowWarps):
 
     @cute.kernel
     def kernel(self, block_indices, o_part, lse_part, out, lse, query_offset: cutlass.Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        B, Hp, S, K = block_indices.shape
-        row = cta * (self.threads // 32) + tidx // 32
-        if row < B * Hp * S * self.group:
+        lane, row, live = self.warp_row(block_indices)
+        _, Hp, S, K = block_indices.shape
+        if live:
             b, p, i, g, bpi, local = self.row_coords(row, Hp, S, query_offset)
             neg_inf = -cutlass.Float32.inf
             acc = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
