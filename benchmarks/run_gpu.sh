@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, from the source tree with artifacts/ built for the device's arch:
-#   FLASH_MSA_COMMIT=$(git rev-parse HEAD) bash benchmarks/run_gpu.sh [tests|bench|all]
-# tests: environment, every GPU test, compute-sanitizer on every kernel family; bench: the benchmarks.
+#   FLASH_MSA_COMMIT=$(git rev-parse HEAD) bash benchmarks/run_gpu.sh [tests|bench|core|all]
+# tests: environment, every GPU test, compute-sanitizer on every kernel family (~220 s); bench: the benchmarks;
+# core: only the whole-op benchmarks against cuDNN (B * S = 128K tokens, and B = 1 in (a)), which fit one
+# 10-minute device call (~160 s).
 # Logs and JSON go to $OUT (or benchmarks/results/ when OUT is unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,6 +78,13 @@ torch.cuda.synchronize()
 " 2>&1 | tail -3 | sed "s/^/[$tool] /" | tee -a "$out/sanitizer.log" || status=1
     done
   fi
+fi
+
+if [[ $mode == core ]]; then
+  python3 benchmarks/bench_msa.py --configs a,b,c --seqlens 8192,16384,32768,65536,131072 --ops sparse,dense \
+    --skewed --out "$out/msa.json" 2>&1 | tee "$out/bench_msa.log" || status=1
+  python3 benchmarks/bench_msa.py --configs a --seqlens 8192,16384,32768,65536 --ops sparse,dense --batch1 \
+    --out "$out/msa_batch1.json" 2>&1 | tee "$out/bench_msa_batch1.log" || status=1
 fi
 
 if [[ $mode == bench || $mode == all ]]; then
