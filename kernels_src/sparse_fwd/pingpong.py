@@ -14,6 +14,10 @@ Here each warpgroup owns its 64 rows of every tile from gather to epilogue:
     issues; what lets one warpgroup's softmax and epilogue run under the other's products is that nothing else
     makes the two wait for each other (the warmup KL pass, whose warpgroups share every key tile, gained 2 %
     from turns alone: kernels_src/warmup_kl/NOTES.md).
+With `stages = 1` (what the runtime runs at G >= 2) each warpgroup has one buffer, refilled as soon as its QK product
+is done, so the next tile's rows arrive under this tile's softmax, PV product and epilogue; the 96 KB of shared
+memory and 128 registers let two CTAs share an SM (NOTES.md, "one q buffer"). With two buffers the next tile is
+gathered a whole tile ahead.
 Barrier accounting (each completes at 256 threads: 128 waiting + 128 arriving): warpgroup 1 arrives on TURN + 0
 once before its loop and once per tile (n + 1 times); warpgroup 0 waits there once per tile and once after its
 loop (n + 1); warpgroup 0 arrives on TURN + 1 once per tile, where warpgroup 1 waits once per tile. No barrier is
