@@ -126,8 +126,9 @@ def check_compiled(spec: BuildSpec, compiled: Compiled) -> dict:
                          f"(register spills or local arrays); fix the kernel or its register budget")
     if spec.hot and compiled.ptxas_warnings:
         raise BuildError(f"{spec.name}: ptxas warns of lost performance in a hot kernel: "
-                         f"{'; '.join(compiled.ptxas_warnings)}; fix the kernel (a wgmma group waited for in a later "
-                         f"loop step than the one that issued it serialises every wgmma: kernels_src/select/NOTES.md)")
+                         f"{'; '.join(compiled.ptxas_warnings)}; fix the kernel (causes seen here: a wgmma group waited for "
+                         f"in a later loop step than the one that issued it, C7514, kernels_src/select/NOTES.md; too "
+                         f"few registers under a launch bound, C7512, kernels_src/sparse_fwd/NOTES.md)")
     if compiled.smem_bytes is not None and compiled.smem_bytes != spec.smem_bytes:
         raise BuildError(f"{spec.name}: the compiled host code asks for {compiled.smem_bytes} bytes of dynamic "
                          f"shared memory, the spec declares {spec.smem_bytes}")

@@ -53,8 +53,9 @@ def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: s
 
 # q tile buffers: the ping-pong kernel with one buffer (96 KB) runs two CTAs per SM, and each warpgroup gathers its
 # next tile under its softmax, PV and epilogue instead of a tile ahead. One 16K-query chunk, same plan, outputs
-# bitwise equal (results/ab_fwd_stages_*.log), 2 -> 1 buffers: (b) 64K 3.85 -> 3.40 ms, (a) 1.96 -> 1.80, (c) G = 16
-# 8.25 -> 6.96, (b) 8K 14.28 -> 13.59. At G = 1 one buffer spills (16 bytes at the 128 registers two CTAs allow).
+# bitwise equal (results/ab_fwd_stages_8fbc399.log), 2 -> 1 buffers: (b) 64K 3.85 -> 3.40 ms, (a) 1.96 -> 1.80, (c)
+# G = 16 8.25 -> 6.96 (6.82 with the entries loaded at the tile top, what ships: ab_fwd_knobs_8fbc399.log), (b) 8K
+# 14.28 -> 13.59. At G = 1 one buffer spills (16 bytes at the 128 registers two CTAs allow).
 FORCE_STAGES: int | None = None  # tests and benchmarks: run the ping-pong forward with this many q buffers
 
 
