@@ -74,6 +74,12 @@ if device_arch(0) == 'sm90a':  # the dense warmup proxy kernels: G = 4 and G = 1
         for mh, ml in ((m, lse), (m[:, :, :2], lse[:, :2])):
             lp, _ = warmup_kl_cuda(q, q[:, :, :1], mh, kv, ml, 0.1)
             warmup_proxy_backward_cuda(q, q[:, :, :1], mh, kv, ml, lp, 0.1, torch.rand(2, 2, 333, device='cuda'))
+from flash_msa_rt import block_sparse_attention  # widened (Hi < Hk) and crossing (lcm) index heads, repeats
+for h, hk, hi in ((8, 2, 2), (12, 4, 3), (16, 4, 1)):
+    bq = torch.randn(2, 333, h, 128, device='cuda').to(torch.bfloat16).requires_grad_()
+    bk = torch.randn(2, 333, hk, 128, device='cuda').to(torch.bfloat16).requires_grad_()
+    bi = torch.randint(-1, 3, (2, hi, 333, 4), device='cuda', dtype=torch.int32)
+    block_sparse_attention(bq, bk, bk, bi, 128, layout='bshd').sum().backward()
 torch.cuda.synchronize()
 " 2>&1 | tail -3 | sed "s/^/[$tool] /" | tee -a "$out/sanitizer.log" || status=1
     done
@@ -109,5 +115,7 @@ if [[ $mode == bench || $mode == all ]]; then
   python3 benchmarks/profile_sparse_bwd.py b 65536 2>&1 | tee "$out/profile_sparse_bwd.log"
   python3 benchmarks/ab_proxy_tau.py a:65536,b:65536,c:65536,b:16384 2>&1 | tee "$out/ab_proxy_tau.log"
   python3 benchmarks/profile_msa.py b 65536 --out "$out/profile_msa.json" 2>&1 | tee "$out/profile_msa.log"
+  # block_sparse_attention against cuDNN dense and FSA's published figures.
+  python3 benchmarks/bench_block_sparse.py 2>&1 | tee "$out/bench_block_sparse.log"
 fi
 exit $status

@@ -1,12 +1,12 @@
 """The CUDA kernel backend: the ops whose AOT kernels are built for the device, registered with dispatch.
 
 Today: selection (flash_msa_rt.ops.select), the MSA sparse forward (flash_msa_rt.ops.sparse_fwd) and backward
-(flash_msa_rt.ops.sparse_bwd), and warmup mode: its dense main attention on cuDNN (flash_msa_rt.ops.dense_main,
+(flash_msa_rt.ops.sparse_bwd), block-sparse attention over given indices on the same kernels
+(flash_msa_rt.ops.block_sparse), and warmup mode: its dense main attention on cuDNN (flash_msa_rt.ops.dense_main,
 torch's own operators) and its proxy KL pass and proxy backward on the dense warmup kernels
 (flash_msa_rt.ops.warmup_kl) where they are built, else on the sparse kernels with every causal block selected
-(and everything on the sparse kernels where this torch lacks the cuDNN operators). The other ops
-(block-sparse, varlen) register here as their kernels land; until then they run on the reference and dispatch
-says so once. A problem a kernel cannot run (dtype, head dim, block size, K, G, varlen, deterministic mode where
+(and everything on the sparse kernels where this torch lacks the cuDNN operators). The varlen forms register
+here as their kernels land; until then they run on the reference and dispatch says so once. A problem a kernel cannot run (dtype, head dim, block size, K, G, varlen, deterministic mode where
 no deterministic kernels exist (sm100a, warmup's backward), or a variant not built for this GPU) is declined with
 the reason, which dispatch shows with the build command; a declined call is never an error.
 """
@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from flash_msa_rt.errors import FlashMsaError
-from flash_msa_rt.ops import dense_main, dispatch, select, sparse_bwd, sparse_fwd, warmup_kl
+from flash_msa_rt.ops import block_sparse, dense_main, dispatch, select, sparse_bwd, sparse_fwd, warmup_kl
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
@@ -260,14 +260,73 @@ def _warmup_supports(problem: dispatch.Problem) -> str | None:
     return _msa_supports(dispatch.Problem(op, problem.device, problem.dtype, c))
 
 
+def _block_sparse_supports(problem: dispatch.Problem) -> str | None:
+    """block_sparse_forward / backward: the MSA main kernels with G = H / lcm(Hi, Hk) (block_sparse.kernel_group);
+    the backward adds with fp32 atomics, so under deterministic algorithms it is declined to the reference."""
+    c = problem.config
+    if problem.op == "block_sparse_backward" and c.get("deterministic"):
+        return _decline_deterministic("the block-sparse backward kernel adds with fp32 atomics")
+    if c.get("varlen"):
+        return "the block-sparse kernels do not take cu_seqlens yet"
+    if problem.dtype not in _DTYPE_NAMES:
+        return f"dtype {problem.dtype} (block-sparse kernels: bfloat16, float16)"
+    d, bs, H, Hi = (c.get(n) for n in ("head_dim", "block_size", "heads", "index_heads"))
+    Hk = H // c.get("kv_group")
+    g = block_sparse.kernel_group(H, Hk, Hi)
+    if d not in sparse_fwd.HEAD_DIMS or bs not in sparse_fwd.BLOCK_SIZES or g not in sparse_fwd.GROUPS:
+        return (f"D {d}, block_size {bs}, G = H / lcm(Hi, Hk) = {H} / lcm({Hi}, {Hk}) = {g} (block-sparse kernels: "
+                f"D in {sparse_fwd.HEAD_DIMS}, block_size {sparse_fwd.BLOCK_SIZES}, G in {sparse_fwd.GROUPS})")
+    return _built(problem, block_sparse.variants(_DTYPE_NAMES[problem.dtype], d, bs, g, _arch(problem),
+                                                 backward=problem.op == "block_sparse_backward"))
+
+
+def _check_index_range(block_indices, S: int, block_size: int, fn: str) -> None:
+    """msa-semantics.md: "indices outside [0, ceil(S / Bs)) are an error". The check is the reference's, which
+    reads one flag on the host; under CUDA graph capture no host read is possible, so there it is skipped and an
+    out-of-range index poisons the outputs with NaN instead (_block_sparse_forward). The kernels never read past
+    the selection either way: an index above the query's own block is a dead slot, as -1 is."""
+    if not torch.cuda.is_current_stream_capturing():
+        from flash_msa_rt.reference import checks
+
+        checks.block_indices(fn, block_indices, block_indices.shape[0], S, block_indices.shape[1], block_size)
+
+
+def _out_of_range(block_indices, S: int, block_size: int):
+    """0-dim bool on the device: some index is outside [-1, ceil(S / block_size)) (under capture only)."""
+    nb = -(-S // block_size)
+    return ((block_indices < -1) | (block_indices >= nb)).any()
+
+
+def _block_sparse_forward(q, k, v, block_indices, block_size, scale, cu_seqlens=None):
+    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    S = q.shape[1]
+    _check_index_range(block_indices, S, block_size, "block_sparse_attention")
+    q, k, v = (_tma_ready(t) for t in (q, k, v))
+    out, lse = block_sparse.block_sparse_forward_cuda(q, k, v, block_indices, block_size, scale)
+    if torch.cuda.is_current_stream_capturing():
+        bad = _out_of_range(block_indices, S, block_size)
+        nan = torch.full((), float("nan"), device=q.device)
+        out, lse = torch.where(bad, nan.to(out.dtype), out), torch.where(bad, nan, lse)
+    return out, lse
+
+
+def _block_sparse_backward(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens=None):
+    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    q, k, v, out = (_tma_ready(t) for t in (q, k, v, out))
+    grad_out = _tma_ready(grad_out) if grad_out is not None else None
+    return block_sparse.block_sparse_backward_cuda(q, k, v, out, lse, block_indices, block_size, scale, grad_out)
+
+
 _SUPPORTS = {"select_blocks": _select_supports, "msa_forward": _msa_supports, "msa_backward": _msa_supports,
-             "warmup_forward": _warmup_supports, "warmup_backward": _warmup_supports}
+             "warmup_forward": _warmup_supports, "warmup_backward": _warmup_supports,
+             "block_sparse_forward": _block_sparse_supports, "block_sparse_backward": _block_sparse_supports}
 
 KERNELS = dispatch.Backend(
     name="kernels", device_type="cuda",
     supports=lambda problem: _SUPPORTS[problem.op](problem) if problem.op in _SUPPORTS
-    else "its kernel is not built yet (issue 4)",
+    else "its kernel is not built yet",
     ops={"select_blocks": _select_blocks, "msa_forward": _msa_forward, "msa_backward": _msa_backward,
-         "warmup_forward": _warmup_forward, "warmup_backward": _warmup_backward},
+         "warmup_forward": _warmup_forward, "warmup_backward": _warmup_backward,
+         "block_sparse_forward": _block_sparse_forward, "block_sparse_backward": _block_sparse_backward},
 )
 dispatch.register_kernels()  # a no-op when dispatch was imported first and has registered it already

@@ -205,13 +205,18 @@ warmup_forward.register_autograd(_warmup_backward_rule, setup_context=_warmup_se
 
 # --- generic block-sparse attention ------------------------------------------------------------------------------
 
+def _block_sparse_config(q: Tensor, k: Tensor, block_indices: Tensor, block_size: int, cu_seqlens) -> dict:
+    return {"head_dim": q.shape[-1], "block_size": block_size, "heads": q.shape[2],
+            "index_heads": block_indices.shape[1], "kv_group": q.shape[2] // k.shape[2],
+            "varlen": cu_seqlens is not None}
+
+
 @torch.library.custom_op(f"{NAMESPACE}::block_sparse_forward", mutates_args=())
 def block_sparse_forward(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int, scale: float,
                          cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out (B, S, H, D) q.dtype, lse (B, H, S) float32 (float64 for float64 inputs)) over the causal tokens of each
     row's listed blocks."""
-    config = {"head_dim": q.shape[-1], "block_size": block_size, "index_heads": block_indices.shape[1],
-              "kv_group": q.shape[2] // k.shape[2], "varlen": cu_seqlens is not None}
+    config = _block_sparse_config(q, k, block_indices, block_size, cu_seqlens)
     return _stats(q, *_impl("block_sparse_forward", q, config)(q, k, v, block_indices, block_size, scale, cu_seqlens))
 
 
@@ -226,8 +231,8 @@ def block_sparse_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
                           block_size: int, scale: float, grad_out: Tensor,
                           cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of block_sparse_forward."""
-    config = {"head_dim": q.shape[-1], "block_size": block_size, "index_heads": block_indices.shape[1],
-              "kv_group": q.shape[2] // k.shape[2], "varlen": cu_seqlens is not None}
+    config = dict(_block_sparse_config(q, k, block_indices, block_size, cu_seqlens),
+                  deterministic=torch.are_deterministic_algorithms_enabled())  # as msa_backward
     impl = _impl("block_sparse_backward", q, config)
     return _fresh(*impl(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens))
 

@@ -297,50 +297,60 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     Queries run in chunks whose per-slot partial outputs fit partials_budget: a row's K slots all belong to its
     chunk, so each chunk is planned, computed, combined and its KL taken on its own; extra memory is the plan
     (O(B*Hp*S*K) int32) plus one chunk's partials, whatever S.
+    q_proxy = k_proxy = None: the main attention alone over block_indices (B, Hp, S, K), G = H / Hp heads per
+    index head (block_sparse_attention); lse_proxy and kl_rows are then None.
     """
     B, S, H, D = q.shape
-    Hp, K = q_proxy.shape[2], block_indices.shape[3]
+    Hp, K = block_indices.shape[1], block_indices.shape[3]
     G = H // Hp
+    proxy = q_proxy is not None
     dt = DTYPES[q.dtype]
     dev = q.device
     fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, device_mma(dev, "sparse_fwd")), dev)
-    kl_cfg = kl_config(dt, D, block_size, G, device_mma(dev, "sparse_kl"))
-    kl = get_kernel("sparse_kl", kl_cfg, dev)
     combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
-    combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
+    if proxy:
+        kl_cfg = kl_config(dt, D, block_size, G, device_mma(dev, "sparse_kl"))
+        kl = get_kernel("sparse_kl", kl_cfg, dev)
+        combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=dev)
-    lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
-    kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev)
+    lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev) if proxy else None
+    kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev) if proxy else None
     if out.numel() == 0:
         return out, lse, lse_proxy, kl_rows
-    Hk, Hpk = k.shape[2], k_proxy.shape[2]
+    Hk, Hpk = k.shape[2], (k_proxy.shape[2] if proxy else Hp)
     c, chunk = forward_chunks(B, S, Hp, Hk, Hpk, K, G, D, block_size)
     # Every chunk's plan and the KL pass's recut of it from one sort (chunk_plans: the host's work per chunk is
     # then its views and launches); planned before the partial buffers exist, so the sort's temporaries do not
     # add to the peak.
-    cuts = ((TILE_M // G, TILES_PER_ITEM), (KL_TILE, per_group_tiles(KL_MAIN_TILES_PER_ITEM, G)))
+    cuts = ((TILE_M // G, TILES_PER_ITEM),) + (((KL_TILE, per_group_tiles(KL_MAIN_TILES_PER_ITEM, G)),) if proxy
+                                               else ())
     plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts)
     E_max = B * c * min(chunk, S) * K
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
-    kl_buf = torch.empty((E_max, 3 * kl_part_groups(kl_cfg)), dtype=torch.float32, device=dev)
+    if proxy:
+        kl_buf = torch.empty((E_max, 3 * kl_part_groups(kl_cfg)), dtype=torch.float32, device=dev)
     for hc in head_chunks(Hp, Hk, Hpk, G, c):
         # A chunk is the same problem on head-sliced views (strided: the kernels take any strides).
         q_c, k_c, v_c, lse_c = hc.view(q, 2, "main"), hc.view(k, 2, "kv"), hc.view(v, 2, "kv"), hc.view(lse, 1, "main")
-        kl_args = dict(q=q_c, k=k_c, q_proxy=hc.view(q_proxy, 2, "proxy"), k_proxy=hc.view(k_proxy, 2, "proxy_key"),
-                       scale=float(scale), hp_per_hk=hc.per_kv, hp_per_hpk=hc.per_pk)
+        if proxy:
+            kl_args = dict(q=q_c, k=k_c, q_proxy=hc.view(q_proxy, 2, "proxy"),
+                           k_proxy=hc.view(k_proxy, 2, "proxy_key"), scale=float(scale), hp_per_hk=hc.per_kv,
+                           hp_per_hpk=hc.per_pk)
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
             sel = block_indices[:, hc.proxy, s0:s1].contiguous()
-            plan, kl_plan = plans[(hc.p0, s0)]
+            plan, *kl_plan = plans[(hc.p0, s0)]
             o_part, lse_part = o_buf[:plan.E], lse_buf[:plan.E]
             fwd(q=q_c, k=k_c, v=v_c, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=c,
                 hp_per_hk=hc.per_kv, **_plan_args(plan))
             combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out[:, s0:s1, hc.main],
                     lse=lse_c[:, :, s0:s1], query_offset=s0)
-            kl_part = kl_buf[:kl_plan.E]
-            kl(lse=lse_c, kl_part=kl_part, **kl_args, **_plan_args(kl_plan))
+            if not proxy:
+                continue
+            kl_part = kl_buf[:kl_plan[0].E]
+            kl(lse=lse_c, kl_part=kl_part, **kl_args, **_plan_args(kl_plan[0]))
             combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=lse_proxy[:, hc.proxy, s0:s1],
                        kl_rows=kl_rows[:, hc.proxy, s0:s1], query_offset=s0)
     return out, lse, lse_proxy, kl_rows
