@@ -179,11 +179,17 @@ def test_tau_head_chunks_map_every_head(Hp, Hk, Hpk):
     assert 1 in seen and Hp in seen
 
 
-def test_tau_budget_follows_the_dq_accumulator():
-    """Half the fp32 dq accumulator, within [TAU_FLOOR, TAU_BUDGET]: small problems run in one chunk, large ones in
-    chunks of at most TAU_BUDGET."""
-    assert rt_bwd.tau_budget(1, 8192, 16, 128) == rt_bwd.TAU_FLOOR
-    assert rt_bwd.tau_budget(1, 65536, 16, 128) == rt_bwd.TAU_FLOOR  # (a) at B = 1: 268 MB
+def test_tau_budget_follows_the_dq_accumulator(monkeypatch):
+    """Half the fp32 dq accumulator, within [TAU_FLOOR, TAU_BUDGET] (both 1 GiB today: small problems in one
+    chunk, large ones in chunks of at most 1 GiB of tau rows)."""
+    assert rt_bwd.TAU_FLOOR <= rt_bwd.TAU_BUDGET
+    for shape in ((1, 8192, 16, 128), (1, 65536, 16, 128), (2, 65536, 32, 128), (1, 1 << 20, 64, 128)):
+        half_dq = 2 * shape[0] * shape[1] * shape[2] * shape[3]
+        assert rt_bwd.tau_budget(*shape) == max(rt_bwd.TAU_FLOOR, min(rt_bwd.TAU_BUDGET, half_dq))
+    # (a) at B = 1, 64K: every proxy head in one chunk (4 x 268 MB of tau rows); (b) at 64K: two heads per chunk
+    assert rt_bwd.tau_heads(1, 65536, 4, 2, 1, 16, 128, rt_bwd.tau_budget(1, 65536, 16, 128)) == 4
+    assert rt_bwd.tau_heads(2, 65536, 8, 8, 1, 16, 128, rt_bwd.tau_budget(2, 65536, 32, 128)) == 2
+    monkeypatch.setattr(rt_bwd, "TAU_FLOOR", 1 << 28)  # the rule itself, with a lower floor
+    assert rt_bwd.tau_budget(1, 8192, 16, 128) == 1 << 28
     assert rt_bwd.tau_budget(2, 65536, 16, 128) == 2 * 2 * 65536 * 16 * 128  # (a) at B = 2: 537 MB
     assert rt_bwd.tau_budget(2, 65536, 32, 128) == rt_bwd.TAU_BUDGET  # (b): 1 GiB
-    assert rt_bwd.tau_heads(1, 8192, 4, 2, 1, 16, 128, rt_bwd.tau_budget(1, 8192, 16, 128)) == 4

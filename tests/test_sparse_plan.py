@@ -354,7 +354,7 @@ def test_forward_query_chunk_fits_the_budget():
     budget = 4 * B * S * Hp * G * D
     chunk = query_chunk(B, S, Hp, K, G, D, 128)
     per_query = B * Hp * K * (G * D * 2 + 4 * (G + 12))
-    assert budget > PARTIALS_BUDGET
+    assert budget >= PARTIALS_BUDGET
     # equal chunks, none over the budget by more than the slack, and no more of them than full ones would take
     full = budget // per_query // 128 * 128
     assert chunk % 128 == 0 and chunk * per_query <= budget * (1 + CHUNK_SLACK)
@@ -407,7 +407,7 @@ def test_warmup_kl_pass_in_query_chunks_matches_the_reference(monkeypatch):
     monkeypatch.setattr(sparse_fwd, "get_kernel", emulated_kernel)
     monkeypatch.setattr(sparse_fwd, "DTYPES", {torch.float64: "f64"})
     # three chunks of 128 queries: the budget holds one chunk's (A, T, L) partials
-    monkeypatch.setattr(sparse_fwd, "PARTIALS_BUDGET", B * Hp * 3 * 4 * 3 * kl_groups(128) * 128)
+    monkeypatch.setattr(sparse_fwd, "KL_PARTIALS_BUDGET", B * Hp * 3 * 4 * 3 * kl_groups(128) * 128)
     sel = kernels.AllCausalBlocks(qp, kernels.WARMUP_BLOCK)  # rows made per chunk, as warmup runs it
     lsep, kl = sparse_fwd.msa_kl_cuda(qp, kp, q, k, lse, sel, kernels.WARMUP_BLOCK, scale)
     assert len(plans) == 3 and [int(p.entry_query.min()) for p in plans] == [0, 128, 256]
@@ -496,7 +496,8 @@ def test_chunk_plans_equal_each_chunks_own_plan(case, monkeypatch):
     gen = torch.Generator().manual_seed(S + Hp)
     idx = random_indices(gen, B, Hp, S, K, Bs)
     cuts = ((8, 2), (3, 5), (64, 1))
-    got = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts)
+    got = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "list")
+    by_size = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "size")  # the same items, longest first
     starts = [(p0, s0) for p0 in range(0, Hp, heads) for s0 in range(0, S, queries)]
     assert sorted(got) == sorted(starts)
     for p0, s0 in starts:
@@ -510,6 +511,11 @@ def test_chunk_plans_equal_each_chunks_own_plan(case, monkeypatch):
             for field in ("entry_query", "entry_dest", "items", "item_count", "list_bounds"):
                 g, w = getattr(plan, field), getattr(want, field)
                 assert g.dtype == w.dtype and torch.equal(g, w), (field, p0, s0, tq, T)
+        for plan, sized in zip(got[(p0, s0)], by_size[(p0, s0)]):
+            n = plan.items[:, 3].long()
+            longest = sorted(range(plan.W), key=lambda w: (-int(n[w]), w))  # stable: list order among equals
+            assert torch.equal(sized.items, plan.items[longest]), (p0, s0)
+            assert torch.equal(sized.item_count, plan.item_count) and torch.equal(sized.entry_dest, plan.entry_dest)
         if s0 == 0:
             check_plan(got[(p0, s0)][0], sel, Bs, *cuts[0])
 

@@ -67,7 +67,10 @@ PROXY_RESIDENT_GROUPS = (1, 2, 4)
 FORCE_PROXY_HEADS: str | None = None  # tests and benchmarks: "stepped" / "resident" recompute tau even when it
                                       # could be read ("resident" stays stepped at G >= 8)
 TAU_BUDGET = 1 << 30  # at most this many bytes of tau rows (the input dtype, block_size per plan entry) per chunk
-TAU_FLOOR = 1 << 28  # ... and at least this many, so that small (host-bound) problems run in one chunk
+# ... and at least this many. Each chunk costs a launch's ramp and tail on both kernels: at (a) B = 1, S = 64K,
+# 4 chunks of 268 MB took the backward 12.3-13.0 ms, 1 chunk 11.0 (results/ab_budgets_242f55b.log,
+# ab_item_order_242f55b.log), for a peak of 1.9 GiB beyond the inputs instead of 1.15 (cuDNN dense: 1.6 GB).
+TAU_FLOOR = 1 << 30
 DETERMINISTIC_BUDGET = 1 << 32  # deterministic: at most this many bytes of one chunk's tau and partial dq rows
 DETERMINISTIC_FLOOR = 1 << 31  # ... and at least this many: each chunk costs ~2 ms of host work (its plan and
                                # sums); at 1 GiB (a) B = 1, S = 32K ran 8 chunks, host-bound at 4.5x the GPU time
@@ -75,8 +78,7 @@ DETERMINISTIC_FLOOR = 1 << 31  # ... and at least this many: each chunk costs ~2
 
 def tau_budget(B: int, S: int, H: int, D: int) -> int:
     """Bytes of one backward chunk's tau rows: half of the fp32 dq accumulator the backward holds anyway (4 B S H D
-    bytes), within [TAU_FLOOR, TAU_BUDGET]. A fixed 1 GiB raised the peak of (a) at B = 1, S = 64K from 1.3 to
-    2.2 GB (dense attention: 1.6; results/bench_msa_batch1_959fb40.log)."""
+    bytes), within [TAU_FLOOR, TAU_BUDGET] (today both 1 GiB: fewer chunks won over the lower peak at B = 1)."""
     return max(TAU_FLOOR, min(TAU_BUDGET, 2 * B * S * H * D))
 
 

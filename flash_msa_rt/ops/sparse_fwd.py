@@ -39,7 +39,16 @@ TILE_M = 128
 TILES_PER_ITEM = 64
 KL_TILE = 64  # distinct queries per KL tile; the tile visits the G heads one after another
 KL_MAIN_TILES_PER_ITEM = 128  # KL items: ~128 // G tiles of 64 queries x G heads, 1 to 32 tiles (per_group_tiles)
-PARTIALS_BUDGET = 1 << 30  # the least bytes of per-slot partials one forward chunk may hold (partials_budget)
+# The least bytes of per-slot partials one forward chunk may hold (partials_budget). Each chunk costs four launches'
+# ramps and tails: at (a) B = 1, S = 64K, 4 chunks took the forward 9.9-10.4 ms, 1 chunk 8.4-8.5
+# (results/ab_budgets_242f55b.log); 2 GiB holds (a) B = 1 up to 64K in two chunks, (a) B = 2 at 64K in four.
+PARTIALS_BUDGET = 2 << 30
+# Item order of the forward's launches (sparse_plan.chunk_plans): "size", longest first, against "list" in one
+# process (results/ab_item_order_242f55b.log): forward (a) / (b) / (c) 64K 18.12 -> 17.30, 32.52 -> 32.23,
+# 61.48 -> 60.31 ms, (b) 16K 31.24 -> 30.68; (a) B = 1 64K and 16K within noise (10.36 -> 10.42, 3.41 -> 3.47). The
+# backward keeps list order: its main kernel measured 0.6-1 ms slower longest first at (b).
+FORWARD_ITEM_ORDER = "size"
+KL_PARTIALS_BUDGET = 1 << 30  # bytes of (A, T, L) partials per chunk of msa_kl_cuda (warmup's KL pass alone)
 
 
 def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
@@ -325,7 +334,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     # add to the peak.
     cuts = ((TILE_M // G, TILES_PER_ITEM),) + (((KL_TILE, per_group_tiles(KL_MAIN_TILES_PER_ITEM, G)),) if proxy
                                                else ())
-    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts)
+    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, FORWARD_ITEM_ORDER)
     E_max = B * c * min(chunk, S) * K
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
@@ -369,7 +378,7 @@ def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scal
 def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
     """(lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) of a selection, given the main attention's final lse (B, H, S):
     the KL pass alone, for a main attention computed elsewhere (warmup mode: cuDNN's dense attention). Queries run
-    in chunks whose (A, T, L) partials fit PARTIALS_BUDGET."""
+    in chunks whose (A, T, L) partials fit KL_PARTIALS_BUDGET."""
     B, S, H, D = q.shape
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
@@ -383,7 +392,7 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
         return lse_proxy, kl_rows
     groups = kl_part_groups(kl_cfg)
     per_query = B * Hp * K * 4 * 3 * groups
-    chunk = max(block_size, PARTIALS_BUDGET // per_query // block_size * block_size)
+    chunk = max(block_size, KL_PARTIALS_BUDGET // per_query // block_size * block_size)
     kl_buf = torch.empty((B * Hp * min(chunk, S) * K, 3 * groups), dtype=torch.float32, device=dev)
     lse = lse.contiguous()
     for s0 in range(0, S, chunk):

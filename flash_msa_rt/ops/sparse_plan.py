@@ -194,11 +194,16 @@ PLAN_BATCH_ENTRIES = 1 << 26
 
 
 def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads: int, queries: int,
-                cuts: tuple[tuple[int, int], ...]) -> dict[tuple[int, int], tuple[SparsePlan, ...]]:
+                cuts: tuple[tuple[int, int], ...],
+                order: str = "list") -> dict[tuple[int, int], tuple[SparsePlan, ...]]:
     """The plans of every chunk of `heads` proxy heads x `queries` queries of block_indices (B, Hp, S, K), from one
     stable sort: {(p0, s0): (plan, ...)} with one plan per (tile_queries, tiles_per_item) in cuts, each equal
     field for field (items up to its W) to sparse_plan(block_indices[:, p0:p0 + heads, s0:s1], block_size,
     s1 - s0, group, tile_queries, tiles_per_item, query_offset=s0). Its tensors are views of shared arrays.
+    order: "list" (list-major, sparse_plan's order; the deterministic backward's turns need it) or "size": the
+    same items longest first (a stable sort on their entry counts: the full items keep their list order, the
+    lists' partial remainders follow from the longest down), so a launch ends on its shortest items instead of
+    wherever the last lists' remainders fall (longest-processing-time-first for the grid's tail).
 
     Why. The forward and the backward run in chunks (bounded partial buffers), and each sparse_plan is ~45 small
     torch ops on the host: at (a) S = 64K, B = 2 the host took 11-13 ms to enqueue the 8 forward chunks' plans,
@@ -207,6 +212,8 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     the earlier chunks' E, + its own E) of one sorted array, and all chunks' items are cut in one batched pass.
     """
     B, Hp, S, K = block_indices.shape
+    if order not in ("size", "list"):
+        raise ValueError(f"chunk_plans: order = {order!r}; supported: 'size', 'list'")
     if Hp % heads or queries % block_size and queries < S:
         raise ValueError(f"chunk_plans: heads = {heads} must divide Hp = {Hp} and queries = {queries} be a multiple "
                          f"of block_size = {block_size} (or cover S = {S})")
@@ -215,7 +222,8 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
         E, L, dev = B * Hp * S * K, bounds.shape[0] - 1, bounds.device
         counts = (bounds[1:] - bounds[:-1]).view(1, L)
         items, item_count, W = _cut_batched(bounds[:-1].view(1, L), counts,
-                                            torch.full((1,), NB, dtype=torch.int64, device=dev), cuts, [E], [L])
+                                            torch.full((1,), NB, dtype=torch.int64, device=dev), cuts, [E], [L],
+                                            order == "size")
         return {(0, 0): tuple(
             SparsePlan(entry_query=entry_query, entry_dest=entry_dest, items=items[n, 0, :W[n][0]],
                        item_count=item_count[n, :1], list_bounds=bounds, E=E, W=W[n][0], K=K, Hp=Hp, S=S, B=B,
@@ -225,11 +233,11 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     plans = {}
     for r0 in range(0, S, per_batch):
         batch = block_indices[:, :, r0:min(S, r0 + per_batch)]
-        plans.update(_batch_plans(batch, r0, block_size, group, heads, queries, cuts))
+        plans.update(_batch_plans(batch, r0, block_size, group, heads, queries, cuts, order == "size"))
     return plans
 
 
-def _batch_plans(block_indices, query_offset, block_size, group, heads, queries, cuts):
+def _batch_plans(block_indices, query_offset, block_size, group, heads, queries, cuts, by_size):
     """chunk_plans of the query rows [query_offset, + block_indices.shape[2]) (the chunks start at query_offset)."""
     B, Hp, S, K = block_indices.shape
     Bs, c, dev = block_size, heads, block_indices.device
@@ -297,7 +305,7 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
     starts = bounds[index] - off_t.view(-1, 1)  # (n_ch, L_max + 1): list starts, then the dead list's
     valid = col[:, :L_max] < L_t.view(-1, 1)
     counts = torch.where(valid, starts[:, 1:] - starts[:, :-1], torch.zeros((), dtype=i64, device=dev))
-    items, item_count, W = _cut_batched(starts[:, :-1], counts, NB_t, cuts, E, L)
+    items, item_count, W = _cut_batched(starts[:, :-1], counts, NB_t, cuts, E, L, by_size)
 
     plans = {}
     for n in range(n_ch):
@@ -313,10 +321,11 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
     return plans
 
 
-def _cut_batched(list_start, counts, NB_t, cuts, E: list[int], L: list[int]):
+def _cut_batched(list_start, counts, NB_t, cuts, E: list[int], L: list[int], by_size: bool = False):
     """_cut_items of every chunk and every (tile_queries, tiles_per_item) cut at once: list_start, counts (n_ch,
     L_max) int64 (padding lists empty), NB_t (n_ch,), E and L per chunk -> (items (n_cuts, n_ch, W_max, 4) int32,
-    item_count (n_cuts, n_ch) int32, W[cut][chunk])."""
+    item_count (n_cuts, n_ch) int32, W[cut][chunk]). by_size: each chunk's items longest first (stable, so the
+    full items keep their list order; the empty rows past the real count stay last)."""
     sizes = [tq * T for tq, T in cuts]
     W = [[-(-e // C) + n for e, n in zip(E, L)] for C in sizes]
     W_max, L_max, n_ch = max(max(w) for w in W), counts.shape[1], counts.shape[0]
@@ -340,6 +349,9 @@ def _cut_batched(list_start, counts, NB_t, cuts, E: list[int], L: list[int]):
         torch.where(real, list_start.gather(1, lc) + chunk * C, zero),
         torch.where(real, torch.minimum((counts.gather(1, lc) - chunk * C).clamp(min=0), C), zero),
     ], dim=2).to(torch.int32)
+    if by_size:
+        longest = torch.sort(items[:, :, 3], dim=1, descending=True, stable=True).indices
+        items = items.gather(1, longest.unsqueeze(-1).expand(rows, W_max, 4))
     return items.view(len(sizes), n_ch, W_max, 4), chunk_end[:, -1].to(torch.int32).view(len(sizes), n_ch), W
 
 
