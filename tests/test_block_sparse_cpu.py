@@ -35,6 +35,58 @@ def test_kernel_indices_allow_the_same_keys(H, Hk, Hi):
         assert len({h // (H // Hk) for h in range(p * G, (p + 1) * G)}) == 1
 
 
+@pytest.mark.parametrize("H, Hk, Hi, budget_heads", [(8, 2, 2, 0), (8, 2, 2, 1.1), (8, 4, 1, 0), (12, 4, 3, 2.2)])
+def test_forward_on_emulated_kernels_matches_the_reference(H, Hk, Hi, budget_heads, monkeypatch):
+    """block_sparse_forward_cuda with sparse_fwd and sparse_combine replaced by their emulated contracts
+    (flash_msa_rt.ops.sparse_emulate) on the views they are given, in one chunk or in chunks of kernel heads:
+    out and lse are the reference's (float64 inputs; the launcher keeps the statistics in float32)."""
+    from flash_msa_rt import reference
+    from flash_msa_rt.ops import sparse_fwd
+    from flash_msa_rt.ops import sparse_plan as sp
+    from flash_msa_rt.ops.sparse_emulate import emulate_forward
+
+    B, S, D, K, Bs = 2, 600, 16, 5, 128
+    gen = torch.Generator().manual_seed(H + Hk + Hi)
+    q, k, v = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (H, Hk, Hk))
+    idx = torch.randint(-1, -(-S // Bs), (B, Hi, S, K), generator=gen, dtype=torch.int32)
+    idx[:, :, :, 1] = idx[:, :, :, 0]  # repeats
+    idx[0, 0, 300] = -1  # an empty row
+    plans, last = {}, {}
+
+    def recorded_chunk_plans(*args, **kwargs):
+        out = sp.chunk_plans(*args, **kwargs)
+        plans.update({id(p.items): p for chunk in out.values() for p in chunk})
+        return out
+
+    def emulated_kernel(op, config, device):
+        assert op in ("sparse_fwd", "sparse_combine"), op  # no KL pass without a proxy
+
+        def fwd(q, k, v, o_part, lse_part, items, scale, hp, hp_per_hk, **_):
+            plan = last["fwd"] = plans[id(items)]
+            assert hp == plan.Hp and k.shape[2] * hp_per_hk == hp and q.shape[2] == hp * plan.group
+            zeros = torch.zeros(q.shape[0], q.shape[1], hp, q.shape[3], dtype=q.dtype)  # no proxy
+            o_part[:], lse_part[:] = emulate_forward(plan, q, k, v, zeros, zeros[:, :, :1], scale)
+
+        def combine(block_indices, o_part, lse_part, out, lse, query_offset):
+            out[:], lse[:] = sp.combine_forward(last["fwd"], block_indices, o_part, lse_part)
+
+        return {"sparse_fwd": fwd, "sparse_combine": combine}[op]
+
+    monkeypatch.setattr(sparse_fwd, "chunk_plans", recorded_chunk_plans)
+    monkeypatch.setattr(sparse_fwd, "get_kernel", emulated_kernel)
+    monkeypatch.setattr(sparse_fwd, "DTYPES", {torch.float64: "f64"})
+    L, G = block_sparse.kernel_heads(H, Hk, Hi), block_sparse.kernel_group(H, Hk, Hi)
+    if budget_heads:  # chunks of kernel heads
+        per_head = B * S * K * (G * D * 2 + 4 * (G + 3 * sp.kl_groups(Bs)))
+        monkeypatch.setattr(sparse_fwd, "partials_budget", lambda *shape: int(budget_heads * per_head))
+        assert sparse_fwd.forward_chunks(B, S, L, Hk, L, K, G, D, Bs)[0] < L
+    out, lse = block_sparse.block_sparse_forward_cuda(q, k, v, idx, Bs, D ** -0.5)
+    want_out, want_lse = reference.block_sparse_forward(q, k, v, idx, Bs, D ** -0.5)
+    assert out.shape == q.shape and lse.shape == (B, H, S) and lse.dtype == torch.float32
+    torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)  # the launcher keeps lse_part in float32
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-5)
+
+
 def _problem(op="block_sparse_forward", dtype=torch.bfloat16, **over):
     config = {"head_dim": 128, "block_size": 128, "heads": 16, "index_heads": 2, "kv_group": 8, "varlen": False}
     if op == "block_sparse_backward":
