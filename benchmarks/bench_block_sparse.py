@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_msa import PUBLISHED  # noqa: E402
 from benchmarks.bench_sparse_fwd import nnz_of  # noqa: E402
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import flushed_event_times, write_results  # noqa: E402
 
 BLOCK, K, D = 128, 16, 128
 SHAPES = {"fsa": (16, 2, 2), "b": (32, 8, 8)}  # H, Hk, Hi
@@ -53,15 +53,7 @@ class Timer:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(self.reps)]
-        for start, end in events:
-            self.flush.zero_()
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in events)
+        return statistics.median(flushed_event_times(fn, self.reps, self.flush))
 
 
 def run(shape: str, S: int, B: int, timer: Timer) -> dict:

@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `flash_m
 
 import torch  # noqa: E402
 
-from benchmarks.common import RESULTS, commit  # noqa: E402
+from benchmarks.common import RESULTS, commit, flushed_event_times  # noqa: E402
 
 CONFIGS = {  # name -> (H, Hk, Hp, Hpk)
     "a": (16, 2, 4, 1),
@@ -288,14 +288,7 @@ class Timer:
                 break  # a kernel's first call may be slow once (module load, handles); the reference's is not
             per_call = min(per_call, self._host_time(fn))
         reps = min(a.reps, max(1 if reference else 3, int(a.budget_seconds / per_call)))
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for start, end in events:
-            self.flush.zero_()
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        times = [s.elapsed_time(e) for s, e in events]
+        times = flushed_event_times(fn, reps, self.flush)
         return dict(ms=statistics.median(times), times_ms=times, reps=reps, first_call_s=first_s,
                     peak_mem_bytes=peak)
 

@@ -43,6 +43,19 @@ def cuda_time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def flushed_event_times(fn, reps: int, flush: torch.Tensor) -> list[float]:
+    """CUDA-event ms of reps back-to-back fn() calls, flush (a buffer larger than the L2) zeroed outside the events
+    before each: the host enqueues ahead, as in training, and no call finds its inputs in the L2."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events]
+
+
 def host_us_per_call(fn, calls: int = 2000, rounds: int = 5) -> float:
     """Host time per call in microseconds (best of rounds), the device kept from backing up the queue."""
     best = float("inf")
