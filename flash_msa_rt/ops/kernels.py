@@ -6,8 +6,9 @@ Today: selection (flash_msa_rt.ops.select), the MSA sparse forward (flash_msa_rt
 torch's own operators) and its proxy KL pass and proxy backward on the dense warmup kernels
 (flash_msa_rt.ops.warmup_kl) where they are built, else on the sparse kernels with every causal block selected
 (and everything on the sparse kernels where this torch lacks the cuDNN operators). The varlen forms register
-here as their kernels land; until then they run on the reference and dispatch says so once. A problem a kernel cannot run (dtype, head dim, block size, K, G, varlen, deterministic mode where
-no deterministic kernels exist (sm100a, warmup's backward), or a variant not built for this GPU) is declined with
+here as their kernels land; until then they run on the reference and dispatch says so once. A problem a kernel
+cannot run (dtype, head dim, block size, K, G, varlen, deterministic mode where no deterministic kernels exist
+(sm100a, warmup's and block-sparse attention's backward), or a variant not built for this GPU) is declined with
 the reason, which dispatch shows with the build command; a declined call is never an error.
 """
 
