@@ -498,6 +498,8 @@ def test_chunk_plans_equal_each_chunks_own_plan(case, monkeypatch):
     cuts = ((8, 2), (3, 5), (64, 1))
     got = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "list")
     by_size = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "size")  # the same items, longest first
+    monkeypatch.setattr(sp, "QUERY_BIN", 32)
+    by_query = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "query")  # the same items, by (bp, query bin)
     starts = [(p0, s0) for p0 in range(0, Hp, heads) for s0 in range(0, S, queries)]
     assert sorted(got) == sorted(starts)
     for p0, s0 in starts:
@@ -516,6 +518,12 @@ def test_chunk_plans_equal_each_chunks_own_plan(case, monkeypatch):
             longest = sorted(range(plan.W), key=lambda w: (-int(n[w]), w))  # stable: list order among equals
             assert torch.equal(sized.items, plan.items[longest]), (p0, s0)
             assert torch.equal(sized.item_count, plan.item_count) and torch.equal(sized.entry_dest, plan.entry_dest)
+        for plan, binned in zip(got[(p0, s0)], by_query[(p0, s0)]):
+            items, real = plan.items.tolist(), int(plan.item_count)
+            first = [int(plan.entry_query[start]) if n else 0 for _, _, start, n in items]
+            want = sorted(range(real), key=lambda w: (items[w][0], first[w] // 32, w)) + list(range(real, plan.W))
+            assert torch.equal(binned.items, plan.items[want]), (p0, s0)
+            assert torch.equal(binned.item_count, plan.item_count) and torch.equal(binned.entry_dest, plan.entry_dest)
         if s0 == 0:
             check_plan(got[(p0, s0)][0], sel, Bs, *cuts[0])
 

@@ -40,6 +40,9 @@ def tiles_per_item(group: int) -> int:
     return max(1, min(TILES_PER_ITEM, ITEM_ENTRIES // max(1, TILE_M // group)))
 
 
+# Item order of the backward's launches (sparse_plan.chunk_plans: "list" or "query" bins). The deterministic
+# kernels' turns need list order and always get it.
+BACKWARD_ITEM_ORDER = "list"
 PROXY_MAIN_TILES_PER_ITEM = 128  # proxy tiles are 64 queries x G heads: sparse_fwd.per_group_tiles(128, G) per item
 PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all-causal selection is chunked)
 
@@ -259,7 +262,7 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     # before the tau rows exist, so the sort's temporaries do not add to the peak). The main plan's sorted lists
     # are the proxy plan's: entry e's tau row is row e for both.
     cuts = ((TILE_M // G, tiles_per_item(G)), (TILE_M, proxy_tiles))
-    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts)
+    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, "list" if det else BACKWARD_ITEM_ORDER)
     tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
     if det:
         sums = _DeterministicSums(q_proxy, q, rows, block_size)

@@ -191,6 +191,9 @@ def _cut_items(bounds: torch.Tensor, NB: int, E: int, C: int):
 # Entries one chunk_plans sort may hold (its temporaries take ~16 bytes each beyond the plan's 8): more are sorted in
 # batches of whole query chunks.
 PLAN_BATCH_ENTRIES = 1 << 26
+# Item order "query": items sorted by (bp, the query of their first entry // QUERY_BIN), list order inside a bin.
+QUERY_BIN = 4096
+ORDERS = ("list", "size", "query")
 
 
 def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads: int, queries: int,
@@ -203,7 +206,11 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     order: "list" (list-major, sparse_plan's order; the deterministic backward's turns need it) or "size": the
     same items longest first (a stable sort on their entry counts: the full items keep their list order, the
     lists' partial remainders follow from the longest down), so a launch ends on its shortest items instead of
-    wherever the last lists' remainders fall (longest-processing-time-first for the grid's tail).
+    wherever the last lists' remainders fall (longest-processing-time-first for the grid's tail); or "query": the
+    items of each (b, p) by the query bin (QUERY_BIN queries) of their first entry, list order inside a bin, so the
+    CTAs resident at once gather and reduce into the rows of a few bins (the backward's fp32 dq reductions, 10x the
+    L2 in list order, mostly miss it: kernels_src/sparse_bwd/NOTES.md). An item's entries are sorted by query, so
+    its rows span a contiguous query range either way; the items themselves are the same in every order.
 
     Why. The forward and the backward run in chunks (bounded partial buffers), and each sparse_plan is ~45 small
     torch ops on the host: at (a) S = 64K, B = 2 the host took 11-13 ms to enqueue the 8 forward chunks' plans,
@@ -212,8 +219,8 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     the earlier chunks' E, + its own E) of one sorted array, and all chunks' items are cut in one batched pass.
     """
     B, Hp, S, K = block_indices.shape
-    if order not in ("size", "list"):
-        raise ValueError(f"chunk_plans: order = {order!r}; supported: 'size', 'list'")
+    if order not in ORDERS:
+        raise ValueError(f"chunk_plans: order = {order!r}; supported: {', '.join(map(repr, ORDERS))}")
     if Hp % heads or queries % block_size and queries < S:
         raise ValueError(f"chunk_plans: heads = {heads} must divide Hp = {Hp} and queries = {queries} be a multiple "
                          f"of block_size = {block_size} (or cover S = {S})")
@@ -224,6 +231,8 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
         items, item_count, W = _cut_batched(bounds[:-1].view(1, L), counts,
                                             torch.full((1,), NB, dtype=torch.int64, device=dev), cuts, [E], [L],
                                             order == "size")
+        if order == "query":
+            items = _by_query(items, entry_query, torch.zeros(1, dtype=torch.int64, device=dev))
         return {(0, 0): tuple(
             SparsePlan(entry_query=entry_query, entry_dest=entry_dest, items=items[n, 0, :W[n][0]],
                        item_count=item_count[n, :1], list_bounds=bounds, E=E, W=W[n][0], K=K, Hp=Hp, S=S, B=B,
@@ -233,11 +242,11 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     plans = {}
     for r0 in range(0, S, per_batch):
         batch = block_indices[:, :, r0:min(S, r0 + per_batch)]
-        plans.update(_batch_plans(batch, r0, block_size, group, heads, queries, cuts, order == "size"))
+        plans.update(_batch_plans(batch, r0, block_size, group, heads, queries, cuts, order))
     return plans
 
 
-def _batch_plans(block_indices, query_offset, block_size, group, heads, queries, cuts, by_size):
+def _batch_plans(block_indices, query_offset, block_size, group, heads, queries, cuts, item_order):
     """chunk_plans of the query rows [query_offset, + block_indices.shape[2]) (the chunks start at query_offset)."""
     B, Hp, S, K = block_indices.shape
     Bs, c, dev = block_size, heads, block_indices.device
@@ -305,7 +314,9 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
     starts = bounds[index] - off_t.view(-1, 1)  # (n_ch, L_max + 1): list starts, then the dead list's
     valid = col[:, :L_max] < L_t.view(-1, 1)
     counts = torch.where(valid, starts[:, 1:] - starts[:, :-1], torch.zeros((), dtype=i64, device=dev))
-    items, item_count, W = _cut_batched(starts[:, :-1], counts, NB_t, cuts, E, L, by_size)
+    items, item_count, W = _cut_batched(starts[:, :-1], counts, NB_t, cuts, E, L, item_order == "size")
+    if item_order == "query":
+        items = _by_query(items, entry_query, off_t)
 
     plans = {}
     for n in range(n_ch):
@@ -353,6 +364,20 @@ def _cut_batched(list_start, counts, NB_t, cuts, E: list[int], L: list[int], by_
         longest = torch.sort(items[:, :, 3], dim=1, descending=True, stable=True).indices
         items = items.gather(1, longest.unsqueeze(-1).expand(rows, W_max, 4))
     return items.view(len(sizes), n_ch, W_max, 4), chunk_end[:, -1].to(torch.int32).view(len(sizes), n_ch), W
+
+
+def _by_query(items: torch.Tensor, entry_query: torch.Tensor, first_entry: torch.Tensor) -> torch.Tensor:
+    """items (n_cuts, n_ch, W_max, 4) of chunk_plans reordered per chunk by (bp, query bin of the first entry),
+    stable (list order inside a bin); first_entry (n_ch,): each chunk's first sorted entry in entry_query. The
+    empty rows past the real count (n_entries = 0) stay last."""
+    i64 = torch.int64
+    start = items[..., 2].to(i64) + first_entry.view(1, -1, 1)
+    query = entry_query[start.clamp(max=entry_query.shape[0] - 1)].to(i64)
+    bins = _INT32_LIMIT // QUERY_BIN + 1  # more than any query's bin (queries are int32)
+    key = items[..., 0].to(i64) * bins + torch.div(query, QUERY_BIN, rounding_mode="floor")
+    key = torch.where(items[..., 3] > 0, key, torch.full((), torch.iinfo(i64).max, dtype=i64, device=key.device))
+    order = torch.sort(key, dim=2, stable=True).indices
+    return items.gather(2, order.unsqueeze(-1).expand(*order.shape, 4))
 
 
 # --- partial buffers ---------------------------------------------------------------------------------------------
