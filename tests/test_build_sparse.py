@@ -2,6 +2,7 @@
 Blackwell with no GPU: PTX params equal the declared ABI, no local memory, shared memory as the spec declares. One G each
 (the others differ in constants only; the catalogue builds them all)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,9 +25,9 @@ def test_sparse_kernels_build(tmp_path, arch):
     # sm90a builds every family but the combines twice: mma.sync and wgmma (Hopper only); the forward and the KL
     # pass on wgmma once more each, with their warpgroups in ping-pong (the forward twice: one and two q buffers),
     # the proxy backward with resident heads, and the main backward writing tau, with atomics and deterministic
-    # (the proxy kernel reading it is built at g1 only)
+    # (the proxy kernel reading it is built at g1 only), the atomic one also warp-specialised (a producer warpgroup)
     extra = ["sparse_fwd", "sparse_fwd", "sparse_fwd", "sparse_kl", "sparse_kl", "sparse_bwd", "sparse_bwd",
-             "sparse_bwd", "sparse_bwd_proxy", "sparse_bwd_proxy"] if arch == "sm90a" else []
+             "sparse_bwd", "sparse_bwd", "sparse_bwd_proxy", "sparse_bwd_proxy"] if arch == "sm90a" else []
     assert sorted(s.op for s in specs) == sorted([*FAMILIES, *extra])
     outcomes = build(specs, tmp_path, jobs=2, progress=False)
     assert all(o.status == "built" for o in outcomes), outcomes
@@ -45,6 +46,9 @@ def test_sparse_kernels_build(tmp_path, arch):
             assert ("cp.reduce.async.bulk" in ptx) != det, s.name
             assert ("cp.async.bulk.global.shared::cta" in ptx) == det, s.name
             assert ("ld.acquire.gpu" in ptx and "st.release.gpu" in ptx) == det, s.name
+            producer = "_t384_" in s.name  # registers move to the consumers; the stages are handed over by mbarrier
+            assert ("setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx and
+                    "cp.async.mbarrier.arrive.noinc" in ptx and ".minnctapersm 1" in ptx) == producer, s.name
 
 
 def test_sparse_kernels_refuse_what_they_cannot_run():
@@ -54,6 +58,11 @@ def test_sparse_kernels_refuse_what_they_cannot_run():
     assert not ok and "head_dim 64" in reason
     ok, reason = sparse_bwd.can_implement(sparse_bwd.Config(block_size=64), "sm90a")
     assert not ok and "block_size 64" in reason
+    tau = sparse_bwd.MainConfig(mma="wgmma", tile_n=128, tau_out=1, threads=sparse_bwd.PRODUCER_THREADS)
+    assert sparse_bwd.can_implement(tau, "sm90a")[0]
+    for bad in (dict(group=8), dict(deterministic=1), dict(tau_out=0)):
+        ok, reason = sparse_bwd.can_implement(dataclasses.replace(tau, **bad), "sm90a")
+        assert not ok and "the producer warp" in reason, (bad, reason)
     ok, reason = sparse_fwd.can_implement(sparse_fwd.Config(dtype="f32"), "sm90a")
     assert not ok and "dtype" in reason
     ok, reason = sparse_fwd.can_implement(sparse_fwd.Config(mma="wgmma"), "sm100a")

@@ -193,3 +193,16 @@ def test_tau_budget_follows_the_dq_accumulator(monkeypatch):
     assert rt_bwd.tau_budget(1, 8192, 16, 128) == 1 << 28
     assert rt_bwd.tau_budget(2, 65536, 16, 128) == 2 * 2 * 65536 * 16 * 128  # (a) at B = 2: 537 MB
     assert rt_bwd.tau_budget(2, 65536, 32, 128) == rt_bwd.TAU_BUDGET  # (b): 1 GiB
+
+
+def test_producer_variants_agree_with_the_build():
+    """The runtime asks for the warp-specialised main backward exactly where the build makes it."""
+    from flash_msa_rt.ops import sparse_bwd as runtime
+    from kernels_src import sparse_bwd as build
+
+    assert (runtime.PRODUCER_THREADS, runtime.PRODUCER_GROUPS) == (build.PRODUCER_THREADS, build.PRODUCER_GROUPS)
+    for G in build.GROUPS:
+        config = runtime.kernel_config("bf16", 128, 128, G, "wgmma", tau_out=True)
+        assert (config["threads"] == build.PRODUCER_THREADS) == (G in build.PRODUCER_GROUPS), G
+        assert runtime.kernel_config("bf16", 128, 128, G, "wgmma", True, True)["threads"] == 256
+        assert runtime.kernel_config("bf16", 128, 128, G, "wgmma")["threads"] == 256

@@ -100,6 +100,24 @@ def test_both_backward_kernels_match_reference(mma, heads, G, force_mma, monkeyp
     _check_backward(qp, kp, q, k, v, _selection(qp, kp, 6, scale), scale)
 
 
+@pytest.mark.parametrize("producer", [False, True])
+@pytest.mark.parametrize("G", [1, 2, 4])
+def test_main_backward_with_and_without_producer(G, producer, monkeypatch):
+    """At G <= 4 the main kernel runs warp-specialised (a producer warpgroup gathers the tiles:
+    kernels_src/sparse_bwd/producer.py); the kernel without one is still built: both match the reference on odd
+    S with several tiles per item and items of several lists."""
+    from flash_msa_rt.ops import sparse_bwd, sparse_fwd
+
+    if sparse_fwd.device_mma(torch.device("cuda"), "sparse_bwd") != "wgmma":
+        pytest.skip("the producer variant is the wgmma tau kernel (sm90a)")
+    monkeypatch.setattr(sparse_bwd, "PRODUCER", producer)
+    assert (sparse_bwd.kernel_config("bf16", 128, 128, G, "wgmma", True)["threads"] == 384) == producer
+    H = 8
+    qp, kp, q, k, v = _inputs(2, 2333, H, 2, H // G, 1, torch.bfloat16, seed=G + 70)
+    scale = 128 ** -0.5
+    _check_backward(qp, kp, q, k, v, _selection(qp, kp, 7, scale), scale)
+
+
 @pytest.mark.parametrize("heads_per_chunk", [0, 2])
 @pytest.mark.parametrize("G", [1, 4, 16])
 def test_tau_path_in_chunks(G, heads_per_chunk, monkeypatch):

@@ -40,9 +40,21 @@ def tiles_per_item(group: int) -> int:
     return max(1, min(TILES_PER_ITEM, ITEM_ENTRIES // max(1, TILE_M // group)))
 
 
-# Item order of the backward's launches (sparse_plan.chunk_plans: "list" or "query" bins). The deterministic
-# kernels' turns need list order and always get it.
+# Item order of the backward's launches (sparse_plan.chunk_plans: "list", or "query": by bins of
+# sparse_plan.QUERY_BIN queries, so the CTAs resident at once reduce into fewer dq rows). Query bins of 2048
+# against list order, same process, two runs (results/ab_item_query*_4a058e1.log): whole backward (c) 64K (G = 16)
+# 76.48 -> 73.57 and 75.93 -> 73.08 ms; (b) 64K (G = 4) 41.50 -> 40.74, then 40.99 -> 41.71 (noise); (a) 64K at
+# B = 1 and B = 2 and (a) B = 1 32K 2.5-5 % slower (G = 4). So query bins at G >= BACKWARD_QUERY_GROUP (G = 8 not
+# measured: list order there). The deterministic kernels' turns need list order and always get it.
 BACKWARD_ITEM_ORDER = "list"
+BACKWARD_QUERY_GROUP = 16
+
+
+def backward_item_order(group: int, deterministic: bool = False) -> str:
+    """The item order of a backward at G = group (chunk_plans' order)."""
+    if deterministic:
+        return "list"
+    return "query" if group >= BACKWARD_QUERY_GROUP else BACKWARD_ITEM_ORDER
 PROXY_MAIN_TILES_PER_ITEM = 128  # proxy tiles are 64 queries x G heads: sparse_fwd.per_group_tiles(128, G) per item
 PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all-causal selection is chunked)
 
@@ -54,12 +66,26 @@ def tile_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str
             "tile_n": sparse_fwd.tile_n_for(mma, block_size), "threads": 256, "stages": 2, "mma": mma}
 
 
+# The warp-specialised main kernel (kernels_src/sparse_bwd/producer.py: a producer warpgroup gathers the tiles,
+# threads 384) where it is built: the atomic tau kernels on wgmma at G in PRODUCER_GROUPS. Off by default: its
+# first build measured 1.02-1.05x on the whole backward (results/ab_producer_4a058e1.log), but racecheck reported
+# hazards between the producer's row-scalar copies and the consumers' reads (results/racecheck_producer_*.log:
+# the stage was released by one lane per consumer warp); the fix (every consumer thread releases it) is built and
+# has not run on a GPU. Turn it on once the GPU tests and racecheck pass with it (kernels_src/sparse_bwd/NOTES.md).
+PRODUCER = False
+PRODUCER_THREADS = 384
+PRODUCER_GROUPS = (1, 2, 4)
+
+
 def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
                   tau_out: bool = False, deterministic: bool = False) -> dict:
     """sparse_bwd's variant; tau_out: it also writes tau for the proxy kernel's "tau" heads; deterministic (with
     tau_out): partial rows stored for sparse_bwd_sums instead of atomics."""
-    return {**tile_config(dtype, head_dim, block_size, group, mma), "tau_out": int(tau_out),
-            "deterministic": int(deterministic)}
+    config = {**tile_config(dtype, head_dim, block_size, group, mma), "tau_out": int(tau_out),
+              "deterministic": int(deterministic)}
+    if PRODUCER and tau_out and not deterministic and mma == "wgmma" and group in PRODUCER_GROUPS:
+        config["threads"] = PRODUCER_THREADS
+    return config
 
 
 # How the proxy backward gets a tile's tau on wgmma: read from the main backward when it runs beside it ("tau",
@@ -262,7 +288,7 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     # before the tau rows exist, so the sort's temporaries do not add to the peak). The main plan's sorted lists
     # are the proxy plan's: entry e's tau row is row e for both.
     cuts = ((TILE_M // G, tiles_per_item(G)), (TILE_M, proxy_tiles))
-    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, "list" if det else BACKWARD_ITEM_ORDER)
+    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, backward_item_order(G, det))
     tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
     if det:
         sums = _DeterministicSums(q_proxy, q, rows, block_size)

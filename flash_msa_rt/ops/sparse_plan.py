@@ -192,7 +192,7 @@ def _cut_items(bounds: torch.Tensor, NB: int, E: int, C: int):
 # batches of whole query chunks.
 PLAN_BATCH_ENTRIES = 1 << 26
 # Item order "query": items sorted by (bp, the query of their first entry // QUERY_BIN), list order inside a bin.
-QUERY_BIN = 4096
+QUERY_BIN = 2048
 ORDERS = ("list", "size", "query")
 
 

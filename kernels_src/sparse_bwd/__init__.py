@@ -31,6 +31,10 @@ DQ_ROW_PAD = 8
 # global load. 2048 entries cover the runtime's items (32 tiles of 64 // G queries) at every G; entries past the
 # table are read from global memory.
 ENTRY_TABLE = 2048
+# threads = 384: the warp-specialised variant (producer.py), 256 consumers and a producer warpgroup gathering the
+# tiles; built for the atomic tau kernels at G <= 4 (the consumers get 232 registers; at G >= 8 they use ~250).
+PRODUCER_THREADS = 384
+PRODUCER_GROUPS = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,8 @@ class Config:
         kv = 2 * _align(self.tile_n * self.head_dim * e, 1024)
         rows = 2 * _align(self.stages * self.tile_m * self.head_dim * e, 1024)
         p_ds = 2 * _align(self.tile_n * self.tile_m * e, 1024)
-        return (kv + rows + p_ds + dq_query_staging_bytes(self) + _align(ENTRY_TABLE * 4, 1024)
+        barriers = _align(2 * self.stages * 8, 1024) if self.threads == PRODUCER_THREADS else 0  # full, empty
+        return (barriers + kv + rows + p_ds + dq_query_staging_bytes(self) + _align(ENTRY_TABLE * 4, 1024)
                 + _align(self.tile_m * self.stages * 2 * 4, 1024))
 
 
@@ -123,9 +128,12 @@ def tau_ok(config) -> bool:
 
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[MainConfig]:
-    """mma_configs, and the whole-block wgmma ones again with tau_out = 1, atomic and deterministic."""
+    """mma_configs, and the whole-block wgmma ones again with tau_out = 1, atomic and deterministic, and the atomic
+    ones at G <= 4 warp-specialised (PRODUCER_THREADS)."""
     base = [MainConfig(**dataclasses.asdict(c)) for c in mma_configs(head_dims, block_sizes, dtypes)]
-    return base + [dataclasses.replace(c, tau_out=1, deterministic=d) for d in (0, 1) for c in base if tau_ok(c)]
+    tau = [dataclasses.replace(c, tau_out=1, deterministic=d) for d in (0, 1) for c in base if tau_ok(c)]
+    return base + tau + [dataclasses.replace(c, threads=PRODUCER_THREADS) for c in tau
+                         if not c.deterministic and c.group in PRODUCER_GROUPS]
 
 
 def tile_n_for(mma: str, block_size: int) -> int:
@@ -145,10 +153,15 @@ def mma_refusal(config, arch: str) -> str | None:
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
+    producer = hasattr(c, "tau_out")  # sparse_bwd's own configs (sparse_bwd_proxy and sparse_kl check theirs)
     reason = refusal(c, arch, dtype=DTYPES, head_dim=(128,), block_size=(128,), group=GROUPS, tile_m=(64,),
-                     tile_n=(64, 128), threads=(256,), stages=(1, 2)) or mma_refusal(c, arch)
+                     tile_n=(64, 128), threads=(256, PRODUCER_THREADS) if producer else (256,),
+                     stages=(1, 2)) or mma_refusal(c, arch)
     tau_out, det = getattr(c, "tau_out", 0), getattr(c, "deterministic", 0)
-    if not reason and tau_out not in (0, 1):
+    if not reason and c.threads == PRODUCER_THREADS and not (tau_out and not det and c.group in PRODUCER_GROUPS):
+        reason = (f"threads {PRODUCER_THREADS} (the producer warp) is built with tau_out 1, deterministic 0 at group "
+                  f"in {PRODUCER_GROUPS} only; got tau_out {tau_out}, deterministic {det}, group {c.group}")
+    elif not reason and tau_out not in (0, 1):
         reason = f"tau_out {tau_out!r} not supported; supported: 0, 1"
     elif not reason and det not in (0, 1):
         reason = f"deterministic {det!r} not supported; supported: 0, 1"

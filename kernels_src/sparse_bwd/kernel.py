@@ -30,7 +30,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
 from kernels_src.atomics import bulk_reduce_add_f32, bulk_store_f32, raise_flag, red_add_v2, wait_flag
-from kernels_src.sparse_bwd import DQ_ROW_PAD, ENTRY_TABLE
+from kernels_src.sparse_bwd import DQ_ROW_PAD, ENTRY_TABLE, PRODUCER_THREADS
 from kernels_src.spec import Compiled
 from kernels_src.tiles import (acc_rows_cols, compile_tile_kernel, copy_row, copy_word, cp_async_rows, cp_async_word,
                                item_word, row_table, smem_tile, stage_item_words, transposed, warp_mma)
@@ -55,6 +55,9 @@ class SparseBackward:
         # dq rows stored, not added, and the item's dk / dv atomics in turn (see the module docstring); the tensor
         # named dq_acc below is then dq_part (E, G D).
         self.deterministic = bool(getattr(config, "deterministic", 0))
+        # Warp-specialised (producer.py): a producer warpgroup beside the threads above gathers every tile's rows.
+        self.ws = False
+        self.block_threads = config.threads
         self.traced: dict = {}
 
     # ------------------------------------------------------------------ host side
@@ -71,6 +74,15 @@ class SparseBackward:
 
     def _gmem_copy(self):
         return cp_async_rows(self.dtype, self.head_dim, self.threads, self.ROW_THREADS)
+
+    def occupancy(self) -> dict:
+        """Launch bounds beyond the block size: with a producer (setmaxnreg), one CTA per SM, so that ptxas knows
+        the registers at the kernel's entry (.minnctapersm; without it setmaxnreg is ignored, C7508)."""
+        return dict(min_blocks_per_mp=1) if self.ws else {}
+
+    def _gmem_copy_warp(self):
+        """The producer warpgroup's row copies (producer.py; built and unused without one)."""
+        return cp_async_rows(self.dtype, self.head_dim, 128, self.ROW_THREADS)
 
     def rows_cols(self, t: cute.Tensor) -> cute.Tensor:
         """The rows x columns one thread holds of an accumulator (or of its coordinates)."""
@@ -149,18 +161,7 @@ class SparseBackward:
         l_dq = self._dq_query_layout()
         l_rows_f = self._row_floats()
 
-        @cute.struct
-        class SharedStorage:
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_v: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
-            s_do: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
-            s_p: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
-            s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
-            s_dq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_dq)], 1024]
-            s_entries: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, ENTRY_TABLE], 1024]
-            s_rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_rows_f)], 1024]
-
+        SharedStorage = self.shared_storage(l_kv, l_rows, l_p, l_dq, l_rows_f)
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         layouts = (l_kv, l_rows, l_p, l_dq, l_rows_f, self._gmem_copy(), SharedStorage)
         grid = (items.shape[0] * self.halves, 1, 1)
@@ -174,8 +175,29 @@ class SparseBackward:
                                                                    smem=self.traced["smem_bytes"], stream=stream)
         else:
             self.kernel_tau(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau, scale, hp,
-                            hp_per_hk, *layouts).launch(grid=grid, block=(self.threads, 1, 1),
-                                                        smem=self.traced["smem_bytes"], stream=stream)
+                            hp_per_hk, *layouts, self._gmem_copy_warp()).launch(
+                grid=grid, block=(self.block_threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream,
+                **self.occupancy())
+
+    def shared_storage(self, l_kv, l_rows, l_p, l_dq, l_rows_f):
+        """The kernel's shared memory (a plain method: CuTeDSL rewrites the control flow of jit functions, which
+        would hide the conditional fields from the class body)."""
+
+        @cute.struct
+        class SharedStorage:
+            if self.ws:  # the producer's full / empty mbarriers per stage, before the 1024-aligned tiles
+                full: cute.struct.MemRange[cutlass.Int64, self.stages]
+                empty: cute.struct.MemRange[cutlass.Int64, self.stages]
+            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
+            s_v: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
+            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+            s_do: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+            s_p: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
+            s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
+            s_dq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_dq)], 1024]
+            s_entries: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, ENTRY_TABLE], 1024]
+            s_rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_rows_f)], 1024]
+        return SharedStorage
 
     # ------------------------------------------------------------------ device side
 
@@ -191,9 +213,10 @@ class SparseBackward:
     def kernel_tau(self, q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau,
                    scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
                    l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
-                   l_dq: cute.Layout, l_rows_f: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+                   l_dq: cute.Layout, l_rows_f: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
+                   gcopy_warp: cute.TiledCopy):
         self.backward(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau, scale, hp,
-                      hp_per_hk, l_kv, l_rows, l_p, l_dq, l_rows_f, gcopy, SharedStorage)
+                      hp_per_hk, l_kv, l_rows, l_p, l_dq, l_rows_f, gcopy, SharedStorage, gcopy_warp=gcopy_warp)
 
     @cute.kernel
     def kernel_det(self, q, k, v, dout, lse, delta, entry_query, items, dq_part, dk_acc, dv_acc, tau, entry_dest,
@@ -208,9 +231,12 @@ class SparseBackward:
     def backward(self, q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau,
                  scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
                  l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
-                 l_rows_f: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr, turns=None):
+                 l_rows_f: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr, turns=None,
+                 gcopy_warp=None):
         """The kernel body; tau None (trace time): the variant without tau_out; turns (entry_dest, item_prev,
-        item_done): the deterministic variant's."""
+        item_done): the deterministic variant's. Warp-specialised (self.ws, producer.py): threads past
+        self.threads are the producer warpgroup, which gathers every tile's rows with gcopy_warp into stage
+        tile % stages and arrives on full[stage]; the others consume, and free a stage on empty[stage]."""
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         w = cta // self.halves
@@ -234,43 +260,91 @@ class SparseBackward:
             s_entries = storage.s_entries.get_tensor(cute.make_layout(ENTRY_TABLE))
             s_rows = storage.s_rows.get_tensor(l_rows_f)
 
+            full = empty = None
+            if cutlass.const_expr(self.ws):
+                full, empty = storage.full.data_ptr(), storage.empty.data_ptr()
+                if tidx == 0:
+                    for s in cutlass.range_constexpr(self.stages):
+                        cute.arch.mbarrier_init(full + s, self.block_threads - self.threads)  # the producer's
+                        # threads, each once its copies have landed (cp.async.mbarrier.arrive.noinc)
+                        cute.arch.mbarrier_init(empty + s, self.threads)  # every consumer thread
+                cute.arch.mbarrier_init_fence()
+
             # The item's entries first, in a group of their own: tile 0's gathers need them.
-            stage_item_words(entry_query, s_entries, start, n_entries, tidx, self.threads)
+            if tidx < self.threads:
+                stage_item_words(entry_query, s_entries, start, n_entries, tidx, self.threads)
             cute.arch.cp_async_commit_group()
-            self.load_block(gcopy, k[b, None, kvh, None], s_k, t0, seqlen, tidx)
-            self.load_block(gcopy, v[b, None, kvh, None], s_v, t0, seqlen, tidx)
+            if cutlass.const_expr(not self.ws):
+                self.load_block(gcopy, k[b, None, kvh, None], s_k, t0, seqlen, tidx)
+                self.load_block(gcopy, v[b, None, kvh, None], s_v, t0, seqlen, tidx)
             cute.arch.cp_async_wait_group(0)  # the entries' group (the key block is not committed yet)
             cute.arch.sync_threads()
+            if cutlass.const_expr(self.ws):
+                # Registers move from the producer warpgroup to the consumers (setmaxnreg, per warpgroup): an SM
+                # sub-partition's 16K registers hold one producer and two consumer warps.
+                if tidx >= self.threads:
+                    cute.arch.warpgroup_reg_dealloc(self.PRODUCER_REGS)
+                    self.produce(gcopy_warp, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query,
+                                 s_entries, start, n_entries, full, empty, tidx - self.threads)
+                else:
+                    cute.arch.warpgroup_reg_alloc(self.CONSUMER_REGS)
+                    self.load_block(gcopy, k[b, None, kvh, None], s_k, t0, seqlen, tidx)
+                    self.load_block(gcopy, v[b, None, kvh, None], s_v, t0, seqlen, tidx)
+                    cute.arch.cp_async_commit_group()
+                    self.consume(q, dout, lse, delta, entry_query, dq_acc, dk_acc, dv_acc, tau, scale, b, p, kvh, t0,
+                                 seqlen, s_k, s_v, s_q_all, s_do_all, s_p, s_ds, s_dq, s_entries, s_rows, gcopy,
+                                 start, n_entries, w, tidx, turns, full, empty)
+            else:
+                self.consume(q, dout, lse, delta, entry_query, dq_acc, dk_acc, dv_acc, tau, scale, b, p, kvh, t0,
+                             seqlen, s_k, s_v, s_q_all, s_do_all, s_p, s_ds, s_dq, s_entries, s_rows, gcopy, start,
+                             n_entries, w, tidx, turns, full, empty)
 
-            # Made here: a wgmma TiledMma's runtime state (its accumulate flag) would become kernel parameters.
-            mma_s, mma_kv = self._score_mma(), self._kv_mma()
-            thr_s = mma_s.get_slice(tidx)
-            thr_kv = mma_kv.get_slice(tidx)
-            acc_dv = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
-            acc_dk = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
-            acc_dv.fill(0.0)
-            acc_dk.fill(0.0)
-            acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
-            acc_dp = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
-            s_mn, dp_mn = self.rows_cols(acc_s), self.rows_cols(acc_dp)
-            coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-            acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
-            dq_mn = self.rows_cols(acc_dq)
-            coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
-            scale_log2 = scale * _LOG2E
-            n_rows = cute.size(s_mn, mode=[0])
-            lse2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-            dlt = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
-            key_limit = cute.make_rmem_tensor((n_rows,), cutlass.Int32)
-            dq_query = self.staged_query(tidx)
+    @cute.jit
+    def consume(self, q, dout, lse, delta, entry_query, dq_acc, dk_acc, dv_acc, tau, scale, b, p, kvh, t0, seqlen,
+                s_k, s_v, s_q_all, s_do_all, s_p, s_ds, s_dq, s_entries, s_rows, gcopy, start, n_entries, w, tidx,
+                turns, full, empty):
+        """The item's tiles: products, exponentials, dq reductions, tau, then the key block's dK, dV. Without a
+        producer the threads also gather tile t + 1 under tile t; with one (self.ws) they wait on full[stage]
+        for tile t's rows, free the stage on empty[stage], and meet at the consumers' named barrier."""
+        # Made here: a wgmma TiledMma's runtime state (its accumulate flag) would become kernel parameters.
+        mma_s, mma_kv = self._score_mma(), self._kv_mma()
+        thr_s = mma_s.get_slice(tidx)
+        thr_kv = mma_kv.get_slice(tidx)
+        acc_dv = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
+        acc_dk = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
+        acc_dv.fill(0.0)
+        acc_dk.fill(0.0)
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
+        acc_dp = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
+        s_mn, dp_mn = self.rows_cols(acc_s), self.rows_cols(acc_dp)
+        coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
+        dq_mn = self.rows_cols(acc_dq)
+        coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        scale_log2 = scale * _LOG2E
+        n_rows = cute.size(s_mn, mode=[0])
+        lse2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        dlt = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
+        key_limit = cute.make_rmem_tensor((n_rows,), cutlass.Int32)
+        dq_query = self.staged_query(tidx)
 
-            n_tiles = cute.ceil_div(n_entries, self.tile_queries)
-            self.gather_tile(gcopy, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query, s_entries,
-                             start, n_entries, 0, tidx)
-            for tile in cutlass.range(n_tiles, unroll=1):
-                n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
-                s_q = s_q_all[None, None, tile % self.stages]
-                s_do = s_do_all[None, None, tile % self.stages]
+        n_tiles = cute.ceil_div(n_entries, self.tile_queries)
+        if cutlass.const_expr(self.ws):
+            cute.arch.cp_async_wait_group(0)  # this thread's key-block rows
+            self.publish_async_copies()
+            self.consumers_sync()
+        else:
+            self.gather_tile(gcopy, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query,
+                             s_entries, start, n_entries, 0, tidx)
+        for tile in cutlass.range(n_tiles, unroll=1):
+            n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+            stage = tile % self.stages
+            s_q = s_q_all[None, None, stage]
+            s_do = s_do_all[None, None, stage]
+            if cutlass.const_expr(self.ws):
+                cute.arch.mbarrier_wait(full + stage, (tile // self.stages) % 2)
+                self.publish_async_copies()  # the producer's cp.async writes -> this warpgroup's wgmma reads
+            else:
                 if tile + 1 < n_tiles:
                     self.gather_tile(gcopy, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query,
                                      s_entries, start, n_entries, tile + 1, tidx)
@@ -279,54 +353,81 @@ class SparseBackward:
                 cute.arch.cp_async_wait_group(1)
                 self.publish_async_copies()
                 cute.arch.sync_threads()
-                self.row_scalars(s_rows, entry_query, s_entries, start, tile, n_q, coord_s, t0, lse2, dlt, key_limit)
+            self.row_scalars(s_rows, entry_query, s_entries, start, tile, n_q, coord_s, t0, lse2, dlt, key_limit)
 
-                # S = Q K^T -> P = exp(S - lse); dP = dO V^T -> dS = P (dP - delta). Rows past n_q: P = dS = 0.
-                # The previous tile's dq reductions are issued under the two products: the bulk instructions go
-                # out one at a time per SM, and issued at that tile's end they held every other warp at this
-                # tile's first barrier (NOTES.md).
-                self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False, wait=False)
-                self.gemm(mma_s, thr_s, acc_dp, s_do, s_v, tidx, False, False, wait=False)
-                if tile > 0:
-                    self.reduce_dq(dq_acc, s_dq, entry_query, s_entries, start, n_entries, tile - 1, b, p, dq_query,
-                                   turns)
-                self.wait_products(0)
-                for r in cutlass.range_constexpr(n_rows):
-                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                        pv = cutlass.Float32(0.0)
-                        if coord_s[0, c][1] <= key_limit[r]:
-                            pv = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r], fastmath=True)
-                        s_mn[r, c] = pv
-                        dp_mn[r, c] = pv * (dp_mn[r, c] - dlt[r])
-                self.store_scores(thr_s, acc_s, s_p)
-                self.store_scores(thr_s, acc_dp, s_ds)
-                self.wait_rows_read(dq_query >= 0)  # the previous tile's dq rows left s_dq (before its rewrite below)
-                self.publish_async_copies()  # P and dS, read next by the MMAs
-                cute.arch.sync_threads()
+            # S = Q K^T -> P = exp(S - lse); dP = dO V^T -> dS = P (dP - delta). Rows past n_q: P = dS = 0.
+            # The previous tile's dq reductions are issued under the two products: the bulk instructions go
+            # out one at a time per SM, and issued at that tile's end they held every other warp at this
+            # tile's first barrier (NOTES.md).
+            self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False, wait=False)
+            self.gemm(mma_s, thr_s, acc_dp, s_do, s_v, tidx, False, False, wait=False)
+            if tile > 0:
+                self.reduce_dq(dq_acc, s_dq, entry_query, s_entries, start, n_entries, tile - 1, b, p, dq_query,
+                               turns)
+            self.wait_products(0)
+            for r in cutlass.range_constexpr(n_rows):
+                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                    pv = cutlass.Float32(0.0)
+                    if coord_s[0, c][1] <= key_limit[r]:
+                        pv = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r], fastmath=True)
+                    s_mn[r, c] = pv
+                    dp_mn[r, c] = pv * (dp_mn[r, c] - dlt[r])
+            self.store_scores(thr_s, acc_s, s_p)
+            self.store_scores(thr_s, acc_dp, s_ds)
+            self.wait_rows_read(dq_query >= 0)  # the previous tile's dq rows left s_dq (before its rewrite below)
+            self.publish_async_copies()  # P and dS, read next by the MMAs
+            self.consumers_sync()
 
-                # dQ = dS K (rows x D) first, so that its staging runs under dV += P^T dO and dK += dS^T Q (keys x
-                # D, accumulated across the item).
-                self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_k), tidx, False, True, wait=False)
-                self.gemm(mma_kv, thr_kv, acc_dv, transposed(s_p), transposed(s_do), tidx, True, True, accumulate=True,
-                          wait=False)
-                self.gemm(mma_kv, thr_kv, acc_dk, transposed(s_ds), transposed(s_q), tidx, True, True,
-                          accumulate=True, wait=False)
-                self.wait_products(2)
-                self.stage_rows(s_dq, dq_mn, coord_dq, scale)
-                if cutlass.const_expr(tau is not None):
-                    self.export_tau(tau, s_p, start + tile * self.tile_queries, n_q, tidx)
-                self.wait_products(0)
-                # The next gather and the next tile's P / dS stores overwrite what this tile read; s_dq is whole.
-                cute.arch.sync_threads()
+            # dQ = dS K (rows x D) first, so that its staging runs under dV += P^T dO and dK += dS^T Q (keys x
+            # D, accumulated across the item).
+            self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_k), tidx, False, True, wait=False)
+            self.gemm(mma_kv, thr_kv, acc_dv, transposed(s_p), transposed(s_do), tidx, True, True, accumulate=True,
+                      wait=False)
+            self.gemm(mma_kv, thr_kv, acc_dk, transposed(s_ds), transposed(s_q), tidx, True, True,
+                      accumulate=True, wait=False)
+            self.wait_products(2)
+            self.stage_rows(s_dq, dq_mn, coord_dq, scale)
+            if cutlass.const_expr(tau is not None):
+                self.export_tau(tau, s_p, start + tile * self.tile_queries, n_q, tidx)
+            self.wait_products(0)
+            if cutlass.const_expr(self.ws):
+                # This thread is done with the stage (its row scalars read at the top, its warpgroup's products
+                # waited for): every consumer arrives, so that each one's reads happen before the refill.
+                cute.arch.mbarrier_arrive(empty + stage)
+            # The next gather and the next tile's P / dS stores overwrite what this tile read; s_dq is whole.
+            self.consumers_sync()
 
-            self.reduce_dq(dq_acc, s_dq, entry_query, s_entries, start, n_entries, n_tiles - 1, b, p, dq_query, turns)
-            if cutlass.const_expr(turns is not None):
-                self.take_turn(turns, w, tidx)
-            self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[b, None, kvh, None], t0, seqlen, cutlass.Float32(1.0))
-            self.flush_block(mma_kv, thr_kv, acc_dk, dk_acc[b, None, kvh, None], t0, seqlen, scale)
-            if cutlass.const_expr(turns is not None):
-                self.end_turn(turns, w, tidx)
-            self.wait_rows_done(dq_query >= 0)
+        self.reduce_dq(dq_acc, s_dq, entry_query, s_entries, start, n_entries, n_tiles - 1, b, p, dq_query, turns)
+        if cutlass.const_expr(turns is not None):
+            self.take_turn(turns, w, tidx)
+        self.flush_block(mma_kv, thr_kv, acc_dv, dv_acc[b, None, kvh, None], t0, seqlen, cutlass.Float32(1.0))
+        self.flush_block(mma_kv, thr_kv, acc_dk, dk_acc[b, None, kvh, None], t0, seqlen, scale)
+        if cutlass.const_expr(turns is not None):
+            self.end_turn(turns, w, tidx)
+        self.wait_rows_done(dq_query >= 0)
+
+    @cute.jit
+    def consumers_sync(self):
+        """The barrier of the threads that compute: the whole CTA, or without the producer warp its named barrier."""
+        if cutlass.const_expr(self.ws):
+            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+        else:
+            cute.arch.sync_threads()
+
+    @cute.jit
+    def produce(self, gcopy_warp, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query, s_entries,
+                start, n_entries, full, empty, lane):
+        """The producer warpgroup: tile t's rows and row scalars into stage t % stages once the consumers freed it
+        (empty), then full[stage] when this thread's copies have landed (cp.async.mbarrier.arrive.noinc)."""
+        n_tiles = cute.ceil_div(n_entries, self.tile_queries)
+        for tile in cutlass.range(n_tiles, unroll=1):
+            stage = tile % self.stages
+            if tile >= self.stages:
+                cute.arch.mbarrier_wait(empty + stage, (tile // self.stages + 1) % 2)
+            self.gather_tile(gcopy_warp, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query, s_entries,
+                             start, n_entries, tile, lane, self.block_threads - self.threads)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+        cute.arch.cp_async_wait_group(0)  # the warp leaves once its last copies have landed
 
     def _tau_copy(self):
         """16-byte chunks of the tile's (queries x keys) tau rows, tile_n / 8 threads per row (threads / (tile_n / 8)
@@ -530,11 +631,13 @@ class SparseBackward:
 
     @cute.jit
     def gather_tile(self, gcopy, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query, s_entries, start,
-                    n_entries, tile, tidx):
+                    n_entries, tile, tidx, threads: cutlass.Constexpr = 0):
         """cp.async tile row r <- q / dout[b, i, p*G + row_head(r)] with i the item's entry tile * queries +
         row_query(r), into buffer tile % stages, and the row's lse and delta into its row scalars (threads
         0 .. 2 tile_m - 1), as one group; rows past the tile's queries are zero-filled (their scalars are never
-        read)."""
+        read). threads (the producer warpgroup, producer.py): that many threads copy every row scalar, and rows past
+        the tile's queries repeat its first query's rows instead of zeros, so that every write to the stage is a
+        cp.async that full[stage] waits for (finite rows: their P and dS are 0 by key_limit, adding nothing)."""
         n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
         buf = tile % self.stages
         thr = gcopy.get_slice(tidx)
@@ -550,26 +653,45 @@ class SparseBackward:
                 copy_row(gcopy, self.dtype, q[b, i, h, None], t_sq, t_c, m)
                 copy_row(gcopy, self.dtype, dout[b, i, h, None], t_sdo, t_c, m)
             else:
-                t_sq[None, m, None].fill(0)
-                t_sdo[None, m, None].fill(0)
-        row = tidx % self.tile_m
+                if cutlass.const_expr(threads == 0):
+                    t_sq[None, m, None].fill(0)
+                    t_sdo[None, m, None].fill(0)
+                else:
+                    i = item_word(entry_query, s_entries, start, tile * self.tile_queries)
+                    h = p * self.group + self.row_head(row)
+                    copy_row(gcopy, self.dtype, q[b, i, h, None], t_sq, t_c, m)
+                    copy_row(gcopy, self.dtype, dout[b, i, h, None], t_sdo, t_c, m)
+        if cutlass.const_expr(threads == 0 or threads >= 2 * self.tile_m):  # one word per thread
+            self.gather_word(lse, delta, s_rows, b, p, entry_query, s_entries, start, tile, n_q, buf, tidx)
+        else:  # `threads` (the producer warp) copy every word
+            for e in cutlass.range_constexpr(0, 2 * self.tile_m, threads):
+                self.gather_word(lse, delta, s_rows, b, p, entry_query, s_entries, start, tile, n_q, buf, e + tidx)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def gather_word(self, lse, delta, s_rows, b, p, entry_query, s_entries, start, tile, n_q, buf, e):
+        """Row scalar e of the tile (e < tile_m: lse of row e, else delta of row e - tile_m), one 4-byte cp.async."""
+        row = e % self.tile_m
         qi = self.row_query(row)
-        if tidx < 2 * self.tile_m:
+        if e < 2 * self.tile_m:
             if qi < n_q:
                 i = item_word(entry_query, s_entries, start, tile * self.tile_queries + qi)
                 h = p * self.group + self.row_head(row)
                 word = cp_async_word(cutlass.Float32)
-                if tidx < self.tile_m:
+                if e < self.tile_m:
                     copy_word(word, lse[b, h, None], i, s_rows, row, buf, 0)
                 else:
                     copy_word(word, delta[b, h, None], i, s_rows, row, buf, 1)
-        cute.arch.cp_async_commit_group()
 
 
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_bwd import params
 
-    if config.mma == "wgmma":
+    if config.mma == "wgmma" and config.threads == PRODUCER_THREADS:
+        from kernels_src.sparse_bwd.producer import SparseBackwardWS
+
+        kernel = SparseBackwardWS(config)
+    elif config.mma == "wgmma":
         from kernels_src.sparse_bwd.wgmma import SparseBackwardWG
 
         kernel = SparseBackwardWG(config)

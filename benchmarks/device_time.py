@@ -1,0 +1,82 @@
+"""Device time against host time of one flash_msa_func forward + backward at configuration (a), B = 1: the step's
+kernels-level calls (select_blocks_cuda, msa_forward_cuda, msa_backward_cuda) replayed from a CUDA graph (no host
+work: the device's own time) against eager steps back to back (whichever of
+host and device is slower) and the host's enqueue time alone. Where eager is near the host's time and well above
+the graph's, the size is host-bound.
+
+    python benchmarks/device_time.py [8192,16384,32768,65536]
+"""
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
+
+
+def main():
+    from flash_msa_rt import flash_msa_func
+    from flash_msa_rt.ops.select import select_blocks_cuda
+    from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
+    from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
+
+    sizes = (int(s) for s in (sys.argv[1] if len(sys.argv) > 1 else "8192,16384,32768,65536").split(","))
+    for S in sizes:
+        x = random_problem("a", S, S)
+        qp, kp, q, k, v = (x[n].detach().requires_grad_() for n in ("qp", "kp", "q", "k", "v"))
+        dout = torch.randn(1, S, x["H"] * x["D"], device="cuda", dtype=torch.bfloat16)
+        coef = torch.tensor(0.1, device="cuda")
+
+        def step():
+            out, kl = flash_msa_func(qp, kp, q, k, v, top_k=2048, layout="bshd")
+            return torch.autograd.grad((out, kl), (qp, kp, q, k, v), (dout, coef))
+
+        d = [t.detach() for t in (qp, kp, q, k, v)]
+        go, klg = dout.view_as(d[2]), torch.full((), 0.1 / (x["Hp"] * S), device="cuda")
+
+        def kernels_step():  # the same work below the public API: selection, forward, backward
+            sel = select_blocks_cuda(d[0], d[1], 16, 128, x["scale"])
+            out, lse, lse_p, kl = msa_forward_cuda(*d, sel, 128, x["scale"])
+            return msa_backward_cuda(*d, out, lse, lse_p, sel, 128, x["scale"], go, klg)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                kernels_step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kernels_step()
+        reps = 30
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+        replay = (time.perf_counter() - t0) / reps
+        host = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+        eager = (time.perf_counter() - t0) / reps
+        print(f"(a) B=1 S={S}: kernels graph replay {1e3 * replay:.3f} ms, eager back to back {1e3 * eager:.3f} ms, host "
+              f"enqueue {1e3 * statistics.median(host):.3f} ms per fwd+bwd step", flush=True)
+        del graph
+
+
+if __name__ == "__main__":
+    main()
