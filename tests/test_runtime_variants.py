@@ -195,14 +195,21 @@ def test_tau_budget_follows_the_dq_accumulator(monkeypatch):
     assert rt_bwd.tau_budget(2, 65536, 32, 128) == rt_bwd.TAU_BUDGET  # (b): 1 GiB
 
 
-def test_producer_variants_agree_with_the_build():
-    """The runtime asks for the warp-specialised main backward exactly where the build makes it."""
+@pytest.mark.parametrize("producer", [False, True])
+def test_producer_variants_agree_with_the_build(producer, monkeypatch):
+    """With PRODUCER on, the runtime asks for the warp-specialised main backward exactly where the build makes it
+    (and every variant it launches is built); off, never."""
     from flash_msa_rt.ops import sparse_bwd as runtime
     from kernels_src import sparse_bwd as build
 
+    monkeypatch.setattr(runtime, "PRODUCER", producer)
     assert (runtime.PRODUCER_THREADS, runtime.PRODUCER_GROUPS) == (build.PRODUCER_THREADS, build.PRODUCER_GROUPS)
+    built = {s.name for s in variants(("sm90a",), only=["sparse_bwd_*"])}
     for G in build.GROUPS:
+        want = producer and G in build.PRODUCER_GROUPS
         config = runtime.kernel_config("bf16", 128, 128, G, "wgmma", tau_out=True)
-        assert (config["threads"] == build.PRODUCER_THREADS) == (G in build.PRODUCER_GROUPS), G
+        assert (config["threads"] == build.PRODUCER_THREADS) == want, G
+        assert variant_name("sparse_bwd", config, "sm90a") in built, config
+    for G in build.GROUPS:
         assert runtime.kernel_config("bf16", 128, 128, G, "wgmma", True, True)["threads"] == 256
         assert runtime.kernel_config("bf16", 128, 128, G, "wgmma")["threads"] == 256
