@@ -336,34 +336,47 @@ def _cut_batched(list_start, counts, NB_t, cuts, E: list[int], L: list[int], by_
     """_cut_items of every chunk and every (tile_queries, tiles_per_item) cut at once: list_start, counts (n_ch,
     L_max) int64 (padding lists empty), NB_t (n_ch,), E and L per chunk -> (items (n_cuts, n_ch, W_max, 4) int32,
     item_count (n_cuts, n_ch) int32, W[cut][chunk]). by_size: each chunk's items longest first (stable, so the
-    full items keep their list order; the empty rows past the real count stay last)."""
+    full items keep their list order; the empty rows past the real count stay last).
+    The cuts are a leading dimension over broadcast views (no copies of the chunks' lists per cut), and the three
+    per-list values an item needs come from one gather: small problems are host-bound, ~20 us per torch op."""
     sizes = [tq * T for tq, T in cuts]
     W = [[-(-e // C) + n for e, n in zip(E, L)] for C in sizes]
     W_max, L_max, n_ch = max(max(w) for w in W), counts.shape[1], counts.shape[0]
-    dev = counts.device
-    i64 = torch.int64
-    C = torch.cat([torch.full((n_ch, 1), size, dtype=i64, device=dev) for size in sizes])  # (rows, 1)
-    rows = len(sizes) * n_ch
-    counts, list_start, NB = counts.repeat(len(sizes), 1), list_start.repeat(len(sizes), 1), NB_t.repeat(len(sizes))
-    chunks = torch.div(counts + (C - 1), C, rounding_mode="floor")
-    chunk_end = torch.cumsum(chunks, 1)  # items up to and including list l, per row
-    w = torch.arange(W_max, device=dev, dtype=i64).expand(rows, W_max).contiguous()
+    n_cuts, dev, i64 = len(sizes), counts.device, torch.int64
+    C = _per_cut(sizes, dev)  # an int, or (n_cuts, 1, 1)
+    chunks = torch.div(counts.unsqueeze(0) + (C - 1), C, rounding_mode="floor")  # (n_cuts, n_ch, L_max)
+    chunk_end = torch.cumsum(chunks, 2)  # items up to and including list l
+    shape = (n_cuts, n_ch, L_max)
+    # per list: its first entry, its entries, the items before it
+    table = torch.stack([list_start.expand(shape), counts.expand(shape), chunk_end - chunks], dim=3)
+    w = torch.arange(W_max, device=dev, dtype=i64).expand(n_cuts, n_ch, W_max).contiguous()
     lw = torch.searchsorted(chunk_end, w, right=True)  # the list of item w; L_max past the real count
-    real = lw < L_max
     lc = lw.clamp(max=L_max - 1)
-    chunk = w - (chunk_end.gather(1, lc) - chunks.gather(1, lc))
-    NB = NB.view(-1, 1)
-    zero = torch.zeros((), dtype=i64, device=dev)
-    items = torch.stack([
-        torch.where(real, torch.div(lc, NB, rounding_mode="floor"), zero),
-        torch.where(real, lc.remainder(NB), zero),
-        torch.where(real, list_start.gather(1, lc) + chunk * C, zero),
-        torch.where(real, torch.minimum((counts.gather(1, lc) - chunk * C).clamp(min=0), C), zero),
-    ], dim=2).to(torch.int32)
+    at = table.gather(2, lc.unsqueeze(3).expand(n_cuts, n_ch, W_max, 3))
+    offset = (w - at[..., 2]) * C  # the item's first entry within its list
+    bp = torch.div(lc, NB_t.view(1, n_ch, 1), rounding_mode="floor")
+    # (bp, j, entry_start, n_entries); the rows past the real count are zeros
+    items = torch.stack([bp, lc - bp * NB_t.view(1, n_ch, 1), at[..., 0] + offset, (at[..., 1] - offset).clamp(max=C)],
+                        dim=3)
+    items = (items * (lw < L_max).unsqueeze(3)).to(torch.int32)
     if by_size:
-        longest = torch.sort(items[:, :, 3], dim=1, descending=True, stable=True).indices
-        items = items.gather(1, longest.unsqueeze(-1).expand(rows, W_max, 4))
-    return items.view(len(sizes), n_ch, W_max, 4), chunk_end[:, -1].to(torch.int32).view(len(sizes), n_ch), W
+        longest = torch.sort(items[..., 3], dim=2, descending=True, stable=True).indices
+        items = items.gather(2, longest.unsqueeze(3).expand(n_cuts, n_ch, W_max, 4))
+    return items, chunk_end[..., -1].to(torch.int32), W
+
+
+def _per_cut(sizes: list[int], device):
+    """The cuts' item sizes (entries): the int itself for one cut, else an (n_cuts, 1, 1) int64 tensor made on the
+    device from an arange (a tensor from a Python list would be a host-to-device copy, which capture forbids)."""
+    if len(sizes) == 1:
+        return sizes[0]
+    cut = torch.arange(len(sizes), device=device, dtype=torch.int64).view(-1, 1, 1)
+    if len(sizes) == 2:  # every runtime call: (s1 - s0) * cut + s0
+        return cut * (sizes[1] - sizes[0]) + sizes[0]
+    out = torch.full_like(cut, sizes[0])
+    for k, size in enumerate(sizes[1:], 1):
+        out = torch.where(cut == k, size, out)
+    return out
 
 
 def _by_query(items: torch.Tensor, entry_query: torch.Tensor, first_entry: torch.Tensor) -> torch.Tensor:
