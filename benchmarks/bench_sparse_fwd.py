@@ -49,6 +49,24 @@ def spec_problem(spec: str) -> dict:
     return x
 
 
+def api_step(cfg: str, S: int):
+    """random_problem of one sequence (B = 1) as autograd leaves and one public-API forward + backward over them
+    (flash_msa_func, top_k 2048, then autograd.grad with an upstream gradient and a KL coefficient): (x, leaves
+    (qp, kp, q, k, v), dout (1, S, H D), step)."""
+    from flash_msa_rt import flash_msa_func
+
+    x = random_problem(cfg, S, S)
+    leaves = tuple(x[n].detach().requires_grad_() for n in ("qp", "kp", "q", "k", "v"))
+    dout = torch.randn(1, S, x["H"] * x["D"], device="cuda", dtype=torch.bfloat16)
+    coef = torch.tensor(0.1, device="cuda")
+
+    def step():
+        out, kl = flash_msa_func(*leaves, top_k=2048, layout="bshd")
+        return torch.autograd.grad((out, kl), leaves, (dout, coef))
+
+    return x, leaves, dout, step
+
+
 def nnz_of(sel: torch.Tensor, S: int, G: int, Bs: int = 128) -> int:
     """sum over (b, h, i) of |A_h(i)|: causal keys of each live selected block, times G heads."""
     i = torch.arange(S, device=sel.device).view(1, 1, S, 1)

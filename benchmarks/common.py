@@ -70,6 +70,31 @@ def host_us_per_call(fn, calls: int = 2000, rounds: int = 5) -> float:
     return best
 
 
+def host_enqueue_ms(fn, reps: int = 30, warmup: int = 3) -> float:
+    """Median host time of one fn() call that starts on an idle device (synchronised before each): the time the
+    host takes to enqueue it, with nothing waiting on the device."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e3 * statistics.median(times)
+
+
+def back_to_back_ms(fn, reps: int = 30) -> float:
+    """Wall time per call of reps fn() calls in a row: whichever of the host and the device is slower."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
 def write_results(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     payload = dict(payload, commit=commit(), device=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -7,7 +7,6 @@ the graph's, the size is host-bound.
     python benchmarks/device_time.py [8192,16384,32768,65536]
 """
 
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -16,27 +15,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
+from benchmarks.bench_sparse_fwd import api_step  # noqa: E402
+from benchmarks.common import back_to_back_ms, host_enqueue_ms  # noqa: E402
 
 
 def main():
-    from flash_msa_rt import flash_msa_func
     from flash_msa_rt.ops.select import select_blocks_cuda
     from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
     from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
 
     sizes = (int(s) for s in (sys.argv[1] if len(sys.argv) > 1 else "8192,16384,32768,65536").split(","))
     for S in sizes:
-        x = random_problem("a", S, S)
-        qp, kp, q, k, v = (x[n].detach().requires_grad_() for n in ("qp", "kp", "q", "k", "v"))
-        dout = torch.randn(1, S, x["H"] * x["D"], device="cuda", dtype=torch.bfloat16)
-        coef = torch.tensor(0.1, device="cuda")
-
-        def step():
-            out, kl = flash_msa_func(qp, kp, q, k, v, top_k=2048, layout="bshd")
-            return torch.autograd.grad((out, kl), (qp, kp, q, k, v), (dout, coef))
-
-        d = [t.detach() for t in (qp, kp, q, k, v)]
+        x, leaves, dout, step = api_step("a", S)
+        d = [t.detach() for t in leaves]
         go, klg = dout.view_as(d[2]), torch.full((), 0.1 / (x["Hp"] * S), device="cuda")
 
         def kernels_step():  # the same work below the public API: selection, forward, backward
@@ -61,20 +52,9 @@ def main():
             graph.replay()
         torch.cuda.synchronize()
         replay = (time.perf_counter() - t0) / reps
-        host = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            host.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-        eager = (time.perf_counter() - t0) / reps
-        print(f"(a) B=1 S={S}: kernels graph replay {1e3 * replay:.3f} ms, eager back to back {1e3 * eager:.3f} ms, host "
-              f"enqueue {1e3 * statistics.median(host):.3f} ms per fwd+bwd step", flush=True)
+        host, eager = host_enqueue_ms(step, reps, warmup=0), back_to_back_ms(step, reps)
+        print(f"(a) B=1 S={S}: kernels graph replay {1e3 * replay:.3f} ms, eager back to back {eager:.3f} ms, "
+              f"host enqueue {host:.3f} ms per fwd+bwd step", flush=True)
         del graph
 
 

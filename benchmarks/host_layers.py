@@ -12,74 +12,47 @@ msa_backward_cuda) that plan and launch.
 import cProfile
 import io
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
-
-
-def host_ms(fn, reps: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return 1e3 * statistics.median(times)
+from benchmarks.bench_sparse_fwd import api_step  # noqa: E402
+from benchmarks.common import back_to_back_ms, host_enqueue_ms  # noqa: E402
 
 
 def main():
-    from flash_msa_rt import flash_msa_func
     from flash_msa_rt.ops import library as lib
     from flash_msa_rt.ops.select import select_blocks_cuda
     from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
     from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
 
     for S in (int(s) for s in (sys.argv[1] if len(sys.argv) > 1 else "8192,16384").split(",")):
-        x = random_problem("a", S, S)
-        qp, kp, q, k, v = (x[n].detach().requires_grad_() for n in ("qp", "kp", "q", "k", "v"))
+        x, leaves, _, step = api_step("a", S)
         scale = x["scale"]
-        dout = torch.randn(1, S, x["H"] * x["D"], device="cuda", dtype=torch.bfloat16)
-        coef = torch.tensor(0.1, device="cuda")
-
-        def step():
-            out, kl = flash_msa_func(qp, kp, q, k, v, top_k=2048, layout="bshd")
-            return torch.autograd.grad((out, kl), (qp, kp, q, k, v), (dout, coef))
-
-        d = [t.detach() for t in (qp, kp, q, k, v)]
+        d = [t.detach() for t in leaves]
         sel = lib.select_blocks(d[0], d[1], 16, 128, scale)
         fwd = lib.msa_forward(*d, sel, 128, scale)
         go, klg = torch.randn_like(d[2]), torch.full((1, 1, 1), 1e-3, device="cuda")
         rows = {
             "api: flash_msa_func + autograd.grad": step,
             "custom op select_blocks": lambda: lib.select_blocks(d[0], d[1], 16, 128, scale),
-            "  its body (_init_fn)": lambda: lib.select_blocks._init_fn(d[0], d[1], 16, 128, scale),
+            "  select_blocks body (_init_fn)": lambda: lib.select_blocks._init_fn(d[0], d[1], 16, 128, scale),
             "  select_blocks_cuda": lambda: select_blocks_cuda(d[0], d[1], 16, 128, scale),
             "custom op msa_forward": lambda: lib.msa_forward(*d, sel, 128, scale),
-            "  its body (_init_fn)": lambda: lib.msa_forward._init_fn(*d, sel, 128, scale),
+            "  msa_forward body (_init_fn)": lambda: lib.msa_forward._init_fn(*d, sel, 128, scale),
             "  msa_forward_cuda": lambda: msa_forward_cuda(*d, sel, 128, scale),
             "custom op msa_backward": lambda: lib.msa_backward(*d, *fwd[:3], sel, 128, scale, go, klg),
-            "  its body (_init_fn) ": lambda: lib.msa_backward._init_fn(*d, *fwd[:3], sel, 128, scale, go, klg),
+            "  msa_backward body (_init_fn)": lambda: lib.msa_backward._init_fn(*d, *fwd[:3], sel, 128, scale, go,
+                                                                           klg),
             "  msa_backward_cuda": lambda: msa_backward_cuda(*d, *fwd[:3], sel, 128, scale, go, klg),
         }
         print(f"(a) B=1 S={S}: host enqueue per call, median of 30 after a synchronise", flush=True)
         for name, fn in rows.items():
-            print(f"  {name:40s} {host_ms(fn):7.3f} ms", flush=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(30):
-            step()
-        torch.cuda.synchronize()
-        print(f"  wall per api step (30 back to back)      {1e3 * (time.perf_counter() - t0) / 30:7.3f} ms")
+            print(f"  {name:40s} {host_enqueue_ms(fn):7.3f} ms", flush=True)
+        print(f"  {'wall per api step (30 back to back)':40s} {back_to_back_ms(step):7.3f} ms")
 
         prof = cProfile.Profile()
         prof.enable()

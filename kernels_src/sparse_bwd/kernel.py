@@ -80,7 +80,7 @@ class SparseBackward:
         the registers at the kernel's entry (.minnctapersm; without it setmaxnreg is ignored, C7508)."""
         return dict(min_blocks_per_mp=1) if self.ws else {}
 
-    def _gmem_copy_warp(self):
+    def _gmem_copy_producer(self):
         """The producer warpgroup's row copies (producer.py; built and unused without one)."""
         return cp_async_rows(self.dtype, self.head_dim, 128, self.ROW_THREADS)
 
@@ -175,7 +175,7 @@ class SparseBackward:
                                                                    smem=self.traced["smem_bytes"], stream=stream)
         else:
             self.kernel_tau(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau, scale, hp,
-                            hp_per_hk, *layouts, self._gmem_copy_warp()).launch(
+                            hp_per_hk, *layouts, self._gmem_copy_producer()).launch(
                 grid=grid, block=(self.block_threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream,
                 **self.occupancy())
 
@@ -214,9 +214,10 @@ class SparseBackward:
                    scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
                    l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
                    l_dq: cute.Layout, l_rows_f: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
-                   gcopy_warp: cute.TiledCopy):
+                   gcopy_producer: cute.TiledCopy):
         self.backward(q, k, v, dout, lse, delta, entry_query, items, dq_acc, dk_acc, dv_acc, tau, scale, hp,
-                      hp_per_hk, l_kv, l_rows, l_p, l_dq, l_rows_f, gcopy, SharedStorage, gcopy_warp=gcopy_warp)
+                      hp_per_hk, l_kv, l_rows, l_p, l_dq, l_rows_f, gcopy, SharedStorage,
+                      gcopy_producer=gcopy_producer)
 
     @cute.kernel
     def kernel_det(self, q, k, v, dout, lse, delta, entry_query, items, dq_part, dk_acc, dv_acc, tau, entry_dest,
@@ -232,10 +233,10 @@ class SparseBackward:
                  scale: cutlass.Float32, hp: cutlass.Int32, hp_per_hk: cutlass.Int32,
                  l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
                  l_rows_f: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr, turns=None,
-                 gcopy_warp=None):
+                 gcopy_producer=None):
         """The kernel body; tau None (trace time): the variant without tau_out; turns (entry_dest, item_prev,
         item_done): the deterministic variant's. Warp-specialised (self.ws, producer.py): threads past
-        self.threads are the producer warpgroup, which gathers every tile's rows with gcopy_warp into stage
+        self.threads are the producer warpgroup, which gathers every tile's rows with gcopy_producer into stage
         tile % stages and arrives on full[stage]; the others consume, and free a stage on empty[stage]."""
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -284,7 +285,7 @@ class SparseBackward:
                 # sub-partition's 16K registers hold one producer and two consumer warps.
                 if tidx >= self.threads:
                     cute.arch.warpgroup_reg_dealloc(self.PRODUCER_REGS)
-                    self.produce(gcopy_warp, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query,
+                    self.produce(gcopy_producer, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query,
                                  s_entries, start, n_entries, full, empty, tidx - self.threads)
                 else:
                     cute.arch.warpgroup_reg_alloc(self.CONSUMER_REGS)
@@ -408,15 +409,15 @@ class SparseBackward:
 
     @cute.jit
     def consumers_sync(self):
-        """The barrier of the threads that compute: the whole CTA, or without the producer warp its named barrier."""
+        """The barrier of the threads that compute: the whole CTA, or without the producer warpgroup a named one."""
         if cutlass.const_expr(self.ws):
             cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
         else:
             cute.arch.sync_threads()
 
     @cute.jit
-    def produce(self, gcopy_warp, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query, s_entries,
-                start, n_entries, full, empty, lane):
+    def produce(self, gcopy_producer, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query, s_entries,
+                start, n_entries, full, empty, ptidx):
         """The producer warpgroup: tile t's rows and row scalars into stage t % stages once the consumers freed it
         (empty), then full[stage] when this thread's copies have landed (cp.async.mbarrier.arrive.noinc)."""
         n_tiles = cute.ceil_div(n_entries, self.tile_queries)
@@ -424,8 +425,8 @@ class SparseBackward:
             stage = tile % self.stages
             if tile >= self.stages:
                 cute.arch.mbarrier_wait(empty + stage, (tile // self.stages + 1) % 2)
-            self.gather_tile(gcopy_warp, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query, s_entries,
-                             start, n_entries, tile, lane, self.block_threads - self.threads)
+            self.gather_tile(gcopy_producer, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query,
+                             s_entries, start, n_entries, tile, ptidx, self.block_threads - self.threads)
             cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
         cute.arch.cp_async_wait_group(0)  # the warp leaves once its last copies have landed
 
@@ -663,7 +664,7 @@ class SparseBackward:
                     copy_row(gcopy, self.dtype, dout[b, i, h, None], t_sdo, t_c, m)
         if cutlass.const_expr(threads == 0 or threads >= 2 * self.tile_m):  # one word per thread
             self.gather_word(lse, delta, s_rows, b, p, entry_query, s_entries, start, tile, n_q, buf, tidx)
-        else:  # `threads` (the producer warp) copy every word
+        else:  # fewer `threads` than row scalars copy them all
             for e in cutlass.range_constexpr(0, 2 * self.tile_m, threads):
                 self.gather_word(lse, delta, s_rows, b, p, entry_query, s_entries, start, tile, n_q, buf, e + tidx)
         cute.arch.cp_async_commit_group()
