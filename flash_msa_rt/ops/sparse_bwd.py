@@ -55,6 +55,8 @@ def backward_item_order(group: int, deterministic: bool = False) -> str:
     if deterministic:
         return "list"
     return "query" if group >= BACKWARD_QUERY_GROUP else BACKWARD_ITEM_ORDER
+
+
 PROXY_MAIN_TILES_PER_ITEM = 128  # proxy tiles are 64 queries x G heads: sparse_fwd.per_group_tiles(128, G) per item
 PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all-causal selection is chunked)
 
