@@ -69,12 +69,10 @@ def tile_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str
 
 
 # The warp-specialised main kernel (kernels_src/sparse_bwd/producer.py: a producer warpgroup gathers the tiles,
-# threads 384) where it is built: the atomic tau kernels on wgmma at G in PRODUCER_GROUPS. Off by default: its
-# first build measured 1.02-1.05x on the whole backward (results/ab_producer_4a058e1.log), but racecheck reported
-# hazards between the producer's row-scalar copies and the consumers' reads (results/racecheck_producer_*.log:
-# the stage was released by one lane per consumer warp); the fix (every consumer thread releases it) is built and
-# has not run on a GPU. Turn it on once the GPU tests and racecheck pass with it (kernels_src/sparse_bwd/NOTES.md).
-PRODUCER = False
+# threads 384) where it is built: the atomic tau kernels on wgmma at G in PRODUCER_GROUPS. It measured 1.04-1.07x
+# on the whole backward (results/ab_producer_v3_630c669.log), with the GPU tests on and off and all four
+# sanitizers clean on it (results/sanitizer_producer_v3_630c669.log). False restores the 256-thread kernel.
+PRODUCER = True
 PRODUCER_THREADS = 384
 PRODUCER_GROUPS = (1, 2, 4)
 
