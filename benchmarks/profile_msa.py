@@ -1,7 +1,8 @@
 """Where the whole sparse op's time goes, beyond its kernels: one forward + backward under torch.profiler (every
 kernel and torch op on the device, by total CUDA time), the forward at several partial-buffer budgets (query
 chunks against peak memory; the runtime's is sparse_fwd.partials_budget), and the backward's delta = rowsum(dO * O) computed two ways.
-Usage: python benchmarks/profile_msa.py [config a|b|c] [S] [--budgets 1,2,4,8] [--out FILE] (B*S = 128K tokens).
+Usage: python benchmarks/profile_msa.py [config a|b|c] [S] [--budgets 1,2,4,8] [--tokens B*S] [--out FILE]
+(B*S = 128K tokens unless --tokens; --tokens S gives B = 1; --budgets "" skips the budget sweep).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def main(argv=None):
     ap.add_argument("config", nargs="?", default="b")
     ap.add_argument("S", nargs="?", type=int, default=65536)
     ap.add_argument("--budgets", default="1,2,4,8", help="partial-buffer budgets to time the forward at, in GiB")
+    ap.add_argument("--tokens", type=int, default=131072, help="B*S (B = tokens // S, at least 1)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    x = random_problem(a.config, a.S)
+    x = random_problem(a.config, a.S, tokens=a.tokens)
     B, S, H, Hk, Hp, Hpk, D, G, scale = (x[n] for n in ("B", "S", "H", "Hk", "Hp", "Hpk", "D", "G", "scale"))
     qp, kp, q, k, v = (x[n] for n in ("qp", "kp", "q", "k", "v"))
     sel = select_blocks_cuda(qp, kp, 16, 128, scale)
@@ -62,7 +64,7 @@ def main(argv=None):
     result["runtime_budget_gib"] = default(B, S, H, D) / 2 ** 30
     print(f"the runtime's budget here: {result['runtime_budget_gib']:.2f} GiB")
     result["budgets"] = []
-    for gib in (float(x) for x in a.budgets.split(",")):
+    for gib in (float(x) for x in a.budgets.split(",") if x):
         sf.partials_budget = lambda *shape, nbytes=int(gib * 2 ** 30): nbytes
         heads, chunk = sf.forward_chunks(B, S, Hp, Hk, Hpk, 16, G, D, 128)
         n_chunks = (Hp // heads) * -(-S // chunk)
