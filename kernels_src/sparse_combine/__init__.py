@@ -6,8 +6,8 @@ the entry d = ((b * Hp + p) * S + i) * K + k:
   out[b, i, p*G + g] = sum_k exp(lse_part[d, g] - lse) * o_part[d, g],    (o_part is normalised per block)
 A row without a live slot gets out = 0 and lse = -inf. The tensors may hold a chunk of queries: row r is query
 i = query_offset + r (for the live rule; out and lse are the chunk's views). The proxy lse comes from the KL pass.
-One warp per (b, p, i, g) row: the max slot lse first, then the weighted rows, several loads in flight; the partial
-buffers are read once (the op is bound by that read, ~2 bytes per partial element).
+One warp per (b, p, i, g) row, one pass with an online rescale; the partial buffers are read once (the op is
+bound by that read, ~2 bytes per partial element).
 This module does not import cutlass.
 """
 

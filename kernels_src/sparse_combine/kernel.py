@@ -1,8 +1,7 @@
 """The sparse forward's combine (CuTeDSL): one warp per (b, p, i, g) row, lane l owns D/32 contiguous elements.
 
-The row's max slot lse comes first (lane l reads slot k0 + l's index and lse), then the weighted partial rows are
-added GROUP_SLOTS at a time, their loads issued together. Loads of one slot's partial row are 8 bytes per lane
-(coalesced 256 B). The one-pass online version kept one row in flight per warp: 3.4 TB/s (NOTES.md).
+Slots are visited once with an online logsumexp: the running max m, the sum of exp(lse_k - m) and the weighted
+partial outputs, rescaled when m grows. Loads of one slot's partial row are 8 bytes per lane (coalesced 256 B).
 """
 
 import math
@@ -59,11 +58,6 @@ class RowWarps:
         return b, bp - b * Hp, i, g, bpi, (query_offset + i) // self.block_size
 
 
-# Slots whose partial rows one warp loads before it adds any of them: each load is 8 bytes per lane, so a warp keeps
-# GROUP_SLOTS x 256 B in flight instead of one row per dependent index -> lse -> row chain.
-GROUP_SLOTS = 8
-
-
 class SparseCombine(RowWarps):
     @cute.jit
     def __call__(self, block_indices: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, out: cute.Tensor,
@@ -73,46 +67,28 @@ class SparseCombine(RowWarps):
 
     @cute.kernel
     def kernel(self, block_indices, o_part, lse_part, out, lse, query_offset: cutlass.Int32):
-        """Two passes over the row's slots, 32 at a time with lane l on slot k0 + l: the row's max lse (log2), then
-        each slot's weight exp2(lse_k - max) (0 for a dead slot), broadcast by shuffle while GROUP_SLOTS partial rows
-        are loaded at once and then added. With the max known first nothing is rescaled."""
         lane, row, live = self.warp_row(block_indices)
         _, Hp, S, K = block_indices.shape
         if live:
             b, p, i, g, bpi, local = self.row_coords(row, Hp, S, query_offset)
             neg_inf = -cutlass.Float32.inf
-            m = neg_inf
-            for k0 in cutlass.range(0, K, 32, unroll=1):
-                m = cute.arch.fmax(m, self.slot_lse2(block_indices, lse_part, b, p, i, g, bpi, local, K, k0 + lane))
-            for off in (16, 8, 4, 2, 1):
-                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=off))
             acc = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
             acc.fill(0.0)
-            total = cutlass.Float32(0.0)  # this lane's slots' weights; summed over the warp at the end
-            parts = cute.make_rmem_tensor((GROUP_SLOTS, self.per_lane), self.dtype)
-            weights = cute.make_rmem_tensor((GROUP_SLOTS,), cutlass.Float32)
-            if m > neg_inf:  # else no slot is live: out 0, lse -inf
-                for k0 in cutlass.range(0, K, 32, unroll=1):
-                    l2 = self.slot_lse2(block_indices, lse_part, b, p, i, g, bpi, local, K, k0 + lane)
-                    w = cutlass.Float32(0.0)
-                    if l2 > neg_inf:
-                        w = cute.math.exp2(l2 - m, fastmath=True)
-                    total += w
-                    for u0 in cutlass.range(0, cutlass.min(32, K - k0), GROUP_SLOTS, unroll=1):
-                        for u in cutlass.range_constexpr(GROUP_SLOTS):
-                            weights[u] = cute.arch.shuffle_sync(w, offset=u0 + u)  # lanes past K hold 0
-                            for e in cutlass.range_constexpr(self.per_lane):
-                                parts[u, e] = self.dtype(0.0)
-                            if weights[u] > 0.0:
-                                d = cutlass.Int64(bpi) * K + k0 + u0 + u  # 64-bit: d * G * D passes 2**31
-                                row_u = cute.local_tile(o_part[d, g, None], (self.per_lane,), (lane,)).load()
-                                for e in cutlass.range_constexpr(self.per_lane):
-                                    parts[u, e] = row_u[e]
-                        for u in cutlass.range_constexpr(GROUP_SLOTS):
-                            for e in cutlass.range_constexpr(self.per_lane):
-                                acc[e] += weights[u] * parts[u, e].to(cutlass.Float32)
-            for off in (16, 8, 4, 2, 1):
-                total += cute.arch.shuffle_sync_bfly(total, offset=off)
+            m = neg_inf
+            total = cutlass.Float32(0.0)
+            for k in cutlass.range(K, unroll=1):
+                j = block_indices[b, p, i, k]
+                if j >= 0 and j <= local:
+                    d = cutlass.Int64(bpi) * K + k  # 64-bit: d * G * D passes 2**31 at benchmark sizes
+                    l2 = lse_part[d, g] * _LOG2E
+                    m_new = cute.arch.fmax(m, l2)
+                    rescale = cute.math.exp2(m - m_new, fastmath=True)
+                    w = cute.math.exp2(l2 - m_new, fastmath=True)
+                    total = total * rescale + w
+                    part = cute.local_tile(o_part[d, g, None], (self.per_lane,), (lane,)).load()
+                    for e in cutlass.range_constexpr(self.per_lane):
+                        acc[e] = acc[e] * rescale + w * part[e].to(cutlass.Float32)
+                    m = m_new
             inv = cutlass.Float32(0.0)
             if total > 0.0:
                 inv = cute.arch.rcp_approx(total)
@@ -128,17 +104,6 @@ class SparseCombine(RowWarps):
                 lse[b, h, i] = neg_inf
                 if total > 0.0:
                     lse[b, h, i] = (m + cute.math.log2(total, fastmath=True)) * _LN2
-
-    @cute.jit
-    def slot_lse2(self, block_indices, lse_part, b, p, i, g, bpi, local, K, k):
-        """Slot k's lse in log2 units, or -inf where k is past K or its block is dead (-1, or after the query's own
-        block: a chunk's rows see only their causal blocks)."""
-        l2 = -cutlass.Float32.inf
-        if k < K:
-            j = block_indices[b, p, i, k]
-            if j >= 0 and j <= local:
-                l2 = lse_part[cutlass.Int64(bpi) * K + k, g] * _LOG2E
-        return l2
 
 
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
