@@ -76,7 +76,8 @@ def test_sparse_kernels_refuse_what_they_cannot_run():
 
 def test_wgmma_register_layouts():
     """The wgmma forward feeds P to the PV product straight from the QK accumulator's registers: for all 256
-    threads, each A-fragment position must hold the (row, key) the PV MMA expects; the wgmma KL pass's key groups
+    threads, each A-fragment position must hold the (row, key) the PV MMA expects, and the O accumulator's columns
+    must be where the epilogue's quad transpose assumes them; the wgmma KL pass's key groups
     are one warpgroup's 32 keys, covered once by each quad; the proxy backward's dq_p MMA partitions its
     accumulator as the score MMA (checked on cute's layouts).
     In a fresh process: wgmma atoms trace only under sm_90a, and this one may have compiled for sm_100a."""
@@ -85,9 +86,9 @@ def test_wgmma_register_layouts():
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    code = ("from kernels_src.sparse_fwd.wgmma_check import kl_mismatches, kl_pingpong_mismatches, mismatches, "
-            "proxy_mismatches; e = mismatches() + kl_mismatches() + kl_pingpong_mismatches() + proxy_mismatches(); "
-            "print(len(e)); print(e[:3])")
+    code = ("from kernels_src.sparse_fwd.wgmma_check import epilogue_mismatches, kl_mismatches, "
+            "kl_pingpong_mismatches, mismatches, proxy_mismatches; e = mismatches() + epilogue_mismatches() + "
+            "kl_mismatches() + kl_pingpong_mismatches() + proxy_mismatches(); print(len(e)); print(e[:3])")
     run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)})
     assert run.returncode == 0, run.stderr[-2000:]

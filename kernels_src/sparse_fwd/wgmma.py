@@ -10,6 +10,12 @@ Two warpgroups x 64 rows of the 128-row tile:
 No ldmatrix and one instruction per 64 x 128 x 16 step instead of 64 mma.sync: the mma.sync kernel issues on a
 quarter of its cycles and is latency-bound (kernels_src/sparse_fwd/NOTES.md). cp.async writes reach wgmma through
 a generic -> async proxy fence before the barrier. Blackwell has no wgmma: sm100a keeps the mma.sync kernel.
+
+The epilogue writes O_slot in 8-byte pieces: in the accumulator a quad of lanes holds one row, each lane a column
+pair of every n8 tile, so a 4-byte store per n8 tile writes half a 32-byte sector of each of 8 rows per warp
+instruction. One shuffle per pair of n8 tiles between lanes q and q ^ 1 gives each lane two adjacent column pairs:
+half the store instructions, each filling its rows' sectors (store_row). A 4 x 4 transpose for 16-byte stores
+spilled at the 128 registers of two CTAs per SM (NOTES.md).
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -19,6 +25,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
 from kernels_src.sparse_fwd.kernel import SparseAttention
+from kernels_src.packed import pack_pair, store_global_v2
 from kernels_src.tiles import WARPGROUP_ROWS, wg_acc_as_a, wg_acc_rows_cols
 
 class SparseAttentionWG(SparseAttention):
@@ -40,6 +47,33 @@ class SparseAttentionWG(SparseAttention):
 
     def rows_cols(self, t: cute.Tensor) -> cute.Tensor:
         return wg_acc_rows_cols(t)
+
+    @cute.jit
+    def store_row(self, acc_o_mn, coord_o, r, row, dest, lse_rows, inv_l, o_part, lse_part, quad_lane):
+        """Row r of the tile (tile row `row`) at partial row `dest` (Int64), 8 bytes per store. The four lanes of
+        a quad call it together (one row): its shuffles are among them only, so quads of rows past the tile's
+        queries may skip it, as they skip the base kernel's.
+
+        Lane q of a quad holds word k (a bf16/f16 pair) of n8 tile k at columns 8 k + 2 q, +1
+        (wgmma_check.epilogue_mismatches). For n8 tiles 2m and 2m + 1, lanes q and q ^ 1 swap a word so that
+        lane q holds tile 2m + (q & 1)'s columns of lanes q & 2 and (q & 2) + 1: 4 adjacent columns, stored at
+        8 (2m + (q & 1)) + 4 (q >> 1); the quad writes the 32 bytes of columns 16m .. 16m + 15 at once."""
+        g = row % self.group
+        n_vals = cute.size(acc_o_mn, mode=[1])
+        lo = (quad_lane & 1) != 0
+        quad = cutlass.Int32(0xF) << (cute.arch.lane_idx() & 28)  # the shuffles' member mask: this quad
+        # The row packed first (word k: n8 tile k, this lane's column pair): half the registers of its fp32 values.
+        words = [pack_pair(acc_o_mn[r, 2 * k] * inv_l[r], acc_o_mn[r, 2 * k + 1] * inv_l[r], self.dtype)
+                 for k in range(n_vals // 2)]
+        for m in cutlass.range_constexpr(n_vals // 4):  # n8 tiles 2m, 2m + 1: lane q keeps tile 2m + lo's word
+            keep = cutlass.select_(lo, words[2 * m + 1], words[2 * m])
+            got = cute.arch.shuffle_sync_bfly(cutlass.select_(lo, words[2 * m], words[2 * m + 1]), offset=1,
+                                              mask=quad)  # tile 2m + lo's word of lane q ^ 1
+            # columns 8 (2m + lo) + 4 hi .. + 3 (lanes 2 hi, 2 hi + 1): 8 bytes
+            store_global_v2(o_part[dest, g, None].iterator.toint() + (2 * m + (quad_lane & 1)) * 16
+                            + (quad_lane & 2) * 4, cutlass.select_(lo, got, keep), cutlass.select_(lo, keep, got))
+        if quad_lane == 0:
+            lse_part[dest, g] = lse_rows[r]
 
     @cute.jit
     def publish_async_copies(self):

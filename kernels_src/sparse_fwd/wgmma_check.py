@@ -1,7 +1,8 @@
 """Host-side checks of the wgmma kernels' register layouts (build-time, no GPU), on cute's own partitions:
 - forward: for every thread, the P operand built from the QK accumulator by wgmma.wg_acc_as_a reads, at each
   A-fragment position, the accumulator register whose (row, key) is the one the PV MMA expects there; and
-  wg_acc_rows_cols splits the accumulator into rows and columns;
+  wg_acc_rows_cols splits the accumulator into rows and columns; the epilogue's quad transpose (store_row) finds
+  value c of lane q's row at column 8 (c // 2) + 2 q + c % 2, the quad's four lanes on one row;
 - KL pass: a thread's score columns lie in its warpgroup's 32 keys (the key group its (A, T, L) shares are written
   for) and each quad of lanes covers those 32 keys of its rows exactly once (the quad shuffles sum a group); in
   ping-pong, each quad of a warpgroup covers all the block's keys of its rows once;
@@ -50,6 +51,33 @@ def mismatches() -> list[str]:
                 errors.append(f"thread {t}: row {r} spans several rows {sorted({x[0] for x in row})}")
         if len({x[1] for x in rows[0]}) != len(rows[0]):
             errors.append(f"thread {t}: the columns of a row repeat")
+    return errors
+
+
+@cute.jit
+def _collect_epilogue(out: cutlass.Constexpr):
+    kernel = SparseAttentionWG(Config(mma="wgmma"))
+    pv = kernel._tiled_mma_pv()
+    for t in cutlass.range_constexpr(kernel.threads):
+        mn = wg_acc_rows_cols(pv.get_slice(t).partition_C(cute.make_identity_tensor((kernel.tile_m,
+                                                                                     kernel.head_dim))))
+        out.append([[mn[r, c] for c in range(cute.size(mn, mode=[1]))] for r in range(cute.size(mn, mode=[0]))])
+
+
+def epilogue_mismatches() -> list[str]:
+    """Empty when the O accumulator's columns are where SparseAttentionWG.store_row's transpose assumes them: lane q
+    of a quad holds its row's columns 8 (c // 2) + 2 q + c % 2 (c = 0 .. 2 D / 8 - 1), and the quad shares its rows."""
+    per_thread: list = []
+    _collect_epilogue(per_thread)
+    errors = []
+    for t, rows in enumerate(per_thread):
+        q = t % 4
+        for r, row in enumerate(rows):
+            cols = [x[1] for x in row]
+            if cols != [8 * (c // 2) + 2 * q + c % 2 for c in range(len(row))]:
+                errors.append(f"thread {t}: row {r} columns {cols[:4]}... not 8 (c // 2) + 2 q + c % 2")
+            if len({x[0] for x in row}) != 1 or row[0][0] != per_thread[t - q][r][0][0]:
+                errors.append(f"thread {t}: row {r} is not its quad's row")
     return errors
 
 
