@@ -21,6 +21,12 @@ from kernels_src.sparse_kl.pingpong import SparseKLPingPong
 from kernels_src.sparse_kl.wgmma import SparseKLWG
 
 
+def _thread_rows(mma, shape, t) -> list:
+    """Thread t's accumulator coordinates (row, column) of mma over a tile of shape, row by row (traced)."""
+    mn = wg_acc_rows_cols(mma.get_slice(t).partition_C(cute.make_identity_tensor(shape)))
+    return [[mn[r, c] for c in range(cute.size(mn, mode=[1]))] for r in range(cute.size(mn, mode=[0]))]
+
+
 @cute.jit
 def _collect(out: cutlass.Constexpr):
     kernel = SparseAttentionWG(Config(mma="wgmma"))
@@ -59,9 +65,7 @@ def _collect_epilogue(out: cutlass.Constexpr):
     kernel = SparseAttentionWG(Config(mma="wgmma"))
     pv = kernel._tiled_mma_pv()
     for t in cutlass.range_constexpr(kernel.threads):
-        mn = wg_acc_rows_cols(pv.get_slice(t).partition_C(cute.make_identity_tensor((kernel.tile_m,
-                                                                                     kernel.head_dim))))
-        out.append([[mn[r, c] for c in range(cute.size(mn, mode=[1]))] for r in range(cute.size(mn, mode=[0]))])
+        out.append(_thread_rows(pv, (kernel.tile_m, kernel.head_dim), t))
 
 
 def epilogue_mismatches() -> list[str]:
@@ -86,9 +90,7 @@ def _collect_kl(out: cutlass.Constexpr):
     kernel = SparseKLWG(sparse_kl.Config(mma="wgmma"))
     mma = kernel._score_mma()
     for t in cutlass.range_constexpr(kernel.threads):
-        mn = wg_acc_rows_cols(mma.get_slice(t).partition_C(cute.make_identity_tensor((kernel.tile_m,
-                                                                                       kernel.tile_n))))
-        out.append([[mn[r, k] for k in range(cute.size(mn, mode=[1]))] for r in range(cute.size(mn, mode=[0]))])
+        out.append(_thread_rows(mma, (kernel.tile_m, kernel.tile_n), t))
 
 
 def kl_mismatches() -> list[str]:
@@ -116,9 +118,7 @@ def _collect_kl_pingpong(out: cutlass.Constexpr):
     kernel = SparseKLPingPong(sparse_kl.Config(mma="wgmma", tile_n=128, stages=1, schedule="pingpong"))
     mma = kernel._wg_score_mma()
     for t in cutlass.range_constexpr(128):  # one warpgroup: the MMA is issued with tidx % 128
-        mn = wg_acc_rows_cols(mma.get_slice(t).partition_C(cute.make_identity_tensor((kernel.tile_m,
-                                                                                       kernel.tile_n))))
-        out.append([[mn[r, k] for k in range(cute.size(mn, mode=[1]))] for r in range(cute.size(mn, mode=[0]))])
+        out.append(_thread_rows(mma, (kernel.tile_m, kernel.tile_n), t))
 
 
 def kl_pingpong_mismatches() -> list[str]:
