@@ -22,13 +22,14 @@ FAMILIES = ("sparse_fwd", "sparse_combine", "sparse_kl", "sparse_combine_kl", "s
 @pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
 def test_sparse_kernels_build(tmp_path, arch):
     specs = [s for s in variants((arch,), only=["sparse_*_bf16_*g4_*", "sparse_combine_kl_*"]) if s.op in FAMILIES]
+    # The combine twice on both: the widest heads per warp (shipped) and one head per warp (A/B runs).
     # sm90a builds every family but the combines twice: mma.sync and wgmma (Hopper only); the forward and the KL
     # pass on wgmma once more each, with their warpgroups in ping-pong (the forward twice: one and two q buffers),
     # the proxy backward with resident heads, and the main backward writing tau, with atomics and deterministic
     # (the proxy kernel reading it is built at g1 only), the atomic one also warp-specialised (a producer warpgroup)
     extra = ["sparse_fwd", "sparse_fwd", "sparse_fwd", "sparse_kl", "sparse_kl", "sparse_bwd", "sparse_bwd",
              "sparse_bwd", "sparse_bwd", "sparse_bwd_proxy", "sparse_bwd_proxy"] if arch == "sm90a" else []
-    assert sorted(s.op for s in specs) == sorted([*FAMILIES, *extra])
+    assert sorted(s.op for s in specs) == sorted([*FAMILIES, "sparse_combine", *extra])
     outcomes = build(specs, tmp_path, jobs=2, progress=False)
     assert all(o.status == "built" for o in outcomes), outcomes
     manifest = Manifest.from_json(json.loads((tmp_path / arch / "manifest.json").read_text()))
@@ -38,6 +39,9 @@ def test_sparse_kernels_build(tmp_path, arch):
         assert v.smem_bytes == s.smem_bytes <= 227 * 1024
         ptx = (tmp_path / arch / "ptx" / f"{s.name}.ptx").read_text()
         assert ptx_facts.single_entry(ptx).params == param_layout(s.params)
+        if s.op == "sparse_combine":  # a lane's share of a slot: 4 heads x 128 / 32 = 16 elements, two 16-byte loads
+            wide = "_hw4_" in s.name
+            assert (ptx.count("ld.global.v4.b32") == 2 and ptx.count("st.global.v4.b32") == 2) == wide, s.name
         if s.op == "sparse_fwd" and "_s1_" in s.name:  # one q buffer: two CTAs of 256 threads share the SM
             assert v.registers <= 128 and 2 * v.smem_bytes <= 227 * 1024, (s.name, v.registers, v.smem_bytes)
         if s.op == "sparse_bwd":  # the deterministic variant stores its dq rows and takes turns at its atomics
@@ -52,6 +56,11 @@ def test_sparse_kernels_build(tmp_path, arch):
 
 
 def test_sparse_kernels_refuse_what_they_cannot_run():
+    from kernels_src import sparse_combine
+
+    for hw in (3, 8):  # not a divisor of G = 4; more than 16 elements per lane at D = 128
+        ok, reason = sparse_combine.can_implement(sparse_combine.Config(group=4, heads_per_warp=hw), "sm90a")
+        assert not ok and f"heads_per_warp {hw}" in reason, reason
     ok, reason = sparse_fwd.can_implement(sparse_fwd.Config(group=3), "sm90a")
     assert not ok and "group" in reason
     ok, reason = sparse_fwd.can_implement(sparse_fwd.Config(head_dim=64), "sm90a")

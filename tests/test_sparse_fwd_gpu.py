@@ -299,3 +299,23 @@ def test_combine_kl_kernel_matches_its_torch_statement(groups):
     assert (err_lse <= 1e-6 * (want_lse[~dead].abs() + 1.0) * K * groups).all(), err_lse.max()
     err_kl = (got_kl - want_kl).abs()
     assert (err_kl <= 1e-6 * mag * 4).all(), (err_kl / mag).max()
+
+
+@pytest.mark.parametrize("G", [1, 2, 4, 8, 16])
+def test_combine_heads_per_warp_change_no_bit(G, monkeypatch):
+    """The shipped combine merges up to 4 of a row's heads per warp (16 elements per lane); the one-head-per-warp
+    kernel does the same arithmetic per element in the same slot order, so out and lse are bitwise equal, at
+    every G and with empty slots (K past the causal blocks of the early queries)."""
+    from flash_msa_rt.ops import sparse_fwd
+
+    Hp = 2
+    qp, kp, q, k, v = _inputs(1, 1100, Hp * G, 2, Hp, 1, torch.bfloat16, seed=30 + G)
+    scale = 128 ** -0.5
+    sel = _selection(qp, kp, 6, scale)
+    wide = sparse_fwd.msa_forward_cuda(None, None, q, k, v, sel, 128, scale)
+    monkeypatch.setattr(sparse_fwd, "COMBINE_HEADS_PER_WARP", 1)
+    narrow = sparse_fwd.msa_forward_cuda(None, None, q, k, v, sel, 128, scale)
+    assert sparse_fwd.combine_heads(G, 128) == 1
+    for a, b in zip(wide[:2], narrow[:2]):
+        assert torch.equal(a, b)
+    assert torch.isfinite(wide[0]).all() and wide[0].abs().max() > 0

@@ -623,3 +623,19 @@ def test_forward_chunks_match_the_reference(chunks, budget_heads, Hk, Hpk, heads
     for name, g, one, w in zip(("out", "lse", "lse_proxy", "kl_rows"), got, whole, want):
         torch.testing.assert_close(g, one, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
         torch.testing.assert_close(one.double(), w, rtol=1e-6, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_runtime_combine_heads_are_built(D):
+    """The runtime mirrors the build's widest heads per warp (it does not import kernels_src): every G it asks
+    for must be a variant the catalogue builds and the kernel accepts."""
+    from flash_msa_rt.ops import sparse_fwd as sf
+    from kernels_src import sparse_combine as sc
+
+    assert sf.COMBINE_LANE_ELEMENTS == sc.LANE_ELEMENTS
+    built = {(c.group, c.heads_per_warp) for c in sc.configs(head_dims=(D,))}
+    for G in sf.GROUPS:
+        hw = sf.combine_heads(G, D)
+        assert hw == sc.widest_heads(G, D) and (G, hw) in built and (G, 1) in built
+        assert sc.can_implement(sc.Config(head_dim=D, group=G, heads_per_warp=hw), "sm90a")[0]
+        assert hw * D // 32 <= sc.LANE_ELEMENTS and (hw == G or hw * D // 32 == sc.LANE_ELEMENTS)

@@ -128,8 +128,19 @@ def per_group_tiles(main_tiles: int, group: int) -> int:
     return max(1, min(32, main_tiles // group))
 
 
+COMBINE_LANE_ELEMENTS = 16  # kernels_src.sparse_combine.LANE_ELEMENTS
+COMBINE_HEADS_PER_WARP: int | None = None  # A/B runs: 1 runs the one-head-per-warp combine (None: the widest)
+
+
+def combine_heads(group: int, head_dim: int) -> int:
+    """The combine's heads per warp: as many of the G heads as keep a lane at 16 elements (2 x 16-byte loads per
+    slot), unless COMBINE_HEADS_PER_WARP says otherwise (kernels_src.sparse_combine.widest_heads)."""
+    return COMBINE_HEADS_PER_WARP or max(1, min(group, 32 * COMBINE_LANE_ELEMENTS // head_dim))
+
+
 def combine_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
-    return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "threads": 256}
+    return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "threads": 256,
+            "heads_per_warp": combine_heads(group, head_dim)}
 
 
 def combine_kl_config(block_size: int) -> dict:

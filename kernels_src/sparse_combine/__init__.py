@@ -6,8 +6,10 @@ the entry d = ((b * Hp + p) * S + i) * K + k:
   out[b, i, p*G + g] = sum_k exp(lse_part[d, g] - lse) * o_part[d, g],    (o_part is normalised per block)
 A row without a live slot gets out = 0 and lse = -inf. The tensors may hold a chunk of queries: row r is query
 i = query_offset + r (for the live rule; out and lse are the chunk's views). The proxy lse comes from the KL pass.
-One warp per (b, p, i, g) row, one pass with an online rescale; the partial buffers are read once (the op is
-bound by that read, ~2 bytes per partial element).
+One warp per (b, p, i) row and heads_per_warp of its G heads (lane l owns 16 contiguous elements of those heads'
+partial rows at the widest), one pass with an online rescale; the partial buffers are read once (the op is bound
+by that read, ~2 bytes per partial element, once each slot's index, lse and rescale are spread over enough
+elements: at one head per warp, 4 elements per lane, the ALU pipe limited it; kernels_src/sparse_fwd/NOTES.md).
 This module does not import cutlass.
 """
 
@@ -24,6 +26,12 @@ OP = "sparse_combine"
 DTYPES = ("bf16", "f16")
 GROUPS = (1, 2, 4, 8, 16)
 ROWS_PER_CTA = 8  # warps
+LANE_ELEMENTS = 16  # the widest a lane's share of a warp's heads gets: two 16-byte loads per slot
+
+
+def widest_heads(group: int, head_dim: int) -> int:
+    """Heads per warp at the widest: as many of the G heads as keep a lane at LANE_ELEMENTS elements or fewer."""
+    return max(1, min(group, 32 * LANE_ELEMENTS // head_dim))
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,7 @@ class Config:
     block_size: int = 128
     group: int = 4
     threads: int = 32 * ROWS_PER_CTA
+    heads_per_warp: int = 4  # of the row's G heads, one warp's (a divisor of G)
 
     def variant_name(self, arch: str) -> str:
         return variant_name(OP, dataclasses.asdict(self), arch)
@@ -42,14 +51,19 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else DTYPES
     ds = tuple(head_dims) if head_dims else (128,)
     bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g) for dt in dts for d in ds for bs in bss
-            for g in GROUPS]
+    # The widest split ships; one head per warp stays built for A/B runs (sparse_fwd.COMBINE_HEADS_PER_WARP = 1).
+    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, heads_per_warp=hw) for dt in dts for d in ds
+            for bs in bss for g in GROUPS for hw in sorted({1, widest_heads(g, d)})]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
+    hw, g, d = config.heads_per_warp, config.group, config.head_dim
+    splits = tuple(h for h in range(1, widest_heads(g, d) + 1) if g % h == 0)
     return verdict(refusal(config, arch, dtype=DTYPES, head_dim=(64, 128), block_size=(64, 128), group=GROUPS,
-                           threads=(32 * ROWS_PER_CTA,),
-                           notes={"head_dim": "32 lanes x 2 or 4 elements", "threads": "one warp per row"}))
+                           threads=(32 * ROWS_PER_CTA,), heads_per_warp=splits,
+                           notes={"head_dim": "32 lanes x a whole number of elements", "threads": "one warp per row",
+                                  "heads_per_warp": f"divisors of G with at most {LANE_ELEMENTS} elements per lane "
+                                                    f"(hw D / 32)"}))
 
 
 def params(config: Config) -> tuple:
@@ -66,5 +80,6 @@ def params(config: Config) -> tuple:
 
 def build_spec(config: Config, arch: str) -> BuildSpec:
     return family_spec(OP, config, arch, can_implement, params=params(config),
-                       grid=(f"ceil_div(B * Hp * S * {config.group}, {ROWS_PER_CTA})", "1", "1"),
+                       grid=(f"ceil_div(B * Hp * S * {config.group // config.heads_per_warp}, {ROWS_PER_CTA})",
+                             "1", "1"),
                        compile_fn="kernels_src.sparse_combine.kernel:compile", smem_bytes=0)

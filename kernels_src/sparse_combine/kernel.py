@@ -1,7 +1,8 @@
-"""The sparse forward's combine (CuTeDSL): one warp per (b, p, i, g) row, lane l owns D/32 contiguous elements.
+"""The sparse forward's combine (CuTeDSL): one warp per (b, p, i) row and heads_per_warp of its heads.
 
 Slots are visited once with an online logsumexp: the running max m, the sum of exp(lse_k - m) and the weighted
-partial outputs, rescaled when m grows. Loads of one slot's partial row are 8 bytes per lane (coalesced 256 B).
+partial outputs, rescaled when m grows. A slot's loads are the warp's hw contiguous head rows (hw D 2 bytes,
+coalesced; 16-byte loads per lane at the widest). RowWarps (one warp per (b, p, i, g) row) is slot_sum's.
 """
 
 import math
@@ -59,6 +60,22 @@ class RowWarps:
 
 
 class SparseCombine(RowWarps):
+    """One warp per (b, p, i) row and heads_per_warp (hw) of its G heads: the warp's share of a slot's partials is
+    hw contiguous head rows of o_part, lane l owning elements [l E, (l + 1) E) of them (E = hw D / 32), so head
+    g0 + l // (D / E). Each slot's index, lse and rescale then cover E elements of a lane instead of D / 32: the
+    one-head-per-warp kernel spent more of its issue slots on them than on the partials (ALU 58 %, DRAM 62 %)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.heads_per_warp = config.heads_per_warp
+        self.warps_per_row = self.group // self.heads_per_warp
+        self.per_lane = self.heads_per_warp * self.head_dim // 32
+        self.lanes_per_head = self.head_dim // self.per_lane
+
+    def row_grid(self, block_indices):
+        B, Hp, S, _ = block_indices.shape
+        return (cute.ceil_div(B * Hp * S * self.warps_per_row, self.threads // 32), 1, 1)
+
     @cute.jit
     def __call__(self, block_indices: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, out: cute.Tensor,
                  lse: cute.Tensor, query_offset: cutlass.Int32, stream: cuda.CUstream):
@@ -67,10 +84,20 @@ class SparseCombine(RowWarps):
 
     @cute.kernel
     def kernel(self, block_indices, o_part, lse_part, out, lse, query_offset: cutlass.Int32):
-        lane, row, live = self.warp_row(block_indices)
-        _, Hp, S, K = block_indices.shape
-        if live:
-            b, p, i, g, bpi, local = self.row_coords(row, Hp, S, query_offset)
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        B, Hp, S, K = block_indices.shape
+        warp = cta * (self.threads // 32) + tidx // 32
+        if warp < B * Hp * S * self.warps_per_row:
+            bpi = warp // self.warps_per_row
+            g = (warp % self.warps_per_row) * self.heads_per_warp + lane // self.lanes_per_head
+            t = lane % self.lanes_per_head  # the lane's piece of head g's row
+            i = bpi % S
+            bp = bpi // S
+            b = bp // Hp
+            p = bp - b * Hp
+            local = (query_offset + i) // self.block_size
             neg_inf = -cutlass.Float32.inf
             acc = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
             acc.fill(0.0)
@@ -80,12 +107,12 @@ class SparseCombine(RowWarps):
                 j = block_indices[b, p, i, k]
                 if j >= 0 and j <= local:
                     d = cutlass.Int64(bpi) * K + k  # 64-bit: d * G * D passes 2**31 at benchmark sizes
+                    part = cute.local_tile(o_part[d, g, None], (self.per_lane,), (t,)).load()
                     l2 = lse_part[d, g] * _LOG2E
                     m_new = cute.arch.fmax(m, l2)
                     rescale = cute.math.exp2(m - m_new, fastmath=True)
                     w = cute.math.exp2(l2 - m_new, fastmath=True)
                     total = total * rescale + w
-                    part = cute.local_tile(o_part[d, g, None], (self.per_lane,), (lane,)).load()
                     for e in cutlass.range_constexpr(self.per_lane):
                         acc[e] = acc[e] * rescale + w * part[e].to(cutlass.Float32)
                     m = m_new
@@ -98,9 +125,9 @@ class SparseCombine(RowWarps):
             h = p * self.group + g
             row_out = out[b, i, h, None]
             ptr = cute.make_ptr(self.dtype, row_out.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
-            dst = cute.local_tile(cute.make_tensor(ptr, cute.make_layout(self.head_dim)), (self.per_lane,), (lane,))
+            dst = cute.local_tile(cute.make_tensor(ptr, cute.make_layout(self.head_dim)), (self.per_lane,), (t,))
             cute.autovec_copy(res, dst)
-            if lane == 0:
+            if t == 0:
                 lse[b, h, i] = neg_inf
                 if total > 0.0:
                     lse[b, h, i] = (m + cute.math.log2(total, fastmath=True)) * _LN2
