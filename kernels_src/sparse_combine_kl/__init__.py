@@ -8,9 +8,11 @@ L = log2 sum_t 2^(s_p log2 e) (kernels_src.sparse_kl). Over the live slots (0 <=
   kl_rows[b, p, i]   = ln 2 * sum A + lse_proxy * sum T    (ln pi = s_p - lse_p), 0 where sum T = 0,
 and a row without a live slot gets lse_proxy = -inf, KL = 0: flash_msa_rt.ops.sparse_plan.combine_kl_lse is the
 torch statement of the same merge. Row r of the tensors is query query_offset + r (the forward's query chunks).
-One warp per row, lanes over the row's (slot, group) pairs, then butterfly reductions: one launch in place of
-~20 torch ops per chunk ((b) S = 64K: 0.34 ms against their 1.98, for a 0.4 GB read, 0.1 ms at 4 TB/s;
-benchmarks/results/bench_sparse_stages_ac5e11f.log).
+LANES_PER_ROW lanes per row (four rows per warp), each over the row's (slot, group) pairs l, l + 8, ..., then
+butterfly reductions within the row's lanes: one launch in place of ~20 torch ops per chunk ((b) S = 64K: 0.34 ms
+against their 1.98, for a 0.3 GB read, under 0.1 ms at 4 TB/s; benchmarks/results/bench_sparse_stages_ac5e11f.log).
+With a warp per row, K = 16 one-group slots left half the lanes idle and every row paid five butterfly rounds of
+four values: issue-bound (SM 82 %, DRAM 13 % at (b) 16K, benchmarks/results/ncu_sparse_a5e4e7f.log).
 This module does not import cutlass.
 """
 
@@ -25,13 +27,15 @@ from kernels_src.spec import BuildSpec, family_spec, refusal, verdict
 OP = "sparse_combine_kl"
 
 BLOCK_SIZES = (64, 128)
-ROWS_PER_CTA = 8  # warps
+WARPS = 8
+LANES_PER_ROW = 8
+ROWS_PER_CTA = WARPS * 32 // LANES_PER_ROW
 
 
 @dataclass(frozen=True)
 class Config:
     block_size: int = 128  # the live rule's j <= i // Bs; the key groups per slot are kl_part's columns / 3
-    threads: int = 32 * ROWS_PER_CTA
+    threads: int = 32 * WARPS
 
     def variant_name(self, arch: str) -> str:
         return variant_name(OP, dataclasses.asdict(self), arch)
@@ -50,8 +54,8 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
-    return verdict(refusal(config, arch, block_size=BLOCK_SIZES, threads=(32 * ROWS_PER_CTA,),
-                           notes={"threads": "one warp per row"}))
+    return verdict(refusal(config, arch, block_size=BLOCK_SIZES, threads=(32 * WARPS,),
+                           notes={"threads": f"{WARPS} warps of {32 // LANES_PER_ROW} rows"}))
 
 
 def params(config: Config) -> tuple:

@@ -1,9 +1,11 @@
-"""The KL pass's merge (CuTeDSL): one warp per (b, p, i) row, lane l visits the row's (slot, group) pairs
-l, l + 32, ... (slot-major, so a warp's loads of one round are contiguous triples).
+"""The KL pass's merge (CuTeDSL): LANES_PER_ROW lanes per (b, p, i) row, lane l of a row visits its (slot, group)
+pairs l, l + LANES_PER_ROW, ... (slot-major, so a row's loads of one round are contiguous triples).
 
-Each lane keeps sum A, sum T and an online log2-sum-exp2 (m, s) of its live pairs' L; the warp then reduces them
-by butterflies, the lse's pieces rescaled to the warp's max first. A lane or row without a finite L keeps
-m = -inf and s = 0, and the rescale of such a piece is skipped (never exp2(-inf - -inf)).
+Each lane keeps sum A, sum T and an online log2-sum-exp2 (m, s) of its live pairs' L; the row's lanes then reduce
+them by butterflies (xor offsets below LANES_PER_ROW stay inside the row's lanes), the lse's pieces rescaled to the
+row's max first. A lane or row without a finite L keeps m = -inf and s = 0, and the rescale of such a piece is
+skipped (never exp2(-inf - -inf)). Every lane of a warp runs the same rounds (the pair count is the same for all
+rows), rows past the end included, so the shuffles always see the whole warp.
 """
 
 import math
@@ -15,9 +17,11 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream
 
 from kernels_src.block_scores.kernel import compile_kernel
+from kernels_src.sparse_combine_kl import LANES_PER_ROW
 from kernels_src.spec import Compiled, fake_tensor
 
 _LN2 = math.log(2.0)
+_BUTTERFLY = tuple(LANES_PER_ROW >> (n + 1) for n in range(LANES_PER_ROW.bit_length() - 1))  # 4, 2, 1: a row's lanes
 
 
 @cute.jit
@@ -40,60 +44,62 @@ class SparseCombineKL:
                  kl_rows: cute.Tensor, query_offset: cutlass.Int32, stream: cuda.CUstream):
         B, Hp, S, _ = block_indices.shape
         self.kernel(block_indices, kl_part, lse_proxy, kl_rows, query_offset).launch(
-            grid=(cute.ceil_div(B * Hp * S, self.threads // 32), 1, 1), block=(self.threads, 1, 1), stream=stream)
+            grid=(cute.ceil_div(B * Hp * S, self.threads // LANES_PER_ROW), 1, 1), block=(self.threads, 1, 1),
+            stream=stream)
 
     @cute.kernel
     def kernel(self, block_indices, kl_part, lse_proxy, kl_rows, query_offset: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
+        lane = tidx % LANES_PER_ROW
         B, Hp, S, K = block_indices.shape
         groups = kl_part.shape[1] // 3
-        row = cta * (self.threads // 32) + tidx // 32
-        if row < B * Hp * S:  # uniform across the warp: the whole warp joins the shuffles below
-            i = row % S
-            bp = row // S
-            b = bp // Hp
-            p = bp - b * Hp
-            local = (query_offset + i) // self.block_size
-            neg_inf = -cutlass.Float32.inf
-            a_sum = cutlass.Float32(0.0)
-            t_sum = cutlass.Float32(0.0)
-            m = neg_inf
-            s = cutlass.Float32(0.0)
-            for pair in cutlass.range(lane, K * groups, 32, unroll=1):
-                k = pair // groups
-                c = pair - k * groups
-                j = block_indices[b, p, i, k]
-                if j >= 0 and j <= local:
-                    d = cutlass.Int64(row) * K + k  # 64-bit: d * 3n passes 2**31 at long S
-                    a_sum += kl_part[d, 3 * c]
-                    t_sum += kl_part[d, 3 * c + 1]
-                    l2 = kl_part[d, 3 * c + 2]
-                    if l2 > neg_inf:
-                        m_new = cute.arch.fmax(m, l2)
-                        s = _rescaled(s, m, m_new) + cute.math.exp2(l2 - m_new, fastmath=True)
-                        m = m_new
-            for off in (16, 8, 4, 2, 1):
-                a_sum += cute.arch.shuffle_sync_bfly(a_sum, offset=off)
-                t_sum += cute.arch.shuffle_sync_bfly(t_sum, offset=off)
-            m_row = m
-            for off in (16, 8, 4, 2, 1):
-                m_row = cute.arch.fmax(m_row, cute.arch.shuffle_sync_bfly(m_row, offset=off))
-            s = _rescaled(s, m, m_row)
-            for off in (16, 8, 4, 2, 1):
-                s += cute.arch.shuffle_sync_bfly(s, offset=off)
-            if lane == 0:
-                lse = neg_inf
+        row = cta * (self.threads // LANES_PER_ROW) + tidx // LANES_PER_ROW
+        live_row = row < B * Hp * S
+        row_c = cutlass.min(row, B * Hp * S - 1)  # rows past the end run the rounds on the last row, store nothing
+        i = row_c % S
+        bp = row_c // S
+        b = bp // Hp
+        p = bp - b * Hp
+        local = (query_offset + i) // self.block_size
+        neg_inf = -cutlass.Float32.inf
+        a_sum = cutlass.Float32(0.0)
+        t_sum = cutlass.Float32(0.0)
+        m = neg_inf
+        s = cutlass.Float32(0.0)
+        for pair in cutlass.range(lane, K * groups, LANES_PER_ROW, unroll=1):
+            k = pair // groups
+            c = pair - k * groups
+            j = block_indices[b, p, i, k]
+            if j >= 0 and j <= local:
+                d = cutlass.Int64(row_c) * K + k  # 64-bit: d * 3n passes 2**31 at long S
+                a_sum += kl_part[d, 3 * c]
+                t_sum += kl_part[d, 3 * c + 1]
+                l2 = kl_part[d, 3 * c + 2]
+                if l2 > neg_inf:
+                    m_new = cute.arch.fmax(m, l2)
+                    s = _rescaled(s, m, m_new) + cute.math.exp2(l2 - m_new, fastmath=True)
+                    m = m_new
+        for off in _BUTTERFLY:
+            a_sum += cute.arch.shuffle_sync_bfly(a_sum, offset=off)
+            t_sum += cute.arch.shuffle_sync_bfly(t_sum, offset=off)
+        m_row = m
+        for off in _BUTTERFLY:
+            m_row = cute.arch.fmax(m_row, cute.arch.shuffle_sync_bfly(m_row, offset=off))
+        s = _rescaled(s, m, m_row)
+        for off in _BUTTERFLY:
+            s += cute.arch.shuffle_sync_bfly(s, offset=off)
+        if lane == 0 and live_row:
+            lse = neg_inf
+            if s > 0.0:
+                lse = (m_row + cute.math.log2(s, fastmath=True)) * _LN2
+            kl = cutlass.Float32(0.0)
+            if t_sum > 0.0:
+                kl = _LN2 * a_sum
                 if s > 0.0:
-                    lse = (m_row + cute.math.log2(s, fastmath=True)) * _LN2
-                kl = cutlass.Float32(0.0)
-                if t_sum > 0.0:
-                    kl = _LN2 * a_sum
-                    if s > 0.0:
-                        kl += lse * t_sum
-                lse_proxy[b, p, i] = lse
-                kl_rows[b, p, i] = kl
+                    kl += lse * t_sum
+            lse_proxy[b, p, i] = lse
+            kl_rows[b, p, i] = kl
 
 
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
