@@ -335,7 +335,8 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev) if proxy else None
-    kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev) if proxy else None
+    # Every (b, p, i) row lies in one chunk, whose KL merge writes it: no fill needed.
+    kl_rows = torch.empty((B, Hp, S), dtype=torch.float32, device=dev) if proxy else None
     if out.numel() == 0:
         return out, lse, lse_proxy, kl_rows
     Hk, Hpk = k.shape[2], (k_proxy.shape[2] if proxy else Hp)
@@ -360,7 +361,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
                            hp_per_hpk=hc.per_pk)
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
-            sel = block_indices[:, hc.proxy, s0:s1].contiguous()
+            sel = block_indices[:, hc.proxy, s0:s1]  # a strided view: both merges take any strides
             plan, *kl_plan = plans[(hc.p0, s0)]
             o_part, lse_part = o_buf[:plan.E], lse_buf[:plan.E]
             fwd(q=q_c, k=k_c, v=v_c, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=c,

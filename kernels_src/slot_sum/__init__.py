@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
 from kernels_src import sparse_combine
-from kernels_src.spec import BuildSpec, family_spec
+from kernels_src.spec import BuildSpec, family_spec, refusal, verdict
 
 OP = "slot_sum"
 
@@ -26,19 +26,33 @@ ROWS_PER_CTA = sparse_combine.ROWS_PER_CTA  # warps
 
 
 @dataclass(frozen=True)
-class Config(sparse_combine.Config):
-    """The forward combine's rows (one warp per (b, p, i, g) row, dtype of out, G heads per slot row; G = 1 for
-    dq_p), and its limits (can_implement)."""
+class Config:
+    """The forward combine's one-head rows (one warp per (b, p, i, g) row, dtype of out, G heads per slot row; G = 1
+    for dq_p), and its limits (can_implement). Not sparse_combine.Config: the combine's heads per warp do not
+    apply (RowWarps is the one-head layout)."""
+
+    dtype: str = "bf16"
+    head_dim: int = 128
+    block_size: int = 128
+    group: int = 4
+    threads: int = 32 * ROWS_PER_CTA
 
     def variant_name(self, arch: str) -> str:
         return variant_name(OP, dataclasses.asdict(self), arch)
 
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
-    return [Config(**dataclasses.asdict(c)) for c in sparse_combine.configs(head_dims, block_sizes, dtypes)]
+    dts = tuple(dtypes) if dtypes else sparse_combine.DTYPES
+    ds = tuple(head_dims) if head_dims else (128,)
+    bss = tuple(block_sizes) if block_sizes else (128,)
+    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g) for dt in dts for d in ds for bs in bss
+            for g in sparse_combine.GROUPS]
 
 
-can_implement = sparse_combine.can_implement
+def can_implement(config: Config, arch: str) -> tuple[bool, str]:
+    return verdict(refusal(config, arch, dtype=sparse_combine.DTYPES, head_dim=(64, 128), block_size=(64, 128),
+                           group=sparse_combine.GROUPS, threads=(32 * ROWS_PER_CTA,),
+                           notes={"head_dim": "32 lanes x 2 or 4 elements", "threads": "one warp per row"}))
 
 
 def params(config: Config) -> tuple:
