@@ -21,6 +21,15 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
 
+def selection_row(bpi, Hp, S, query_offset, block_size: int):
+    """(b, p, i, local) of selection row bpi = (b Hp + p) S + i of a (B, Hp, S, K) selection: its batch, proxy
+    head, query in the chunk, and the query's own block (query_offset + i) // Bs (the live rule's bound)."""
+    i = bpi % S
+    bp = bpi // S
+    b = bp // Hp
+    return b, bp - b * Hp, i, (query_offset + i) // block_size
+
+
 class RowWarps:
     """A kernel with one warp per (b, p, i, g) row of a (B, Hp, S, K) selection, lane l owning D / 32 contiguous
     elements (this family's combine, slot_sum): the config's fields and the grid that covers every row."""
@@ -53,10 +62,8 @@ class RowWarps:
         chunk), head in the group, selection row, and the query's own block (query_offset + i) // Bs."""
         g = row % self.group
         bpi = row // self.group
-        i = bpi % S
-        bp = bpi // S
-        b = bp // Hp
-        return b, bp - b * Hp, i, g, bpi, (query_offset + i) // self.block_size
+        b, p, i, local = selection_row(bpi, Hp, S, query_offset, self.block_size)
+        return b, p, i, g, bpi, local
 
 
 class SparseCombine(RowWarps):
@@ -93,11 +100,7 @@ class SparseCombine(RowWarps):
             bpi = warp // self.warps_per_row
             g = (warp % self.warps_per_row) * self.heads_per_warp + lane // self.lanes_per_head
             t = lane % self.lanes_per_head  # the lane's piece of head g's row
-            i = bpi % S
-            bp = bpi // S
-            b = bp // Hp
-            p = bp - b * Hp
-            local = (query_offset + i) // self.block_size
+            b, p, i, local = selection_row(bpi, Hp, S, query_offset, self.block_size)
             neg_inf = -cutlass.Float32.inf
             acc = cute.make_rmem_tensor((self.per_lane,), cutlass.Float32)
             acc.fill(0.0)

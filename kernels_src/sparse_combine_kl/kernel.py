@@ -17,6 +17,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream
 
 from kernels_src.block_scores.kernel import compile_kernel
+from kernels_src.sparse_combine.kernel import selection_row
 from kernels_src.sparse_combine_kl import LANES_PER_ROW
 from kernels_src.spec import Compiled, fake_tensor
 
@@ -57,11 +58,7 @@ class SparseCombineKL:
         row = cta * (self.threads // LANES_PER_ROW) + tidx // LANES_PER_ROW
         live_row = row < B * Hp * S
         row_c = cutlass.min(row, B * Hp * S - 1)  # rows past the end run the rounds on the last row, store nothing
-        i = row_c % S
-        bp = row_c // S
-        b = bp // Hp
-        p = bp - b * Hp
-        local = (query_offset + i) // self.block_size
+        b, p, i, local = selection_row(row_c, Hp, S, query_offset, self.block_size)
         neg_inf = -cutlass.Float32.inf
         a_sum = cutlass.Float32(0.0)
         t_sum = cutlass.Float32(0.0)
