@@ -61,8 +61,6 @@ if device_arch(0) == 'sm90a':  # the other wgmma builds: ping-pong with two q bu
     sparse_fwd.FORCE_MMA, sparse_fwd.FORCE_STAGES = 'wgmma', 2
     msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
     sparse_fwd.FORCE_STAGES = None
-    sparse_fwd.FORCE_KL_SCHEDULE = 'pingpong'  # the resident KL pass unpipelined (the default pipelines it)
-    msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
     sparse_fwd.FORCE_MMA, sparse_fwd.FORCE_SCHEDULE, sparse_fwd.FORCE_KL_SCHEDULE = 'wgmma', 'lockstep', 'lockstep'
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
     for heads in ('stepped', 'resident'):  # tau recomputed (the default reads it from the main backward)

@@ -48,8 +48,7 @@ def test_dense_warmup_variants_are_the_catalogues():
 
 
 @pytest.mark.parametrize("mma, schedule, groups", [("sync", None, 4), ("wgmma", "lockstep", 2),
-                                                    ("wgmma", "pingpong", 1), ("wgmma", "pipelined", 1),
-                                                    ("wgmma", None, 1)])
+                                                    ("wgmma", "pingpong", 1), ("wgmma", None, 1)])
 def test_kl_part_columns_are_the_kernels(mma, schedule, groups):
     """The KL pass writes (A, T, L) per key group: 64-key slices x 2 halves on mma.sync, the whole block x 2
     warpgroups on wgmma in lockstep, one group in ping-pong (the runtime's default at G = 4). The runtime allocates
@@ -132,14 +131,12 @@ def test_deterministic_budget_and_entry_bytes():
 
 
 def test_kl_schedules_the_runtime_launches_are_built():
-    """wgmma runs the KL pass in ping-pong (resident heads single-buffered at G <= 4, their products pipelined on
-    key halves; a ring of slots at G = 8, 16), mma.sync in lockstep; forcing lockstep on wgmma gives the lockstep
-    kernel, built for every G, and forcing pingpong the unpipelined one. A ring of one slot, or resident heads with
-    two, is refused, and so is a pipelined kernel without resident heads."""
-    assert rt_fwd.kl_schedule("sync", 4) == "lockstep"
-    assert [rt_fwd.kl_schedule("wgmma", G) for G in (1, 2, 4, 8, 16)] == ["pipelined"] * 3 + ["pingpong"] * 2
+    """wgmma runs the KL pass in ping-pong (resident heads single-buffered at G <= 4, a ring of slots at G = 8, 16),
+    mma.sync in lockstep; forcing lockstep on wgmma gives the lockstep kernel, built for every G. A ring of one
+    slot, or resident heads with two, is refused."""
+    assert rt_fwd.kl_schedule("wgmma") == "pingpong" and rt_fwd.kl_schedule("sync") == "lockstep"
     for G in (1, 2, 4, 8, 16):
-        for schedule in (None, "lockstep", "pingpong"):
+        for schedule in (None, "lockstep"):
             config = sparse_kl.Config(**rt_fwd.kl_config("bf16", 128, 128, G, "wgmma", schedule))
             assert config in sparse_kl.configs(), config
     assert rt_fwd.kl_config("bf16", 128, 128, 16, "wgmma")["stages"] == sparse_kl.STREAM_STAGES
@@ -147,9 +144,6 @@ def test_kl_schedules_the_runtime_launches_are_built():
         ok, reason = sparse_kl.can_implement(sparse_kl.Config(group=G, tile_n=128, mma="wgmma", stages=stages,
                                                               schedule="pingpong"), "sm90a")
         assert not ok and "pingpong" in reason and f"G {G}" in reason
-    ok, reason = sparse_kl.can_implement(sparse_kl.Config(group=8, tile_n=128, mma="wgmma", stages=1,
-                                                          schedule="pipelined"), "sm90a")
-    assert not ok and "'pipelined'" in reason and "G 8" in reason, reason
 
 
 @pytest.mark.parametrize("mma", ["sync", "wgmma"])
@@ -159,13 +153,12 @@ def test_backward_keys_per_cta_agree(mma):
 
 
 def test_kl_pass_runs_wgmma_on_hopper_at_every_group():
-    """On sm90a the KL pass runs wgmma in ping-pong at every G (heads resident and pipelined at G <= 4, streamed at
-    8, 16), and mma.sync elsewhere."""
+    """On sm90a the KL pass runs wgmma in ping-pong at every G (heads resident at G <= 4, streamed at 8, 16), and
+    mma.sync elsewhere."""
     assert rt_fwd.family_mma("sm90a", "sparse_kl") == "wgmma" and rt_fwd.family_mma("sm100a", "sparse_kl") == "sync"
     for G in (1, 2, 4, 8, 16):
         config = sparse_kl.Config(**rt_fwd.kl_config("bf16", 128, 128, G, "wgmma"))
-        assert config.schedule == ("pipelined" if G <= 4 else "pingpong")
-        assert sparse_kl.resident_heads(config) == (G <= 4)
+        assert config.schedule == "pingpong" and sparse_kl.resident_heads(config) == (G <= 4)
 
 
 @pytest.mark.parametrize("Hp,Hk,Hpk", [(8, 8, 1), (8, 2, 2), (4, 4, 1), (6, 3, 2), (16, 1, 16), (12, 4, 3)])

@@ -319,20 +319,3 @@ def test_combine_heads_per_warp_change_no_bit(G, monkeypatch):
     for a, b in zip(wide[:2], narrow[:2]):
         assert torch.equal(a, b)
     assert torch.isfinite(wide[0]).all() and wide[0].abs().max() > 0
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("G", [1, 2, 4])
-@pytest.mark.parametrize("schedule", ["pipelined", "pingpong"])
-def test_kl_pass_schedules_match_reference(schedule, G, dtype, monkeypatch, force_mma):
-    """The resident KL pass in both ping-pong forms (its products on 64-key halves pipelined under the
-    exponentials, the runtime's default at G <= 4, and on the whole block), against the reference on odd S with
-    masked tiles, every resident G and both dtypes; Hp > Hk and Hpk > 1 so the heads' strides differ."""
-    from flash_msa_rt.ops import sparse_fwd
-
-    force_mma("wgmma")
-    monkeypatch.setattr(sparse_fwd, "FORCE_KL_SCHEDULE", schedule)
-    assert sparse_fwd.kl_config("bf16", 128, 128, G, "wgmma")["schedule"] == schedule
-    qp, kp, q, k, v = _inputs(1, 1777, 4 * G, 2, 4, 2, dtype, seed=50 + G)
-    scale = 128 ** -0.5
-    _check_forward(qp, kp, q, k, v, _selection(qp, kp, 7, scale), scale)

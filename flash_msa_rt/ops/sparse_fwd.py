@@ -164,26 +164,17 @@ KL_STREAM_STAGES = 4
 FORCE_KL_SCHEDULE: str | None = None  # tests and benchmarks: "lockstep" runs the lockstep wgmma kernel instead
 
 
-# At G <= 4 the resident ping-pong kernel's main products run on 64-key halves, the next one in flight under this
-# one's exponentials ("pipelined"; kernels_src/sparse_fwd/NOTES.md has its A/B against "pingpong").
-KL_PIPELINED = True
-
-
-def kl_schedule(mma: str, group: int | None = None) -> str:
-    if mma != "wgmma":
-        return "lockstep"
-    if FORCE_KL_SCHEDULE:
-        return FORCE_KL_SCHEDULE
-    return "pipelined" if KL_PIPELINED and group in KL_RESIDENT_GROUPS else "pingpong"
+def kl_schedule(mma: str) -> str:
+    return (FORCE_KL_SCHEDULE or "pingpong") if mma == "wgmma" else "lockstep"
 
 
 def kl_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
               schedule: str | None = None) -> dict:
     """The KL pass runs on the proxy backward's tiles (64 distinct queries x tile_n_for(mma) keys per CTA);
-    schedule: kl_schedule(mma, group) unless given."""
-    schedule = schedule or kl_schedule(mma, group)
+    schedule: kl_schedule(mma) unless given."""
+    schedule = schedule or kl_schedule(mma)
     stages = 2
-    if schedule in ("pingpong", "pipelined"):
+    if schedule == "pingpong":
         stages = 1 if group in KL_RESIDENT_GROUPS else KL_STREAM_STAGES
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": KL_TILE,
             "tile_n": tile_n_for(mma, block_size), "threads": 256, "stages": stages, "mma": mma,
@@ -193,7 +184,7 @@ def kl_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str =
 def kl_part_groups(config: dict) -> int:
     """Key groups (A, T, L triples) per entry that the KL pass of this kl_config writes: one per warpgroup or
     mma.sync key half, one in ping-pong (a warpgroup holds all the block's keys of its rows)."""
-    if config["schedule"] in ("pingpong", "pipelined"):
+    if config["schedule"] == "pingpong":
         return 1
     return kl_groups(config["block_size"], config["tile_n"])
 

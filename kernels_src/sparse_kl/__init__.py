@@ -21,11 +21,8 @@ OP = "sparse_kl"
 
 _ELEM_BYTES = {"bf16": 2, "f16": 2}
 # "lockstep": both warpgroups on one tile, each on half the block's keys (wgmma.py), or the mma.sync kernel;
-# "pingpong" (pingpong.py; resident heads at G <= 4, streamed.py at G = 8, 16): each warpgroup runs its own tiles
-# over all the block's keys; "pipelined" (pingpong.py, resident heads only): ping-pong with each tile's products on
-# 64-key halves, the next one in flight under this one's exponentials
-SCHEDULES = ("lockstep", "pingpong", "pipelined")
-PING_PONG = ("pingpong", "pipelined")
+# "pingpong" (pingpong.py, resident heads only): each warpgroup runs its own tiles over all the block's keys
+SCHEDULES = ("lockstep", "pingpong")
 
 
 @dataclass(frozen=True)
@@ -43,10 +40,8 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     heads (G <= 4) single-buffered (two warpgroups x (G + 1) tiles of 16 KB beside the 64 KB key block leave no
     room for a second stage), at G >= 8 with the heads streamed through STREAM_STAGES slots per warpgroup."""
     base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.mma_configs(head_dims, block_sizes, dtypes)]
-    whole = [c for c in base if c.mma == "wgmma" and c.tile_n == c.block_size]
     return base + [dataclasses.replace(c, schedule="pingpong", stages=1 if resident_heads(c) else STREAM_STAGES)
-                   for c in whole] + [dataclasses.replace(c, schedule="pipelined", stages=1)
-                                      for c in whole if resident_heads(c)]
+                   for c in base if c.mma == "wgmma" and c.tile_n == c.block_size]
 
 
 # wgmma on the whole block at these G gathers a tile's G main heads and the proxy at once (kernels_src.sparse_kl.
@@ -62,7 +57,7 @@ def resident_heads(config) -> bool:
 def key_groups(config) -> int:
     """(A, T, L) triples per entry: one per warpgroup's keys, 64-key slices x their two halves, or in ping-pong
     one (a warpgroup holds all the block's keys of its rows)."""
-    if getattr(config, "schedule", "lockstep") in PING_PONG:
+    if getattr(config, "schedule", "lockstep") == "pingpong":
         return 1
     return 2 * (config.block_size // config.tile_n)
 
@@ -74,11 +69,9 @@ def smem_bytes(config) -> int:
     a = sparse_bwd._align
     rows = config.stages * config.tile_m * config.head_dim * e
     kv = 2 * a(config.tile_n * config.head_dim * e, 1024)
-    if getattr(config, "schedule", "lockstep") in PING_PONG:
+    if getattr(config, "schedule", "lockstep") == "pingpong":
         if resident_heads(config):  # + each warpgroup's two slots of staged entries
-            # + the pipelined kernel's zero word (pingpong.py, opaque operand offsets)
-            zero = 1024 if config.schedule == "pipelined" else 0
-            return kv + a(2 * (config.group + 1) * rows, 1024) + a(2 * 2 * config.tile_m * 4, 1024) + zero
+            return kv + a(2 * (config.group + 1) * rows, 1024) + a(2 * 2 * config.tile_m * 4, 1024)
         return kv + a(2 * rows, 1024) + a(2 * config.stages * config.tile_m * 4, 1024)  # ring + lse table
     if resident_heads(config):
         return kv + a((config.group + 1) * rows, 1024)
@@ -89,18 +82,13 @@ def can_implement(config, arch: str) -> tuple[bool, str]:
     schedule = getattr(config, "schedule", "lockstep")
     # The backward's tile checks (its smem check is the main backward's); a ping-pong ring's depth is this
     # kernel's own, checked below.
-    tiles = dataclasses.replace(config, stages=min(config.stages, 2)) if schedule in PING_PONG else config
+    tiles = dataclasses.replace(config, stages=min(config.stages, 2)) if schedule == "pingpong" else config
     ok, reason = sparse_bwd.can_implement(tiles, arch)
     if not ok:
         return ok, reason
     if schedule not in SCHEDULES:
         reason = f"schedule {schedule!r} not supported; supported: {', '.join(map(repr, SCHEDULES))}"
-    elif schedule == "pipelined" and not (config.mma == "wgmma" and config.tile_n == config.block_size and
-                                          resident_heads(config) and config.stages == 1):
-        reason = (f"schedule 'pipelined' needs wgmma on the whole block with resident heads (G in "
-                  f"{RESIDENT_GROUPS}), stages 1; got mma {config.mma!r}, tile_n {config.tile_n}, G {config.group}, "
-                  f"stages {config.stages}")
-    elif schedule in PING_PONG and not (config.mma == "wgmma" and config.tile_n == config.block_size and
+    elif schedule == "pingpong" and not (config.mma == "wgmma" and config.tile_n == config.block_size and
                                          (config.stages == 1 if resident_heads(config) else config.stages >= 2)):
         reason = (f"schedule 'pingpong' needs wgmma on the whole block (tile_n = block_size), stages 1 at G in "
                   f"{RESIDENT_GROUPS} (resident heads) and >= 2 otherwise (streamed); got mma {config.mma!r}, "

@@ -203,7 +203,7 @@ class SparseKL(SparseProxyBackward):
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     from kernels_src.sparse_kl import params, resident_heads, smem_bytes
 
-    if config.schedule in ("pingpong", "pipelined") and resident_heads(config):
+    if config.schedule == "pingpong" and resident_heads(config):
         from kernels_src.sparse_kl.pingpong import SparseKLPingPong
 
         kernel = SparseKLPingPong(config)

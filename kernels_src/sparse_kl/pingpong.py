@@ -16,15 +16,6 @@ Single-buffered: 2 x (G + 1) tiles of 16 KB beside the 64 KB key block is 224 KB
 (its queries) are staged into a two-slot ring per warpgroup two tiles ahead, with the gathers of the tile before
 (one 4-byte cp.async per query), so a gather starts from shared memory instead of a dependent global load.
 A warpgroup holds all of its rows' keys, so it writes one (A, T, L) triple per entry (kl_part: 3 columns).
-
-Schedule "pipelined" (what the runtime runs): the products above wait for themselves before their exponentials,
-so inside a warpgroup the tensor cores idle while it exponentiates. Here each product covers one 64-key half of
-the block (two m64n64 accumulators in the registers of the one m64n128, and tau in two halves likewise): half
-h + 1's product runs while half h is exponentiated, and half h's accumulator takes the product after next. The
-extra B operands (two key halves) need twice the smem descriptors, which ptxas held in registers across the whole
-tile loop and spilled (96-176 bytes at G = 4); the operand tiles are therefore offset by a zero the compilers cannot
-see through (a shared word read per tile), so the descriptors are made inside the loop (no spill: 230 / 252 / 255
-registers at G = 1 / 2 / 4).
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -51,19 +42,16 @@ class SparseKLPingPong(SparseKLWG):
     def __init__(self, config):
         super().__init__(config)
         self._check_schedule()
-        # "pipelined": the main products on 64-key halves, the next half's in flight under this one's exponentials
-        self.pipelined = getattr(config, "schedule", "pingpong") == "pipelined"
 
     def _check_schedule(self):
         if not self.resident or self.tile_n != self.block_size or self.stages != 1:
             raise ValueError(f"sparse_kl ping-pong: resident heads on the whole block, single-buffered only; got "
                              f"G {self.group}, tile_n {self.tile_n}, stages {self.stages}")
 
-    def _wg_score_mma(self, keys: int = None):
-        """One warpgroup's m64n(keys) product (default the whole block): warpgroup w issues it on its own rows
-        (thread index tidx % 128)."""
+    def _wg_score_mma(self):
+        """One warpgroup's m64n(block) product: warpgroup w issues it on its own rows (thread index tidx % 128)."""
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, _K, _K, cutlass.Float32, (1, 1, 1),
-                                                 (WARPGROUP_ROWS, keys or self.tile_n))
+                                                 (WARPGROUP_ROWS, self.tile_n))
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
@@ -80,7 +68,6 @@ class SparseKLPingPong(SparseKLWG):
             s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
             s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
             s_ent: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, ENTRY_RING * self.tile_m * 2], 1024]
-            s_zero: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 32 if self.pipelined else 0], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_pingpong(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
@@ -110,12 +97,8 @@ class SparseKLPingPong(SparseKLWG):
                                        seqlen, tidx)
             s_q = storage.s_q.get_tensor(l_rows.outer, swizzle=l_rows.inner)
 
-            if cutlass.const_expr(self.pipelined):
-                halves = self.wg_half_accumulators(wg_tidx)
-                coord = halves[0][4]
-            else:
-                acc, s_mn, tau, tau_mn, coord = self.wg_accumulators(wg_tidx)
-            rows = cute.size(coord, mode=[0])
+            acc, s_mn, tau, tau_mn, coord = self.wg_accumulators(wg_tidx)
+            rows = cute.size(tau_mn, mode=[0])
             scale_log2 = scale * _LOG2E
             quad_lane = tidx % 4
 
@@ -137,10 +120,6 @@ class SparseKLPingPong(SparseKLWG):
                                    s_ent=ring[None, 0, wg])
                 self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries, wg, wg_tidx,
                                   base=base, s_ent=ring[None, 0, wg])
-            if cutlass.const_expr(self.pipelined):
-                s_zero = storage.s_zero.get_tensor(cute.make_layout(32))
-                if tidx < 32:
-                    s_zero[tidx] = 0
             cute.arch.cp_async_wait_group(0)
             self.publish_async_copies()
             cute.arch.sync_threads()  # the key block came from both warpgroups' threads
@@ -157,34 +136,24 @@ class SparseKLPingPong(SparseKLWG):
                 # tile whose first query lies inside the block sees t > i.
                 masked = ring[0, it % ENTRY_RING, wg] < t0 + self.block_size - 1
                 s_next = ring[None, (it + 1) % ENTRY_RING, wg]  # tile + 2's entries
-                if cutlass.const_expr(self.pipelined):
-                    # An offset of 0 that neither compiler can see through (a shared word read per tile): the
-                    # operands' smem descriptors are then made in the loop instead of held in registers across it.
-                    off = cute.assume(s_zero[it % 32] * 8192, divby=8192)
-                    self.pipelined_products(halves, cute.make_tensor(s_q.iterator + off, s_q.layout),
-                                            cute.make_tensor(s_k.iterator + off, s_k.layout),
-                                            cute.make_tensor(s_kp.iterator + off, s_kp.layout), base, lse2,
-                                            scale_log2, wg_tidx, gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start,
-                                            n_entries, tile, n_tiles, wg, s_next)
-                else:
-                    for n in cutlass.range_constexpr(self.group):
-                        self.wg_product(acc, s_q[None, None, base + n], s_k, wg_tidx)
-                        if cutlass.const_expr(n + 1 == self.group):
-                            # Once every warp of the warpgroup is past its wait, every main product is complete and
-                            # their buffers take the next tile's rows while this one finishes.
-                            if tile + 2 < n_tiles:
-                                cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
-                                self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries,
-                                                  tile + 2, wg_tidx, base=base, first=0, count=self.group,
-                                                  s_ent=s_next)
-                        for r in cutlass.range_constexpr(rows):
-                            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                                e = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r, n], fastmath=True)
-                                if cutlass.const_expr(n == 0):
-                                    tau_mn[r, c] = e
-                                else:
-                                    tau_mn[r, c] += e
-                    self.wg_product(acc, s_q[None, None, base + self.group], s_kp, wg_tidx)
+                for n in cutlass.range_constexpr(self.group):
+                    self.wg_product(acc, s_q[None, None, base + n], s_k, wg_tidx)
+                    if cutlass.const_expr(n + 1 == self.group):
+                        # Once every warp of the warpgroup is past its wait, every main product is complete and
+                        # their buffers take the next tile's rows while this one finishes.
+                        if tile + 2 < n_tiles:
+                            cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                            self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries,
+                                              tile + 2, wg_tidx, base=base, first=0, count=self.group,
+                                              s_ent=s_next)
+                    for r in cutlass.range_constexpr(rows):
+                        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                            e = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r, n], fastmath=True)
+                            if cutlass.const_expr(n == 0):
+                                tau_mn[r, c] = e
+                            else:
+                                tau_mn[r, c] += e
+                self.wg_product(acc, s_q[None, None, base + self.group], s_kp, wg_tidx)
                 if tile + 2 < n_tiles:
                     cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
                     # This tile's slot is read by nobody past the barrier at its top: it takes tile + 4's
@@ -195,15 +164,7 @@ class SparseKLPingPong(SparseKLWG):
                                       wg_tidx, base=base, first=self.group, count=1, s_ent=s_next)
                     self.load_row_data(entry_query, lse, b, p, start, n_entries, tile + 2, coord, next_i,
                                        next_lse2, s_ent=s_next)
-                if cutlass.const_expr(self.pipelined):
-                    pieces = ((halves[0][1], halves[0][3], 0), (halves[1][1], halves[1][3], self.tile_n // 2))
-                    if masked:
-                        self.write_piece_shares(pieces, coord, row_i, entry_dest, kl_part, e0, n_q, t0, 0,
-                                                quad_lane, scale_log2, True)
-                    else:
-                        self.write_piece_shares(pieces, coord, row_i, entry_dest, kl_part, e0, n_q, t0, 0,
-                                                quad_lane, scale_log2, False)
-                elif masked:
+                if masked:
                     self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, 0, quad_lane,
                                       scale_log2, True)
                 else:
@@ -235,66 +196,11 @@ class SparseKLPingPong(SparseKLWG):
         coord = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
         return acc, self.rows_cols(acc), tau, self.rows_cols(tau), coord
 
-    def wg_half_accumulators(self, wg_tidx):
-        """Trace time, pipelined: per 64-key half h of the block, (acc, its rows x columns, tau_sum, its rows x
-        columns, the (row, key within the half) coordinates of a thread's values): the same 128 registers as the
-        whole-block pair."""
-        half = self.tile_n // 2
-        thr_s = self._wg_score_mma(half).get_slice(wg_tidx)
-        acc_shape = thr_s.partition_shape_C((self.tile_m, half))
-        coord = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, half))))
-        out = []
-        for _ in range(2):
-            acc = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-            tau = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-            out.append((acc, self.rows_cols(acc), tau, self.rows_cols(tau), coord))
-        return tuple(out)
-
     @cute.jit
-    def pipelined_products(self, halves, s_qo, s_ko, s_kpo, base, lse2, scale_log2, wg_tidx, gcopy_wg, q, q_proxy,
-                           s_q, b, p, entry_query, start, n_entries, tile, n_tiles, wg, s_next):
-        """A tile's 2 (G + 1) half-block products, step 2 n + h = head n (n = G: the proxy) against half h of the
-        key block into half h's accumulator: two in flight from the start, each main one's exponentials (tau_h +=
-        exp2(S - lse_n)) run while the next is on the tensor cores, and its accumulator takes the product after
-        next. Once the last main product is waited for, the main heads' buffers are free: the next tile's rows are
-        gathered into them (as in the whole-block kernel). Returns with both proxy halves waited for. s_qo, s_ko,
-        s_kpo: the operand tiles at an opaque zero offset (see the caller); s_q: the gathers' own view."""
-        steps = 2 * (self.group + 1)
-        self.issue_half(halves, s_qo, s_ko, s_kpo, base, 0, wg_tidx)
-        self.issue_half(halves, s_qo, s_ko, s_kpo, base, 1, wg_tidx)
-        for step in cutlass.range_constexpr(steps):
-            n, h = step // 2, step % 2
-            warpgroup.wait_group(1 if step + 1 < steps else 0)
-            if cutlass.const_expr(n < self.group):
-                if cutlass.const_expr(step == 2 * self.group - 1):
-                    # Every warp of the warpgroup past this wait: every main product is complete.
-                    if tile + 2 < n_tiles:
-                        cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
-                        self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries, tile + 2,
-                                          wg_tidx, base=base, first=0, count=self.group, s_ent=s_next)
-                s_mn, tau_mn = halves[h][1], halves[h][3]
-                for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                        e = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r, n], fastmath=True)
-                        if cutlass.const_expr(n == 0):
-                            tau_mn[r, c] = e
-                        else:
-                            tau_mn[r, c] += e
-                self.issue_half(halves, s_qo, s_ko, s_kpo, base, step + 2, wg_tidx)
-
-    def issue_half(self, halves, s_q, s_k, s_kp, base, step: int, wg_tidx):
-        """Trace time: issue (not wait for) product `step` = 2 n + h of the pipelined tile: head n's rows (n = G:
-        the proxy's) against half h of the key block, into half h's accumulator."""
-        n, h = step // 2, step % 2
-        half = self.tile_n // 2
-        s_b = cute.local_tile(s_k if n < self.group else s_kp, (half, self.head_dim), (h, 0))
-        self.wg_product(halves[h][0], s_q[None, None, base + n], s_b, wg_tidx, keys=half, wait=False)
-
-    @cute.jit
-    def wg_product(self, acc, s_a, s_b, wg_tidx, keys: cutlass.Constexpr = None, wait: cutlass.Constexpr = True):
-        """acc = A B^T on this warpgroup's 64 rows and all the block's keys (or `keys` of them), one commit group,
-        waited for unless wait=False. The MMA is remade here: its accumulate flag is state set per step."""
-        mma = self._wg_score_mma(keys)
+    def wg_product(self, acc, s_a, s_b, wg_tidx):
+        """acc = A B^T on this warpgroup's 64 rows and all the block's keys, waited for. The MMA is remade here: its
+        accumulate flag is state set per step."""
+        mma = self._wg_score_mma()
         thr = mma.get_slice(wg_tidx)
         t_ra = thr.make_fragment_A(thr.partition_A(s_a))
         t_rb = thr.make_fragment_B(thr.partition_B(s_b))
@@ -303,5 +209,4 @@ class SparseKLPingPong(SparseKLWG):
             mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
             cute.gemm(mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
         warpgroup.commit_group()
-        if cutlass.const_expr(wait):
-            warpgroup.wait_group(0)
+        warpgroup.wait_group(0)

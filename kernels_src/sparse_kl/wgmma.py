@@ -172,46 +172,34 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
         """Per row and this warpgroup's 64 keys, in log2 units: A = sum tau (log2 tau - s_p), T = sum tau, L = the
         log2-sum-exp2 of s_p, over the causal keys; written to kl_part[dest, 3 warp_n : 3 warp_n + 3] (tau =
         tau_sum / G). Without masking, every key of the block is visible to every row of the tile."""
-        self.write_piece_shares(((s_mn, tau_mn, 0),), coord, row_i, entry_dest, kl_part, e0, n_q, t0, warp_n,
-                                quad_lane, scale_log2, masked)
-
-    @cute.jit
-    def write_piece_shares(self, pieces, coord, row_i, entry_dest, kl_part, e0, n_q, t0, warp_n, quad_lane,
-                           scale_log2, masked: cutlass.Constexpr):
-        """write_shares over several accumulator pieces of the same rows: pieces = ((s_mn, tau_mn, key offset),
-        ...), coord the (row, key) coordinates of a piece's values, the offset added to its keys (the pipelined
-        ping-pong kernel's two 64-key halves). One (A, T, L) triple for all of them."""
         log2_g = math.log2(self.group)
-        for r in cutlass.range_constexpr(cute.size(coord, mode=[0])):
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             key_limit = row_i[r] - t0
             row_max = -cutlass.Float32.inf
-            for s_mn, tau_mn, key0 in pieces:
-                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                    sp2 = s_mn[r, c] * scale_log2
-                    s_mn[r, c] = sp2
-                    if cutlass.const_expr(not masked):
-                        row_max = cute.arch.fmax(row_max, sp2)
-                    elif coord[0, c][1] + key0 <= key_limit:
-                        row_max = cute.arch.fmax(row_max, sp2)
-                    else:
-                        tau_mn[r, c] = 0.0
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                sp2 = s_mn[r, c] * scale_log2
+                s_mn[r, c] = sp2
+                if cutlass.const_expr(not masked):
+                    row_max = cute.arch.fmax(row_max, sp2)
+                elif coord[0, c][1] <= key_limit:
+                    row_max = cute.arch.fmax(row_max, sp2)
+                else:
+                    tau_mn[r, c] = 0.0
             row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
             row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
             sum_exp = cutlass.Float32(0.0)
             a_sum = cutlass.Float32(0.0)
             t_sum = cutlass.Float32(0.0)
-            for s_mn, tau_mn, key0 in pieces:
-                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                    sp2 = s_mn[r, c]
-                    if cutlass.const_expr(not masked):
-                        sum_exp += cute.math.exp2(sp2 - row_max, fastmath=True)
-                    elif coord[0, c][1] + key0 <= key_limit:
-                        sum_exp += cute.math.exp2(sp2 - row_max, fastmath=True)
-                    ts = tau_mn[r, c]
-                    # ts = 0 (masked or underflowed) adds 0; tau_sum >= FLT_MIN otherwise (exp2.ftz is never
-                    # denormal).
-                    a_sum += ts * (cute.math.log2(cute.arch.fmax(ts, _FLT_MIN), fastmath=True) - sp2)
-                    t_sum += ts
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                sp2 = s_mn[r, c]
+                if cutlass.const_expr(not masked):
+                    sum_exp += cute.math.exp2(sp2 - row_max, fastmath=True)
+                elif coord[0, c][1] <= key_limit:
+                    sum_exp += cute.math.exp2(sp2 - row_max, fastmath=True)
+                ts = tau_mn[r, c]
+                # ts = 0 (masked or underflowed) adds 0; tau_sum >= FLT_MIN otherwise (exp2.ftz is never denormal).
+                a_sum += ts * (cute.math.log2(cute.arch.fmax(ts, _FLT_MIN), fastmath=True) - sp2)
+                t_sum += ts
             for off in cutlass.range_constexpr(2):
                 sum_exp += cute.arch.shuffle_sync_bfly(sum_exp, offset=2 >> off)
                 a_sum += cute.arch.shuffle_sync_bfly(a_sum, offset=2 >> off)
