@@ -329,6 +329,7 @@ NAME_TAGS: dict[str, str] = {
     "tau_out": "tauout",  # tauout1: the main backward also writes tau for the proxy backward
     "deterministic": "det",  # det1: partial rows stored for a fixed-order sum instead of fp32 atomics
     "heads_per_warp": "hw",  # the combine: how many of a row's G heads one warp merges
+    "phase": "phase",  # plan_lists: phasecount (phase 1) or phasescatter (phase 2)
 }
 
 

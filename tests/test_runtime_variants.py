@@ -99,12 +99,12 @@ def test_deterministic_backward_variants_are_built():
         for G in (1, 2, 4, 8, 16):
             launched = rt_bwd.variants(dt, 128, 128, 128, G, "sm90a", deterministic=True)
             assert [op for op, _ in launched] == ["sparse_bwd", "sparse_bwd_proxy", "bwd_delta", "slot_sum",
-                                                  "slot_sum"]
+                                                  "slot_sum", "plan_lists", "plan_lists"]
             main, proxy = launched[0][1], launched[1][1]
             assert main["deterministic"] == proxy["deterministic"] == 1 and main["tau_out"] == 1
             assert sparse_bwd.MainConfig(**main) in sparse_bwd.configs()
             assert sparse_bwd_proxy.Config(**proxy) in sparse_bwd_proxy.configs()
-            for (_, cfg), group in zip(launched[3:], (G, 1)):  # dq over G heads, dq_p over one
+            for (_, cfg), group in zip(launched[3:5], (G, 1)):  # dq over G heads, dq_p over one
                 assert cfg["group"] == group and slot_sum.Config(**cfg) in slot_sum.configs()
     assert rt_bwd.deterministic_refusal("sm90a") is None
     assert "sm100a" in rt_bwd.deterministic_refusal("sm100a")

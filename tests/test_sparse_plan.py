@@ -639,3 +639,46 @@ def test_runtime_combine_heads_are_built(D):
         assert hw == sc.widest_heads(G, D) and (G, hw) in built and (G, 1) in built
         assert sc.can_implement(sc.Config(head_dim=D, group=G, heads_per_warp=hw), "sm90a")[0]
         assert hw * D // 32 <= sc.LANE_ELEMENTS and (hw == G or hw * D // 32 == sc.LANE_ELEMENTS)
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES[:5])
+@pytest.mark.parametrize("order", ["list", "size", "query"])
+def test_chunk_plans_on_the_list_kernels_equal_the_sort(case, order, monkeypatch):
+    """The plan_lists kernels' contract (sparse_emulate.plan_lists_kernels, tile by tile as the kernels run, on
+    tiles of 16 rows so that these chunks are whole tiles) gives chunk_plans' plans field for field: the key
+    layout, the ranks, the dead entries' places and the lists table all agree with the torch sort's."""
+    from flash_msa_rt.ops import sparse_plan as sp
+    from flash_msa_rt.ops.sparse_emulate import plan_lists_kernels
+
+    B, Hp, S, K, Bs, heads, queries, _ = case
+    monkeypatch.setattr(sp, "LIST_TILE_ROWS", 16)
+    monkeypatch.setattr(sp, "QUERY_BIN", 32)
+    gen = torch.Generator().manual_seed(S + Hp + 7)
+    idx = random_indices(gen, B, Hp, S, K, Bs)
+    cuts = ((8, 2), (3, 5))
+    want = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, order)
+    got = sp._kernel_plans(idx, Bs, 4, heads, queries, cuts, order, kernels=plan_lists_kernels(Bs, tile_rows=16))
+    assert sorted(got) == sorted(want)
+    for key in want:
+        for g, w in zip(got[key], want[key]):
+            for field in ("E", "W", "K", "Hp", "S", "B", "NB", "block_size", "group", "tile_queries",
+                          "tiles_per_item", "query_offset"):
+                assert getattr(g, field) == getattr(w, field), (field, key)
+            for field in ("entry_query", "entry_dest", "items", "item_count", "list_bounds"):
+                a, b = getattr(g, field), getattr(w, field)
+                assert a.dtype == b.dtype and torch.equal(a, b), (field, key)
+
+
+def test_chunk_keys_are_the_kernels():
+    """The host's key layout (chunk_keys) counts the keys the kernels' closed forms index: the last chunk's dead
+    keys end at keys, every chunk's lists start where the one before ended."""
+    from flash_msa_rt.ops.sparse_plan import chunk_keys
+
+    B, Hp, S, K, Bs, heads, queries = 2, 4, 1000, 3, 64, 2, 384
+    ck = chunk_keys(B, Hp, S, K, heads, queries, Bs)
+    n_q, nbq, bc = ck.n_q, queries // Bs, B * heads
+    per_group = bc * (nbq * (n_q - 1) * n_q // 2 + -(-S // Bs) + n_q)
+    bases = [hg * per_group + bc * (nbq * qc * (qc + 1) // 2 + qc) for hg in range(Hp // heads) for qc in range(n_q)]
+    sizes = [L + bc for L in ck.L]
+    assert bases == [sum(sizes[:n]) for n in range(len(sizes))] and ck.keys == sum(sizes)
+    assert ck.tiles == 3 and ck.NB == [6, 12, 16] * 2 and ck.E == [bc * 384 * K, bc * 384 * K, bc * 232 * K] * 2

@@ -22,7 +22,7 @@ import torch
 
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops import sparse_bwd, sparse_fwd
-from flash_msa_rt.ops.sparse_plan import chunk_plans
+from flash_msa_rt.ops.sparse_plan import chunk_plans, list_kernel_configs
 
 _INT32_LIMIT = 1 << 31
 
@@ -101,7 +101,8 @@ def variants(dtype: str, head_dim: int, block_size: int, group: int, arch: str =
     if backward:
         mma = sparse_fwd.family_mma(arch, "sparse_bwd")
         return [("sparse_bwd", sparse_bwd.kernel_config(dtype, head_dim, block_size, group, mma)),
-                ("bwd_delta", sparse_bwd.delta_config(dtype, head_dim))]
+                ("bwd_delta", sparse_bwd.delta_config(dtype, head_dim))] + list_kernel_configs(block_size)
     return [("sparse_fwd", sparse_fwd.kernel_config(dtype, head_dim, block_size, group,
                                                     sparse_fwd.family_mma(arch, "sparse_fwd"))),
-            ("sparse_combine", sparse_fwd.combine_config(dtype, head_dim, block_size, group))]
+            ("sparse_combine", sparse_fwd.combine_config(dtype, head_dim, block_size, group))] + \
+        list_kernel_configs(block_size)

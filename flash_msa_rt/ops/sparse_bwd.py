@@ -20,7 +20,7 @@ import torch
 
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops import sparse_bwd_sums, sparse_fwd
-from flash_msa_rt.ops.sparse_plan import chunk_plans, recut, sparse_plan
+from flash_msa_rt.ops.sparse_plan import chunk_plans, list_kernel_configs, recut, sparse_plan
 
 TILE_M = 64
 # Rows per item: dk / dv leave registers (atomics) once per item. benchmarks/sweep_items.py, (b) S = 64K:
@@ -164,11 +164,11 @@ def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, gr
                 ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, mma_p, "tau", True, True)),
                 ("bwd_delta", delta_config(dtype, head_dim)),
                 ("slot_sum", slot_sum_config(dtype, head_dim, block_size, group)),
-                ("slot_sum", slot_sum_config(dtype, proxy_head_dim, block_size, 1))]
+                ("slot_sum", slot_sum_config(dtype, proxy_head_dim, block_size, 1))] + list_kernel_configs(block_size)
     tau = tau_path(mma, mma_p)
     out = [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, mma)),
            ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, mma_p)),
-           ("bwd_delta", delta_config(dtype, head_dim))]
+           ("bwd_delta", delta_config(dtype, head_dim))] + list_kernel_configs(block_size)
     if tau:
         out += [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, mma, tau_out=True)),
                 ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, mma_p, tau=True))]

@@ -128,3 +128,76 @@ def emulate_proxy_backward(plan: SparsePlan, q, k, q_proxy, k_proxy, lse, lse_pr
             pkh = p // (Hp // Hpk)
             dqp_acc[b, i, p] += (scale * ds @ k_proxy[b, t0:t1, pkh].to(dt)).to(dqp_acc.dtype)
             dkp_acc[b, t0:t1, pkh] += (scale * ds.T @ q_proxy[b, i, p].to(dt)).to(dkp_acc.dtype)
+
+
+# --- the plan_lists kernels (kernels_src/plan_lists) ---------------------------------------------------------------
+
+def plan_lists_kernels(block_size: int, tile_rows: int = 128):
+    """(count, scatter): the plan_lists kernels' contract in Python, tile by tile, for
+    sparse_plan.sorted_lists_on_device's kernels argument (CPU tests of the host glue and the key layout)."""
+    import numpy as np
+
+    Bs = block_size
+
+    def tiles_of(block_indices, heads, queries):
+        B, Hp, S, K = block_indices.shape
+        idx = block_indices.cpu().numpy()
+        n_q = -(-S // queries)
+        nbq = queries // Bs
+        bc = B * heads
+        per_group = bc * (nbq * (n_q - 1) * n_q // 2 + -(-S // Bs) + n_q)
+        for b in range(B):
+            for p in range(Hp):
+                for t in range(-(-S // tile_rows)):
+                    hg, pc, r0 = p // heads, p % heads, t * tile_rows
+                    qc = r0 // queries
+                    q_lo, q_hi = qc * queries, min(S, qc * queries + queries)
+                    nb = -(-q_hi // Bs)
+                    kbase = hg * per_group + bc * (nbq * qc * (qc + 1) // 2 + qc)
+                    r = np.arange(r0, min(S, r0 + tile_rows))
+                    rows = idx[b, p, r0:r0 + len(r)]
+                    live = (rows >= 0) & (rows <= (r // Bs)[:, None])
+                    yield dict(b=b, pc=pc, r=r, rows=rows, live=live, q_lo=q_lo, length=q_hi - q_lo, nb=nb,
+                               kbase=kbase, first=kbase + (b * heads + pc) * nb, dead=kbase + bc * nb + b * heads + pc,
+                               column=t - q_lo // tile_rows, chunk=hg * n_q + qc, bc=bc, K=K)
+
+    def count(block_indices, counts, heads, queries, tiles):
+        out = counts.cpu().numpy().copy()
+        for tk in tiles_of(block_indices, heads, queries):
+            per_block = np.bincount(tk["rows"][tk["live"]], minlength=tk["nb"])
+            for j in np.nonzero(per_block)[0]:
+                out[(tk["first"] + j) * tiles + tk["column"]] = per_block[j]
+            dead = int((~tk["live"]).sum())
+            if dead:
+                out[tk["dead"] * tiles + tk["column"]] = dead
+        counts.copy_(torch.from_numpy(out))
+
+    def scatter(block_indices, counts, ends, entry_query, entry_dest, lists, heads, queries, tiles):
+        c, e = counts.cpu().numpy(), ends.cpu().numpy()
+        eq, ed, ls = entry_query.cpu().numpy().copy(), entry_dest.cpu().numpy().copy(), lists.cpu().numpy().copy()
+        for tk in tiles_of(block_indices, heads, queries):
+            rr, kk = np.nonzero(np.ones_like(tk["live"]))  # (row, slot) order
+            r, j, live = tk["r"][rr], tk["rows"][rr, kk], tk["live"][rr, kk]
+            dest = ((tk["b"] * heads + tk["pc"]) * tk["length"] + r - tk["q_lo"]) * tk["K"] + kk
+            dci = tk["dead"] * tiles + tk["column"]
+            pos = e[dci] - c[dci] + np.arange(int((~live).sum()))
+            eq[pos], ed[pos] = r[~live], dest[~live]
+            for jb in np.unique(j[live]):
+                sel = live & (j == jb)  # one entry per row: ranked by row
+                ci = (tk["first"] + jb) * tiles + tk["column"]
+                pos = e[ci] - c[ci] + np.arange(int(sel.sum()))
+                eq[pos], ed[pos] = r[sel], dest[sel]
+            if tk["column"] == 0:
+                start0 = e[tk["kbase"] * tiles] - c[tk["kbase"] * tiles]
+                before = (tk["b"] * heads + tk["pc"]) * tk["nb"]
+                for jb in range(tk["nb"]):
+                    ci = (tk["first"] + jb) * tiles
+                    ls[tk["chunk"], 0, before + jb] = e[ci] - c[ci] - start0
+                    ls[tk["chunk"], 1, before + jb] = e[ci + tiles - 1] - (e[ci] - c[ci])
+                if tk["b"] == 0 and tk["pc"] == 0:
+                    di = (tk["kbase"] + tk["bc"] * tk["nb"]) * tiles
+                    ls[tk["chunk"], 0, tk["bc"] * tk["nb"]] = e[di] - c[di] - start0
+        for t, a in ((entry_query, eq), (entry_dest, ed), (lists, ls)):
+            t.copy_(torch.from_numpy(a))
+
+    return count, scatter

@@ -21,7 +21,7 @@ import functools
 import torch
 
 from flash_msa_rt.loader import get_kernel
-from flash_msa_rt.ops.sparse_plan import chunk_plans, kl_groups, sparse_plan
+from flash_msa_rt.ops.sparse_plan import chunk_plans, kl_groups, list_kernel_configs, sparse_plan
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 HEAD_DIMS = (128,)
@@ -195,7 +195,7 @@ def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, gr
     return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_fwd"))),
             ("sparse_combine", combine_config(dtype, head_dim, block_size, group)),
             ("sparse_kl", kl_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_kl"))),
-            ("sparse_combine_kl", combine_kl_config(block_size))]
+            ("sparse_combine_kl", combine_kl_config(block_size))] + list_kernel_configs(block_size)
 
 
 def _plan_args(plan) -> dict:

@@ -224,6 +224,8 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     if Hp % heads or queries % block_size and queries < S:
         raise ValueError(f"chunk_plans: heads = {heads} must divide Hp = {Hp} and queries = {queries} be a multiple "
                          f"of block_size = {block_size} (or cover S = {S})")
+    if lists_on_device(block_indices, block_size, group, heads, queries):
+        return _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order)
     if heads == Hp and queries >= S:  # one chunk: sparse_plan's sort (fewer torch ops), every cut in one pass
         entry_query, entry_dest, bounds, NB = _sorted_lists(block_indices, block_size, 0)
         E, L, dev = B * Hp * S * K, bounds.shape[0] - 1, bounds.device
@@ -314,12 +316,22 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
     starts = bounds[index] - off_t.view(-1, 1)  # (n_ch, L_max + 1): list starts, then the dead list's
     valid = col[:, :L_max] < L_t.view(-1, 1)
     counts = torch.where(valid, starts[:, 1:] - starts[:, :-1], torch.zeros((), dtype=i64, device=dev))
+    return _chunk_plan_dict(entry_query, entry_dest, starts, counts, NB_t, off_t, q_lo, q_hi, NB, L, E, B, K, c,
+                            n_q, Bs, group, cuts, item_order)
+
+
+def _chunk_plan_dict(entry_query, entry_dest, starts, counts, NB_t, off_t, q_lo, q_hi, NB, L, E, B, K, c, n_q, Bs,
+                     group, cuts, item_order):
+    """chunk_plans' result from the chunks' sorted entries: starts (n_ch, L_max + 1) int64, each chunk's list starts
+    relative to its first entry with the dead entries' start at column L[n]; counts (n_ch, L_max), 0 past L[n];
+    NB_t, off_t (n_ch,) on the device (off_t: each chunk's first entry, read by order "query" only); q_lo, q_hi,
+    NB, L, E: per chunk, host ints."""
     items, item_count, W = _cut_batched(starts[:, :-1], counts, NB_t, cuts, E, L, item_order == "size")
     if item_order == "query":
         items = _by_query(items, entry_query, off_t)
 
     plans = {}
-    for n in range(n_ch):
+    for n in range(len(E)):
         e0 = sum(E[:n])
         p0, s0 = (n // n_q) * c, q_lo[n]
         chunk_bounds = starts[n, :L[n] + 1]
@@ -330,6 +342,124 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
                        tile_queries=tq, tiles_per_item=T, query_offset=s0)
             for m, (tq, T) in enumerate(cuts))
     return plans
+
+
+# --- the sorted lists by the plan_lists kernels (kernels_src/plan_lists) -------------------------------------------
+
+LISTS_ON_DEVICE = True  # A/B runs: False sorts with torch (the path CPU tensors always take)
+LIST_BLOCK_SIZES = (128,)  # the plan_lists variants the build makes
+LIST_TILE_ROWS = 128  # kernels_src.plan_lists.TILE_ROWS: query rows per CTA
+# The kernels' (key, tile) count matrix holds ~B Hp S^2 / (Bs 128) int32 cells (twice: counts and their cumsum);
+# past this many the torch sort, batched, takes less memory (S >= 512K at B = 1, Hp = 8).
+LIST_MAX_CELLS = 1 << 26
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkKeys:
+    """The plan_lists kernels' key layout (their tile_keys): chunk n = (head group, query chunk), every chunk but the
+    last of a head group holding `queries` queries; chunk n's keys are its L[n] lists (b, p', j), then one dead
+    key per (b, p')."""
+
+    queries: int
+    tiles: int  # columns of the (key, tile) matrices
+    q_lo: list
+    q_hi: list
+    NB: list
+    L: list
+    E: list
+    n_q: int
+    keys: int
+
+    @property
+    def cells(self) -> int:
+        return self.keys * self.tiles
+
+
+def chunk_keys(B: int, Hp: int, S: int, K: int, heads: int, queries: int, block_size: int) -> ChunkKeys:
+    Q = min(queries, S)
+    n_q = -(-S // Q)
+    n_ch = (Hp // heads) * n_q
+    q_lo = [(n % n_q) * Q for n in range(n_ch)]
+    q_hi = [min(S, lo + Q) for lo in q_lo]
+    NB = [-(-hi // block_size) for hi in q_hi]
+    bc = B * heads
+    L = [bc * nb for nb in NB]
+    E = [bc * (hi - lo) * K for lo, hi in zip(q_lo, q_hi)]
+    return ChunkKeys(queries=Q, tiles=-(-Q // LIST_TILE_ROWS), q_lo=q_lo, q_hi=q_hi, NB=NB, L=L, E=E, n_q=n_q,
+                     keys=sum(n + bc for n in L))
+
+
+def lists_on_device(block_indices: torch.Tensor, block_size: int, group: int, heads: int, queries: int) -> bool:
+    """Whether chunk_plans sorts with the plan_lists kernels: CUDA tensors, a built block size, query chunks of whole
+    kernel tiles, and int32 positions and cells. Otherwise the torch sort runs (and raises where a chunk's partial
+    rows pass int32)."""
+    if not (LISTS_ON_DEVICE and block_indices.is_cuda and block_size in LIST_BLOCK_SIZES):
+        return False
+    B, Hp, S, K = block_indices.shape
+    if queries < S and queries % LIST_TILE_ROWS:
+        return False
+    ck = chunk_keys(B, Hp, S, K, heads, queries, block_size)
+    return (sum(ck.E) < _INT32_LIMIT and max(ck.E) * group < _INT32_LIMIT and ck.cells <= LIST_MAX_CELLS
+            and ck.keys < _INT32_LIMIT)
+
+
+def list_kernel_configs(block_size: int) -> list[tuple[str, dict]]:
+    """The (op, config) of the plan_lists kernels chunk_plans launches: count, then scatter."""
+    return [("plan_lists", {"block_size": block_size, "phase": phase, "threads": LIST_TILE_ROWS})
+            for phase in ("count", "scatter")]
+
+
+def _lists_kernels(block_size: int, device):
+    from flash_msa_rt.loader import get_kernel
+
+    return tuple(get_kernel(op, config, device) for op, config in list_kernel_configs(block_size))
+
+
+def sorted_lists_on_device(block_indices: torch.Tensor, block_size: int, heads: int, queries: int, kernels=None):
+    """(entry_query, entry_dest, lists (n_ch, 2, L_max + 1) int64, ChunkKeys) of every chunk, sorted by the
+    plan_lists kernels: lists[n, 0] the chunk's list starts relative to its first entry (column L[n]: the dead
+    entries' start), lists[n, 1] their counts (0 past L[n]). kernels: the (count, scatter) launchers (default:
+    the built kernels; tests pass an emulation)."""
+    B, Hp, S, K = block_indices.shape
+    ck = chunk_keys(B, Hp, S, K, heads, queries, block_size)
+    dev = block_indices.device
+    count, scatter = kernels or _lists_kernels(block_size, dev)
+    sel = block_indices if block_indices.stride(3) == 1 else block_indices.contiguous()
+    scalars = dict(heads=heads, queries=ck.queries, tiles=ck.tiles)
+    counts = torch.zeros(ck.cells, dtype=torch.int32, device=dev)
+    count(block_indices=sel, counts=counts, **scalars)
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    entry_query = torch.empty(sum(ck.E), dtype=torch.int32, device=dev)
+    entry_dest = torch.empty(sum(ck.E), dtype=torch.int32, device=dev)
+    lists = torch.zeros((len(ck.E), 2, max(ck.L) + 1), dtype=torch.int64, device=dev)
+    scatter(block_indices=sel, counts=counts, ends=ends, entry_query=entry_query, entry_dest=entry_dest, lists=lists,
+            **scalars)
+    return entry_query, entry_dest, lists, ck
+
+
+def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, kernels=None):
+    """chunk_plans on the plan_lists kernels (kernels: as sorted_lists_on_device's): the same plans, field for
+    field, as the torch sort's."""
+    B, Hp, S, K = block_indices.shape
+    entry_query, entry_dest, lists, ck = sorted_lists_on_device(block_indices, block_size, heads, queries, kernels)
+    dev, n_ch = block_indices.device, len(ck.E)
+    if len(set(ck.NB)) == 1:
+        NB_t = torch.full((n_ch,), ck.NB[0], dtype=torch.int64, device=dev)
+    else:  # query chunks: NB of chunk n from its query range, made on the device (no host-to-device copy)
+        qc = torch.arange(n_ch, device=dev, dtype=torch.int64).remainder(ck.n_q)
+        NB_t = torch.div(torch.clamp((qc + 1) * ck.queries, max=S) + (block_size - 1), block_size,
+                         rounding_mode="floor")
+    off_t = _chunk_offsets(ck, dev) if order == "query" else None
+    return _chunk_plan_dict(entry_query, entry_dest, lists[:, 0], lists[:, 1, :-1], NB_t, off_t, ck.q_lo, ck.q_hi,
+                            ck.NB, ck.L, ck.E, B, K, heads, ck.n_q, block_size, group, cuts, order)
+
+
+def _chunk_offsets(ck: ChunkKeys, device) -> torch.Tensor:
+    """(n_ch,) int64 on the device: each chunk's first sorted entry, from aranges (every chunk but a head group's
+    last query chunk holds E[0] entries)."""
+    n = torch.arange(len(ck.E), device=device, dtype=torch.int64)
+    hg, qc = torch.div(n, ck.n_q, rounding_mode="floor"), n.remainder(ck.n_q)
+    return hg * sum(ck.E[:ck.n_q]) + qc * ck.E[0]
 
 
 def _cut_batched(list_start, counts, NB_t, cuts, E: list[int], L: list[int], by_size: bool = False):

@@ -1,0 +1,97 @@
+"""The reverse index of a selection on the GPU: every chunk's entries sorted by list, and the lists' bounds.
+
+What it replaces. flash_msa_rt.ops.sparse_plan.chunk_plans sorted B * Hp * S * K int32 list ids with torch's
+stable radix sort and decoded the order with ~30 more torch ops: at configuration (b), S = 64K, B = 2 ~1.2 ms of
+GPU time per plan (the forward and the backward plan once each), and at (a) B = 1, S = 8K-16K ~0.9 ms of host
+enqueue per plan, where the op is host-bound (kernels_src/sparse_fwd/NOTES.md).
+
+How. The sort is a counting sort whose ranks need no atomics on global memory and no second sort:
+  - a tile is 128 query rows of one (b, p) (one thread per row); all its entries belong to one chunk (chunks are
+    whole head groups x multiples of 128 queries);
+  - keys are chunk-major: a chunk's live lists (b, p', j) in (b, p', j) order, then one dead list per (b, p') of
+    the chunk, so the dead entries come last in (b, p', query, slot) order, which is exactly where torch's stable
+    sort on one dead key per chunk put them;
+  - `count` (phase 1): per tile a shared bitmap [block][128 rows] (one bit per row that chose the block; a row
+    holds a block at most once) gives each list's count in the tile by popc; the counts go to a (key, tile)
+    matrix, key-major, so that one inclusive torch.cumsum over it gives every (key, tile) its end position;
+  - `scatter` (phase 2): the same bitmap gives an entry's rank among the tile's entries of its list (the rows
+    below it in the block's bitmap), so its position is cumsum - count + rank: the list's entries stay sorted by
+    query, as the kernels' tiles and the causal test of the first tile assume. Dead slots rank by a prefix sum
+    over the tile's rows. The tile with each (b, p') chunk's first rows also writes its lists' starts and counts.
+Blocks are taken in windows of WINDOW_BLOCKS (16 KB of bitmap), so any S works.
+This module does not import cutlass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from kernels_src.spec import BuildSpec, family_spec, refusal, verdict
+
+OP = "plan_lists"
+
+BLOCK_SIZES = (64, 128)
+PHASES = ("count", "scatter")
+TILE_ROWS = 128  # query rows per CTA, one thread each: 4 bitmap words per block
+WINDOW_BLOCKS = 1024  # blocks per bitmap window: 1024 x 4 words = 16 KB of shared memory
+
+
+@dataclass(frozen=True)
+class Config:
+    block_size: int = 128  # the live rule j <= i // Bs and the lists per chunk
+    phase: str = "count"
+    threads: int = TILE_ROWS
+
+    def variant_name(self, arch: str) -> str:
+        return variant_name(OP, dataclasses.asdict(self), arch)
+
+
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
+    """The plan reads int32 indices only; built where a sparse forward it serves is (see sparse_combine_kl)."""
+    from kernels_src import sparse_fwd
+
+    if head_dims and not set(head_dims) & set(sparse_fwd.HEAD_DIMS) or \
+            dtypes and not set(dtypes) & set(sparse_fwd.DTYPES):
+        return []
+    bss = tuple(block_sizes) if block_sizes else (128,)
+    return [Config(block_size=bs, phase=ph) for bs in bss for ph in PHASES]
+
+
+def can_implement(config: Config, arch: str) -> tuple[bool, str]:
+    return verdict(refusal(config, arch, block_size=BLOCK_SIZES, phase=PHASES, threads=(TILE_ROWS,),
+                           notes={"threads": "one thread per query row of a 128-row tile"}))
+
+
+def _scalars() -> tuple:
+    return (
+        ScalarParam("heads", "i32"),  # proxy heads per chunk (c): divides Hp
+        ScalarParam("queries", "i32"),  # queries per chunk (Q): a multiple of 128, or >= S (one query chunk)
+        ScalarParam("tiles", "i32"),  # columns of the (key, tile) matrices: ceil(min(Q, S) / 128)
+    )
+
+
+def params(config: Config) -> tuple:
+    sel = TensorParam("block_indices", "i32", ("B", "Hp", "S", "K"), ("i64", "i64", "i64", 1), align=4)
+    counts = TensorParam("counts", "i32", ("N",), (1,), align=4)
+    if config.phase == "count":
+        return (sel, counts, *_scalars())
+    return (
+        sel, counts,
+        TensorParam("ends", "i32", ("N",), (1,), align=4),  # inclusive cumsum of counts
+        TensorParam("entry_query", "i32", ("E",), (1,), align=4),
+        TensorParam("entry_dest", "i32", ("E",), (1,), align=4),
+        TensorParam("lists", "i64", ("C", 2, "L"), ("i64", "i64", 1), align=8),  # per chunk: starts, counts
+        *_scalars(),
+    )
+
+
+def smem_bytes(config: Config) -> int:
+    return 4 * (WINDOW_BLOCKS * TILE_ROWS // 32) + 4 * 2 * (TILE_ROWS // 32)  # bitmap, warp sums
+
+
+def build_spec(config: Config, arch: str) -> BuildSpec:
+    return family_spec(OP, config, arch, can_implement, params=params(config),
+                       grid=(f"B * Hp * ceil_div(S, {TILE_ROWS})", "1", "1"),
+                       compile_fn="kernels_src.plan_lists.kernel:compile", smem_bytes=smem_bytes(config))

@@ -1,0 +1,62 @@
+"""The plan_lists kernels (kernels_src/plan_lists) on the GPU: chunk_plans on them equals chunk_plans on torch's
+stable sort, field for field, on fresh random selections (dead slots, blocks past a row's own, a block every row
+chose, odd S, K past the block count), for chunks of heads, of queries and of both, and for S past one bitmap
+window (more than 1024 blocks per tile)."""
+
+import pytest
+import torch
+
+from test_sparse_plan import random_indices
+
+pytestmark = pytest.mark.gpu
+
+CASES = [  # B, Hp, S, K, heads, queries
+    (2, 8, 4096, 16, 8, 4096),  # one chunk
+    (2, 8, 3000, 16, 2, 3000),  # chunks of heads, odd S
+    (1, 4, 5000, 8, 4, 1024),  # chunks of queries, a short last one
+    (2, 4, 2333, 5, 2, 896),  # chunks of heads and queries
+    (1, 2, 300, 9, 1, 300),  # K past the block count
+    (1, 1, 140_000, 4, 1, 140_000),  # 1094 blocks: two bitmap windows per late tile
+]
+
+
+def _plans(idx, heads, queries, order, on_device):
+    from flash_msa_rt.ops import sparse_plan as sp
+
+    before = sp.LISTS_ON_DEVICE
+    sp.LISTS_ON_DEVICE = on_device
+    try:
+        assert sp.lists_on_device(idx, 128, 4, heads, queries) == on_device
+        return sp.chunk_plans(idx, 128, 4, heads, queries, ((32, 64), (64, 32)), order)
+    finally:
+        sp.LISTS_ON_DEVICE = before
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("order", ["list", "size", "query"])
+def test_plans_on_the_list_kernels_equal_the_sort(case, order):
+    B, Hp, S, K, heads, queries = case
+    gen = torch.Generator().manual_seed(S * 7 + Hp + K)
+    idx = random_indices(gen, B, Hp, S, K, 128)
+    idx[..., 0] = torch.where(torch.rand(idx.shape[:3], generator=gen) < 0.5, 0, idx[..., 0])  # a hot block 0
+    idx = torch.where((idx == 0).sum(-1, keepdim=True) > 1, -1, idx)  # rows keep their blocks distinct
+    idx = idx.cuda()
+    got, want = _plans(idx, heads, queries, order, True), _plans(idx, heads, queries, order, False)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        for g, w in zip(got[key], want[key]):
+            assert (g.E, g.W, g.NB, g.S, g.Hp, g.query_offset) == (w.E, w.W, w.NB, w.S, w.Hp, w.query_offset), key
+            for field in ("entry_query", "entry_dest", "items", "item_count", "list_bounds"):
+                a, b = getattr(g, field), getattr(w, field)
+                assert a.dtype == b.dtype and torch.equal(a, b), (field, key)
+
+
+def test_plans_on_the_list_kernels_from_a_strided_selection():
+    """A selection whose slots are not contiguous (a slice of a wider one) is planned as its contiguous copy."""
+    gen = torch.Generator().manual_seed(5)
+    wide = random_indices(gen, 1, 4, 1500, 12, 128).cuda()
+    idx = wide[..., ::2]
+    got, want = _plans(idx, 2, 1500, "list", True), _plans(idx.contiguous(), 2, 1500, "list", False)
+    for key in want:
+        for g, w in zip(got[key], want[key]):
+            assert torch.equal(g.entry_dest, w.entry_dest) and torch.equal(g.items, w.items)
