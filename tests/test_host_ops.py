@@ -90,3 +90,21 @@ def test_host_ops_of_one_chunk(monkeypatch):
     fwd, bwd, launches = _count(1, 8192, 16, 2, 4, None, monkeypatch)
     assert launches["sparse_fwd"] == launches["sparse_bwd"] == 1
     assert fwd <= 54 and bwd <= 60, (fwd, bwd)
+
+
+@pytest.mark.parametrize("order, most", [("list", 7), ("size", 9)])
+def test_plans_on_the_plan_kernels_issue_few_ops(order, most):
+    """On the plan kernels (CUDA tensors) chunk_plans is three launches and a handful of torch ops whatever the
+    chunking (the torch sort and cut took ~35): the host work small problems are bound by."""
+    from flash_msa_rt.ops import sparse_plan as sp
+
+    launches = []
+    kernels = tuple((lambda name: lambda **kw: launches.append(name))(n) for n in ("count", "scatter", "items"))
+    with FakeTensorMode():
+        idx = torch.zeros(2, 8, 4096, 16, dtype=torch.int32)
+        for heads, queries in ((8, 4096), (2, 4096), (2, 1024)):
+            launches.clear()
+            with _Count() as ops:
+                plans = sp._kernel_plans(idx, 128, 4, heads, queries, ((32, 64), (64, 32)), order, kernels=kernels)
+            assert len(plans) == (8 // heads) * (4096 // queries)
+            assert launches == ["count", "scatter", "items"] and sum(ops.ops.values()) <= most, ops.ops

@@ -643,10 +643,11 @@ def test_runtime_combine_heads_are_built(D):
 
 @pytest.mark.parametrize("case", CHUNK_CASES[:5])
 @pytest.mark.parametrize("order", ["list", "size", "query"])
-def test_chunk_plans_on_the_list_kernels_equal_the_sort(case, order, monkeypatch):
-    """The plan_lists kernels' contract (sparse_emulate.plan_lists_kernels, tile by tile as the kernels run, on
-    tiles of 16 rows so that these chunks are whole tiles) gives chunk_plans' plans field for field: the key
-    layout, the ranks, the dead entries' places and the lists table all agree with the torch sort's."""
+@pytest.mark.parametrize("n_cuts", [2, 3])  # 3: more than one plan_items launch makes (the torch cut)
+def test_chunk_plans_on_the_list_kernels_equal_the_sort(case, order, n_cuts, monkeypatch):
+    """The plan kernels' contracts (sparse_emulate.plan_lists_kernels, tile by tile and list by list as the kernels
+    run, on tiles of 16 rows so that these chunks are whole tiles) give chunk_plans' plans field for field: the key
+    layout, the ranks, the dead entries' places, the lists table and the items all agree with the torch sort's."""
     from flash_msa_rt.ops import sparse_plan as sp
     from flash_msa_rt.ops.sparse_emulate import plan_lists_kernels
 
@@ -655,7 +656,7 @@ def test_chunk_plans_on_the_list_kernels_equal_the_sort(case, order, monkeypatch
     monkeypatch.setattr(sp, "QUERY_BIN", 32)
     gen = torch.Generator().manual_seed(S + Hp + 7)
     idx = random_indices(gen, B, Hp, S, K, Bs)
-    cuts = ((8, 2), (3, 5))
+    cuts = ((8, 2), (3, 5), (64, 1))[:n_cuts]
     want = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, order)
     got = sp._kernel_plans(idx, Bs, 4, heads, queries, cuts, order, kernels=plan_lists_kernels(Bs, tile_rows=16))
     assert sorted(got) == sorted(want)

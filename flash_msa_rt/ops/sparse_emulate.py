@@ -133,8 +133,8 @@ def emulate_proxy_backward(plan: SparsePlan, q, k, q_proxy, k_proxy, lse, lse_pr
 # --- the plan_lists kernels (kernels_src/plan_lists) ---------------------------------------------------------------
 
 def plan_lists_kernels(block_size: int, tile_rows: int = 128):
-    """(count, scatter): the plan_lists kernels' contract in Python, tile by tile, for
-    sparse_plan.sorted_lists_on_device's kernels argument (CPU tests of the host glue and the key layout)."""
+    """(count, scatter, items): the plan kernels' contracts in Python, tile by tile and list by list, for
+    sparse_plan._kernel_plans' kernels argument (CPU tests of the host glue and the key layout)."""
     import numpy as np
 
     Bs = block_size
@@ -200,4 +200,22 @@ def plan_lists_kernels(block_size: int, tile_rows: int = 128):
         for t, a in ((entry_query, eq), (entry_dest, ed), (lists, ls)):
             t.copy_(torch.from_numpy(a))
 
-    return count, scatter
+    def items(lists, items, item_count, seqlen, queries, lists_per_block, entries0, entries1):
+        ls, out, counts = lists.cpu().numpy(), np.zeros(tuple(items.shape), np.int32), np.zeros(
+            tuple(item_count.shape), np.int32)
+        n_q = -(-seqlen // queries)
+        for m in range(items.shape[0]):
+            size = entries0 if m == 0 else entries1
+            for n in range(lists.shape[0]):
+                nb = -(-min(seqlen, (n % n_q + 1) * queries) // Bs)
+                w = 0
+                for lst in range(lists_per_block * nb):
+                    start, count = int(ls[n, 0, lst]), int(ls[n, 1, lst])
+                    for first in range(0, count, size):
+                        out[m, n, w] = (lst // nb, lst % nb, start + first, min(size, count - first))
+                        w += 1
+                counts[m, n] = w
+        items.copy_(torch.from_numpy(out))
+        item_count.copy_(torch.from_numpy(counts))
+
+    return count, scatter, items

@@ -316,17 +316,18 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
     starts = bounds[index] - off_t.view(-1, 1)  # (n_ch, L_max + 1): list starts, then the dead list's
     valid = col[:, :L_max] < L_t.view(-1, 1)
     counts = torch.where(valid, starts[:, 1:] - starts[:, :-1], torch.zeros((), dtype=i64, device=dev))
-    return _chunk_plan_dict(entry_query, entry_dest, starts, counts, NB_t, off_t, q_lo, q_hi, NB, L, E, B, K, c,
-                            n_q, Bs, group, cuts, item_order)
+    cut = _cut_batched(starts[:, :-1], counts, NB_t, cuts, E, L, item_order == "size")
+    return _chunk_plan_dict(entry_query, entry_dest, starts, cut, off_t, q_lo, q_hi, NB, L, E, B, K, c, n_q, Bs,
+                            group, cuts, item_order)
 
 
-def _chunk_plan_dict(entry_query, entry_dest, starts, counts, NB_t, off_t, q_lo, q_hi, NB, L, E, B, K, c, n_q, Bs,
-                     group, cuts, item_order):
+def _chunk_plan_dict(entry_query, entry_dest, starts, cut, off_t, q_lo, q_hi, NB, L, E, B, K, c, n_q, Bs, group,
+                     cuts, item_order):
     """chunk_plans' result from the chunks' sorted entries: starts (n_ch, L_max + 1) int64, each chunk's list starts
-    relative to its first entry with the dead entries' start at column L[n]; counts (n_ch, L_max), 0 past L[n];
-    NB_t, off_t (n_ch,) on the device (off_t: each chunk's first entry, read by order "query" only); q_lo, q_hi,
-    NB, L, E: per chunk, host ints."""
-    items, item_count, W = _cut_batched(starts[:, :-1], counts, NB_t, cuts, E, L, item_order == "size")
+    relative to its first entry with the dead entries' start at column L[n]; cut = (items, item_count, W) as
+    _cut_batched gives them (in item_order "size" already longest first); off_t (n_ch,) on the device: each chunk's
+    first entry, read by order "query" only; q_lo, q_hi, NB, L, E: per chunk, host ints."""
+    items, item_count, W = cut
     if item_order == "query":
         items = _by_query(items, entry_query, off_t)
 
@@ -403,10 +404,14 @@ def lists_on_device(block_indices: torch.Tensor, block_size: int, group: int, he
             and ck.keys < _INT32_LIMIT)
 
 
+ITEM_THREADS = 512  # kernels_src.plan_lists.ITEM_THREADS
+ITEM_CUTS = 2  # cuts one plan_items launch makes
+
+
 def list_kernel_configs(block_size: int) -> list[tuple[str, dict]]:
-    """The (op, config) of the plan_lists kernels chunk_plans launches: count, then scatter."""
+    """The (op, config) of the plan kernels chunk_plans launches: count, scatter, then the items cut."""
     return [("plan_lists", {"block_size": block_size, "phase": phase, "threads": LIST_TILE_ROWS})
-            for phase in ("count", "scatter")]
+            for phase in ("count", "scatter")] + [("plan_items", {"block_size": block_size, "threads": ITEM_THREADS})]
 
 
 def _lists_kernels(block_size: int, device):
@@ -423,7 +428,7 @@ def sorted_lists_on_device(block_indices: torch.Tensor, block_size: int, heads: 
     B, Hp, S, K = block_indices.shape
     ck = chunk_keys(B, Hp, S, K, heads, queries, block_size)
     dev = block_indices.device
-    count, scatter = kernels or _lists_kernels(block_size, dev)
+    count, scatter = (kernels or _lists_kernels(block_size, dev))[:2]
     sel = block_indices if block_indices.stride(3) == 1 else block_indices.contiguous()
     scalars = dict(heads=heads, queries=ck.queries, tiles=ck.tiles)
     counts = torch.zeros(ck.cells, dtype=torch.int32, device=dev)
@@ -441,17 +446,36 @@ def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order,
     """chunk_plans on the plan_lists kernels (kernels: as sorted_lists_on_device's): the same plans, field for
     field, as the torch sort's."""
     B, Hp, S, K = block_indices.shape
+    kernels = kernels or _lists_kernels(block_size, block_indices.device)
     entry_query, entry_dest, lists, ck = sorted_lists_on_device(block_indices, block_size, heads, queries, kernels)
     dev, n_ch = block_indices.device, len(ck.E)
-    if len(set(ck.NB)) == 1:
-        NB_t = torch.full((n_ch,), ck.NB[0], dtype=torch.int64, device=dev)
-    else:  # query chunks: NB of chunk n from its query range, made on the device (no host-to-device copy)
-        qc = torch.arange(n_ch, device=dev, dtype=torch.int64).remainder(ck.n_q)
-        NB_t = torch.div(torch.clamp((qc + 1) * ck.queries, max=S) + (block_size - 1), block_size,
-                         rounding_mode="floor")
+    if len(cuts) <= ITEM_CUTS:
+        cut = _cut_on_device(kernels[2], lists, ck, B * heads, cuts)
+        if order == "size":
+            cut = (_longest_first(cut[0]), *cut[1:])
+    else:  # more cuts than one launch makes (tests): the torch cut of the same lists
+        if len(set(ck.NB)) == 1:
+            NB_t = torch.full((n_ch,), ck.NB[0], dtype=torch.int64, device=dev)
+        else:  # query chunks: NB of chunk n from its query range, made on the device (no host-to-device copy)
+            qc = torch.arange(n_ch, device=dev, dtype=torch.int64).remainder(ck.n_q)
+            NB_t = torch.div(torch.clamp((qc + 1) * ck.queries, max=S) + (block_size - 1), block_size,
+                             rounding_mode="floor")
+        cut = _cut_batched(lists[:, 0, :-1], lists[:, 1, :-1], NB_t, cuts, ck.E, ck.L, order == "size")
     off_t = _chunk_offsets(ck, dev) if order == "query" else None
-    return _chunk_plan_dict(entry_query, entry_dest, lists[:, 0], lists[:, 1, :-1], NB_t, off_t, ck.q_lo, ck.q_hi,
-                            ck.NB, ck.L, ck.E, B, K, heads, ck.n_q, block_size, group, cuts, order)
+    return _chunk_plan_dict(entry_query, entry_dest, lists[:, 0], cut, off_t, ck.q_lo, ck.q_hi, ck.NB, ck.L, ck.E, B,
+                            K, heads, ck.n_q, block_size, group, cuts, order)
+
+
+def _cut_on_device(items_kernel, lists: torch.Tensor, ck: ChunkKeys, lists_per_block: int, cuts):
+    """_cut_batched's (items, item_count, W) in list order by the plan_items kernel, from phase 2's lists table."""
+    sizes = [tq * T for tq, T in cuts]
+    W = [[-(-e // C) + n for e, n in zip(ck.E, ck.L)] for C in sizes]
+    W_max, dev = max(max(w) for w in W), lists.device
+    items = torch.empty((len(sizes), len(ck.E), W_max, 4), dtype=torch.int32, device=dev)
+    item_count = torch.empty((len(sizes), len(ck.E)), dtype=torch.int32, device=dev)
+    items_kernel(lists=lists, items=items, item_count=item_count, seqlen=ck.q_hi[-1], queries=ck.queries,  # q_hi[-1] = S
+                 lists_per_block=lists_per_block, entries0=sizes[0], entries1=sizes[-1])
+    return items, item_count, W
 
 
 def _chunk_offsets(ck: ChunkKeys, device) -> torch.Tensor:
@@ -490,9 +514,14 @@ def _cut_batched(list_start, counts, NB_t, cuts, E: list[int], L: list[int], by_
                         dim=3)
     items = (items * (lw < L_max).unsqueeze(3)).to(torch.int32)
     if by_size:
-        longest = torch.sort(items[..., 3], dim=2, descending=True, stable=True).indices
-        items = items.gather(2, longest.unsqueeze(3).expand(n_cuts, n_ch, W_max, 4))
+        items = _longest_first(items)
     return items, chunk_end[..., -1].to(torch.int32), W
+
+
+def _longest_first(items: torch.Tensor) -> torch.Tensor:
+    """items (n_cuts, n_ch, W_max, 4) of each chunk longest first, stable (the empty rows past the count stay last)."""
+    longest = torch.sort(items[..., 3], dim=2, descending=True, stable=True).indices
+    return items.gather(2, longest.unsqueeze(3).expand(*items.shape))
 
 
 def _per_cut(sizes: list[int], device):

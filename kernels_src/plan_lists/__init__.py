@@ -48,18 +48,22 @@ class Config:
         return variant_name(OP, dataclasses.asdict(self), arch)
 
 
-def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
-    """The plan reads int32 indices only; built where a sparse forward it serves is (see sparse_combine_kl)."""
+def configs(head_dims=None, block_sizes=None, dtypes=None) -> list:
+    """The plan reads int32 indices only; built where a sparse forward it serves is (see sparse_combine_kl):
+    count and scatter (Config), and the items cut (ItemsConfig)."""
     from kernels_src import sparse_fwd
 
     if head_dims and not set(head_dims) & set(sparse_fwd.HEAD_DIMS) or \
             dtypes and not set(dtypes) & set(sparse_fwd.DTYPES):
         return []
     bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(block_size=bs, phase=ph) for bs in bss for ph in PHASES]
+    return [Config(block_size=bs, phase=ph) for bs in bss for ph in PHASES] + [ItemsConfig(block_size=bs)
+                                                                               for bs in bss]
 
 
-def can_implement(config: Config, arch: str) -> tuple[bool, str]:
+def can_implement(config, arch: str) -> tuple[bool, str]:
+    if isinstance(config, ItemsConfig):
+        return verdict(refusal(config, arch, block_size=BLOCK_SIZES, threads=(ITEM_THREADS,)))
     return verdict(refusal(config, arch, block_size=BLOCK_SIZES, phase=PHASES, threads=(TILE_ROWS,),
                            notes={"threads": "one thread per query row of a 128-row tile"}))
 
@@ -91,7 +95,46 @@ def smem_bytes(config: Config) -> int:
     return 4 * (WINDOW_BLOCKS * TILE_ROWS // 32) + 4 * 2 * (TILE_ROWS // 32)  # bitmap, warp sums
 
 
-def build_spec(config: Config, arch: str) -> BuildSpec:
+def build_spec(config, arch: str) -> BuildSpec:
+    if isinstance(config, ItemsConfig):
+        return family_spec(ITEMS_OP, config, arch, can_implement, params=item_params(config),
+                           grid=("C", "U", "1"), compile_fn="kernels_src.plan_lists.items:compile",
+                           smem_bytes=4 * (ITEM_THREADS // 32))
     return family_spec(OP, config, arch, can_implement, params=params(config),
                        grid=(f"B * Hp * ceil_div(S, {TILE_ROWS})", "1", "1"),
                        compile_fn="kernels_src.plan_lists.kernel:compile", smem_bytes=smem_bytes(config))
+
+
+# --- phase 3: the lists cut into work items -------------------------------------------------------------------
+
+ITEM_THREADS = 512
+
+
+@dataclass(frozen=True)
+class ItemsConfig:
+    """plan_items: every chunk's lists (phase 2's table) cut into items of at most `entries` entries, for up to two
+    cuts at once (the forward's kernel and its KL pass, the backward's and its proxy kernel): one CTA per (chunk,
+    cut) scans its lists' item counts and writes (bp, j, entry_start, n_entries) per item, zeros past the real
+    count. Replaces ~25 torch ops per plan (sparse_plan._cut_batched, still the CPU path and the reference)."""
+
+    block_size: int = 128
+    threads: int = ITEM_THREADS
+
+    def variant_name(self, arch: str) -> str:
+        return variant_name(ITEMS_OP, dataclasses.asdict(self), arch)
+
+
+ITEMS_OP = "plan_items"
+
+
+def item_params(config: ItemsConfig) -> tuple:
+    return (
+        TensorParam("lists", "i64", ("C", 2, "L"), ("i64", "i64", 1), align=8),
+        TensorParam("items", "i32", ("U", "C", "W", 4), ("i64", "i64", "i64", 1), align=16),
+        TensorParam("item_count", "i32", ("U", "C"), ("i64", 1), align=4),
+        ScalarParam("seqlen", "i32"),  # S: chunk n's blocks NB = ceil(min(S, (n % n_q + 1) Q) / Bs)
+        ScalarParam("queries", "i32"),  # Q
+        ScalarParam("lists_per_block", "i32"),  # B c: a chunk holds B c NB lists
+        ScalarParam("entries0", "i32"),  # entries per item of cut 0
+        ScalarParam("entries1", "i32"),  # ... of cut 1 (unused with one cut)
+    )

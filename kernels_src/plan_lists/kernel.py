@@ -20,6 +20,33 @@ _WORDS = TILE_ROWS // 32  # bitmap words per block
 _WARPS = TILE_ROWS // 32
 
 
+@cute.jit
+def exclusive_scan(s_warp, d, warps: cutlass.Constexpr):
+    """(the sum of d over the threads below this one, the sum over the CTA) for a CTA of `warps` warps: a warp
+    scan by shuffles, then the warps' totals through s_warp (warps words; one barrier)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    lane = tidx % 32
+    warp = tidx // 32
+    incl = d
+    off = 1
+    while off < 32:  # unrolled at trace time
+        up = cute.arch.shuffle_sync_up(incl, offset=off)
+        if lane >= off:
+            incl += up
+        off *= 2
+    if lane == 31:
+        s_warp[warp] = incl
+    cute.arch.sync_threads()
+    below = incl - d
+    total = cutlass.Int32(0)
+    for w in cutlass.range_constexpr(warps):
+        v = s_warp[w]
+        total += v
+        if w < warp:
+            below += v
+    return below, total
+
+
 class TileKeys:
     """Trace-time handles of where one tile's entries go: its (b, p), rows, chunk and keys."""
 
@@ -136,27 +163,7 @@ class PlanLists:
     @cute.jit
     def dead_prefix(self, s_warp, d):
         """(rows below this one's dead slots, the tile's dead slots): a block-wide exclusive scan of d."""
-        tidx, _, _ = cute.arch.thread_idx()
-        lane = tidx % 32
-        warp = tidx // 32
-        incl = d
-        off = 1
-        while off < 32:  # unrolled at trace time
-            up = cute.arch.shuffle_sync_up(incl, offset=off)
-            if lane >= off:
-                incl += up
-            off *= 2
-        if lane == 31:
-            s_warp[warp] = incl
-        cute.arch.sync_threads()
-        below = incl - d
-        total = cutlass.Int32(0)
-        for w in cutlass.range_constexpr(_WARPS):
-            v = s_warp[w]
-            total += v
-            if w < warp:
-                below += v
-        return below, total
+        return exclusive_scan(s_warp, d, _WARPS)
 
     # --- phase 1: counts -----------------------------------------------------------------------------------------
 
