@@ -34,6 +34,8 @@ q = torch.randn(2, 333, 2, 128, device='cuda').to(torch.bfloat16)
 flash_msa_rt.proxy_block_scores(q, q[:, :, :1])
 select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1)
 sel = select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
+from flash_msa_rt.ops.sparse_plan import chunk_plans  # the plan kernels at K = 20 (64 slots) and 3 (16 slots)
+chunk_plans(select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1), 128, 4, 1, 128, ((32, 64), (64, 32)), 'size')
 m = torch.randn(2, 333, 8, 128, device='cuda').to(torch.bfloat16)
 kv = torch.randn(2, 333, 2, 128, device='cuda').to(torch.bfloat16)
 for mma in ['sync', 'wgmma'] if device_arch(0) == 'sm90a' else ['sync']:  # every kernel kind sm90a builds

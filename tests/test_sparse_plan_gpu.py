@@ -1,7 +1,7 @@
 """The plan_lists kernels (kernels_src/plan_lists) on the GPU: chunk_plans on them equals chunk_plans on torch's
 stable sort, field for field, on fresh random selections (dead slots, blocks past a row's own, a block every row
-chose, odd S, K past the block count), for chunks of heads, of queries and of both, and for S past one bitmap
-window (more than 1024 blocks per tile)."""
+chose, odd S, K past the block count, K up to 64: both register widths), for chunks of heads, of queries and of
+both, and for S past one bitmap window (more than 1024 blocks per tile)."""
 
 import pytest
 import torch
@@ -17,6 +17,8 @@ CASES = [  # B, Hp, S, K, heads, queries
     (2, 4, 2333, 5, 2, 896),  # chunks of heads and queries
     (1, 2, 300, 9, 1, 300),  # K past the block count
     (1, 1, 140_000, 4, 1, 140_000),  # 1094 blocks: two bitmap windows per late tile
+    (1, 2, 9000, 40, 2, 9000),  # K past 16: the 64-slot variant
+    (2, 2, 20_000, 64, 1, 4096),  # K = 64, chunks of heads and queries
 ]
 
 

@@ -392,12 +392,12 @@ def chunk_keys(B: int, Hp: int, S: int, K: int, heads: int, queries: int, block_
 
 def lists_on_device(block_indices: torch.Tensor, block_size: int, group: int, heads: int, queries: int) -> bool:
     """Whether chunk_plans sorts with the plan_lists kernels: CUDA tensors, a built block size, query chunks of whole
-    kernel tiles, and int32 positions and cells. Otherwise the torch sort runs (and raises where a chunk's partial
+    kernel tiles, K within the widest variant's registers, and int32 positions and cells. Otherwise the torch sort runs (and raises where a chunk's partial
     rows pass int32)."""
     if not (LISTS_ON_DEVICE and block_indices.is_cuda and block_size in LIST_BLOCK_SIZES):
         return False
     B, Hp, S, K = block_indices.shape
-    if queries < S and queries % LIST_TILE_ROWS:
+    if queries < S and queries % LIST_TILE_ROWS or K > LIST_MAX_KS[-1]:
         return False
     ck = chunk_keys(B, Hp, S, K, heads, queries, block_size)
     return (sum(ck.E) < _INT32_LIMIT and max(ck.E) * group < _INT32_LIMIT and ck.cells <= LIST_MAX_CELLS
@@ -408,16 +408,22 @@ ITEM_THREADS = 512  # kernels_src.plan_lists.ITEM_THREADS
 ITEM_CUTS = 2  # cuts one plan_items launch makes
 
 
-def list_kernel_configs(block_size: int) -> list[tuple[str, dict]]:
-    """The (op, config) of the plan kernels chunk_plans launches: count, scatter, then the items cut."""
-    return [("plan_lists", {"block_size": block_size, "phase": phase, "threads": LIST_TILE_ROWS})
-            for phase in ("count", "scatter")] + [("plan_items", {"block_size": block_size, "threads": ITEM_THREADS})]
+LIST_MAX_KS = (16, 64)  # kernels_src.plan_lists.MAX_KS: slots per row a variant holds in registers
 
 
-def _lists_kernels(block_size: int, device):
+def list_kernel_configs(block_size: int, K: int | None = None) -> list[tuple[str, dict]]:
+    """The (op, config) of the plan kernels chunk_plans launches for K slots per row: count, scatter (the smallest
+    max_k >= K), then the items cut; K None: every variant any K may launch."""
+    max_ks = LIST_MAX_KS if K is None else (next(m for m in LIST_MAX_KS if K <= m),)
+    return [("plan_lists", {"block_size": block_size, "max_k": m, "phase": phase, "threads": LIST_TILE_ROWS})
+            for m in max_ks for phase in ("count", "scatter")] + \
+        [("plan_items", {"block_size": block_size, "threads": ITEM_THREADS})]
+
+
+def _lists_kernels(block_size: int, K: int, device):
     from flash_msa_rt.loader import get_kernel
 
-    return tuple(get_kernel(op, config, device) for op, config in list_kernel_configs(block_size))
+    return tuple(get_kernel(op, config, device) for op, config in list_kernel_configs(block_size, K))
 
 
 def sorted_lists_on_device(block_indices: torch.Tensor, block_size: int, heads: int, queries: int, kernels=None):
@@ -428,7 +434,7 @@ def sorted_lists_on_device(block_indices: torch.Tensor, block_size: int, heads: 
     B, Hp, S, K = block_indices.shape
     ck = chunk_keys(B, Hp, S, K, heads, queries, block_size)
     dev = block_indices.device
-    count, scatter = (kernels or _lists_kernels(block_size, dev))[:2]
+    count, scatter = (kernels or _lists_kernels(block_size, K, dev))[:2]
     sel = block_indices if block_indices.stride(3) == 1 else block_indices.contiguous()
     scalars = dict(heads=heads, queries=ck.queries, tiles=ck.tiles)
     counts = torch.zeros(ck.cells, dtype=torch.int32, device=dev)
@@ -446,7 +452,7 @@ def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order,
     """chunk_plans on the plan_lists kernels (kernels: as sorted_lists_on_device's): the same plans, field for
     field, as the torch sort's."""
     B, Hp, S, K = block_indices.shape
-    kernels = kernels or _lists_kernels(block_size, block_indices.device)
+    kernels = kernels or _lists_kernels(block_size, K, block_indices.device)
     entry_query, entry_dest, lists, ck = sorted_lists_on_device(block_indices, block_size, heads, queries, kernels)
     dev, n_ch = block_indices.device, len(ck.E)
     if len(cuts) <= ITEM_CUTS:

@@ -57,6 +57,7 @@ class TileKeys:
 class PlanLists:
     def __init__(self, config):
         self.block_size = config.block_size
+        self.max_k = config.max_k
         self.phase = config.phase
         self.threads = config.threads
         self.traced = {"smem_bytes": 0}
@@ -65,6 +66,7 @@ class PlanLists:
         @cute.struct
         class SharedStorage:
             s_bits: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WINDOW_BLOCKS * _WORDS], 16]
+            s_base: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, WINDOW_BLOCKS], 16]
             s_warp: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 2 * _WARPS], 16]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
@@ -126,31 +128,44 @@ class PlanLists:
                         nb_tile=cutlass.min(nb, (cutlass.min(r0 + TILE_ROWS, S) - 1) // Bs + 1))
 
     @cute.jit
-    def dead_slots(self, block_indices, tk, r, row_live):
-        """Slots of row r that enter no list (-1, or a block past the row's own)."""
+    def load_slots(self, block_indices, tk, r, row_live):
+        """Row r's K slots in registers (max_k of them; slots past K, and rows past S, are never read): issued
+        together, where a loop over K would wait for each load in turn."""
         K = block_indices.shape[3]
+        slots = cute.make_rmem_tensor(self.max_k, cutlass.Int32)
+        for k in cutlass.range_constexpr(self.max_k):
+            v = cutlass.Int32(-1)
+            if row_live and k < K:
+                v = block_indices[tk.b, tk.p, r, k]
+            slots[k] = v
+        return slots
+
+    @cute.jit
+    def dead_slots(self, slots, K, r, row_live):
+        """Slots of row r that enter no list (-1, or a block past the row's own)."""
         n = cutlass.Int32(0)
         if row_live:
-            for k in cutlass.range(K, unroll=1):
-                j = block_indices[tk.b, tk.p, r, k]
-                if j < 0 or j > r // self.block_size:
-                    n += 1
+            for k in cutlass.range_constexpr(self.max_k):
+                if k < K:
+                    j = slots[k]
+                    if j < 0 or j > r // self.block_size:
+                        n += 1
         return n
 
     @cute.jit
-    def fill_window(self, block_indices, s_bits, tk, r, row_live, w0, n_win):
+    def fill_window(self, slots, K, s_bits, r, row_live, w0, n_win):
         """The window's bitmap: cleared, then one bit per (row, live slot) with w0 <= j < w0 + n_win."""
         tidx, _, _ = cute.arch.thread_idx()
-        K = block_indices.shape[3]
         for w in cutlass.range(tidx, n_win * _WORDS, self.threads, unroll=1):
             s_bits[w] = cutlass.Int32(0)
         cute.arch.sync_threads()
         if row_live:
             bit = cutlass.Int32(1) << (tidx % 32)
-            for k in cutlass.range(K, unroll=1):
-                j = block_indices[tk.b, tk.p, r, k]
-                if j >= w0 and j < w0 + n_win and j <= r // self.block_size:
-                    cute.arch.atomic_or(s_bits.iterator + ((j - w0) * _WORDS + tidx // 32), bit)
+            for k in cutlass.range_constexpr(self.max_k):
+                if k < K:
+                    j = slots[k]
+                    if j >= w0 and j < w0 + n_win and j <= r // self.block_size:
+                        cute.arch.atomic_or(s_bits.iterator + ((j - w0) * _WORDS + tidx // 32), bit)
         cute.arch.sync_threads()
 
     @cute.jit
@@ -175,18 +190,20 @@ class PlanLists:
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         s_bits = storage.s_bits.get_tensor(cute.make_layout(WINDOW_BLOCKS * _WORDS))
         s_warp = storage.s_warp.get_tensor(cute.make_layout(2 * _WARPS))
+        K = block_indices.shape[3]
         tk = self.tile_keys(block_indices, heads, queries, tiles)
         r = tk.r0 + tidx
         row_live = r < S
+        slots = self.load_slots(block_indices, tk, r, row_live)
         for w0 in cutlass.range(0, tk.nb_tile, WINDOW_BLOCKS, unroll=1):
             n_win = cutlass.min(WINDOW_BLOCKS, tk.nb_tile - w0)
-            self.fill_window(block_indices, s_bits, tk, r, row_live, w0, n_win)
+            self.fill_window(slots, K, s_bits, r, row_live, w0, n_win)
             for jj in cutlass.range(tidx, n_win, self.threads, unroll=1):
                 n = self.block_count(s_bits, jj)
                 if n > 0:
                     counts[(tk.first_list + w0 + jj) * tiles + tk.column] = n
             cute.arch.sync_threads()  # the next window clears the bitmap
-        _, dead = self.dead_prefix(s_warp, self.dead_slots(block_indices, tk, r, row_live))
+        _, dead = self.dead_prefix(s_warp, self.dead_slots(slots, K, r, row_live))
         if tidx == 0 and dead > 0:
             counts[tk.dead_key * tiles + tk.column] = dead
 
@@ -199,47 +216,55 @@ class PlanLists:
         S, K = block_indices.shape[2], block_indices.shape[3]
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         s_bits = storage.s_bits.get_tensor(cute.make_layout(WINDOW_BLOCKS * _WORDS))
+        s_base = storage.s_base.get_tensor(cute.make_layout(WINDOW_BLOCKS))
         s_warp = storage.s_warp.get_tensor(cute.make_layout(2 * _WARPS))
         tk = self.tile_keys(block_indices, heads, queries, tiles)
         r = tk.r0 + tidx
         row_live = r < S
         local = r // self.block_size
         dest_row = ((tk.b * heads + tk.pc) * tk.length + r - tk.q_lo) * K  # the entry's row in its chunk's grid
+        slots = self.load_slots(block_indices, tk, r, row_live)
 
         # Dead slots: after the rows below, in slot order.
-        below, dead = self.dead_prefix(s_warp, self.dead_slots(block_indices, tk, r, row_live))
+        below, dead = self.dead_prefix(s_warp, self.dead_slots(slots, K, r, row_live))
         if row_live:
             ci = tk.dead_key * tiles + tk.column
             pos = ends[ci] - dead + below
-            for k in cutlass.range(K, unroll=1):
-                j = block_indices[tk.b, tk.p, r, k]
-                if j < 0 or j > local:
-                    entry_query[pos] = r
-                    entry_dest[pos] = dest_row + k
-                    pos += 1
+            for k in cutlass.range_constexpr(self.max_k):
+                if k < K:
+                    j = slots[k]
+                    if j < 0 or j > local:
+                        entry_query[pos] = r
+                        entry_dest[pos] = dest_row + k
+                        pos += 1
 
-        # Live slots: the list's entries of the tiles before, then of the rows below in this tile.
+        # Live slots: the list's entries of the tiles before (s_base), then of the rows below in this tile.
         warp = tidx // 32
         lower = cute.arch.lanemask_lt()
         for w0 in cutlass.range(0, tk.nb_tile, WINDOW_BLOCKS, unroll=1):
             n_win = cutlass.min(WINDOW_BLOCKS, tk.nb_tile - w0)
-            self.fill_window(block_indices, s_bits, tk, r, row_live, w0, n_win)
+            self.fill_window(slots, K, s_bits, r, row_live, w0, n_win)
+            for jj in cutlass.range(tidx, n_win, self.threads, unroll=1):
+                n = self.block_count(s_bits, jj)
+                if n > 0:  # the count kernel wrote this n: ends - n is the list's first position in the tile
+                    s_base[jj] = ends[(tk.first_list + w0 + jj) * tiles + tk.column] - n
+            cute.arch.sync_threads()
             if row_live:
-                for k in cutlass.range(K, unroll=1):
-                    j = block_indices[tk.b, tk.p, r, k]
-                    if j >= w0 and j < w0 + n_win and j <= local:
-                        jj = j - w0
-                        rank = cutlass.Int32(0)
-                        for w in cutlass.range_constexpr(_WORDS):
-                            word = s_bits[jj * _WORDS + w]
-                            if w < warp:
-                                rank += cute.arch.popc(word)
-                            if w == warp:
-                                rank += cute.arch.popc(word & cutlass.Int32(lower))
-                        ci = (tk.first_list + j) * tiles + tk.column
-                        pos = ends[ci] - counts[ci] + rank
-                        entry_query[pos] = r
-                        entry_dest[pos] = dest_row + k
+                for k in cutlass.range_constexpr(self.max_k):
+                    if k < K:
+                        j = slots[k]
+                        if j >= w0 and j < w0 + n_win and j <= local:
+                            jj = j - w0
+                            rank = cutlass.Int32(0)
+                            for w in cutlass.range_constexpr(_WORDS):
+                                word = s_bits[jj * _WORDS + w]
+                                if w < warp:
+                                    rank += cute.arch.popc(word)
+                                if w == warp:
+                                    rank += cute.arch.popc(word & cutlass.Int32(lower))
+                            pos = s_base[jj] + rank
+                            entry_query[pos] = r
+                            entry_dest[pos] = dest_row + k
             cute.arch.sync_threads()
 
         # Each (b, p') chunk's first tile: its lists' starts and counts, relative to the chunk's first entry.
