@@ -12,6 +12,11 @@ almost every later query, most blocks by few. One item per block would serialise
 block 0 on one CTA. Cutting every list into chunks of at most T * tq queries bounds an item's work, so a hot block
 spreads over many CTAs; the price is one more item per list (the ceil), which the bound W accounts for.
 
+Sorting. On CUDA tensors chunk_plans sorts with the plan kernels (kernels_src/plan_lists: a counting sort whose
+ranks come from per-tile bitmaps, then the cut into items): three launches and ~8 torch ops per plan, where the
+torch path below (one stable radix sort and ~35 ops) cost the host ~15 us per op. The torch path stays the CPU
+path, the fallback (very long S, K > 64) and the statement the kernels are tested against, field for field.
+
 Everything here is shape-static and never synchronises the host with the device: sizes come from shapes only
 (W is an upper bound; items past the real count have n_entries = 0), the lists come from one stable sort and
 searchsorted (no nonzero, no boolean indexing, no data-sized bincount), so the plan and both combines can be
