@@ -402,7 +402,7 @@ def lists_on_device(block_indices: torch.Tensor, block_size: int, group: int, he
     if not (LISTS_ON_DEVICE and block_indices.is_cuda and block_size in LIST_BLOCK_SIZES):
         return False
     B, Hp, S, K = block_indices.shape
-    if queries < S and queries % LIST_TILE_ROWS or K > LIST_MAX_KS[-1]:
+    if queries < S and queries % LIST_TILE_ROWS or not 1 <= K <= LIST_MAX_KS[-1] or B * Hp * S == 0:
         return False
     ck = chunk_keys(B, Hp, S, K, heads, queries, block_size)
     return (sum(ck.E) < _INT32_LIMIT and max(ck.E) * group < _INT32_LIMIT and ck.cells <= LIST_MAX_CELLS
