@@ -257,13 +257,9 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
     """chunk_plans of the query rows [query_offset, + block_indices.shape[2]) (the chunks start at query_offset)."""
     B, Hp, S, K = block_indices.shape
     Bs, c, dev = block_size, heads, block_indices.device
-    n_q = -(-S // queries)
-    n_ch = (Hp // c) * n_q  # chunk ch = (p // c) * n_q + query chunk; host-side sizes per chunk:
-    q_lo = [query_offset + (ch % n_q) * queries for ch in range(n_ch)]
-    q_hi = [min(query_offset + S, lo + queries) for lo in q_lo]
-    NB = [-(-hi // Bs) for hi in q_hi]
-    L = [B * c * nb for nb in NB]
-    E = [B * c * (hi - lo) * K for lo, hi in zip(q_lo, q_hi)]
+    # chunk ch = (p // c) * n_q + query chunk; host-side sizes per chunk:
+    ck = chunk_keys(B, Hp, S, K, c, queries, Bs, query_offset)
+    n_q, n_ch, q_lo, q_hi, NB, L, E = ck.n_q, len(ck.E), ck.q_lo, ck.q_hi, ck.NB, ck.L, ck.E
     if max(e * group for e in E) >= _INT32_LIMIT or sum(n + 1 for n in L) >= _INT32_LIMIT:
         raise ValueError(f"chunk_plans: block_indices {tuple(block_indices.shape)} with group = {group}: a chunk "
                          f"holds past int32 (< 2**31) partial rows or lists: use smaller chunks")
@@ -381,12 +377,15 @@ class ChunkKeys:
         return self.keys * self.tiles
 
 
-def chunk_keys(B: int, Hp: int, S: int, K: int, heads: int, queries: int, block_size: int) -> ChunkKeys:
+def chunk_keys(B: int, Hp: int, S: int, K: int, heads: int, queries: int, block_size: int,
+               query_offset: int = 0) -> ChunkKeys:
+    """The chunks of `heads` proxy heads x `queries` queries of a (B, Hp, S, K) selection whose rows are queries
+    [query_offset, query_offset + S): their query ranges, blocks, lists and entries (host ints), and the keys."""
     Q = min(queries, S)
     n_q = -(-S // Q)
     n_ch = (Hp // heads) * n_q
-    q_lo = [(n % n_q) * Q for n in range(n_ch)]
-    q_hi = [min(S, lo + Q) for lo in q_lo]
+    q_lo = [query_offset + (n % n_q) * Q for n in range(n_ch)]
+    q_hi = [min(query_offset + S, lo + Q) for lo in q_lo]
     NB = [-(-hi // block_size) for hi in q_hi]
     bc = B * heads
     L = [bc * nb for nb in NB]
