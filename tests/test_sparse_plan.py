@@ -683,3 +683,25 @@ def test_chunk_keys_are_the_kernels():
     sizes = [L + bc for L in ck.L]
     assert bases == [sum(sizes[:n]) for n in range(len(sizes))] and ck.keys == sum(sizes)
     assert ck.tiles == 3 and ck.NB == [6, 12, 16] * 2 and ck.E == [bc * 384 * K, bc * 384 * K, bc * 232 * K] * 2
+
+
+def test_chunk_plans_takes_the_kernel_path_with_its_chunk_keys(monkeypatch):
+    """chunk_plans routes to the plan kernels with the ChunkKeys lists_on_device gave (here on CPU, the kernels
+    emulated): the plans equal the torch sort's."""
+    from flash_msa_rt.ops import sparse_plan as sp
+    from flash_msa_rt.ops.sparse_emulate import plan_lists_kernels
+
+    B, Hp, S, K, Bs, heads, queries = 2, 4, 333, 5, 32, 2, 96
+    idx = random_indices(torch.Generator().manual_seed(3), B, Hp, S, K, Bs)
+    cuts = ((8, 2), (3, 5))
+    want = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "list")
+    monkeypatch.setattr(sp, "LIST_TILE_ROWS", 16)
+    ck, given = sp.chunk_keys(B, Hp, S, K, heads, queries, Bs), []
+    monkeypatch.setattr(sp, "lists_on_device", lambda *a: given.append(ck) or ck)
+    monkeypatch.setattr(sp, "_lists_kernels", lambda *a: plan_lists_kernels(Bs, tile_rows=16))
+    monkeypatch.setattr(sp, "chunk_keys", lambda *a: pytest.fail("chunk keys computed twice"))
+    got = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "list")
+    assert len(given) == 1 and sorted(got) == sorted(want)
+    for key in want:
+        for g, w in zip(got[key], want[key]):
+            assert torch.equal(g.items, w.items) and torch.equal(g.entry_dest, w.entry_dest), key

@@ -28,7 +28,7 @@ def _plans(idx, heads, queries, order, on_device):
     before = sp.LISTS_ON_DEVICE
     sp.LISTS_ON_DEVICE = on_device
     try:
-        assert sp.lists_on_device(idx, 128, 4, heads, queries) == on_device
+        assert (sp.lists_on_device(idx, 128, 4, heads, queries) is not None) == on_device
         return sp.chunk_plans(idx, 128, 4, heads, queries, ((32, 64), (64, 32)), order)
     finally:
         sp.LISTS_ON_DEVICE = before

@@ -229,8 +229,9 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     if Hp % heads or queries % block_size and queries < S:
         raise ValueError(f"chunk_plans: heads = {heads} must divide Hp = {Hp} and queries = {queries} be a multiple "
                          f"of block_size = {block_size} (or cover S = {S})")
-    if lists_on_device(block_indices, block_size, group, heads, queries):
-        return _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order)
+    ck = lists_on_device(block_indices, block_size, group, heads, queries)
+    if ck is not None:
+        return _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, ck=ck)
     if heads == Hp and queries >= S:  # one chunk: sparse_plan's sort (fewer torch ops), every cut in one pass
         entry_query, entry_dest, bounds, NB = _sorted_lists(block_indices, block_size, 0)
         E, L, dev = B * Hp * S * K, bounds.shape[0] - 1, bounds.device
@@ -394,18 +395,20 @@ def chunk_keys(B: int, Hp: int, S: int, K: int, heads: int, queries: int, block_
                      keys=sum(n + bc for n in L))
 
 
-def lists_on_device(block_indices: torch.Tensor, block_size: int, group: int, heads: int, queries: int) -> bool:
-    """Whether chunk_plans sorts with the plan_lists kernels: CUDA tensors, a built block size, query chunks of whole
-    kernel tiles, K within the widest variant's registers, and int32 positions and cells. Otherwise the torch sort runs (and raises where a chunk's partial
-    rows pass int32)."""
+def lists_on_device(block_indices: torch.Tensor, block_size: int, group: int, heads: int,
+                    queries: int) -> ChunkKeys | None:
+    """The chunks' ChunkKeys where chunk_plans sorts with the plan_lists kernels, else None: CUDA tensors, a built
+    block size, query chunks of whole kernel tiles, K within the widest variant's registers, and int32 positions
+    and cells. Otherwise the torch sort runs (and raises where a chunk's partial rows pass int32)."""
     if not (LISTS_ON_DEVICE and block_indices.is_cuda and block_size in LIST_BLOCK_SIZES):
-        return False
+        return None
     B, Hp, S, K = block_indices.shape
     if queries < S and queries % LIST_TILE_ROWS or not 1 <= K <= LIST_MAX_KS[-1] or B * Hp * S == 0:
-        return False
+        return None
     ck = chunk_keys(B, Hp, S, K, heads, queries, block_size)
-    return (sum(ck.E) < _INT32_LIMIT and max(ck.E) * group < _INT32_LIMIT and ck.cells <= LIST_MAX_CELLS
+    fits = (sum(ck.E) < _INT32_LIMIT and max(ck.E) * group < _INT32_LIMIT and ck.cells <= LIST_MAX_CELLS
             and ck.keys < _INT32_LIMIT)
+    return ck if fits else None
 
 
 ITEM_THREADS = 512  # kernels_src.plan_lists.ITEM_THREADS
@@ -430,13 +433,14 @@ def _lists_kernels(block_size: int, K: int, device):
     return tuple(get_kernel(op, config, device) for op, config in list_kernel_configs(block_size, K))
 
 
-def sorted_lists_on_device(block_indices: torch.Tensor, block_size: int, heads: int, queries: int, kernels=None):
+def sorted_lists_on_device(block_indices: torch.Tensor, block_size: int, heads: int, queries: int, kernels=None,
+                           ck: ChunkKeys | None = None):
     """(entry_query, entry_dest, lists (n_ch, 2, L_max + 1) int64, ChunkKeys) of every chunk, sorted by the
     plan_lists kernels: lists[n, 0] the chunk's list starts relative to its first entry (column L[n]: the dead
     entries' start), lists[n, 1] their counts (0 past L[n]). kernels: the (count, scatter) launchers (default:
-    the built kernels; tests pass an emulation)."""
+    the built kernels; tests pass an emulation); ck: the chunks' keys when the caller has them."""
     B, Hp, S, K = block_indices.shape
-    ck = chunk_keys(B, Hp, S, K, heads, queries, block_size)
+    ck = ck or chunk_keys(B, Hp, S, K, heads, queries, block_size)
     dev = block_indices.device
     count, scatter = (kernels or _lists_kernels(block_size, K, dev))[:2]
     sel = block_indices if block_indices.stride(3) == 1 else block_indices.contiguous()
@@ -452,12 +456,13 @@ def sorted_lists_on_device(block_indices: torch.Tensor, block_size: int, heads: 
     return entry_query, entry_dest, lists, ck
 
 
-def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, kernels=None):
-    """chunk_plans on the plan_lists kernels (kernels: as sorted_lists_on_device's): the same plans, field for
+def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, kernels=None, ck=None):
+    """chunk_plans on the plan_lists kernels (kernels, ck: as sorted_lists_on_device's): the same plans, field for
     field, as the torch sort's."""
     B, Hp, S, K = block_indices.shape
     kernels = kernels or _lists_kernels(block_size, K, block_indices.device)
-    entry_query, entry_dest, lists, ck = sorted_lists_on_device(block_indices, block_size, heads, queries, kernels)
+    entry_query, entry_dest, lists, ck = sorted_lists_on_device(block_indices, block_size, heads, queries, kernels,
+                                                                ck)
     dev, n_ch = block_indices.device, len(ck.E)
     if len(cuts) <= ITEM_CUTS:
         cut = _cut_on_device(kernels[2], lists, ck, B * heads, cuts)
@@ -483,7 +488,8 @@ def _cut_on_device(items_kernel, lists: torch.Tensor, ck: ChunkKeys, lists_per_b
     W_max, dev = max(max(w) for w in W), lists.device
     items = torch.empty((len(sizes), len(ck.E), W_max, 4), dtype=torch.int32, device=dev)
     item_count = torch.empty((len(sizes), len(ck.E)), dtype=torch.int32, device=dev)
-    items_kernel(lists=lists, items=items, item_count=item_count, seqlen=ck.q_hi[-1], queries=ck.queries,  # q_hi[-1] = S
+    # q_hi[-1]: the last chunk ends at S
+    items_kernel(lists=lists, items=items, item_count=item_count, seqlen=ck.q_hi[-1], queries=ck.queries,
                  lists_per_block=lists_per_block, entries0=sizes[0], entries1=sizes[-1])
     return items, item_count, W
 
