@@ -1,7 +1,8 @@
 """The plan_lists kernels (kernels_src/plan_lists) on the GPU: chunk_plans on them equals chunk_plans on torch's
 stable sort, field for field, on fresh random selections (dead slots, blocks past a row's own, a block every row
 chose, odd S, K past the block count, K up to 64: both register widths), for chunks of heads, of queries and of
-both, and for S past one bitmap window (more than 1024 blocks per tile)."""
+both, and for S past one bitmap window (more than 1024 blocks per tile); the scatter with CTAs of one and of four
+tiles (a query chunk's boundary inside a CTA, tiles past S)."""
 
 import pytest
 import torch
@@ -36,7 +37,11 @@ def _plans(idx, heads, queries, order, on_device):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("order", ["list", "size", "query"])
-def test_plans_on_the_list_kernels_equal_the_sort(case, order):
+@pytest.mark.parametrize("scatter_threads", [128, 512])
+def test_plans_on_the_list_kernels_equal_the_sort(case, order, scatter_threads, monkeypatch):
+    from flash_msa_rt.ops import sparse_plan as sp
+
+    monkeypatch.setattr(sp, "SCATTER_THREADS", scatter_threads)
     B, Hp, S, K, heads, queries = case
     gen = torch.Generator().manual_seed(S * 7 + Hp + K)
     idx = random_indices(gen, B, Hp, S, K, 128)

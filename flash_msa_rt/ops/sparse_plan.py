@@ -416,13 +416,20 @@ ITEM_CUTS = 2  # cuts one plan_items launch makes
 
 
 LIST_MAX_KS = (16, 64)  # kernels_src.plan_lists.MAX_KS: slots per row a variant holds in registers
+# Rows per scatter CTA at max_k 16 (kernels_src.plan_lists.SCATTER_THREADS; max_k 64 takes 128): 512 rows give
+# each list ~4x longer runs of consecutive stores. A/B runs: 128.
+SCATTER_THREADS = 512
 
 
 def list_kernel_configs(block_size: int, K: int | None = None) -> list[tuple[str, dict]]:
     """The (op, config) of the plan kernels chunk_plans launches for K slots per row: count, scatter (the smallest
     max_k >= K), then the items cut; K None: every variant any K may launch."""
     max_ks = LIST_MAX_KS if K is None else (next(m for m in LIST_MAX_KS if K <= m),)
-    return [("plan_lists", {"block_size": block_size, "max_k": m, "phase": phase, "threads": LIST_TILE_ROWS})
+
+    def threads(m, phase):
+        return SCATTER_THREADS if phase == "scatter" and m == LIST_MAX_KS[0] else LIST_TILE_ROWS
+
+    return [("plan_lists", {"block_size": block_size, "max_k": m, "phase": phase, "threads": threads(m, phase)})
             for m in max_ks for phase in ("count", "scatter")] + \
         [("plan_items", {"block_size": block_size, "threads": ITEM_THREADS})]
 

@@ -21,8 +21,10 @@ How. The sort is a counting sort whose ranks need no atomics on global memory an
     below it in the block's bitmap), so its position is cumsum - count + rank: the list's entries stay sorted by
     query, as the kernels' tiles and the causal test of the first tile assume (each block's cumsum - count is
     read once per tile, into shared memory). Dead slots rank by a prefix sum over the tile's rows. The tile with
-    each (b, p') chunk's first rows also writes its lists' starts and counts.
-Blocks are taken in windows of WINDOW_BLOCKS (16 KB of bitmap), so any S works.
+    each (b, p') chunk's first rows also writes its lists' starts and counts. The entries are ranked into shared
+    memory in list order first and stored by consecutive threads, so a list's entries leave in runs; a scatter
+    CTA takes one or four tiles (`threads` 128 / 512: longer runs), the count always one.
+Blocks are taken in windows (window_blocks: 16 KB of bitmap), so any S works.
 This module does not import cutlass.
 """
 
@@ -38,8 +40,8 @@ OP = "plan_lists"
 
 BLOCK_SIZES = (64, 128)
 PHASES = ("count", "scatter")
-TILE_ROWS = 128  # query rows per CTA, one thread each: 4 bitmap words per block
-WINDOW_BLOCKS = 1024  # blocks per bitmap window: 1024 x 4 words = 16 KB of shared memory
+TILE_ROWS = 128  # query rows per tile (a column of the (key, tile) count matrices)
+SCATTER_THREADS = (128, 512)  # rows (threads) per scatter CTA: 1 or 4 tiles; 512 with max_k 16 only (shared memory)
 
 
 MAX_KS = (16, 64)  # slots per row a variant holds in registers (K <= max_k; the runtime picks the smallest)
@@ -65,15 +67,18 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list:
             dtypes and not set(dtypes) & set(sparse_fwd.DTYPES):
         return []
     bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(block_size=bs, max_k=mk, phase=ph) for bs in bss for mk in MAX_KS for ph in PHASES] + \
+    return [Config(block_size=bs, max_k=mk, phase=ph, threads=t) for bs in bss for mk in MAX_KS for ph in PHASES
+            for t in (SCATTER_THREADS if ph == "scatter" else (TILE_ROWS,)) if t == TILE_ROWS or mk == MAX_KS[0]] + \
         [ItemsConfig(block_size=bs) for bs in bss]
 
 
 def can_implement(config, arch: str) -> tuple[bool, str]:
     if isinstance(config, ItemsConfig):
         return verdict(refusal(config, arch, block_size=BLOCK_SIZES, threads=(ITEM_THREADS,)))
-    return verdict(refusal(config, arch, block_size=BLOCK_SIZES, max_k=MAX_KS, phase=PHASES, threads=(TILE_ROWS,),
-                           notes={"threads": "one thread per query row of a 128-row tile"}))
+    threads = SCATTER_THREADS if config.phase == "scatter" and config.max_k == MAX_KS[0] else (TILE_ROWS,)
+    return verdict(refusal(config, arch, block_size=BLOCK_SIZES, max_k=MAX_KS, phase=PHASES, threads=threads,
+                           notes={"threads": "one thread per query row: the count takes 128-row tiles, the scatter "
+                                             "128 or (max_k 16) 512 rows"}))
 
 
 def _scalars() -> tuple:
@@ -99,9 +104,26 @@ def params(config: Config) -> tuple:
     )
 
 
+def window_blocks(config: Config) -> int:
+    """Blocks per bitmap window: a window is one pass over the rows' slots; 4 x 1024 words at 128 rows (16 KB),
+    16 x 256 at 512 (two CTAs of 512 rows per SM)."""
+    return 1024 if config.threads == TILE_ROWS else 256
+
+
 def smem_bytes(config: Config) -> int:
-    # the bitmap, each window block's first position in the tile (scatter), the warps' sums
-    return 4 * (WINDOW_BLOCKS * TILE_ROWS // 32) + 4 * WINDOW_BLOCKS + 4 * 2 * (TILE_ROWS // 32)
+    """count: the bitmap, the rows' slots (padded), the warps' sums. scatter: the bitmap and its per-word
+    prefixes, each (tile, block)'s base and each block's first position in the CTA, the stage (two words per entry
+    of a window, the rows' slots before), each row's first entry_dest, the warps' sums. Every range is a multiple
+    of 16 bytes."""
+    warps, win = config.threads // 32, window_blocks(config)
+
+    def r16(words):
+        return -(-4 * words // 16) * 16
+
+    if config.phase == "count":
+        return r16(warps * win) + r16(config.threads * (config.max_k + 1)) + r16(warps)
+    return (2 * r16(warps * win) + r16(config.threads // TILE_ROWS * win) + r16(win)
+            + r16(2 * config.threads * config.max_k) + r16(config.threads) + r16(warps))
 
 
 def build_spec(config, arch: str) -> BuildSpec:
@@ -110,7 +132,7 @@ def build_spec(config, arch: str) -> BuildSpec:
                            grid=("C", "U", "1"), compile_fn="kernels_src.plan_lists.items:compile",
                            smem_bytes=4 * (ITEM_THREADS // 32))
     return family_spec(OP, config, arch, can_implement, params=params(config),
-                       grid=(f"B * Hp * ceil_div(S, {TILE_ROWS})", "1", "1"),
+                       grid=(f"B * Hp * ceil_div(S, {config.threads})", "1", "1"),
                        compile_fn="kernels_src.plan_lists.kernel:compile", smem_bytes=smem_bytes(config))
 
 

@@ -1,0 +1,115 @@
+"""Is a step's wall time above its kernels' sum because of gaps or because the clocks drop under load?
+
+For each problem "cfg:S[:B]", one public fwd + bwd step (as profile_api.py runs it), in one process:
+  - the profiler's kernel sum per step (3 steps) and those 3 steps' event time;
+  - a cold step (after 5 s idle) and 40 steps back to back, each timed with events, while nvidia-smi samples the
+    SM clock, the power draw and the active clock-event (throttle) reasons every 20 ms.
+A wall time near the kernel sum on a cold step and above it under load, with the SM clock falling, is the clock.
+
+    python benchmarks/clocks.py [b:65536 a:65536:1]
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
+from benchmarks.common import commit  # noqa: E402
+
+QUERY = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active,temperature.gpu"
+
+
+def make_step(spec: str):
+    from flash_msa_rt import flash_msa_func
+
+    cfg, S, *batch = spec.split(":")
+    x = random_problem(cfg, int(S), int(S) * int(batch[0]) if batch else 131072)
+    B, S, H, D = x["B"], x["S"], x["H"], x["D"]
+    leaves = [x[n].detach().requires_grad_() for n in ("qp", "kp", "q", "k", "v")]
+    dout = torch.randn(B, S, H * D, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out, kl = flash_msa_func(*leaves, top_k=2048, layout="bshd")
+        return torch.autograd.grad((out, kl), leaves, (dout, torch.ones_like(kl)))
+
+    return step
+
+
+def timed(step, n: int) -> list[float]:
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for a, b in ev:
+        a.record()
+        step()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in ev]
+
+
+def kernel_sum_ms(step, steps: int = 3) -> tuple[float, float]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t = timed(step, steps)
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.self_device_time_total for e in events) / 1e3 / steps, statistics.median(t)
+
+
+def sampled(fn):
+    """fn() while nvidia-smi samples the clocks; (fn's result, the samples' lines)."""
+    with tempfile.NamedTemporaryFile("w+", suffix=".csv") as f:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader", "-lms", "20"],
+                               stdout=f, stderr=subprocess.DEVNULL)
+        time.sleep(0.3)
+        try:
+            result = fn()
+        finally:
+            time.sleep(0.1)
+            smi.terminate()
+            smi.wait()
+        f.seek(0)
+        return result, [ln.strip() for ln in f if ln.strip()]
+
+
+def summary(lines: list[str]) -> str:
+    clocks, power, reasons = [], [], {}
+    for ln in lines:
+        parts = [p.strip() for p in ln.split(",")]
+        try:
+            clocks.append(float(parts[1].split()[0]))
+            power.append(float(parts[2].split()[0]))
+        except (IndexError, ValueError):
+            continue
+        reasons[parts[3]] = reasons.get(parts[3], 0) + 1
+    if not clocks:
+        return "no samples"
+    return (f"{len(clocks)} samples: SM clock min {min(clocks):.0f} median {statistics.median(clocks):.0f} "
+            f"max {max(clocks):.0f} MHz; power median {statistics.median(power):.0f} max {max(power):.0f} W; "
+            f"reasons {reasons}")
+
+
+def main(specs):
+    print(f"commit {commit()}, {torch.cuda.get_device_name()}")
+    for spec in specs:
+        step = make_step(spec)
+        timed(step, 3)
+        ksum, prof_wall = kernel_sum_ms(step)
+        time.sleep(5)
+        cold = timed(step, 1)[0]
+        hot, lines = sampled(lambda: timed(step, 40))
+        print(f"{spec}: kernel sum {ksum:.2f} ms/step (those profiled steps {prof_wall:.2f}); cold step {cold:.2f}; "
+              f"40 back to back: first 5 {statistics.median(hot[:5]):.2f}, last 10 {statistics.median(hot[-10:]):.2f},"
+              f" median {statistics.median(hot):.2f} ms", flush=True)
+        print(f"  {summary(lines)}", flush=True)
+        del step
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["b:65536", "a:65536:1"])
