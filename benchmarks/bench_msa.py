@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `flash_m
 
 import torch  # noqa: E402
 
-from benchmarks.common import RESULTS, commit, flushed_event_times  # noqa: E402
+from benchmarks.common import RESULTS, ClockSamples, commit, flushed_event_times  # noqa: E402
 
 CONFIGS = {  # name -> (H, Hk, Hp, Hpk)
     "a": (16, 2, 4, 1),
@@ -288,9 +288,10 @@ class Timer:
                 break  # a kernel's first call may be slow once (module load, handles); the reference's is not
             per_call = min(per_call, self._host_time(fn))
         reps = min(a.reps, max(1 if reference else 3, int(a.budget_seconds / per_call)))
-        times = flushed_event_times(fn, reps, self.flush)
+        with ClockSamples() as clocks:
+            times = flushed_event_times(fn, reps, self.flush)
         return dict(ms=statistics.median(times), times_ms=times, reps=reps, first_call_s=first_s,
-                    peak_mem_bytes=peak)
+                    peak_mem_bytes=peak, **clocks.summary())
 
 
 class ReferenceGuard:
@@ -585,7 +586,9 @@ def comparisons(rows: list[dict]) -> list[dict]:
                  warmup_fwd_over_dense=warm_fwd["ms"] / dense_fwd["ms"] if warm_fwd and dense_fwd else None,
                  warmup_fwd_bwd_over_dense=warm["ms"] / dense["ms"] if warm and dense else None,
                  msa_peak_mem_bytes=msa and msa["peak_mem_bytes"],
-                 dense_peak_mem_bytes=dense and dense["peak_mem_bytes"])
+                 dense_peak_mem_bytes=dense and dense["peak_mem_bytes"],
+                 # the median SM clock while each was timed (the card caps its power: common.ClockSamples)
+                 msa_sm_clock_mhz=msa and msa.get("sm_clock_mhz"), dense_sm_clock_mhz=dense and dense.get("sm_clock_mhz"))
         if cfg == PUBLISHED["shape"]["config"] and B == 1:
             pub = {}
             if S in PUBLISHED["flash_msa_0.1.1"]:
@@ -625,7 +628,7 @@ def print_table(rows, comps):
     heads = ["select", "fwd", "bwd", "op fwd", "op fwd+bwd", "warm f+b", "dense fwd", "dense f+b"]
     print("\nms/TFLOPS (effective, formulas above); 'skip' = reference backend skipped (see JSON status)")
     print(f"{'cfg':>3} {'B':>3} {'S':>6} " + " ".join(f"{h:>13}" for h in heads) + f" {'x dense':>8} "
-          f"{'mem GB msa/dense':>17}")
+          f"{'mem GB msa/dense':>17} {'MHz msa/dense':>14}")
     for c in comps:
         def get(op, sel=("proxy top-K", "dense causal", None)):
             return next((r for r in rows if (r["config"], r["B"], r["S"], r["op"]) == (c["config"], c["B"], c["S"], op)
@@ -634,7 +637,8 @@ def print_table(rows, comps):
         xd = f"{c['x_dense']:.2f}x" if c["x_dense"] else "-"
         mem = "/".join(f"{m / 2**30:.1f}" if m is not None else "-"
                        for m in (c["msa_peak_mem_bytes"], c["dense_peak_mem_bytes"]))
-        print(f"{c['config']:>3} {c['B']:>3} {c['S']:>6} {cells} {xd:>8} {mem:>17}")
+        mhz = "/".join(f"{m:.0f}" if m else "-" for m in (c.get("msa_sm_clock_mhz"), c.get("dense_sm_clock_mhz")))
+        print(f"{c['config']:>3} {c['B']:>3} {c['S']:>6} {cells} {xd:>8} {mem:>17} {mhz:>14}")
     skewed = [c for c in comps if any(r["selection"] == "skewed" and (r["config"], r["B"], r["S"]) ==
                                       (c["config"], c["B"], c["S"]) for r in rows)]
     if skewed:
@@ -708,7 +712,8 @@ def main(argv=None) -> int:
                 "timings of the public ops and dense run with autograd enabled (the training forward); per-op "
                 "rows call torch.ops.flash_msa.* under no_grad; peak_mem_bytes = max_memory_allocated during the "
                 "first call minus memory_allocated before it (outputs, saved tensors, gradients, workspace; not "
-                "the inputs)"),
+                "the inputs); sm_clock_mhz / power_w: medians of nvidia-smi samples every 20 ms during the timed calls "
+                "(the H200 caps its power at 700 W and lowers its clock under long heavy runs)"),
         published=PUBLISHED, rows=rows, comparisons=[], dispatch_warnings=caught)
     print("effective TFLOPS formulas (msa-semantics.md):")
     for k, v in FORMULAS.items():

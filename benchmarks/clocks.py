@@ -12,9 +12,7 @@ A wall time near the kernel sum on a cold step and above it under load, with the
 from __future__ import annotations
 
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,9 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
-from benchmarks.common import commit  # noqa: E402
-
-QUERY = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active,temperature.gpu"
+from benchmarks.common import ClockSamples, commit  # noqa: E402
 
 
 def make_step(spec: str):
@@ -61,39 +57,6 @@ def kernel_sum_ms(step, steps: int = 3) -> tuple[float, float]:
     return sum(e.self_device_time_total for e in events) / 1e3 / steps, statistics.median(t)
 
 
-def sampled(fn):
-    """fn() while nvidia-smi samples the clocks; (fn's result, the samples' lines)."""
-    with tempfile.NamedTemporaryFile("w+", suffix=".csv") as f:
-        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader", "-lms", "20"],
-                               stdout=f, stderr=subprocess.DEVNULL)
-        time.sleep(0.3)
-        try:
-            result = fn()
-        finally:
-            time.sleep(0.1)
-            smi.terminate()
-            smi.wait()
-        f.seek(0)
-        return result, [ln.strip() for ln in f if ln.strip()]
-
-
-def summary(lines: list[str]) -> str:
-    clocks, power, reasons = [], [], {}
-    for ln in lines:
-        parts = [p.strip() for p in ln.split(",")]
-        try:
-            clocks.append(float(parts[1].split()[0]))
-            power.append(float(parts[2].split()[0]))
-        except (IndexError, ValueError):
-            continue
-        reasons[parts[3]] = reasons.get(parts[3], 0) + 1
-    if not clocks:
-        return "no samples"
-    return (f"{len(clocks)} samples: SM clock min {min(clocks):.0f} median {statistics.median(clocks):.0f} "
-            f"max {max(clocks):.0f} MHz; power median {statistics.median(power):.0f} max {max(power):.0f} W; "
-            f"reasons {reasons}")
-
-
 def main(specs):
     print(f"commit {commit()}, {torch.cuda.get_device_name()}")
     for spec in specs:
@@ -102,11 +65,12 @@ def main(specs):
         ksum, prof_wall = kernel_sum_ms(step)
         time.sleep(5)
         cold = timed(step, 1)[0]
-        hot, lines = sampled(lambda: timed(step, 40))
+        with ClockSamples() as clocks:
+            hot = timed(step, 40)
         print(f"{spec}: kernel sum {ksum:.2f} ms/step (those profiled steps {prof_wall:.2f}); cold step {cold:.2f}; "
               f"40 back to back: first 5 {statistics.median(hot[:5]):.2f}, last 10 {statistics.median(hot[-10:]):.2f},"
               f" median {statistics.median(hot):.2f} ms", flush=True)
-        print(f"  {summary(lines)}", flush=True)
+        print(f"  {clocks.summary()}", flush=True)
         del step
         torch.cuda.empty_cache()
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,6 +56,59 @@ def flushed_event_times(fn, reps: int, flush: torch.Tensor) -> list[float]:
         end.record()
     torch.cuda.synchronize()
     return [s.elapsed_time(e) for s, e in events]
+
+
+class ClockSamples:
+    """nvidia-smi sampling the SM clock, the power draw and the active clock-event (throttle) reasons every
+    `period_ms` while the block runs (nothing where nvidia-smi is absent); .summary() after it: the H200 caps its
+    power at 700 W, and a long run of heavy kernels lowers the clock (results/clocks_*.log), which a timing
+    beside its clock explains.
+
+        with ClockSamples() as clocks:
+            run()
+        clocks.summary()  # {"sm_clock_mhz": median, "sm_clock_min_mhz", "power_w": median, "power_capped": share}
+    """
+
+    QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+    SW_POWER_CAP = 0x4  # nvmlClocksEventReasonSwPowerCap
+
+    def __init__(self, period_ms: int = 20):
+        self.period_ms = period_ms
+        self.lines: list[str] = []
+        self._proc = self._file = None
+
+    def __enter__(self):
+        if shutil.which("nvidia-smi"):
+            self._file = tempfile.TemporaryFile("w+")
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                 "-lms", str(self.period_ms)], stdout=self._file, stderr=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+            self._file.seek(0)
+            self.lines = [ln.strip() for ln in self._file if ln.strip()]
+            self._file.close()
+        return False
+
+    def summary(self) -> dict:
+        clocks, power, capped = [], [], 0
+        for ln in self.lines:
+            parts = [p.strip() for p in ln.split(",")]
+            try:
+                c, w, why = float(parts[0]), float(parts[1]), int(parts[2], 16)
+            except (IndexError, ValueError):
+                continue
+            clocks.append(c)
+            power.append(w)
+            capped += bool(why & self.SW_POWER_CAP)
+        if not clocks:
+            return {}
+        return dict(sm_clock_mhz=statistics.median(clocks), sm_clock_min_mhz=min(clocks),
+                    power_w=statistics.median(power), power_capped=capped / len(clocks), clock_samples=len(clocks))
 
 
 def host_us_per_call(fn, calls: int = 2000, rounds: int = 5) -> float:

@@ -229,3 +229,17 @@ def test_stage_benchmarks_inputs(cfg):
         assert x[name].shape == (4, 256, heads, 128) and x[name].dtype == torch.bfloat16
     assert random_problem(cfg, 512, tokens=256, device="cpu")["B"] == 1
     assert torch.equal(random_problem(cfg, 256, tokens=1024, device="cpu")["v"], x["v"])
+
+
+def test_clock_samples_summary_parses_nvidia_smi_lines():
+    """The clocks beside each timing: medians of nvidia-smi's csv lines, the share under the software power cap
+    (reason bit 0x4), unreadable lines skipped, nothing at all without samples."""
+    from benchmarks.common import ClockSamples
+
+    c = ClockSamples()
+    assert c.summary() == {}
+    c.lines = ["1980, 650.5, 0x0000000000000000", "1755, 700.1, 0x0000000000000004", "[N/A], 1.0, 0x0",
+               "1400, 699.0, 0x0000000000000004"]
+    got = c.summary()
+    assert got == dict(sm_clock_mhz=1755.0, sm_clock_min_mhz=1400.0, power_w=699.0, power_capped=2 / 3,
+                       clock_samples=3)
