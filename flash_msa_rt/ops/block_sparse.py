@@ -77,9 +77,7 @@ def block_sparse_backward_cuda(q, k, v, out, lse, block_indices, block_size, sca
     main = get_kernel("sparse_bwd", sparse_bwd.kernel_config(dt, D, block_size, G, mma), dev)
     delta = torch.empty((B, H, S), dtype=f32, device=dev)
     get_kernel("bwd_delta", sparse_bwd.delta_config(dt, D), dev)(dout=grad_out, out=out, delta=delta)
-    dq_acc = torch.zeros((B, S, H, D), dtype=f32, device=dev)
-    dk_acc = torch.zeros((B, S, Hk, D), dtype=f32, device=dev)
-    dv_acc = torch.zeros((B, S, Hk, D), dtype=f32, device=dev)
+    flat, (dq_acc, dk_acc, dv_acc) = sparse_bwd.accumulators((q, k, v))
     # Chunks of index heads whose plans index fewer than 2**31 (entry, head) rows (the plan's int32 arithmetic);
     # one chunk at every size the benchmarks run.
     c = sparse_fwd.heads_per_chunk(B * S * K * G, Hp, Hk, Hp, _INT32_LIMIT - 1)
@@ -92,7 +90,7 @@ def block_sparse_backward_cuda(q, k, v, out, lse, block_indices, block_size, sca
              lse=hc.view(lse, 1, "main"), delta=hc.view(delta, 1, "main"), entry_query=plan.entry_query,
              items=plan.items, dq_acc=hc.view(dq_acc, 2, "main"), dk_acc=hc.view(dk_acc, 2, "kv"),
              dv_acc=hc.view(dv_acc, 2, "kv"), scale=float(scale), hp=c, hp_per_hk=hc.per_kv)
-    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    return tuple(sparse_bwd.cast_accumulators(flat, (q, k, v)))
 
 
 def variants(dtype: str, head_dim: int, block_size: int, group: int, arch: str = "sm90a",

@@ -219,13 +219,12 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
         kl_grad = kl_grad if kl_grad is not None else torch.zeros((B, Hp, S), dtype=f32, device=dev)
         return _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
                                   grad_out, kl_grad, None, None, None, deterministic=True)
-    dq_acc = torch.zeros((B, S, H, D), dtype=f32, device=dev)
-    dk_acc = torch.zeros((B, S, Hk, D), dtype=f32, device=dev)
-    dv_acc = torch.zeros((B, S, Hk, D), dtype=f32, device=dev)
     if grad_out is not None and kl_grad is not None and tau_path(mma, mma_p):
-        dq_proxy, dk_proxy = _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
-                                                block_size, scale, grad_out, kl_grad, dq_acc, dk_acc, dv_acc)
-        return dq_proxy, dk_proxy, dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+        flat, (dqp_acc, dkp_acc, dq_acc, dk_acc, dv_acc) = accumulators((q_proxy, k_proxy, q, k, v))
+        _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
+                           grad_out, kl_grad, dq_acc, dk_acc, dv_acc, dqp_acc, dkp_acc)
+        return tuple(cast_accumulators(flat, (q_proxy, k_proxy, q, k, v)))
+    flat, (dq_acc, dk_acc, dv_acc) = accumulators((q, k, v))
     plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, tiles_per_item(G))
     if grad_out is not None:
         delta = torch.empty((B, H, S), dtype=f32, device=dev)
@@ -241,7 +240,25 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
                                                  scale, kl_grad, proxy_plan)
     else:
         dq_proxy, dk_proxy = torch.zeros_like(q_proxy), torch.zeros_like(k_proxy)
-    return dq_proxy, dk_proxy, dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    return (dq_proxy, dk_proxy, *cast_accumulators(flat, (q, k, v)))
+
+
+_ALIGN = 128  # elements between accumulators in one buffer: each starts 512-byte aligned, as a fresh allocation
+
+
+def accumulators(like: tuple) -> tuple[torch.Tensor, list]:
+    """(flat, views): zeroed fp32 accumulators shaped like the tensors of `like`, as views of one buffer: one fill
+    launch for all of them instead of one per gradient."""
+    sizes = [-(-t.numel() // _ALIGN) * _ALIGN for t in like]
+    flat = torch.zeros(sum(sizes), dtype=torch.float32, device=like[0].device)
+    return flat, [part[:t.numel()].view(t.shape) for part, t in zip(flat.split(sizes), like)]
+
+
+def cast_accumulators(flat: torch.Tensor, like: tuple) -> list:
+    """The accumulators of `accumulators(like)`, each cast to its tensor's dtype into a tensor of its own: a custom
+    op's outputs may not share a storage (torch.library checks), so one cast of the flat buffer would not do."""
+    sizes = [-(-t.numel() // _ALIGN) * _ALIGN for t in like]
+    return [part[:t.numel()].view(t.shape).to(t.dtype) for part, t in zip(flat.split(sizes), like)]
 
 
 def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: int, budget: int,
@@ -257,11 +274,12 @@ chunk_heads = sparse_fwd.chunk_heads
 
 
 def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                       kl_grad, dq_acc, dk_acc, dv_acc, deterministic: bool = False):
+                       kl_grad, dq_acc, dk_acc, dv_acc, dqp_acc=None, dkp_acc=None, deterministic: bool = False):
     """Both backward kernels per chunk of proxy heads (and of queries, where one head's tau rows exceed the
-    budget), tau passed from the main kernel to the proxy kernel: fills the main accumulators, returns (dq_proxy,
-    dk_proxy). A chunk is the same problem on head-sliced views (strided; the kernels take any strides), with its
-    own plan; chunks meet in dk_acc / dv_acc (KV heads shared across chunks) through atomics, as items do.
+    budget), tau passed from the main kernel to the proxy kernel: adds into the caller's zeroed fp32 accumulators
+    (`accumulators`) and returns None. A chunk is the same problem on head-sliced views (strided; the kernels take
+    any strides), with its own plan; chunks meet in dk_acc / dv_acc (KV heads shared across chunks) through
+    atomics, as items do.
     deterministic: the accumulators are allocated here (pass None); the kernels store dq / dq_p partial rows, which
     each chunk sums in slot order (the slot_sum kernel), and add dk / dv / dk_p in item order (turns); chunks follow
     each other on the stream; returns (dq_proxy, dk_proxy, dq, dk, dv)."""
@@ -293,9 +311,7 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     if det:
         sums = _DeterministicSums(q_proxy, q, rows, block_size)
         dk_acc, dv_acc = (torch.zeros(k.shape, dtype=f32, device=dev) for _ in range(2))
-    else:
-        dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
-    dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
+        dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     for hc in sparse_fwd.head_chunks(Hp, Hk, Hpk, G, c):
         main_args = dict(q=hc.view(q, 2, "main"), k=hc.view(k, 2, "kv"), v=hc.view(v, 2, "kv"),
                          dout=hc.view(grad_out, 2, "main"), lse=hc.view(lse, 1, "main"),
@@ -321,7 +337,7 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
                 sums.sum_chunk(plan, sel, s0, s1, hc.main, hc.proxy)
     if det:
         return sums.dqp, dkp_acc.to(k_proxy.dtype), sums.dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-    return dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype)
+    return None
 
 
 class _DeterministicSums:
