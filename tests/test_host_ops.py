@@ -108,3 +108,37 @@ def test_plans_on_the_plan_kernels_issue_few_ops(order, most):
                 plans = sp._kernel_plans(idx, 128, 4, heads, queries, ((32, 64), (64, 32)), order, kernels=kernels)
             assert len(plans) == (8 // heads) * (4096 // queries)
             assert launches == ["count", "scatter", "items"] and sum(ops.ops.values()) <= most, ops.ops
+
+
+def test_host_ops_of_one_chunk_on_the_plan_kernels(monkeypatch):
+    """The same (a) B = 1, S = 8K call with the plans on the plan kernels (as on CUDA: lists_on_device forced, the
+    kernels recorded): 16 forward and 20 backward compute ops, the backward's five fp32 accumulators from one fill
+    (sparse_bwd.accumulators)."""
+    from flash_msa_rt.ops import sparse_plan as sp
+
+    launches = collections.Counter()
+    monkeypatch.setattr(sp, "lists_on_device", lambda idx, bs, group, heads, queries: sp.chunk_keys(
+        *idx.shape, heads, queries, bs))
+    monkeypatch.setattr(sp, "_lists_kernels", lambda bs, K, dev: tuple(
+        (lambda n: lambda **kw: launches.update([n]))(n) for n in ("count", "scatter", "items")))
+    from flash_msa_rt.ops import sparse_bwd as sb
+    from flash_msa_rt.ops import sparse_fwd as sf
+
+    monkeypatch.setattr(sf, "device_mma", lambda device, op: sf.family_mma("sm90a", op))
+    monkeypatch.setattr(sf, "get_kernel", lambda op, config, device: lambda **kw: launches.update([op]))
+    monkeypatch.setattr(sb, "get_kernel", lambda op, config, device: lambda **kw: launches.update([op]))
+    B, S, H, Hk, Hp, D, K, bf16 = 1, 8192, 16, 2, 4, 128, 16, torch.bfloat16
+    with FakeTensorMode():
+        qp, kp = torch.empty(B, S, Hp, D, dtype=bf16), torch.empty(B, S, 1, D, dtype=bf16)
+        q = torch.empty(B, S, H, D, dtype=bf16)
+        k, v = torch.empty(B, S, Hk, D, dtype=bf16), torch.empty(B, S, Hk, D, dtype=bf16)
+        sel = torch.zeros(B, Hp, S, K, dtype=torch.int32)
+        with _Count() as fwd:
+            out, lse, lse_p, _ = sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, 0.1)
+        with _Count() as bwd:
+            sb.msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, 0.1, torch.empty_like(q),
+                                 torch.full((), 1.0))
+    assert launches["count"] == launches["scatter"] == launches["items"] == 2
+    assert launches["sparse_fwd"] == launches["sparse_bwd"] == launches["sparse_bwd_proxy"] == 1
+    assert sum(fwd.ops.values()) <= 16 and sum(bwd.ops.values()) <= 20, (fwd.ops, bwd.ops)
+    assert bwd.ops["aten.zeros"] <= 3 and bwd.ops["aten._to_copy"] == 5, bwd.ops
