@@ -20,24 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
 from benchmarks.common import ClockSamples, commit  # noqa: E402
-
-
-def make_step(spec: str):
-    from flash_msa_rt import flash_msa_func
-
-    cfg, S, *batch = spec.split(":")
-    x = random_problem(cfg, int(S), int(S) * int(batch[0]) if batch else 131072)
-    B, S, H, D = x["B"], x["S"], x["H"], x["D"]
-    leaves = [x[n].detach().requires_grad_() for n in ("qp", "kp", "q", "k", "v")]
-    dout = torch.randn(B, S, H * D, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        out, kl = flash_msa_func(*leaves, top_k=2048, layout="bshd")
-        return torch.autograd.grad((out, kl), leaves, (dout, torch.ones_like(kl)))
-
-    return step
+from benchmarks.profile_api import api_step  # noqa: E402
 
 
 def timed(step, n: int) -> list[float]:
@@ -60,7 +44,7 @@ def kernel_sum_ms(step, steps: int = 3) -> tuple[float, float]:
 def main(specs):
     print(f"commit {commit()}, {torch.cuda.get_device_name()}")
     for spec in specs:
-        step = make_step(spec)
+        _, step = api_step(spec)
         timed(step, 3)
         ksum, prof_wall = kernel_sum_ms(step)
         time.sleep(5)

@@ -32,8 +32,9 @@ def main(argv=None):
             profile(spec, args.steps)
 
 
-def profile(spec: str, steps: int):
-    """Print the device time per step of one problem "cfg:S[:B]" and its 30 costliest kernels."""
+def api_step(spec: str):
+    """(problem, step) of "cfg:S[:B]" (B * S = 128K tokens unless B is given): step() is one flash_msa_func
+    forward + torch.autograd.grad over the five inputs as leaves, as bench_msa times it."""
     from flash_msa_rt import flash_msa_func
 
     cfg, S, *batch = spec.split(":")
@@ -46,6 +47,14 @@ def profile(spec: str, steps: int):
         out, kl = flash_msa_func(*leaves, top_k=2048, layout="bshd")
         return torch.autograd.grad((out, kl), leaves, (dout, torch.ones_like(kl)))
 
+    return x, step
+
+
+def profile(spec: str, steps: int):
+    """Print the device time per step of one problem "cfg:S[:B]" and its 30 costliest kernels."""
+    cfg = spec.split(":")[0]
+    x, step = api_step(spec)
+    B, S = x["B"], x["S"]
     for _ in range(2):
         step()
     torch.cuda.synchronize()

@@ -32,11 +32,13 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count(B, S, H, Hk, Hp, budgets, monkeypatch):
-    """(forward ops, backward ops, launches per kernel) of one msa_forward_cuda + msa_backward_cuda on sm90a's
-    kernels (the tau path), with the forward's partials and the backward's tau rows held to budgets (bytes)."""
+def _calls(B, S, H, Hk, Hp, budgets, monkeypatch, plan_kernels=False):
+    """(forward ops, backward ops, launches) of one msa_forward_cuda + msa_backward_cuda on sm90a's kernels (the
+    tau path), each ops a Counter by torch op, with the forward's partials and the backward's tau rows held to
+    budgets (bytes); plan_kernels: the plans on the plan kernels, as on CUDA tensors (recorded too)."""
     from flash_msa_rt.ops import sparse_bwd as sb
     from flash_msa_rt.ops import sparse_fwd as sf
+    from flash_msa_rt.ops import sparse_plan as sp
 
     launches = collections.Counter()
 
@@ -48,6 +50,11 @@ def _count(B, S, H, Hk, Hp, budgets, monkeypatch):
     monkeypatch.setattr(sf, "device_mma", lambda device, op: sf.family_mma("sm90a", op))
     monkeypatch.setattr(sf, "get_kernel", recorder)
     monkeypatch.setattr(sb, "get_kernel", recorder)
+    if plan_kernels:
+        monkeypatch.setattr(sp, "lists_on_device", lambda idx, bs, group, heads, queries: sp.chunk_keys(
+            *idx.shape, heads, queries, bs))
+        monkeypatch.setattr(sp, "_lists_kernels", lambda bs, K, dev: tuple(
+            recorder(n, None, None) for n in ("count", "scatter", "items")))
     if budgets:
         monkeypatch.setattr(sf, "partials_budget", lambda *shape: budgets[0])
         monkeypatch.setattr(sb, "tau_budget", lambda *shape: budgets[1])
@@ -62,7 +69,13 @@ def _count(B, S, H, Hk, Hp, budgets, monkeypatch):
         with _Count() as bwd:
             sb.msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, 0.1, torch.empty_like(q),
                                  torch.full((), 1.0))
-    return sum(fwd.ops.values()), sum(bwd.ops.values()), launches
+    return fwd.ops, bwd.ops, launches
+
+
+def _count(B, S, H, Hk, Hp, budgets, monkeypatch):
+    """(forward ops, backward ops, launches per kernel) of _calls, the ops summed."""
+    fwd, bwd, launches = _calls(B, S, H, Hk, Hp, budgets, monkeypatch)
+    return sum(fwd.values()), sum(bwd.values()), launches
 
 
 @pytest.mark.parametrize("shape", [(1, 8192, 16, 2, 4), (2, 4096, 32, 8, 8)])
@@ -110,35 +123,12 @@ def test_plans_on_the_plan_kernels_issue_few_ops(order, most):
             assert launches == ["count", "scatter", "items"] and sum(ops.ops.values()) <= most, ops.ops
 
 
+
 def test_host_ops_of_one_chunk_on_the_plan_kernels(monkeypatch):
-    """The same (a) B = 1, S = 8K call with the plans on the plan kernels (as on CUDA: lists_on_device forced, the
-    kernels recorded): 16 forward and 20 backward compute ops, the backward's five fp32 accumulators from one fill
-    (sparse_bwd.accumulators)."""
-    from flash_msa_rt.ops import sparse_plan as sp
-
-    launches = collections.Counter()
-    monkeypatch.setattr(sp, "lists_on_device", lambda idx, bs, group, heads, queries: sp.chunk_keys(
-        *idx.shape, heads, queries, bs))
-    monkeypatch.setattr(sp, "_lists_kernels", lambda bs, K, dev: tuple(
-        (lambda n: lambda **kw: launches.update([n]))(n) for n in ("count", "scatter", "items")))
-    from flash_msa_rt.ops import sparse_bwd as sb
-    from flash_msa_rt.ops import sparse_fwd as sf
-
-    monkeypatch.setattr(sf, "device_mma", lambda device, op: sf.family_mma("sm90a", op))
-    monkeypatch.setattr(sf, "get_kernel", lambda op, config, device: lambda **kw: launches.update([op]))
-    monkeypatch.setattr(sb, "get_kernel", lambda op, config, device: lambda **kw: launches.update([op]))
-    B, S, H, Hk, Hp, D, K, bf16 = 1, 8192, 16, 2, 4, 128, 16, torch.bfloat16
-    with FakeTensorMode():
-        qp, kp = torch.empty(B, S, Hp, D, dtype=bf16), torch.empty(B, S, 1, D, dtype=bf16)
-        q = torch.empty(B, S, H, D, dtype=bf16)
-        k, v = torch.empty(B, S, Hk, D, dtype=bf16), torch.empty(B, S, Hk, D, dtype=bf16)
-        sel = torch.zeros(B, Hp, S, K, dtype=torch.int32)
-        with _Count() as fwd:
-            out, lse, lse_p, _ = sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, 0.1)
-        with _Count() as bwd:
-            sb.msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, 0.1, torch.empty_like(q),
-                                 torch.full((), 1.0))
+    """The same call with its plans on the plan kernels (as on CUDA tensors): 16 forward and 20 backward compute
+    ops, the backward's five fp32 accumulators from one fill (sparse_bwd.accumulators)."""
+    fwd, bwd, launches = _calls(1, 8192, 16, 2, 4, None, monkeypatch, plan_kernels=True)
     assert launches["count"] == launches["scatter"] == launches["items"] == 2
     assert launches["sparse_fwd"] == launches["sparse_bwd"] == launches["sparse_bwd_proxy"] == 1
-    assert sum(fwd.ops.values()) <= 16 and sum(bwd.ops.values()) <= 20, (fwd.ops, bwd.ops)
-    assert bwd.ops["aten.zeros"] <= 3 and bwd.ops["aten._to_copy"] == 5, bwd.ops
+    assert sum(fwd.values()) <= 16 and sum(bwd.values()) <= 20, (fwd, bwd)
+    assert bwd["aten.zeros"] <= 3 and bwd["aten._to_copy"] == 5, bwd
