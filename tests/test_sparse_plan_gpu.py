@@ -20,6 +20,9 @@ CASES = [  # B, Hp, S, K, heads, queries
     (1, 1, 140_000, 4, 1, 140_000),  # 1094 blocks: two bitmap windows per late tile
     (1, 2, 9000, 40, 2, 9000),  # K past 16: the 64-slot variant
     (2, 2, 20_000, 64, 1, 4096),  # K = 64, chunks of heads and queries
+    (1, 2, 1000, 16, 1, 128),  # chunks of one tile: four chunks in one 512-row scatter CTA
+    (2, 2, 700, 1, 2, 256),  # K = 1, chunks of two tiles
+    (1, 1, 100, 3, 1, 100),  # one partial tile
 ]
 
 
