@@ -20,13 +20,18 @@ PEAK_TBPS = 4.0  # HBM copy bandwidth used for floors
 
 
 def commit() -> str:
-    """The commit measured: FLASH_MSA_COMMIT (set by whoever ships the tree to a GPU machine) or git."""
+    """The commit measured: FLASH_MSA_COMMIT (set by whoever ships the tree to a GPU machine: pass the hash
+    itself, not `$(git rev-parse HEAD)` run over there) or git, "+dirty" where tracked files differ from that
+    commit (a tree copied onto the GPU machine over an older .git reads as its old HEAD, dirty)."""
     if os.environ.get("FLASH_MSA_COMMIT"):
         return os.environ["FLASH_MSA_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+        head = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+        changed = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], text=True,
+                                          stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("+dirty" if changed else "")
 
 
 def cuda_time_ms(fn, warmup: int = 3, reps: int = 10) -> float:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, from the source tree with artifacts/ built for the device's arch:
-#   FLASH_MSA_COMMIT=$(git rev-parse HEAD) bash benchmarks/run_gpu.sh [tests|bench|core|producer|all]
+#   FLASH_MSA_COMMIT=<the hash, written out here: git on the GPU machine holds an older HEAD> \
+#     bash benchmarks/run_gpu.sh [tests|bench|core|producer|all]
 # tests: environment, every GPU test, compute-sanitizer on every kernel family (~220 s); bench: the benchmarks;
 # core: only the whole-op benchmarks against cuDNN (B * S = 128K tokens, and B = 1 in (a)), which fit one
 # 10-minute device call (~160 s); producer: what turning sparse_bwd.PRODUCER on waits for (~150 s).
