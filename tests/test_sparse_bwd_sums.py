@@ -78,3 +78,24 @@ def test_item_turns_of_a_head_chunk():
                          dtype=torch.int32)
     assert sparse_bwd_sums.item_turns(items, 2, 1)[0].tolist() == [-1, 0, -1, -1, -1, -1]
     assert sparse_bwd_sums.item_turns(items, 2, 2)[0].tolist() == [-1, 0, 1, -1, -1, -1]
+
+
+def test_accumulators_share_one_zeroed_buffer_and_cast_apart():
+    """sparse_bwd.accumulators: fp32 zeros shaped like each tensor, views of one buffer at 512-byte aligned
+    offsets, disjoint; cast_accumulators gives each its tensor's dtype in a storage of its own (a custom op's
+    outputs may not alias)."""
+    from flash_msa_rt.ops.sparse_bwd import accumulators, cast_accumulators
+
+    like = (torch.empty(3, 5, dtype=torch.bfloat16), torch.empty(7, dtype=torch.float16),
+            torch.empty(2, 2, 2, dtype=torch.bfloat16))
+    flat, views = accumulators(like)
+    assert flat.dtype == torch.float32 and not flat.any()
+    for view, t in zip(views, like):
+        assert view.shape == t.shape and view.dtype == torch.float32 and view.is_contiguous()
+        assert (view.data_ptr() - flat.data_ptr()) % 512 == 0
+    for n, view in enumerate(views):
+        view += n + 1
+    out = cast_accumulators(flat, like)
+    assert [o.dtype for o in out] == [t.dtype for t in like]
+    assert all(torch.equal(o, torch.full(t.shape, n + 1.0, dtype=t.dtype)) for n, (o, t) in enumerate(zip(out, like)))
+    assert len({o.untyped_storage().data_ptr() for o in out}) == 3

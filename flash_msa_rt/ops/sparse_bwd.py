@@ -246,19 +246,25 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
 _ALIGN = 128  # elements between accumulators in one buffer: each starts 512-byte aligned, as a fresh allocation
 
 
+def _slots(like: tuple) -> list[int]:
+    return [-(-t.numel() // _ALIGN) * _ALIGN for t in like]
+
+
+def _views(flat: torch.Tensor, like: tuple) -> list:
+    return [part[:t.numel()].view(t.shape) for part, t in zip(flat.split(_slots(like)), like)]
+
+
 def accumulators(like: tuple) -> tuple[torch.Tensor, list]:
     """(flat, views): zeroed fp32 accumulators shaped like the tensors of `like`, as views of one buffer: one fill
     launch for all of them instead of one per gradient."""
-    sizes = [-(-t.numel() // _ALIGN) * _ALIGN for t in like]
-    flat = torch.zeros(sum(sizes), dtype=torch.float32, device=like[0].device)
-    return flat, [part[:t.numel()].view(t.shape) for part, t in zip(flat.split(sizes), like)]
+    flat = torch.zeros(sum(_slots(like)), dtype=torch.float32, device=like[0].device)
+    return flat, _views(flat, like)
 
 
 def cast_accumulators(flat: torch.Tensor, like: tuple) -> list:
     """The accumulators of `accumulators(like)`, each cast to its tensor's dtype into a tensor of its own: a custom
     op's outputs may not share a storage (torch.library checks), so one cast of the flat buffer would not do."""
-    sizes = [-(-t.numel() // _ALIGN) * _ALIGN for t in like]
-    return [part[:t.numel()].view(t.shape).to(t.dtype) for part, t in zip(flat.split(sizes), like)]
+    return [view.to(t.dtype) for view, t in zip(_views(flat, like), like)]
 
 
 def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: int, budget: int,
