@@ -588,7 +588,8 @@ def comparisons(rows: list[dict]) -> list[dict]:
                  msa_peak_mem_bytes=msa and msa["peak_mem_bytes"],
                  dense_peak_mem_bytes=dense and dense["peak_mem_bytes"],
                  # the median SM clock while each was timed (the card caps its power: common.ClockSamples)
-                 msa_sm_clock_mhz=msa and msa.get("sm_clock_mhz"), dense_sm_clock_mhz=dense and dense.get("sm_clock_mhz"))
+                 msa_sm_clock_mhz=msa and msa.get("sm_clock_mhz"),
+                 dense_sm_clock_mhz=dense and dense.get("sm_clock_mhz"))
         if cfg == PUBLISHED["shape"]["config"] and B == 1:
             pub = {}
             if S in PUBLISHED["flash_msa_0.1.1"]:
