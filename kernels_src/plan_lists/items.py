@@ -56,7 +56,7 @@ class PlanItems:
         mine = cutlass.Int32(0)
         for l in cutlass.range(l0, l1, unroll=1):
             mine += cute.ceil_div(cutlass.Int32(lists[n, 1, l]), size)
-        w, total = exclusive_scan(s_warp, mine, self.warps)
+        w, total = exclusive_scan(s_warp, mine, self.warps, self.warps)
         for l in cutlass.range(l0, l1, unroll=1):
             count = cutlass.Int32(lists[n, 1, l])
             start = cutlass.Int32(lists[n, 0, l])
