@@ -330,7 +330,6 @@ NAME_TAGS: dict[str, str] = {
     "deterministic": "det",  # det1: partial rows stored for a fixed-order sum instead of fp32 atomics
     "heads_per_warp": "hw",  # the combine: how many of a row's G heads one warp merges
     "phase": "phase",  # plan_lists: phasecount (phase 1) or phasescatter (phase 2)
-    "exp_emu": "emu",  # the KL pass: of every 8 exponentials, how many on the FP32 pipe (kernels_src.fastmath)
 }
 
 

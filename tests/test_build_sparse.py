@@ -13,7 +13,7 @@ pytest.importorskip("cutlass", reason="the build-stage tests need nvidia-cutlass
 from build_tools import ptx as ptx_facts  # noqa: E402
 from build_tools.build import build  # noqa: E402
 from flash_msa_rt.manifest import Manifest, param_layout  # noqa: E402
-from kernels_src import sparse_bwd, sparse_fwd, sparse_kl  # noqa: E402
+from kernels_src import sparse_bwd, sparse_fwd  # noqa: E402
 from kernels_src.catalogue import variants  # noqa: E402
 
 FAMILIES = ("sparse_fwd", "sparse_combine", "sparse_kl", "sparse_combine_kl", "sparse_bwd", "sparse_bwd_proxy")
@@ -26,16 +26,13 @@ def test_sparse_kernels_build(tmp_path, arch):
     # sm90a builds every family but the combines twice: mma.sync and wgmma (Hopper only); the forward and the KL
     # pass on wgmma once more each, with their warpgroups in ping-pong (the forward twice: one and two q buffers),
     # the proxy backward with resident heads, and the main backward writing tau, with atomics and deterministic
-    # (the proxy kernel reading it is built at g1 only), the atomic one also warp-specialised (a producer warpgroup);
-    # the ping-pong KL pass once per exp_emu (kernels_src.sparse_kl.EXP_EMU: exponentials on the FP32 pipe)
-    extra = ["sparse_fwd", "sparse_fwd", "sparse_fwd", "sparse_kl", "sparse_bwd", "sparse_bwd",
-             "sparse_bwd", "sparse_bwd", "sparse_bwd_proxy", "sparse_bwd_proxy"] + \
-        ["sparse_kl"] * len(sparse_kl.EXP_EMU) if arch == "sm90a" else []
+    # (the proxy kernel reading it is built at g1 only), the atomic one also warp-specialised (a producer warpgroup)
+    extra = ["sparse_fwd", "sparse_fwd", "sparse_fwd", "sparse_kl", "sparse_kl", "sparse_bwd", "sparse_bwd",
+             "sparse_bwd", "sparse_bwd", "sparse_bwd_proxy", "sparse_bwd_proxy"] if arch == "sm90a" else []
     assert sorted(s.op for s in specs) == sorted([*FAMILIES, "sparse_combine", *extra])
     outcomes = build(specs, tmp_path, jobs=2, progress=False)
     assert all(o.status == "built" for o in outcomes), outcomes
     manifest = Manifest.from_json(json.loads((tmp_path / arch / "manifest.json").read_text()))
-    mufu_at = {}
     for s in specs:
         v = manifest.variants[s.name]
         assert v.local_bytes == 0, (s.name, v.local_bytes)
@@ -47,10 +44,6 @@ def test_sparse_kernels_build(tmp_path, arch):
             assert (ptx.count("ld.global.v4.b32") == 2 and ptx.count("st.global.v4.b32") == 2) == wide, s.name
         if s.op == "sparse_fwd" and "_s1_" in s.name:  # one q buffer: two CTAs of 256 threads share the SM
             assert v.registers <= 128 and 2 * v.smem_bytes <= 227 * 1024, (s.name, v.registers, v.smem_bytes)
-        if s.op == "sparse_kl" and "_schedpingpong_" in s.name:  # k of every 8 main-head exp2 leave MUFU
-            emu = s.config["exp_emu"]
-            mufu = ptx.count("ex2.approx")
-            mufu_at.setdefault(emu, mufu)
         if s.op == "sparse_bwd":  # the deterministic variant stores its dq rows and takes turns at its atomics
             det = "_det1_" in s.name
             assert "red.global.add" in ptx, s.name
@@ -61,10 +54,6 @@ def test_sparse_kernels_build(tmp_path, arch):
             assert ("setmaxnreg.inc.sync.aligned.u32" in ptx and "setmaxnreg.dec.sync.aligned.u32" in ptx and
                     "cp.async.mbarrier.arrive.noinc" in ptx and ".minnctapersm 1" in ptx) == producer, s.name
 
-    if arch == "sm90a":
-        assert sorted(mufu_at) == sorted(sparse_kl.EXP_EMU), mufu_at
-        assert all(mufu_at[k] < mufu_at[0] for k in sparse_kl.EXP_EMU if k), mufu_at
-
 
 def test_sparse_kernels_refuse_what_they_cannot_run():
     from kernels_src import sparse_combine
@@ -72,8 +61,6 @@ def test_sparse_kernels_refuse_what_they_cannot_run():
     for hw in (3, 8):  # not a divisor of G = 4; more than 16 elements per lane at D = 128
         ok, reason = sparse_combine.can_implement(sparse_combine.Config(group=4, heads_per_warp=hw), "sm90a")
         assert not ok and f"heads_per_warp {hw}" in reason, reason
-    ok, reason = sparse_kl.can_implement(sparse_kl.Config(mma="wgmma", tile_n=128, exp_emu=3), "sm90a")
-    assert not ok and "exp_emu 3" in reason, reason  # lockstep: its exponentials are all MUFU's
     ok, reason = sparse_fwd.can_implement(sparse_fwd.Config(group=3), "sm90a")
     assert not ok and "group" in reason
     ok, reason = sparse_fwd.can_implement(sparse_fwd.Config(head_dim=64), "sm90a")

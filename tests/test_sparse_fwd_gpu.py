@@ -105,27 +105,6 @@ def test_both_forward_kernels_match_reference(mma, schedule, stages, G, force_mm
     _check_forward(qp, kp, q, k, v, _selection(qp, kp, 6, scale), scale)
 
 
-@pytest.mark.parametrize("emu", [k for k in __import__("kernels_src.sparse_kl", fromlist=["EXP_EMU"]).EXP_EMU if k])
-@pytest.mark.parametrize("G", [1, 2, 4])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kl_pass_with_exponentials_on_the_fp32_pipe(emu, G, dtype, monkeypatch):
-    """The resident ping-pong KL pass with `emu` of every 8 main-head exponentials computed by the FP32-pipe
-    polynomial (kernels_src.fastmath) matches the reference like the MUFU build, and large logits (masked keys,
-    underflow to 0) stay finite."""
-    from flash_msa_rt.ops import sparse_fwd
-
-    monkeypatch.setattr(sparse_fwd, "KL_EXP_EMU", emu)
-    assert sparse_fwd.kl_config("bf16", 128, 128, G, "wgmma", "pingpong")["exp_emu"] == emu
-    H = 16
-    qp, kp, q, k, v = _inputs(1, 1500, H, 1, H // G, 1, dtype, seed=G + emu)
-    scale = 128 ** -0.5
-    _check_forward(qp, kp, q, k, v, _selection(qp, kp, 6, scale), scale)
-    std = 30.0 / 128 ** 0.25
-    q, k, qp, kp = ((t.float() * std).to(dtype) for t in (q, k, qp, kp))
-    out, lse, lse_p, kl = _check_forward(qp, kp, q, k, v, _selection(qp, kp, 6, scale), scale)
-    assert all(torch.isfinite(t).all() for t in (lse_p, kl))
-
-
 def test_skewed_selection_every_query_picks_block_zero():
     """Hot lists: every query keeps block 0 and its nearest earlier blocks, so block 0's list spans all S queries
     and is cut into many bounded items."""

@@ -162,9 +162,6 @@ def tile_n_for(mma: str, block_size: int) -> int:
 KL_RESIDENT_GROUPS = (1, 2, 4)
 KL_STREAM_STAGES = 4
 FORCE_KL_SCHEDULE: str | None = None  # tests and benchmarks: "lockstep" runs the lockstep wgmma kernel instead
-# Of every 8 main-head exponentials of the resident ping-pong KL pass, how many run on the FP32 pipe instead of
-# MUFU (kernels_src.fastmath; built: kernels_src.sparse_kl.EXP_EMU).
-KL_EXP_EMU = 0
 
 
 def kl_schedule(mma: str) -> str:
@@ -179,10 +176,9 @@ def kl_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str =
     stages = 2
     if schedule == "pingpong":
         stages = 1 if group in KL_RESIDENT_GROUPS else KL_STREAM_STAGES
-    resident_pingpong = schedule == "pingpong" and group in KL_RESIDENT_GROUPS
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": KL_TILE,
             "tile_n": tile_n_for(mma, block_size), "threads": 256, "stages": stages, "mma": mma,
-            "schedule": schedule, "exp_emu": KL_EXP_EMU if resident_pingpong else 0}
+            "schedule": schedule}
 
 
 def kl_part_groups(config: dict) -> int:

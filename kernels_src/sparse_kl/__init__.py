@@ -27,17 +27,12 @@ SCHEDULES = ("lockstep", "pingpong")
 
 @dataclass(frozen=True)
 class Config(sparse_bwd.MmaConfig):
-    """The backward's tiles and MMA plus how the two warpgroups share the work (SCHEDULES); exp_emu (ping-pong with
-    resident heads only): of every 8 main-head exponentials, how many the FP32 pipe computes instead of MUFU
-    (kernels_src.fastmath)."""
+    """The backward's tiles and MMA plus how the two warpgroups share the work (SCHEDULES)."""
 
     schedule: str = "lockstep"
-    exp_emu: int = 0
 
 
 STREAM_STAGES = 4  # ring slots per warpgroup of the streamed ping-pong kernel (G >= 8)
-# exp_emu values built for the resident ping-pong kernel (the runtime picks flash_msa_rt.ops.sparse_fwd.KL_EXP_EMU)
-EXP_EMU = (0, 3, 4)
 
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
@@ -45,10 +40,8 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     heads (G <= 4) single-buffered (two warpgroups x (G + 1) tiles of 16 KB beside the 64 KB key block leave no
     room for a second stage), at G >= 8 with the heads streamed through STREAM_STAGES slots per warpgroup."""
     base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.mma_configs(head_dims, block_sizes, dtypes)]
-    pingpong = [dataclasses.replace(c, schedule="pingpong", stages=1 if resident_heads(c) else STREAM_STAGES)
-                for c in base if c.mma == "wgmma" and c.tile_n == c.block_size]
-    return base + [dataclasses.replace(c, exp_emu=k) for c in pingpong
-                   for k in (EXP_EMU if resident_heads(c) else (0,))]
+    return base + [dataclasses.replace(c, schedule="pingpong", stages=1 if resident_heads(c) else STREAM_STAGES)
+                   for c in base if c.mma == "wgmma" and c.tile_n == c.block_size]
 
 
 # wgmma on the whole block at these G gathers a tile's G main heads and the proxy at once (kernels_src.sparse_kl.
@@ -93,12 +86,8 @@ def can_implement(config, arch: str) -> tuple[bool, str]:
     ok, reason = sparse_bwd.can_implement(tiles, arch)
     if not ok:
         return ok, reason
-    emu = getattr(config, "exp_emu", 0)
     if schedule not in SCHEDULES:
         reason = f"schedule {schedule!r} not supported; supported: {', '.join(map(repr, SCHEDULES))}"
-    elif emu and not (schedule == "pingpong" and resident_heads(config) and 0 < emu <= 8):
-        reason = (f"exp_emu {emu}: 1-8 with schedule 'pingpong' and resident heads (G in {RESIDENT_GROUPS}) only; "
-                  f"got schedule {schedule!r}, G {config.group}")
     elif schedule == "pingpong" and not (config.mma == "wgmma" and config.tile_n == config.block_size and
                                          (config.stages == 1 if resident_heads(config) else config.stages >= 2)):
         reason = (f"schedule 'pingpong' needs wgmma on the whole block (tile_n = block_size), stages 1 at G in "

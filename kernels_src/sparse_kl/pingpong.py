@@ -16,8 +16,6 @@ Single-buffered: 2 x (G + 1) tiles of 16 KB beside the 64 KB key block is 224 KB
 (its queries) are staged into a two-slot ring per warpgroup two tiles ahead, with the gathers of the tile before
 (one 4-byte cp.async per query), so a gather starts from shared memory instead of a dependent global load.
 A warpgroup holds all of its rows' keys, so it writes one (A, T, L) triple per entry (kl_part: 3 columns).
-Config exp_emu = k: k of every 8 main-head exponentials of a thread are computed on the FP32 pipe
-(kernels_src.fastmath.exp2_fma) instead of MUFU, which the main heads' exp2 per two FP32 operations keeps busier.
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
@@ -28,7 +26,6 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
-from kernels_src.fastmath import exp2_fma
 from kernels_src.sparse_kl.wgmma import _LOG2E, SparseKLWG
 from kernels_src.tiles import WARPGROUP_ROWS, cp_async_rows, cp_async_word
 
@@ -44,7 +41,6 @@ class SparseKLPingPong(SparseKLWG):
 
     def __init__(self, config):
         super().__init__(config)
-        self.exp_emu = getattr(config, "exp_emu", 0)
         self._check_schedule()
 
     def _check_schedule(self):
@@ -152,11 +148,7 @@ class SparseKLPingPong(SparseKLWG):
                                               s_ent=s_next)
                     for r in cutlass.range_constexpr(rows):
                         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                            x = s_mn[r, c] * scale_log2 - lse2[r, n]
-                            if cutlass.const_expr(c % 8 < self.exp_emu):
-                                e = exp2_fma(x)
-                            else:
-                                e = cute.math.exp2(x, fastmath=True)
+                            e = cute.math.exp2(s_mn[r, c] * scale_log2 - lse2[r, n], fastmath=True)
                             if cutlass.const_expr(n == 0):
                                 tau_mn[r, c] = e
                             else:
