@@ -2,12 +2,13 @@
 select (the whole sequence; TFLOP/s of its 2 Dp Hp B S (S + 1) / 2 FLOPs printed beside it),
 sparse_fwd, sparse_combine, sparse_kl (one query chunk of at most 16K queries, as the forward runs them),
 sparse_bwd (also as "bwdtau": the variant that writes tau for the proxy kernel) and sparse_bwd_proxy (the whole
-sequence), each with the variant the runtime picks on this GPU. Each variant is an artifact directory
-(python -m build_tools build --out DIR); the first is the baseline. Prints ms per kernel and whether the outputs
+sequence; "proxy" recomputes tau, "proxytau" reads the tau rows of the runtime's bwdtau kernel), each with the
+variant the runtime picks on this GPU. Each variant is an artifact directory (python -m build_tools build --out
+DIR); the first is the baseline. Prints ms per kernel and whether the outputs
 are bitwise equal to the baseline's (else the relative max difference).
 
     python benchmarks/ab_sparse.py old=/tmp/art_old,new=artifacts b:65536,c:65536 \
-        [select,fwd,combine,kl,bwd,bwdtau,proxy] [reps]
+        [select,fwd,combine,kl,bwd,bwdtau,proxy,proxytau] [reps]
 """
 
 import sys
@@ -75,7 +76,8 @@ def main():
                  "kl": ("sparse_kl", sf.kl_config(dt, D, 128, G, sf.device_mma(dev, "sparse_kl"))),
                  "bwd": ("sparse_bwd", sb.kernel_config(dt, D, 128, G, sf.device_mma(dev, "sparse_bwd"))),
                  "bwdtau": ("sparse_bwd", sb.kernel_config(dt, D, 128, G, "wgmma", tau_out=True)),
-                 "proxy": ("sparse_bwd_proxy", sb.proxy_config(dt, D, 128, G, sf.device_mma(dev, "sparse_bwd_proxy")))}
+                 "proxy": ("sparse_bwd_proxy", sb.proxy_config(dt, D, 128, G, sf.device_mma(dev, "sparse_bwd_proxy"))),
+                 "proxytau": ("sparse_bwd_proxy", sb.proxy_config(dt, D, 128, G, "wgmma", "tau", True))}
 
         def launcher(fam, kern):
             """(outputs, fill value, run) of one family's kernel; run() writes (fwd, kl) or adds to (bwd, proxy)
@@ -112,6 +114,15 @@ def main():
                                                dk_acc=outs[1], dv_acc=outs[2], scale=scale, hp=Hp,
                                                hp_per_hk=Hp // Hk, **tau)
             outs = (torch.empty(qp.shape, **f32), torch.empty(kp.shape, **f32))
+            if fam == "proxytau":  # tau rows from the runtime's main kernel on the same plan, as the op runs them
+                tau = torch.zeros((bplan.E, 128), dtype=q.dtype, device=dev)
+                f = tuple(torch.zeros(t.shape, **f32) for t in (q, k, v))
+                get_kernel("sparse_bwd", confs["bwdtau"][1], dev)(
+                    q=q, k=k, v=v, dout=go, lse=lse, delta=delta, entry_query=bplan.entry_query, items=bplan.items,
+                    dq_acc=f[0], dk_acc=f[1], dv_acc=f[2], scale=scale, hp=Hp, hp_per_hk=Hp // Hk, tau=tau)
+                return outs, 0.0, lambda: kern(q_proxy=qp, k_proxy=kp, tau=tau, entry_query=pplan.entry_query,
+                                               items=pplan.items, lse_proxy=lsep, kl_grad=grad, dqp_acc=outs[0],
+                                               dkp_acc=outs[1], scale=scale, hp_per_hpk=Hp // kp.shape[2])
             return outs, 0.0, lambda: kern(q=q, k=k, q_proxy=qp, k_proxy=kp, entry_query=pplan.entry_query,
                                            items=pplan.items, lse=lse, lse_proxy=lsep, kl_grad=grad, dqp_acc=outs[0],
                                            dkp_acc=outs[1], scale=scale, hp_per_hk=Hp // Hk,

@@ -148,8 +148,13 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             # The previous tile's first dq_p row (its first query's row, or deterministic its first entry) and its
             # query count.
             i_prev, n_prev = cutlass.Int32(0), cutlass.Int32(0)
+            # The queries of this thread's gather rows of the next tile to gather, loaded a tile ahead of their
+            # copies: loaded next to them, each row's copy waited on its query's global load.
+            g_query = cute.make_rmem_tensor((self.gather_row_count(gcopy, tidx),), cutlass.Int32)
+            self.tile_queries_of(gcopy, entry_query, start, n_entries, 0, tidx, g_query)
             self.gather_tile(gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
-                             entry_query, start, n_entries, 0, tidx)
+                             start, n_entries, 0, tidx, g_query)
+            self.tile_queries_of(gcopy, entry_query, start, n_entries, 1, tidx, g_query)
             for tile in cutlass.range(n_tiles, unroll=1):
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
                 tb = tile % _TILE_BUFFERS
@@ -162,7 +167,8 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                 self.gemm(mma_s, thr_s, acc_s, s_qp, s_kp, tidx, False, False, wait=False)
                 if tile + 1 < n_tiles:
                     self.gather_tile(gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
-                                     entry_query, start, n_entries, tile + 1, tidx)
+                                     start, n_entries, tile + 1, tidx, g_query)
+                    self.tile_queries_of(gcopy, entry_query, start, n_entries, tile + 2, tidx, g_query)
                 if tile > 0:
                     self.reduce_tile(dqp_acc, s_dq, b, p, i_prev, n_prev, tidx)
                 i_row = s_ri[tidx % self.tile_m, tb, 0]  # this thread's dq_p row, if it reduces one
@@ -220,11 +226,29 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                     self.reduce_row(dqp_acc[b, i_row, p, None], s_dq, tidx)
             cute.arch.cp_async_bulk_commit_group()
 
+    def gather_row_count(self, gcopy, tidx) -> int:
+        """Trace time: the rows of a tile this thread copies (a part of each)."""
+        return cute.size(gcopy.get_slice(tidx).partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim))),
+                         mode=[1])
+
     @cute.jit
-    def gather_tile(self, gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
-                    entry_query, start, n_entries, tile, tidx):
-        """cp.async, as one group, into buffer tile % 2: row r of `tile`'s proxy rows from query i_r =
-        entry_query[e0 + r] and its tau row e0 + r (contiguous rows: no plan load), and the lead thread of a row
+    def tile_queries_of(self, gcopy, entry_query, start, n_entries, tile, tidx, g_query):
+        """g_query[m] = the query of this thread's gather row m of `tile` (entry_query[e0 + r]); -1 past the tile's
+        queries, or past the item's tiles."""
+        e0 = start + tile * self.tile_queries
+        n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+        t_c = gcopy.get_slice(tidx).partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        for m in cutlass.range_constexpr(cute.size(t_c, mode=[1])):
+            qi = t_c[0, m, 0][0]
+            g_query[m] = -1
+            if qi < n_q:
+                g_query[m] = entry_query[e0 + qi]
+
+    @cute.jit
+    def gather_tile(self, gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p, start,
+                    n_entries, tile, tidx, g_query):
+        """cp.async, as one group, into buffer tile % 2: row r of `tile`'s proxy rows from query i_r (g_query, from
+        tile_queries_of) and its tau row e0 + r (contiguous rows: no plan load), and the lead thread of a row
         its scalars (the query as a plain store, read after the next barrier; lse_p and kl_grad). Rows past the
         tile's queries: zeros, query -1 (no key visible), scalars 0."""
         e0 = start + tile * self.tile_queries
@@ -240,7 +264,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             lead = t_c[0, m, 0][1] == 0
             if qi < n_q:
                 copy_row(gcopy, self.dtype, tau[e0 + qi, None], t_stau, t_c, m)
-                i = entry_query[e0 + qi]
+                i = g_query[m]
                 copy_row(gcopy, self.dtype, q_proxy[b, i, p, None], t_sqp, t_c, m)
                 if lead:
                     s_ri[qi, tb, 0] = i

@@ -162,8 +162,9 @@ class SparseKLPingPong(SparseKLWG):
                                        wg_tidx)
                     self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries, tile + 2,
                                       wg_tidx, base=base, first=self.group, count=1, s_ent=s_next)
+                    # lse_g unscaled: scaled at the tile's end, so its loads fly under write_shares.
                     self.load_row_data(entry_query, lse, b, p, start, n_entries, tile + 2, coord, next_i,
-                                       next_lse2, s_ent=s_next)
+                                       next_lse2, s_ent=s_next, log2e=False)
                 if masked:
                     self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, 0, quad_lane,
                                       scale_log2, True)
@@ -173,7 +174,7 @@ class SparseKLPingPong(SparseKLWG):
                 for r in cutlass.range_constexpr(rows):
                     row_i[r] = next_i[r]
                     for g in cutlass.range_constexpr(self.group):
-                        lse2[r, g] = next_lse2[r, g]
+                        lse2[r, g] = next_lse2[r, g] * _LOG2E
 
     @cute.jit
     def stage_entries(self, entry_query, s_slot, start, n_entries, tile, wg_tidx):

@@ -150,9 +150,11 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
             return s_ent[qi]
 
     @cute.jit
-    def load_row_data(self, entry_query, lse, b, p, start, n_entries, tile, coord, row_i, lse2, s_ent=None):
+    def load_row_data(self, entry_query, lse, b, p, start, n_entries, tile, coord, row_i, lse2, s_ent=None,
+                      log2e: cutlass.Constexpr = True):
         """This thread's rows of `tile`: their queries (-1 past the tile's count; from the tile's staged entries
-        s_ent when given) and lse_g * log2 e (+inf there, so their P is 0)."""
+        s_ent when given) and lse_g * log2 e (+inf there, so their P is 0); lse_g itself with log2e False (the
+        caller scales it where it is used, so that no instruction waits on the load here)."""
         e0 = start + tile * self.tile_queries
         n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
         for r in cutlass.range_constexpr(cute.size(row_i)):
@@ -164,7 +166,9 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
                 i = self.tile_entry(entry_query, e0, s_ent, qi)
                 row_i[r] = i
                 for g in cutlass.range_constexpr(self.group):
-                    lse2[r, g] = lse[b, p * self.group + g, i] * _LOG2E
+                    lse2[r, g] = lse[b, p * self.group + g, i]
+                    if cutlass.const_expr(log2e):
+                        lse2[r, g] = lse2[r, g] * _LOG2E
 
     @cute.jit
     def write_shares(self, s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, warp_n, quad_lane,
