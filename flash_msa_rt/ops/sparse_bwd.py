@@ -140,8 +140,13 @@ def proxy_config(dtype: str, head_dim: int, block_size: int, group: int, mma: st
     """The proxy backward's variant: the backward's tiles plus how a tile gets its tau (proxy_heads unless given);
     the "tau" kernel does not depend on G and is built once, at group 1; deterministic: its partial-row variant."""
     heads = heads or proxy_heads(mma, group, tau)
-    return {**tile_config(dtype, head_dim, block_size, 1 if heads == "tau" else group, mma), "heads": heads,
-            "deterministic": int(deterministic)}
+    config = tile_config(dtype, head_dim, block_size, 1 if heads == "tau" else group, mma)
+    if heads == "tau":  # its rows gathered two tiles ahead (kernels_src/sparse_bwd_proxy TAU_STAGES)
+        config["stages"] = PROXY_TAU_STAGES
+    return {**config, "heads": heads, "deterministic": int(deterministic)}
+
+
+PROXY_TAU_STAGES = 3
 
 
 def delta_config(dtype: str, head_dim: int) -> dict:

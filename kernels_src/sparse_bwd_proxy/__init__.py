@@ -25,6 +25,9 @@ _ELEM_BYTES = {"bf16": 2, "f16": 2}
 # per dtype (group 1: nothing in it depends on G)
 HEADS = ("stepped", "resident", "tau")
 RESIDENT_GROUPS = (1, 2, 4)
+# The tau kernel's buffers of proxy rows, tau rows and row scalars: a tile's rows are gathered two tiles ahead
+# (one ahead left the gathers' latency at the tile's first barrier: kernels_src/sparse_bwd/NOTES.md).
+TAU_STAGES = 3
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     resident, and at G = 1 with tau read."""
     base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.mma_configs(head_dims, block_sizes, dtypes)]
     return (base + [dataclasses.replace(c, heads="resident") for c in base if resident_ok(c)]
-            + [dataclasses.replace(c, heads="tau", deterministic=d) for d in (0, 1) for c in base if tau_ok(c)])
+            + [dataclasses.replace(c, heads="tau", deterministic=d, stages=TAU_STAGES) for d in (0, 1) for c in base
+               if tau_ok(c)])
 
 
 def smem_bytes(config) -> int:
@@ -82,7 +86,8 @@ def row_table_bytes(config, ints: int, floats: int) -> int:
 
 
 def can_implement(config, arch: str) -> tuple[bool, str]:
-    ok, reason = sparse_bwd.can_implement(config, arch)  # its smem check is the main kernel's
+    # The backward's tile checks (its smem check is the main kernel's, at its own two stages).
+    ok, reason = sparse_bwd.can_implement(dataclasses.replace(config, stages=min(config.stages, 2)), arch)
     if not ok:
         return ok, reason
     heads = getattr(config, "heads", "stepped")
@@ -95,9 +100,9 @@ def can_implement(config, arch: str) -> tuple[bool, str]:
         reason = (f"heads 'resident' needs wgmma on the whole block (tile_n = block_size), G in {RESIDENT_GROUPS} "
                   f"and stages 2; got mma {config.mma!r}, tile_n {config.tile_n}, G {config.group}, "
                   f"stages {config.stages}")
-    elif heads == "tau" and not (tau_ok(config) and config.stages == 2):
+    elif heads == "tau" and not (tau_ok(config) and config.stages == TAU_STAGES):
         reason = (f"heads 'tau' needs wgmma on the whole block (tile_n = block_size = head_dim), group 1 (one "
-                  f"variant serves every G) and stages 2; got mma {config.mma!r}, tile_n {config.tile_n}, head_dim "
+                  f"variant serves every G) and stages {TAU_STAGES}; got mma {config.mma!r}, tile_n {config.tile_n}, head_dim "
                   f"{config.head_dim}, G {config.group}, stages {config.stages}")
     return verdict(reason or smem_refusal(smem_bytes(config), arch))
 

@@ -5,11 +5,11 @@ is 4 of the 7 products per tile (57 % of the kernel's FLOPs) and 4 of the 5 expo
 backward has those P tiles already (in shared memory, in the input dtype, for dV's product), so with tau_out = 1 it
 writes tau per plan entry (kernels_src/sparse_bwd/kernel.py, export_tau), and this kernel reads it back: per tile of
 64 distinct queries one contiguous 16 KB block of tau rows (the entries of a tile are consecutive in the plan) and
-the proxy rows, gathered one tile ahead into the other of two buffers while S_p runs; then pi = exp(s_p - lse_p),
+the proxy rows, gathered two tiles ahead (config.stages = 3 buffers) while S_p runs; then pi = exp(s_p - lse_p),
 dS_p = (pi - tau) * kl_grad, and the stepped kernel's dq_p / dk_p products, staging and reductions.
 Nothing here depends on G, so one variant per dtype is built (group 1). tau must come from the same plan's sorted
 entries (sparse_plan.recut of the main backward's plan): row e of tau belongs to entry e.
-Row scalar tables (tile buffer tile % 2): ints [query], floats [lse_p, kl_grad].
+Row scalar tables (tile buffer tile % stages): ints [query], floats [lse_p, kl_grad].
 Deterministic variants store a tile's dq_p rows at their entries' slot rows of dqp_part (entry_dest; the tensor
 named dqp_acc here), which the runtime sums in slot order, and add an item's dk_p in its turn among the items of its
 key block (item_prev, item_done: sparse_bwd's take_turn / end_turn).
@@ -27,7 +27,6 @@ from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
 from kernels_src.tiles import copy_row, copy_word, cp_async_word, load_rows, row_table
 
 _LOG2E = math.log2(math.e)
-_TILE_BUFFERS = 2  # proxy rows, tau rows and row scalars: this tile's and the next one's
 _LSE_P, _KL_GRAD = 0, 1  # float fields
 
 
@@ -40,7 +39,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                              f"{self.tile_n}, head_dim {self.head_dim}, block_size {self.block_size}")
 
     def _tau_tables(self):
-        return row_table(self.tile_m, _TILE_BUFFERS, 1), row_table(self.tile_m, _TILE_BUFFERS, 2)
+        return row_table(self.tile_m, self.stages, 1), row_table(self.tile_m, self.stages, 2)
 
     @cute.jit
     def __call__(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor, tau: cute.Tensor, entry_query: cute.Tensor,
@@ -62,7 +61,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
     def launch(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
                hp_per_hpk, stream, turns=None):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
-        l_rows = self._smem_layout((self.tile_m, self.head_dim, _TILE_BUFFERS))
+        l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
         l_p = self._smem_layout((self.tile_m, self.tile_n))
         l_dq = self._dq_layout()
         l_ri, l_rf = self._tau_tables()
@@ -151,24 +150,28 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             # The queries of this thread's gather rows of the next tile to gather, loaded a tile ahead of their
             # copies: loaded next to them, each row's copy waited on its query's global load.
             g_query = cute.make_rmem_tensor((self.gather_row_count(gcopy, tidx),), cutlass.Int32)
-            self.tile_queries_of(gcopy, entry_query, start, n_entries, 0, tidx, g_query)
-            self.gather_tile(gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
-                             start, n_entries, 0, tidx, g_query)
-            self.tile_queries_of(gcopy, entry_query, start, n_entries, 1, tidx, g_query)
+            ahead = self.stages - 1  # tiles gathered ahead: one cp.async group each, empty past the item's tiles
+            for t in cutlass.range_constexpr(ahead):
+                self.tile_queries_of(gcopy, entry_query, start, n_entries, t, tidx, g_query)
+                self.gather_tile(gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
+                                 start, n_entries, t, tidx, g_query)
+            self.tile_queries_of(gcopy, entry_query, start, n_entries, ahead, tidx, g_query)
             for tile in cutlass.range(n_tiles, unroll=1):
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
-                tb = tile % _TILE_BUFFERS
+                tb = tile % self.stages
                 s_qp = s_qp_all[None, None, tb]
-                cute.arch.cp_async_wait_group(0)
+                cute.arch.cp_async_wait_group(ahead - 1)  # this tile's group; the later tiles' may fly on
                 self.publish_async_copies()
                 cute.arch.sync_threads()  # this tile's rows and scalars are in; the previous tile is done
 
-                # S_p, with the next tile's rows in flight into the other buffers under it.
+                # S_p, with tile + ahead's rows in flight into the buffers tile - 1 left under it.
                 self.gemm(mma_s, thr_s, acc_s, s_qp, s_kp, tidx, False, False, wait=False)
-                if tile + 1 < n_tiles:
+                if tile + ahead < n_tiles:
                     self.gather_tile(gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
-                                     start, n_entries, tile + 1, tidx, g_query)
-                    self.tile_queries_of(gcopy, entry_query, start, n_entries, tile + 2, tidx, g_query)
+                                     start, n_entries, tile + ahead, tidx, g_query)
+                    self.tile_queries_of(gcopy, entry_query, start, n_entries, tile + ahead + 1, tidx, g_query)
+                else:
+                    cute.arch.cp_async_commit_group()  # empty: the wait above counts one group per tile
                 if tile > 0:
                     self.reduce_tile(dqp_acc, s_dq, b, p, i_prev, n_prev, tidx)
                 i_row = s_ri[tidx % self.tile_m, tb, 0]  # this thread's dq_p row, if it reduces one
@@ -247,13 +250,13 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
     @cute.jit
     def gather_tile(self, gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p, start,
                     n_entries, tile, tidx, g_query):
-        """cp.async, as one group, into buffer tile % 2: row r of `tile`'s proxy rows from query i_r (g_query, from
+        """cp.async, as one group, into buffer tile % stages: row r of `tile`'s proxy rows from query i_r (g_query, from
         tile_queries_of) and its tau row e0 + r (contiguous rows: no plan load), and the lead thread of a row
         its scalars (the query as a plain store, read after the next barrier; lse_p and kl_grad). Rows past the
         tile's queries: zeros, query -1 (no key visible), scalars 0."""
         e0 = start + tile * self.tile_queries
         n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
-        tb = tile % _TILE_BUFFERS
+        tb = tile % self.stages
         word = cp_async_word(cutlass.Float32)
         thr = gcopy.get_slice(tidx)
         t_c = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
