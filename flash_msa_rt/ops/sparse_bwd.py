@@ -135,18 +135,19 @@ def proxy_heads(mma: str, group: int, tau: bool = False) -> str:
     return "resident"
 
 
+# The tau proxy kernel's buffers: its rows gathered two tiles ahead (kernels_src/sparse_bwd_proxy TAU_STAGES).
+PROXY_TAU_STAGES = 3
+
+
 def proxy_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
                  heads: str | None = None, tau: bool = False, deterministic: bool = False) -> dict:
     """The proxy backward's variant: the backward's tiles plus how a tile gets its tau (proxy_heads unless given);
     the "tau" kernel does not depend on G and is built once, at group 1; deterministic: its partial-row variant."""
     heads = heads or proxy_heads(mma, group, tau)
     config = tile_config(dtype, head_dim, block_size, 1 if heads == "tau" else group, mma)
-    if heads == "tau":  # its rows gathered two tiles ahead (kernels_src/sparse_bwd_proxy TAU_STAGES)
+    if heads == "tau":
         config["stages"] = PROXY_TAU_STAGES
     return {**config, "heads": heads, "deterministic": int(deterministic)}
-
-
-PROXY_TAU_STAGES = 3
 
 
 def delta_config(dtype: str, head_dim: int) -> dict:

@@ -102,8 +102,8 @@ def can_implement(config, arch: str) -> tuple[bool, str]:
                   f"stages {config.stages}")
     elif heads == "tau" and not (tau_ok(config) and config.stages == TAU_STAGES):
         reason = (f"heads 'tau' needs wgmma on the whole block (tile_n = block_size = head_dim), group 1 (one "
-                  f"variant serves every G) and stages {TAU_STAGES}; got mma {config.mma!r}, tile_n {config.tile_n}, head_dim "
-                  f"{config.head_dim}, G {config.group}, stages {config.stages}")
+                  f"variant serves every G) and stages {TAU_STAGES}; got mma {config.mma!r}, tile_n {config.tile_n}, "
+                  f"head_dim {config.head_dim}, G {config.group}, stages {config.stages}")
     return verdict(reason or smem_refusal(smem_bytes(config), arch))
 
 

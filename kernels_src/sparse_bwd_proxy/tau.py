@@ -148,7 +148,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             # query count.
             i_prev, n_prev = cutlass.Int32(0), cutlass.Int32(0)
             # The queries of this thread's gather rows of the next tile to gather, loaded a tile ahead of their
-            # copies: loaded next to them, each row's copy waited on its query's global load.
+            # copies (loaded beside them, each copy waited on its query's global load).
             g_query = cute.make_rmem_tensor((self.gather_row_count(gcopy, tidx),), cutlass.Int32)
             ahead = self.stages - 1  # tiles gathered ahead: one cp.async group each, empty past the item's tiles
             for t in cutlass.range_constexpr(ahead):
@@ -250,8 +250,8 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
     @cute.jit
     def gather_tile(self, gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p, start,
                     n_entries, tile, tidx, g_query):
-        """cp.async, as one group, into buffer tile % stages: row r of `tile`'s proxy rows from query i_r (g_query, from
-        tile_queries_of) and its tau row e0 + r (contiguous rows: no plan load), and the lead thread of a row
+        """cp.async, as one group, into buffer tile % stages: row r of `tile`'s proxy rows from query i_r (g_query,
+        from tile_queries_of) and its tau row e0 + r (contiguous rows: no plan load), and the lead thread of a row
         its scalars (the query as a plain store, read after the next barrier; lse_p and kl_grad). Rows past the
         tile's queries: zeros, query -1 (no key visible), scalars 0."""
         e0 = start + tile * self.tile_queries
