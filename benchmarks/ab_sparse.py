@@ -116,11 +116,11 @@ def main():
                                                hp_per_hk=Hp // Hk, **tau)
             outs = (torch.empty(qp.shape, **f32), torch.empty(kp.shape, **f32))
             if fam == "proxytau":  # tau rows from the runtime's main kernel on the same plan, as the op runs them
-                tau = torch.zeros((bplan.E, 128), dtype=q.dtype, device=dev)
-                f = tuple(torch.zeros(t.shape, **f32) for t in (q, k, v))
-                get_kernel("sparse_bwd", confs["bwdtau"][1], dev)(
-                    q=q, k=k, v=v, dout=go, lse=lse, delta=delta, entry_query=bplan.entry_query, items=bplan.items,
-                    dq_acc=f[0], dk_acc=f[1], dv_acc=f[2], scale=scale, hp=Hp, hp_per_hk=Hp // Hk, tau=tau)
+                main_outs, _, run_main = launcher("bwdtau", get_kernel("sparse_bwd", confs["bwdtau"][1], dev))
+                for o in main_outs:
+                    o.zero_()
+                run_main()
+                tau = main_outs[3]
                 return outs, 0.0, lambda: kern(q_proxy=qp, k_proxy=kp, tau=tau, entry_query=pplan.entry_query,
                                                items=pplan.items, lse_proxy=lsep, kl_grad=grad, dqp_acc=outs[0],
                                                dkp_acc=outs[1], scale=scale, hp_per_hpk=Hp // kp.shape[2])
