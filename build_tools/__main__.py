@@ -85,8 +85,10 @@ def cmd_build(args) -> int:
         print(f"{o.status:<10} {o.name:<60} {extra}")
         if o.detail:
             print(f"           {o.detail}")
-    built = sum(o.status == "built" for o in outcomes)
-    print(f"{built} built, {len(outcomes) - built - len(failed)} up to date, {len(failed)} failed "
+    count = {status: sum(o.status == status for o in outcomes) for status in ("built", "up-to-date", "pruned")}
+    pruned = (f", {count['pruned']} pruned (compiled from kernel sources since changed, and not in this build)"
+              if count["pruned"] else "")
+    print(f"{count['built']} built, {count['up-to-date']} up to date, {len(failed)} failed{pruned} "
           f"in {wall:.1f} s wall ({args.jobs} jobs); artifacts in {args.out}")
     return 1 if failed else 0
 

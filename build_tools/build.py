@@ -92,7 +92,7 @@ def common_hash() -> str:
 class Outcome:
     name: str
     arch: str
-    status: str  # "built", "up-to-date", "failed"
+    status: str  # "built", "up-to-date", "failed", "pruned" (stale and not in the build: prune_stale)
     seconds: float = 0.0
     detail: str = ""
 
@@ -162,6 +162,28 @@ def load_manifest(arch_dir: Path, arch: str, fingerprint: dict[str, str]) -> Man
     return Manifest(arch=arch, fingerprint=dict(fingerprint), variants=variants)
 
 
+def stale_sources(entry: VariantEntry) -> list[str]:
+    """The kernels_src families whose sources changed (or went) since entry was compiled from them: the runtime
+    refuses such a variant from this checkout (artifacts.check_fresh), and a wheel would ship a dead cubin."""
+    tag = "src:kernels_src/"
+    recorded = [f[len(tag):].split("=", 1) for f in entry.fingerprint.split(";") if f.startswith(tag)]
+    return [name for name, digest in recorded
+            if not (KERNELS_SRC / name).is_dir() or source_hash(KERNELS_SRC / name)[:16] != digest]
+
+
+def prune_stale(manifest: Manifest, arch_dir: Path, keep: set[str]) -> list[str]:
+    """Drop from manifest, and delete the files of, every variant outside keep that was compiled from kernel
+    sources this checkout no longer holds (a variant the catalogue renamed or dropped, e.g. at other stages, or
+    one built with --head-dim 64 before its family changed). Variants in keep are the build's to rebuild. Returns
+    the dropped names."""
+    dropped = sorted(n for n, v in manifest.variants.items() if n not in keep and stale_sources(v))
+    for name in dropped:
+        entry = manifest.variants.pop(name)
+        (arch_dir / entry.cubin).unlink(missing_ok=True)
+        (arch_dir / "ptx" / f"{name}.ptx").unlink(missing_ok=True)
+    return dropped
+
+
 def is_up_to_date(entry: VariantEntry | None, fingerprint: str, arch_dir: Path) -> bool:
     if entry is None or entry.fingerprint != fingerprint:
         return False
@@ -178,6 +200,9 @@ def build(specs: list[BuildSpec], out: Path, jobs: int = 1, force: bool = False,
     arches = sorted({s.arch for s in specs})
     manifests = {a: load_manifest(out / a, a, fingerprint) for a in arches}
     outcomes: list[Outcome] = []
+    for arch, manifest in manifests.items():
+        keep = {s.name for s in specs if s.arch == arch}
+        outcomes += [Outcome(n, arch, "pruned") for n in prune_stale(manifest, out / arch, keep)]
     todo: list[tuple[BuildSpec, str]] = []
     for spec in specs:
         fp = variant_fingerprint(spec, fingerprint["cutlass_dsl"], common)

@@ -85,6 +85,36 @@ def test_changes_that_force_a_rebuild(built, tmp_path):
     assert not is_up_to_date(entry, entry.fingerprint, copy)
 
 
+def test_build_prunes_variants_of_changed_sources(built, tmp_path):
+    """A manifest entry outside the build compiled from sources this checkout no longer holds (the catalogue
+    renamed it, or its family changed since) goes with its files; one from the current sources stays."""
+    import shutil
+
+    out, specs = built
+    s = specs[0]
+    arch_dir = tmp_path / s.arch
+    shutil.copytree(out / s.arch, arch_dir)
+    m = Manifest.load(arch_dir / "manifest.json")
+    entry = m.variants[s.name]
+    tag = f"src:kernels_src/{s.op}="
+    old_hash = "0" * 16
+    fields = [f"{tag}{old_hash}" if f.startswith(tag) else f for f in entry.fingerprint.split(";")]
+    stale = dataclasses.replace(entry, name=s.name + "_old", cubin=s.name + "_old.cubin", fingerprint=";".join(fields))
+    current = dataclasses.replace(entry, name=s.name + "_d64", cubin=s.name + "_d64.cubin")
+    for e in (stale, current):
+        m.variants[e.name] = e
+        (arch_dir / e.cubin).write_bytes((arch_dir / entry.cubin).read_bytes())
+        (arch_dir / "ptx" / f"{e.name}.ptx").write_text("")
+    (arch_dir / "manifest.json").write_text(m.dumps())
+
+    outcomes = build([s], tmp_path, jobs=1, progress=False)
+    assert {(o.name, o.status) for o in outcomes} == {(s.name, "up-to-date"), (stale.name, "pruned")}
+    after = Manifest.load(arch_dir / "manifest.json")
+    assert sorted(after.variants) == sorted([s.name, current.name])
+    assert not (arch_dir / stale.cubin).exists() and not (arch_dir / "ptx" / f"{stale.name}.ptx").exists()
+    assert (arch_dir / current.cubin).exists()
+
+
 def test_build_checks_fail_loudly(built, monkeypatch):
     out, specs = built
     s = specs[0]
