@@ -1,5 +1,5 @@
 """block_sparse_attention (NSA / FSA selected attention, block indices given) against cuDNN dense causal attention
-in the same run, and against FSA's figures published on this H200 (shared/design/h200.md, not re-measured).
+in the same run, and against FSA's figures published on this H200 (docs/h200.md, not re-measured).
 
 Shape of FSA's published row: H = 16, Hk = 2, one selection per KV head (Hi = 2, kernel G = 8), block 128, 16 blocks
 per query (its own block and 15 earlier ones drawn at random), D = 128, bf16, B = 1; plus configuration (b)'s heads

@@ -3,7 +3,7 @@ cuDNN dense attention on the same inputs, with effective TFLOPS, peak memory and
 
 Configurations (D = Dp = 128, bf16, block 128, top_k 2048 tokens = K 16 blocks): (a) H=16, Hk=2, Hp=4, Hpk=1;
 (b) H=32, Hk=8, Hp=8, Hpk=1; (c) H=64, Hk=4, Hp=4, Hpk=1. B = tokens // S (128K tokens per step), or B = 1 with
---batch1 (the shape of the flash-msa 0.1.1 / FSA figures published in shared/design/h200.md, config (a)).
+--batch1 (the shape of the flash-msa 0.1.1 / FSA figures published in docs/h200.md, config (a)).
 
 FLOPs follow msa-semantics.md ("FLOP conventions"); nnz is counted exactly from the block_indices the ops ran on.
 Ops whose implementation is the pure-PyTorch reference (dispatch's fallback) are skipped where one call would take
@@ -64,10 +64,10 @@ FORMULAS = {
     "x_published": "published ms / this run's ms (> 1: this run faster)",
 }
 
-# Figures published in shared/design/h200.md: measured on this H200 on 2026-11-29, NOT re-measured by this script.
+# Figures published in docs/h200.md: measured on this H200 on 2026-11-29, NOT re-measured by this script.
 # Shape: B=1, H=16, Hk=2, Hp=4, Hpk=1, D=128, bf16, top_k=2048 (config (a) with --batch1).
 PUBLISHED = {
-    "source": "published on this H200, 2026-11-29, not re-measured in this run (shared/design/h200.md)",
+    "source": "published on this H200, 2026-11-29, not re-measured in this run (docs/h200.md)",
     "shape": {"config": "a", "B": 1, "H": 16, "Hk": 2, "Hp": 4, "Hpk": 1, "D": 128, "dtype": "bfloat16",
               "top_k": 2048},
     # S -> (fwd ms, fwd+bwd ms)
@@ -693,7 +693,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_msa: no CUDA device is available (torch.cuda.is_available() is False); this benchmark needs "
-              "an NVIDIA GPU (the H200 of shared/design/h200.md).", file=sys.stderr)
+              "an NVIDIA GPU (the H200 of docs/h200.md).", file=sys.stderr)
         return 2
 
     rows: list[dict] = []

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PEAK_TFLOPS = 770.0  # bf16 dense, measured on the H200 (shared/design/h200.md)
+PEAK_TFLOPS = 770.0  # bf16 dense, measured on the H200 (docs/h200.md)
 PEAK_TBPS = 4.0  # HBM copy bandwidth used for floors
 
 

@@ -5,7 +5,7 @@
     loss = lm_loss(out) + 0.1 * kl_loss                                       # kl_loss trains the proxy only
 
 Inputs are (B, heads, S, D) ("bhsd", the default) or (B, S, heads, D) (layout="bshd"); the runtime works in
-(B, S, heads, D) and takes the other layout as a free transposed view. Semantics: shared/design/msa-semantics.md.
+(B, S, heads, D) and takes the other layout as a free transposed view. Semantics: docs/msa-semantics.md.
 The fixed-length path never synchronises the host with the device; the varlen paths (cu_seqlens, document_list,
 the *_varlen_func entry points) read the offsets once on the host to validate them.
 """

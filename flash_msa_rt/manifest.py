@@ -8,7 +8,7 @@ A manifest lives at artifacts/<arch>/manifest.json and describes every cubin bes
     {"schema": 1, "arch": "sm90a", "fingerprint": {...}, "variants": {name: VariantEntry, ...}}
 
 The param ABI is the ordered list of kernel params exactly as CuTeDSL emits them (see
-shared/design/aot-facts.md, "The kernel parameter ABI"); the runtime packs one buffer per param and passes
+docs/aot-facts.md, "The kernel parameter ABI"); the runtime packs one buffer per param and passes
 one pointer per param to cuLaunchKernelEx.
 """
 

@@ -1,4 +1,4 @@
-"""Brute-force dense oracles of every MSA op (shared/design/msa-semantics.md), with autograd for the gradients.
+"""Brute-force dense oracles of every MSA op (docs/msa-semantics.md), with autograd for the gradients.
 
 Full S x S score matrices in the dtype of the inputs (float64 for the verdict), built independently of the
 reference: selection by a Python stable sort of (-score, block index) per row, masks by comparing every key's

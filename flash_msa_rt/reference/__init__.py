@@ -1,4 +1,4 @@
-"""Pure-PyTorch references of every MSA op (shared/design/msa-semantics.md). Torch only, no cutlass.
+"""Pure-PyTorch references of every MSA op (docs/msa-semantics.md). Torch only, no cutlass.
 
 Slow on purpose and meant for tests: inputs are upcast to float32 (float64 stays float64), TF32 is off, query rows
 are processed in chunks that each score only the causal prefix they can see (never an S x S tensor), and the

@@ -1,4 +1,4 @@
-"""Reference proxy block scores c_p(i, j) (shared/design/msa-semantics.md, "Selection"). Torch only, no cutlass.
+"""Reference proxy block scores c_p(i, j) (docs/msa-semantics.md, "Selection"). Torch only, no cutlass.
 
 Slow on purpose and meant for tests: every score is computed in float32 (or the dtype asked for) from the inputs
 upcast, in an order unrelated to the kernels'.

@@ -1,4 +1,4 @@
-"""Reference block selection Sel_p(i) (shared/design/msa-semantics.md, "Selection")."""
+"""Reference block selection Sel_p(i) (docs/msa-semantics.md, "Selection")."""
 
 from __future__ import annotations
 

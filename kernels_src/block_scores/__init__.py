@@ -1,4 +1,4 @@
-"""Proxy block scores: stage 1 of MSA selection (see shared/design/msa-semantics.md, "Selection").
+"""Proxy block scores: stage 1 of MSA selection (see docs/msa-semantics.md, "Selection").
 
 scores[b, p, i, j] = max over keys t of block j with t <= i of scale * <q_proxy[b, i, p], k_proxy[b, t, p // group]>,
 -inf for j > i // Bs. One CTA per (query tile, proxy head, batch); TMA loads, warp-level mma.sync math, so the same
