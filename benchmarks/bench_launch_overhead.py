@@ -12,6 +12,8 @@ from benchmarks.common import host_us_per_call, write_results
 from flash_msa_rt import driver, proxy_block_scores
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops.block_scores import kernel_config
+from flash_msa_rt.ops.device import arch_of
+from flash_msa_rt.tuning import block_scores as tuning_scores
 
 
 def main():
@@ -19,7 +21,7 @@ def main():
     q = torch.randn(1, 128, 1, 128, device=dev).to(torch.bfloat16)
     k = torch.randn(1, 128, 1, 128, device=dev).to(torch.bfloat16)
     out = torch.empty(1, 1, 128, 1, device=dev)
-    kernel = get_kernel("block_scores", kernel_config("bf16", 128, 128), dev)
+    kernel = get_kernel("block_scores", kernel_config("bf16", 128, 128, tuning_scores.choose(arch_of(dev)).mma), dev)
     args = dict(q_proxy=q, k_proxy=k, scores=out, scale=0.088, group=1)
     kernel(**args)
     torch.cuda.synchronize()

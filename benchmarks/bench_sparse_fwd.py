@@ -77,7 +77,9 @@ def nnz_of(sel: torch.Tensor, S: int, G: int, Bs: int = 128) -> int:
 
 def run(cfg: str, S: int, tokens: int, mma: str = "auto"):
     from flash_msa_rt.loader import get_kernel
+    from flash_msa_rt import tuning
     from flash_msa_rt.ops import sparse_fwd as sf
+    from flash_msa_rt.ops.device import arch_of
     from flash_msa_rt.ops.select import select_blocks_cuda
     from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
     from flash_msa_rt.ops.sparse_plan import combine_kl_lse, sparse_plan
@@ -89,25 +91,27 @@ def run(cfg: str, S: int, tokens: int, mma: str = "auto"):
     sel = select_blocks_cuda(qp, kp, K, 128, scale)
     nnz = nnz_of(sel, S, G)
     flops = 4 * D * nnz
-    plan = sparse_plan(sel, 128, S, G, sf.TILE_M // G, sf.TILES_PER_ITEM)
+    over = {} if mma == "auto" else {"sparse_fwd": {"mma": mma, "kl_mma": mma}}
+    with tuning.override(**over):
+        t = sf.choice(arch_of(q.device), G, D, 128, B, S, H)
+    plan = sparse_plan(sel, 128, S, G, sf.TILE_M // G, t.tiles_per_item)
     E = plan.entry_query.shape[0]
     o_part = torch.empty((E, G, D), dtype=q.dtype, device="cuda")
     lse_part = torch.empty((E, G), dtype=torch.float32, device="cuda")
-    kl_plan = sparse_plan(sel, 128, S, G, sf.KL_TILE, sf.per_group_tiles(sf.KL_MAIN_TILES_PER_ITEM, G))
-    fwd_mma, kl_mma = ((sf.device_mma(q.device, op) if mma == "auto" else mma) for op in ("sparse_fwd", "sparse_kl"))
-    kl_cfg = sf.kl_config("bf16", D, 128, G, kl_mma)
+    kl_plan = sparse_plan(sel, 128, S, G, sf.KL_TILE, t.kl_tiles_per_item)
+    kl_cfg = sf.kl_config("bf16", D, 128, G, t)
     kl_part = torch.empty((E, 3 * sf.kl_part_groups(kl_cfg)), dtype=torch.float32, device="cuda")
-    fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G, fwd_mma), q.device)
+    fwd = get_kernel("sparse_fwd", sf.kernel_config("bf16", D, 128, G, t), q.device)
     kl = get_kernel("sparse_kl", kl_cfg, q.device)
     kl_args = sf._kl_args(qp, kp, q, k, kl_plan, scale)
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device="cuda")
-    comb = get_kernel("sparse_combine", sf.combine_config("bf16", D, 128, G), q.device)
+    comb = get_kernel("sparse_combine", sf.combine_config("bf16", D, 128, G, t), q.device)
     comb_kl = get_kernel("sparse_combine_kl", sf.combine_kl_config(128), q.device)
     lse_p, kl_rows = (torch.empty((B, Hp, S), dtype=torch.float32, device="cuda") for _ in range(2))
 
     stages = {
-        "plan": lambda: sparse_plan(sel, 128, S, G, sf.TILE_M // G, sf.TILES_PER_ITEM),
+        "plan": lambda: sparse_plan(sel, 128, S, G, sf.TILE_M // G, t.tiles_per_item),
         "fwd_kernel": lambda: fwd(q=q, k=k, v=v, o_part=o_part, lse_part=lse_part, scale=scale, hp=Hp,
                                   hp_per_hk=Hp // Hk, **sf._plan_args(plan)),
         "combine": lambda: comb(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out, lse=lse,

@@ -12,13 +12,13 @@ ncu --kernel-name regex:"kernel_cutlass_kernel_" --launch-count 8 \
   --section LaunchStats --section ComputeWorkloadAnalysis \
   python3 - <<'PY' > "$out/ncu_sparse.log" 2>&1
 import torch
-from flash_msa_rt.ops import sparse_fwd
+from flash_msa_rt import tuning
 from flash_msa_rt.ops.select import select_blocks_cuda
 from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
 from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
 B, S, H, Hk, Hp, D = 2, 16384, 32, 8, 8, 128
-sparse_fwd.PARTIALS_BUDGET = 8 << 30  # one query chunk: each kernel launches once (select, forward, combine, KL,
-                                      # delta, backward, proxy backward)
+# one chunk: each kernel launches once (select, forward, combine, KL, delta, backward, proxy backward)
+tuning.override(sparse_fwd={"partials_budget": 8 << 30}).__enter__()
 qp, kp = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16) for h in (Hp, 1))
 q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
 k, v = (torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -1,6 +1,7 @@
 """Where the whole sparse op's time goes, beyond its kernels: one forward + backward under torch.profiler (every
 kernel and torch op on the device, by total CUDA time), the forward at several partial-buffer budgets (query
-chunks against peak memory; the runtime's is sparse_fwd.partials_budget), and the backward's delta = rowsum(dO * O) computed two ways.
+chunks against peak memory; the runtime's is tuning.sparse_fwd's partials_budget), and the backward's
+delta = rowsum(dO * O) computed two ways.
 Usage: python benchmarks/profile_msa.py [config a|b|c] [S] [--budgets 1,2,4,8] [--tokens B*S] [--out FILE]
 (B*S = 128K tokens unless --tokens; --tokens S gives B = 1; --budgets "" skips the budget sweep).
 """
@@ -60,24 +61,27 @@ def main(argv=None):
         return msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, scale, go, kl_grad)
 
     # The forward at each budget: fewer, larger chunks against the memory one chunk's partials take.
-    default = sf.partials_budget
-    result["runtime_budget_gib"] = default(B, S, H, D) / 2 ** 30
+    from flash_msa_rt import tuning
+    from flash_msa_rt.ops.device import arch_of
+
+    default = sf.choice(arch_of(q.device), G, D, 128, B, S, H).partials_budget
+    result["runtime_budget_gib"] = default / 2 ** 30
     print(f"the runtime's budget here: {result['runtime_budget_gib']:.2f} GiB")
     result["budgets"] = []
     for gib in (float(x) for x in a.budgets.split(",") if x):
-        sf.partials_budget = lambda *shape, nbytes=int(gib * 2 ** 30): nbytes
-        heads, chunk = sf.forward_chunks(B, S, Hp, Hk, Hpk, 16, G, D, 128)
+        nbytes = int(gib * 2 ** 30)
+        heads, chunk = sf.forward_chunks(B, S, Hp, Hk, Hpk, 16, G, D, 128, nbytes)
         n_chunks = (Hp // heads) * -(-S // chunk)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        ms = cuda_time_ms(forward, warmup=1, reps=3)
+        with tuning.override(sparse_fwd={"partials_budget": nbytes}):
+            ms = cuda_time_ms(forward, warmup=1, reps=3)
         extra = (torch.cuda.max_memory_allocated() - base) / 2 ** 30
         result["budgets"].append({"budget_gib": gib, "chunks": n_chunks, "forward_ms": ms,
                                   "forward_extra_peak_gib": extra})
         print(f"partials budget {gib:4.1f} GiB: {n_chunks:3d} chunks, forward {ms:7.2f} ms, "
               f"peak beyond the inputs {extra:5.2f} GiB", flush=True)
-    sf.partials_budget = default
 
     # delta two ways, against float64.
     exact = (go.double() * out.double()).sum(-1)

@@ -1,23 +1,70 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, from the source tree with artifacts/ built for the device's arch:
+# Everything that needs the GPU, from the source tree with artifacts/ built for the device's arch with every build
+# set (python -m build_tools build --arch sm90a --set all, on the CPU machine: the GPU tests and sanitizers also
+# run the opt-in alternates, through flash_msa_rt.tuning.override). This script builds nothing:
 #   FLASH_MSA_COMMIT=<the hash, written out here: git on the GPU machine holds an older HEAD> \
 #     bash benchmarks/run_gpu.sh [tests|bench|core|producer|all]
 # tests: environment, every GPU test, compute-sanitizer on every kernel family (~220 s); bench: the benchmarks;
 # core: only the whole-op benchmarks against cuDNN (B * S = 128K tokens, and B = 1 in (a)), which fit one
-# 10-minute device call (~160 s); producer: what turning sparse_bwd.PRODUCER on waits for (~150 s).
-# Logs and JSON go to $OUT (or benchmarks/results/ when OUT is unset).
+# 10-minute device call (~160 s); producer: the warp-specialised main backward's checks, on and off (~150 s).
+# Logs, JUnit XML and JSON go to $OUT (default benchmarks/logs/<UTC time>/, which git ignores; copy the JSON the
+# README cites into benchmarks/results/). Each pytest run records the commit and its command, every test id with
+# its outcome (-rA in the log, JUnit XML beside it) and prints a summary. FLASH_MSA_REQUIRE_GPU=1: a GPU test that
+# cannot run here (no GPU, no artifacts, a device error) fails instead of skipping.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export FLASH_MSA_ARTIFACT_DIR=${FLASH_MSA_ARTIFACT_DIR:-artifacts} PYTHONPATH=. PYTHONUNBUFFERED=1
-out=${OUT:-benchmarks/results}
+export FLASH_MSA_REQUIRE_GPU=1
+out=${OUT:-benchmarks/logs/$(date -u +%Y%m%dT%H%M%SZ)}
 mode=${1:-all}
 mkdir -p "$out"
 status=0
+commit=${FLASH_MSA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+
+# gpu_pytest NAME ARGS...: python -m pytest ARGS with every test id's outcome in $out/NAME.log (-rA) and
+# $out/NAME.xml (JUnit), then a summary (counts, and every test that did not pass) on stdout and in
+# $out/NAME_summary.txt, headed by the commit and the command.
+gpu_pytest() {
+  local name=$1
+  shift
+  local cmd=(python3 -m pytest -m gpu -rA -p no:cacheprovider --junitxml="$out/$name.xml"
+             -o junit_suite_name="flash-msa GPU tests at $commit" "$@")
+  local rc
+  {
+    echo "commit: $commit (FLASH_MSA_COMMIT=${FLASH_MSA_COMMIT:-unset}; git HEAD here: $(git rev-parse HEAD 2>/dev/null || echo none))"
+    echo "command: FLASH_MSA_REQUIRE_GPU=$FLASH_MSA_REQUIRE_GPU FLASH_MSA_ARTIFACT_DIR=$FLASH_MSA_ARTIFACT_DIR ${cmd[*]}"
+    echo "started: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  } | tee "$out/${name}_summary.txt" > "$out/$name.log"
+  "${cmd[@]}" >> "$out/$name.log" 2>&1
+  rc=$?
+  python3 - "$out/$name.xml" "$rc" <<'PY' | tee -a "$out/${name}_summary.txt"
+import sys
+import xml.etree.ElementTree as ET
+
+path, rc = sys.argv[1], int(sys.argv[2])
+try:
+    cases = list(ET.parse(path).getroot().iter("testcase"))
+except (OSError, ET.ParseError) as e:
+    print(f"no JUnit XML ({e}); pytest exit status {rc}")
+    sys.exit(0)
+counts, rest = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}, []
+for case in cases:
+    tid = f"{case.get('classname', '')}::{case.get('name', '')}"
+    bad = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+    outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}.get(bad.tag if bad is not None else "", "passed")
+    counts[outcome] += 1
+    if bad is not None:
+        rest.append(f"  {outcome.upper()} {tid}: {(bad.get('message') or '').splitlines()[0][:200] if bad.get('message') else ''}")
+print(f"{len(cases)} test ids: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + f"; pytest exit status {rc}")
+print("\n".join(rest))
+PY
+  return $rc
+}
 
 if [[ $mode == tests || $mode == all ]]; then
   { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; python3 -m flash_msa_rt info; } \
     2>&1 | tee "$out/env.log"
-  python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log" || status=1
+  gpu_pytest gpu_tests tests || status=1
 
   # Out-of-bounds accesses, races and uninitialised reads show here before they show as flaky numbers.
   # API errors are not reported: cuda-python probes the driver for entry points newer than it has (harmless
@@ -27,7 +74,7 @@ if [[ $mode == tests || $mode == all ]]; then
       timeout 200 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 python3 -c "
 import torch, flash_msa_rt
 from flash_msa_rt.loader import device_arch
-from flash_msa_rt.ops import sparse_fwd
+from flash_msa_rt import tuning
 from flash_msa_rt.ops.select import select_blocks_cuda
 from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
 from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
@@ -40,14 +87,13 @@ chunk_plans(select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1), 128, 4, 1, 128, ((
 m = torch.randn(2, 333, 8, 128, device='cuda').to(torch.bfloat16)
 kv = torch.randn(2, 333, 2, 128, device='cuda').to(torch.bfloat16)
 for mma in ['sync', 'wgmma'] if device_arch(0) == 'sm90a' else ['sync']:  # every kernel kind sm90a builds
-    sparse_fwd.FORCE_MMA = mma
-    select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1)
-    select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
-    o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
-    msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
+    with tuning.override(**tuning.every_mma(mma)):
+        select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1)
+        select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
+        o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
+        msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
 if device_arch(0) == 'sm90a':  # G = 16: the KL pass's streamed ping-pong (its heads through a ring), tau export;
     # the deterministic backward kernels (partial rows stored) at G = 16 and G = 4
-    sparse_fwd.FORCE_MMA = 'wgmma'
     m16 = torch.randn(2, 333, 32, 128, device='cuda').to(torch.bfloat16)
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m16, kv, kv, sel, 128, 0.1)
     msa_backward_cuda(q, q[:, :, :1], m16, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m16), kl)
@@ -58,25 +104,22 @@ if device_arch(0) == 'sm90a':  # G = 16: the KL pass's streamed ping-pong (its h
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)  # deterministic at G = 4
     msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl, True)
     torch.use_deterministic_algorithms(False)
-if device_arch(0) == 'sm90a':  # the other wgmma builds: ping-pong with two q buffers, lockstep warpgroups, the
-    # proxy backward's heads stepped
-    from flash_msa_rt.ops import sparse_bwd
-    sparse_fwd.FORCE_MMA, sparse_fwd.FORCE_STAGES = 'wgmma', 2
-    msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
-    sparse_fwd.FORCE_STAGES = None
-    sparse_fwd.FORCE_MMA, sparse_fwd.FORCE_SCHEDULE, sparse_fwd.FORCE_KL_SCHEDULE = 'wgmma', 'lockstep', 'lockstep'
-    o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
+if device_arch(0) == 'sm90a':  # the other wgmma builds (opt-in set): ping-pong with two q buffers, lockstep
+    # warpgroups, the proxy backward's heads stepped and resident
+    with tuning.override(sparse_fwd={'stages': 2}):
+        msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
+    with tuning.override(sparse_fwd={'schedule': 'lockstep', 'kl_schedule': 'lockstep'}):
+        o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
     for heads in ('stepped', 'resident'):  # tau recomputed (the default reads it from the main backward)
-        sparse_bwd.FORCE_PROXY_HEADS = heads
-        msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
+        with tuning.override(sparse_bwd={'tau_path': False, 'recompute_heads': heads}):
+            msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
 if device_arch(0) == 'sm90a':  # the dense warmup proxy kernels: G = 4 and G = 1, the KL pass in both schedules
-    from flash_msa_rt.ops import warmup_kl
     from flash_msa_rt.ops.warmup_kl import warmup_kl_cuda, warmup_proxy_backward_cuda
-    for schedule in warmup_kl.SCHEDULE_THREADS:
-        warmup_kl.SCHEDULE = schedule
-        for mh, ml in ((m, lse), (m[:, :, :2], lse[:, :2])):
-            lp, _ = warmup_kl_cuda(q, q[:, :, :1], mh, kv, ml, 0.1)
-            warmup_proxy_backward_cuda(q, q[:, :, :1], mh, kv, ml, lp, 0.1, torch.rand(2, 2, 333, device='cuda'))
+    for schedule in tuning.warmup.KL_SCHEDULE_THREADS:
+        with tuning.override(warmup={'kl_schedule': schedule}):
+            for mh, ml in ((m, lse), (m[:, :, :2], lse[:, :2])):
+                lp, _ = warmup_kl_cuda(q, q[:, :, :1], mh, kv, ml, 0.1)
+                warmup_proxy_backward_cuda(q, q[:, :, :1], mh, kv, ml, lp, 0.1, torch.rand(2, 2, 333, device='cuda'))
 from flash_msa_rt import block_sparse_attention  # widened (Hi < Hk) and crossing (lcm) index heads, repeats
 for h, hk, hi in ((8, 2, 2), (12, 4, 3), (16, 4, 1)):
     bq = torch.randn(2, 333, h, 128, device='cuda').to(torch.bfloat16).requires_grad_()
@@ -94,17 +137,14 @@ torch.cuda.synchronize()
 fi
 
 if [[ $mode == producer ]]; then
-  # The warp-specialised main backward (sparse_bwd.PRODUCER, off until these pass; kernels_src/sparse_bwd/NOTES.md):
-  # its GPU tests (on and off at G = 1, 2, 4), the four sanitizers on it, and the whole backward with and without it.
-  python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_sparse_bwd_gpu.py 2>&1 | tail -3 \
-    | tee "$out/gpu_tests_producer.log" || status=1
+  # The warp-specialised main backward (tuning.sparse_bwd's producer; off: an opt-in build variant): its GPU tests
+  # (on and off at G = 1, 2, 4) and the four sanitizers on it.
+  gpu_pytest gpu_tests_producer tests/test_sparse_bwd_gpu.py || status=1
   for tool in racecheck synccheck memcheck initcheck; do
     timeout 200 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
       python3 benchmarks/sanitize_bwd.py 2>&1 | grep -v "^=========     at " | awk 'NR <= 20' | sed "s/^/[$tool] /" \
       | tee -a "$out/sanitizer_producer.log" || status=1
   done
-  python3 benchmarks/ab_runtime.py b:65536,a:65536,a:65536:1,a:16384:1,b:131072:1 8 base sparse_bwd.PRODUCER=1 \
-    2>&1 | tee "$out/ab_producer.log" || status=1
 fi
 
 if [[ $mode == core ]]; then
@@ -133,8 +173,6 @@ if [[ $mode == bench || $mode == all ]]; then
     --out "$out/msa_batch1.json" 2>&1 | tee "$out/bench_msa_batch1.log"
   python3 benchmarks/bench_sparse_fwd.py --configs a,b,c --seqlens 65536 --out "$out/sparse_stages.json" 2>&1 \
     | tee "$out/bench_sparse_stages.log"
-  python3 benchmarks/profile_sparse_bwd.py b 65536 2>&1 | tee "$out/profile_sparse_bwd.log"
-  python3 benchmarks/ab_proxy_tau.py a:65536,b:65536,c:65536,b:16384 2>&1 | tee "$out/ab_proxy_tau.log"
   python3 benchmarks/profile_msa.py b 65536 --out "$out/profile_msa.json" 2>&1 | tee "$out/profile_msa.log"
   # block_sparse_attention against cuDNN dense and FSA's published figures.
   python3 benchmarks/bench_block_sparse.py 2>&1 | tee "$out/bench_block_sparse.log"

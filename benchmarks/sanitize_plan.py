@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flash_msa_rt import tuning  # noqa: E402
 from flash_msa_rt.ops import sparse_plan as sp  # noqa: E402
 
 
@@ -23,10 +24,10 @@ def selection(B, Hp, S, K, seed):
     return torch.cat([own, rest], -1).to(torch.int32).cuda()
 
 
-for threads in (128, 512):
-    sp.SCATTER_THREADS = threads
-    for B, Hp, S, K, heads, queries in ((1, 2, 33_000, 4, 1, 33_000), (2, 4, 2333, 5, 2, 896), (1, 1, 300, 9, 1, 300),
-                                        (1, 2, 3000, 20, 2, 1024)):
-        sp.chunk_plans(selection(B, Hp, S, K, S + K), 128, 4, heads, queries, ((32, 64), (64, 32)), "size")
+for threads in (128, 512):  # 128 rows per scatter CTA: an opt-in build variant
+    with tuning.override(plan={"scatter_threads": threads}):
+        for B, Hp, S, K, heads, queries in ((1, 2, 33_000, 4, 1, 33_000), (2, 4, 2333, 5, 2, 896),
+                                            (1, 1, 300, 9, 1, 300), (1, 2, 3000, 20, 2, 1024)):
+            sp.chunk_plans(selection(B, Hp, S, K, S + K), 128, 4, heads, queries, ((32, 64), (64, 32)), "size")
 torch.cuda.synchronize()
 print("plan kernels ran")

@@ -1,7 +1,11 @@
 """python -m build_tools {build,list}: compile the kernel catalogue ahead of time (no GPU needed).
 
-  python -m build_tools build --arch sm90a,sm100a [--only PATTERN] [--head-dim 64] [--out DIR] [-j N]
-  python -m build_tools list  --arch sm90a [--only PATTERN] [--out DIR]
+  python -m build_tools build --arch sm90a,sm100a [--set SETS] [--only PATTERN] [--head-dim 64] [--out DIR] [-j N]
+  python -m build_tools list  --arch sm90a [--set all] [--only PATTERN] [--out DIR]
+
+Build sets (kernels_src.spec): "default" (what the runtime's default paths launch), "hopper_sync_check" (on sm90a,
+the mma.sync variants of the sm100a paths), "opt_in" (alternates kept for A/B runs), "all". A build compiles
+default,hopper_sync_check unless --set or FLASH_MSA_BUILD_SET says otherwise.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from pathlib import Path
 
 from build_tools.build import REPO, BuildError, build, build_fingerprint, common_hash, is_up_to_date, load_manifest
 from build_tools.build import variant_fingerprint
-from kernels_src.catalogue import CatalogueError, variants
-from kernels_src.spec import ARCHS, DEFAULT_ARCHS
+from kernels_src.catalogue import CatalogueError, parse_sets, variants
+from kernels_src.spec import ARCHS, DEFAULT_ARCHS, DEFAULT_SETS
 
 DEFAULT_OUT = REPO / "artifacts"
+BUILD_SET_ENV = "FLASH_MSA_BUILD_SET"  # the wheel build (CMakeLists.txt) passes its environment through
 
 
 def _csv(kind):
@@ -38,6 +43,9 @@ def parser() -> argparse.ArgumentParser:
         s = sub.add_parser(verb)
         s.add_argument("--arch", type=_csv(str), default=list(DEFAULT_ARCHS),
                        help=f"comma-separated archs of {','.join(ARCHS)} (default: {','.join(DEFAULT_ARCHS)})")
+        s.add_argument("--set", dest="sets", default=os.environ.get(BUILD_SET_ENV) or ",".join(DEFAULT_SETS),
+                       help=f"comma-separated build sets, or all (default: ${BUILD_SET_ENV}, else "
+                            f"{','.join(DEFAULT_SETS)})")
         s.add_argument("--only", action="append", default=None, metavar="PATTERN",
                        help="glob over variant names; repeatable (default: all)")
         s.add_argument("--head-dim", type=_csv(int), default=None, help="head dims to build, e.g. 64,128")
@@ -52,8 +60,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _select(args):
-    return variants(args.arch, only=args.only, head_dims=args.head_dim, block_sizes=args.block_size,
-                    dtypes=args.dtype)
+    return variants(args.arch, sets=parse_sets(args.sets), only=args.only, head_dims=args.head_dim,
+                    block_sizes=args.block_size, dtypes=args.dtype)
 
 
 def cmd_list(args) -> int:
@@ -66,15 +74,17 @@ def cmd_list(args) -> int:
         state = ("up-to-date" if is_up_to_date(entry, variant_fingerprint(s, fp["cutlass_dsl"], common),
                                                args.out / s.arch)
                  else "stale" if entry else "not built")
-        print(f"{s.name:<60} {state}")
-    print(f"{len(specs)} variants; artifacts in {args.out}")
+        print(f"{s.name:<72} {s.build_set:<18} {state}")
+    counts = ", ".join(f"{sum(s.build_set == n for s in specs)} {n}" for n in sorted({s.build_set for s in specs}))
+    print(f"{len(specs)} variants ({counts}); artifacts in {args.out}")
     return 0
 
 
 def cmd_build(args) -> int:
     specs = _select(args)
     if not specs:
-        print("no variant matches the selection; `python -m build_tools list` shows the catalogue", file=sys.stderr)
+        print("no variant matches the selection; `python -m build_tools list --set all` shows the whole catalogue",
+              file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     outcomes = build(specs, args.out, jobs=args.jobs, force=args.force, progress=not args.no_progress)

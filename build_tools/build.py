@@ -14,6 +14,7 @@ import json
 import re
 import multiprocessing
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -37,8 +38,9 @@ def toolchain_version() -> str:
     try:
         return importlib.metadata.version(CUTLASS_DIST)
     except importlib.metadata.PackageNotFoundError as e:
-        raise BuildError(f"{CUTLASS_DIST} is not installed; it is the build stage's compiler "
-                         f"(pip install the version pinned in pyproject.toml)") from e
+        pin = re.search(r'"(nvidia-cutlass-dsl[^"]*==[^"]+)"', (REPO / "pyproject.toml").read_text())
+        raise BuildError(f"{CUTLASS_DIST} is not installed; it is the build stage's compiler: pip install "
+                         f"'{pin.group(1) if pin else CUTLASS_DIST}' (the version pyproject.toml pins)") from e
 
 
 def build_fingerprint() -> dict[str, str]:
@@ -52,8 +54,9 @@ _IMPORT_STATEMENT = re.compile(r"^\s*(?:from|import)\s+kernels_src\.(\w+)", re.M
 
 def family_packages(op: str) -> list[str]:
     """The kernels_src packages a family's cubins depend on: its own and, transitively, every kernels_src package
-    its sources import (select builds on block_scores' score tiles, sparse_kl on sparse_fwd's kernel class), and
-    those kernels_src's top-level modules import (every family depends on those modules: see common_hash)."""
+    its sources import (select builds on block_scores' score tiles, sparse_kl on sparse_bwd_proxy's kernel
+    class), and those kernels_src's top-level modules import (every family depends on those modules: see
+    common_hash)."""
     shared = [name for f in sorted(KERNELS_SRC.glob("*.py")) for name in _IMPORT_STATEMENT.findall(f.read_text())]
     seen, todo = set(), [op, *shared]
     while todo:
@@ -245,6 +248,8 @@ def _progress(total: int, enabled: bool):
         from tqdm import tqdm
     except ImportError:  # tqdm is a build requirement; this keeps a stripped environment working
         tqdm = None
+    if enabled and not sys.stderr.isatty():
+        return _Lines(total)  # pip -v and CMake read the build's output by line, where a bar's \r never ends one
     if tqdm is None or not enabled:
         class _Silent:
             def update(self, n): pass
@@ -252,3 +257,21 @@ def _progress(total: int, enabled: bool):
             def close(self): pass
         return _Silent()
     return tqdm(total=total, unit="variant", desc="compiling", dynamic_ncols=True)
+
+
+class _Lines:
+    """Progress as one line per finished variant, for output read by line (pip -v, CMake, CI logs)."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        print(f"compiling {total} variants (the ones whose fingerprint changed)" if total
+              else "nothing to compile: every variant is up to date", file=sys.stderr, flush=True)
+
+    def update(self, n):
+        self.done += n
+
+    def set_postfix_str(self, name):
+        print(f"  [{self.done}/{self.total}] {name}", file=sys.stderr, flush=True)
+
+    def close(self):
+        pass

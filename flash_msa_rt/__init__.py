@@ -34,7 +34,26 @@ def __getattr__(name):
     if name in _OPS:
         import importlib
 
+        _notice_missing_kernels()
         value = getattr(importlib.import_module(_OPS[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'flash_msa_rt' has no attribute {name!r}")
+
+
+_noticed = False
+
+
+def _notice_missing_kernels() -> None:
+    """Once, when the first op is imported: with the runtime alone installed on a GPU machine, name the per-arch
+    package the GPU needs (here rather than at package import, which the build stage's workers also run)."""
+    global _noticed
+    if not _noticed:
+        _noticed = True
+        from flash_msa_rt.artifacts import import_notice
+
+        notice = import_notice()
+        if notice:
+            import warnings
+
+            warnings.warn(notice, stacklevel=3)

@@ -17,6 +17,7 @@ import torch
 from flash_msa_rt.ops import layout as _layout
 from flash_msa_rt.ops import library as _ops
 from flash_msa_rt.ops import validation as _v
+from flash_msa_rt.reference import checks as _checks
 
 __all__ = ["flash_msa_func", "flash_msa_warmup_func", "flash_msa_func_warmup", "flash_msa_varlen_func",
            "flash_msa_warmup_varlen_func", "block_sparse_attention", "select_blocks"]
@@ -105,9 +106,10 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
         _v.check_tensor(fn, name, t, 4, dims_text)
     _v.check_same_dtype_device(fn, {"q": q, "k": k, "v": v})
     q, k, v = (_layout.to_bshd(t, layout) for t in (q, k, v))
+    _check_seqlen_in_layout(fn, layout, {"q": q, "k": k, "v": v})
     B, S, H, D = q.shape
     for name, t in (("k", k), ("v", v)):
-        for i, what in ((0, "batch"), (1, "seqlen"), (3, "head_dim")):
+        for i, what in ((0, "batch"), (3, "head_dim")):
             if t.shape[i] != q.shape[i]:
                 raise ValueError(f"{fn}: {name} has {what} {t.shape[i]} but q has {what} {q.shape[i]}")
     if v.shape[2] != k.shape[2]:
@@ -119,6 +121,8 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
         raise ValueError(f"{fn}: q has {H} heads, not a multiple of the {k.shape[2]} heads of k and v")
     block_size = _v.check_block_size(fn, block_size)
     _v.check_block_indices(fn, block_indices, B, S, H, q.device)
+    if not q.is_cuda:  # free on the CPU; on the GPU the kernel backend checks the range itself (one flag read)
+        _checks.block_indices(fn, block_indices, B, S, H, block_size)
     scale = _v.resolve_scale(fn, scale, D)
     out, lse = _ops.block_sparse_forward(q, k, v, block_indices, block_size, scale)
     out = _layout.from_bshd(out, layout)
@@ -137,6 +141,7 @@ def select_blocks(q_proxy, k_proxy, top_k, scale=None, *, layout="bhsd", block_s
         _v.check_tensor(fn, name, t, 4, _v.LAYOUTS[layout])
     _v.check_same_dtype_device(fn, {"q_proxy": q_proxy, "k_proxy": k_proxy})
     q_proxy, k_proxy = _layout.to_bshd(q_proxy, layout), _layout.to_bshd(k_proxy, layout)
+    _check_seqlen_in_layout(fn, layout, {"q_proxy": q_proxy, "k_proxy": k_proxy})
     _v.check_proxy_dims(fn, q_proxy, k_proxy)
     block_size = _v.check_block_size(fn, block_size)
     K = _v.check_top_k(fn, top_k, block_size)
@@ -145,6 +150,19 @@ def select_blocks(q_proxy, k_proxy, top_k, scale=None, *, layout="bhsd", block_s
 
 
 # --- shared bodies -------------------------------------------------------------------------------------------------
+
+def _check_seqlen_in_layout(fn, layout, views):
+    """Every (B, S, heads, D) view has q's seqlen; else say how `layout` read the tensors, since the usual cause
+    is (B, heads, S, D) tensors passed with layout="bshd" (or the reverse): their heads then read as seqlen."""
+    (first, ref), *rest = views.items()
+    for name, t in rest:
+        if t.shape[1] != ref.shape[1]:
+            other = "bhsd" if layout == "bshd" else "bshd"
+            raise ValueError(
+                f"{fn}: {name} has seqlen {t.shape[1]} but {first} has seqlen {ref.shape[1]}, reading the tensors "
+                f"as {_v.LAYOUTS[layout]} (layout={layout!r}); if they are {_v.LAYOUTS[other]}, pass "
+                f"layout={other!r}")
+
 
 def _check_five(fn, tensors, ndim, dims_text):
     for name, t in zip(_MSA_NAMES, tensors):
@@ -157,6 +175,7 @@ def _msa(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_
     _v.check_layout(fn, layout)
     _check_five(fn, (q_proxy, k_proxy, q, k, v), 4, _v.LAYOUTS[layout])
     q_proxy, k_proxy, q, k, v = (_layout.to_bshd(t, layout) for t in (q_proxy, k_proxy, q, k, v))
+    _check_seqlen_in_layout(fn, layout, {"q": q, "q_proxy": q_proxy, "k_proxy": k_proxy, "k": k, "v": v})
     dims = _v.check_msa_dims(fn, q_proxy, k_proxy, q, k, v)
     block_size = _v.check_block_size(fn, block_size)
     K = _v.check_top_k(fn, top_k, block_size)

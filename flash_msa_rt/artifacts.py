@@ -1,18 +1,21 @@
 """Find the artifacts, read and verify their manifests, and explain what is missing.
 
-Artifacts live inside the installed package (flash_msa_rt/_artifacts/<arch>/); FLASH_MSA_ARTIFACT_DIR points
-the runtime at another root (a source checkout's artifacts/, or a folder built for a new config).
+Artifacts live inside the installed package (flash_msa_rt/_artifacts/<arch>/), put there by the per-arch
+distributions (flash-msa-rt-sm90a, ...; several install side by side) or by a source build; FLASH_MSA_ARTIFACT_DIR
+points the runtime at another root (a source checkout's artifacts/, or a folder built for a new config).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from flash_msa_rt.errors import ArtifactError, MissingVariantError
+from flash_msa_rt import arch as arches
+from flash_msa_rt.errors import ArtifactError, FlashMsaError, MissingVariantError
 from flash_msa_rt.manifest import Manifest, ManifestError, VariantEntry, source_hash, variant_name
 
 ENV_ARTIFACT_DIR = "FLASH_MSA_ARTIFACT_DIR"
@@ -52,9 +55,12 @@ def load_manifest(root: Path, arch: str) -> Manifest:
     path = root / arch / "manifest.json"
     if not path.is_file():
         have = carried_archs(root)
+        needing = [f"{name} (cuda:{i}, compute capability {major}.{minor})"
+                   for i, name, major, minor in _torch_devices() if arch in _candidates(major, minor)]
         raise MissingVariantError(
-            f"no {arch} artifacts in {root} (archs found there: {have or 'none'}). Install the flash-msa wheel "
-            f"built for {arch} (FLASH_MSA_ARCHS={arch} pip wheel .), or build them: {build_command(arch)}")
+            f"no {arch} artifacts in {root} (archs installed there: {', '.join(have) or 'none'})"
+            + (f"; {' and '.join(needing)} run{'s' if len(needing) == 1 else ''} {arch} cubins" if needing else "")
+            + f". Install them: {arches.install_hint(arch)}; or build them: {build_command(arch)}")
     try:
         manifest = Manifest.load(path)
     except ManifestError as e:
@@ -129,3 +135,59 @@ def cubin_bytes(entry: VariantEntry, arch_dir: Path) -> bytes:
         raise ArtifactError(f"cubin {path} is corrupt: sha256 {digest[:16]}... but the manifest records "
                             f"{entry.sha256[:16]}...; rebuild: {build_command(entry.arch, entry.config, entry.name)}")
     return data
+
+
+def _candidates(major: int, minor: int) -> tuple[str, ...]:
+    try:
+        return arches.arch_candidates(major, minor)
+    except FlashMsaError:
+        return ()
+
+
+def _torch_devices() -> list[tuple[int, str, int, int]]:
+    """(index, name, major, minor) of torch's visible devices; none where torch is not imported yet (this module
+    never imports it: the build stage and `import flash_msa_rt` run without it) or sees no GPU."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return []
+    return [(i, torch.cuda.get_device_name(i), *torch.cuda.get_device_capability(i))
+            for i in range(torch.cuda.device_count())]
+
+
+def device_problems(devices: list[tuple[int, str, int, int]], root: Path | None = None) -> list[str]:
+    """One message per device that no installed arch runs on (naming the GPU, its capability, the archs
+    installed and the package to install)."""
+    root = root or artifact_root()
+    have = carried_archs(root)
+    problems = []
+    for index, name, major, minor in devices:
+        why = arches.device_mismatch(f"{name} (cuda:{index})", major, minor, have, str(root))
+        if why:
+            problems.append(why)
+    return problems
+
+
+def check_devices() -> None:
+    """Check every visible device (through torch) against the installed archs; raise MissingVariantError
+    listing each device no installed arch runs on."""
+    import torch  # noqa: F401 - _torch_devices reads torch from sys.modules
+
+    problems = device_problems(_torch_devices())
+    if problems:
+        raise MissingVariantError("\n".join(problems))
+
+
+def import_notice() -> str | None:
+    """At `import flash_msa_rt`: when no arch is installed at all (the runtime alone, e.g. `pip install
+    flash-msa-rt` without an extra) and NVIDIA GPUs are present, the packages they need; None otherwise (and
+    without asking the driver when cubins are installed, so a normal import costs nothing)."""
+    root = artifact_root()
+    if carried_archs(root):
+        return None
+    gpus = arches.visible_gpus()
+    problems = [arches.device_mismatch(name, major, minor, (), str(root)) for name, major, minor in gpus]
+    problems = [p for p in problems if p]
+    if not problems:
+        return None
+    return ("flash_msa_rt carries no kernels (the runtime alone is installed), so every op runs the pure-PyTorch "
+            "reference. " + " ".join(problems))

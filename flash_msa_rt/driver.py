@@ -51,9 +51,82 @@ def ensure_context(device_index: int) -> None:
         check(d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+# CUDA 13 is the toolchain that builds the cubins (nvidia-cutlass-dsl[cu13]); its driver is R580 (13.0).
+MIN_DRIVER = 13000
+
+# Why cuLibraryLoadData refuses a cubin, by CUresult name: the three causes a user can act on.
+_TOO_OLD = ("CUDA_ERROR_INSUFFICIENT_DRIVER", "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
+            "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE")
+_NO_BINARY = ("CUDA_ERROR_NO_BINARY_FOR_GPU",)
+_INVALID = ("CUDA_ERROR_INVALID_IMAGE", "CUDA_ERROR_INVALID_SOURCE", "CUDA_ERROR_INVALID_PTX")
+
+
 def load_library(image: bytes):
+    """Load a cubin; a refusal names its cause: driver too old, no binary for this GPU, or an image this driver
+    cannot read."""
     d = cu()
-    return check(d.cuLibraryLoadData(image, [], [], 0, [], [], 0), "cuLibraryLoadData")
+    err, *values = d.cuLibraryLoadData(image, [], [], 0, [], [], 0)
+    if int(err) == 0:
+        return values[0]
+    _, name = d.cuGetErrorName(err)
+    name = name.decode() if isinstance(name, bytes) else str(getattr(name, "name", name))
+    raise LaunchError(load_error_message(name, driver_text(), *current_device()))
+
+
+def load_error_message(error: str, driver: str, device: str, capability: tuple[int, int] | None) -> str:
+    """The message for a cubin the driver refused with CUresult `error`; driver is the CUDA version it supports
+    ("13.0", or "?"), device and capability those of the current context's GPU (capability None if unknown)."""
+    from flash_msa_rt.arch import arch_candidates, install_hint, RUNS_ON
+    from flash_msa_rt.errors import UnsupportedArchError
+
+    need = "the cubins are built by the CUDA 13 toolchain and need a driver for CUDA 13 (R580) or newer"
+    old_driver = driver != "?" and _driver_number(driver) < MIN_DRIVER
+    if error in _TOO_OLD or (error in _INVALID and old_driver):
+        return (f"cuLibraryLoadData failed: {error}: the NVIDIA driver is too old (it supports CUDA {driver}); "
+                f"{need}. Update the driver")
+    if error in _NO_BINARY:
+        runs = "; ".join(f"{a} on {where}" for a, where in RUNS_ON.items())
+        text = f"cuLibraryLoadData failed: {error}: {device} cannot run this cubin (cubins run only where built: {runs})"
+        if capability is None:
+            return text
+        try:
+            arch = arch_candidates(*capability, device)[0]
+        except UnsupportedArchError as e:
+            return f"{text}. {e}"
+        return f"{text}. This GPU needs {arch}: {install_hint(arch)}"
+    if error in _INVALID:
+        return (f"cuLibraryLoadData failed: {error}: the driver (CUDA {driver}) cannot read this cubin image; {need}. "
+                f"With a current driver the artifact is damaged or foreign: reinstall the package, or rebuild it")
+    return f"cuLibraryLoadData failed: {error} (driver for CUDA {driver}, {device})"
+
+
+def _driver_number(text: str) -> int:
+    major, _, minor = text.partition(".")
+    return int(major) * 1000 + int(minor or 0) * 10
+
+
+def driver_text() -> str:
+    """The CUDA version the driver supports, e.g. "13.0"; "?" if the driver cannot say."""
+    try:
+        v = driver_version()
+    except LaunchError:
+        return "?"
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def current_device() -> tuple[str, tuple[int, int] | None]:
+    """The current context's GPU: ('NAME (compute capability X.Y)', (X, Y)), or ('this GPU', None)."""
+    d = cu()
+    try:
+        dev = check(d.cuCtxGetDevice(), "cuCtxGetDevice")
+        raw = check(d.cuDeviceGetName(256, dev), "cuDeviceGetName")
+        attr = d.CUdevice_attribute
+        major = int(check(d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "attr"))
+        minor = int(check(d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "attr"))
+    except (LaunchError, AttributeError, TypeError):
+        return "this GPU", None
+    name = raw.split(b"\0", 1)[0].decode() if isinstance(raw, bytes) else str(raw)
+    return f"{name} (compute capability {major}.{minor})", (major, minor)
 
 
 def get_function(library, entry: str):

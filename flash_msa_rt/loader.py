@@ -9,13 +9,14 @@ Nothing here synchronises the host with the device, so launches can be captured 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections import OrderedDict
 from typing import Any
 
 from flash_msa_rt import artifacts, driver
 from flash_msa_rt.arch import arch_for_capability
-from flash_msa_rt.errors import LaunchError, NoGPUError
+from flash_msa_rt.errors import FlashMsaError, LaunchError, NoGPUError
 from flash_msa_rt.grid import compile_rule
 from flash_msa_rt.manifest import ScalarParam, TensorParam, TmaParam, VariantEntry
 from flash_msa_rt.params import Packed, Plan, launch_signature
@@ -141,6 +142,56 @@ def device_arch(device_index: int) -> str:
     return arch_for_capability(major, minor, artifacts.carried_archs(), torch.cuda.get_device_name(device_index))
 
 
+def _built(arch: str) -> tuple:
+    """(index, memo) of the arch's manifest: the variants by (op, their config as a set of named fields), a lookup
+    that does not depend on the order in which the build declares a family's fields; memo keeps built_values'
+    answers (asked on hot paths) for as long as the manifest is the current one."""
+    where = (os.environ.get(artifacts.ENV_ARTIFACT_DIR), os.getcwd())
+    root = _roots.get(where)
+    if root is None:  # resolving the folder reads the file system: once per setting, not per call
+        root = _roots[where] = artifacts.artifact_root()
+    manifest = artifacts.load_manifest(root, arch)
+    known = _indexes.get((root, arch))
+    if known is None or known[0] is not manifest:  # a manifest reloaded (tests clear load_manifest's cache)
+        index = {(v.op, _key(v.config)): v for v in manifest.variants.values()}
+        known = _indexes[(root, arch)] = (manifest, index, {})
+    return known[1], known[2]
+
+
+def _key(config: dict[str, Any]) -> frozenset:
+    return frozenset(config.items())
+
+
+_indexes: dict[tuple, tuple] = {}  # (root, arch) -> (manifest, its index, built_values' answers)
+_roots: dict[tuple, object] = {}  # (FLASH_MSA_ARTIFACT_DIR, working directory) -> the artifact root
+
+
+def find_variant(op: str, config: dict[str, Any], arch: str):
+    """(entry, arch folder) of the built variant of op whose config has exactly these named fields; raises
+    MissingVariantError naming the nearest built variants and the build command when there is none."""
+    entry = _built(arch)[0].get((op, _key(config)))
+    if entry is None:
+        return artifacts.find_variant(op, config, arch)  # raises with the nearest variants and the build command
+    artifacts.check_fresh(entry)
+    return entry, artifacts.artifact_root() / arch  # a cold path: the loaded kernel is cached by request
+
+
+def built_values(op: str, field: str, arch: str, **fixed: Any) -> tuple:
+    """The values of config field `field` among the variants of op built for arch whose other named fields equal
+    `fixed`, ascending: what the runtime can run, read from the manifest (no artifacts: empty)."""
+    try:
+        index, memo = _built(arch)
+    except FlashMsaError:
+        return ()
+    key = (op, field, tuple(sorted(fixed.items())))
+    values = memo.get(key)
+    if values is None:
+        values = memo[key] = tuple(sorted({
+            v.config[field] for (o, _), v in index.items()
+            if o == op and field in v.config and all(v.config.get(k) == want for k, want in fixed.items())}))
+    return values
+
+
 def get_kernel(op: str, config: dict[str, Any], device) -> Kernel:
     """The loaded kernel for (op, config) on the device of `device` (a torch.device or index)."""
     index = device if isinstance(device, int) else (device.index if device.index is not None else _current())
@@ -149,7 +200,7 @@ def get_kernel(op: str, config: dict[str, Any], device) -> Kernel:
     if kernel is not None:  # the hot path: one dict lookup per call
         return kernel
     arch = device_arch(index)
-    entry, arch_dir = artifacts.find_variant(op, config, arch)
+    entry, arch_dir = find_variant(op, config, arch)
     key = (entry.name, index)
     kernel = _kernels.get(key)
     if kernel is None:

@@ -5,9 +5,11 @@ A kernel family (one op) provides, in a module that does NOT import cutlass at i
     of them (changing any field changes the name);
   - `can_implement(config, arch) -> (ok, reason)`;
   - `build_spec(config, arch) -> BuildSpec`: the param ABI, grid rule, block, cluster, shared memory, and the
-    dotted path of the function that compiles it (imported only inside a build worker, where cutlass is).
+    dotted path of the function that compiles it (imported only inside a build worker, where cutlass is);
+  - `build_set(config, arch) -> str`: the build set (SETS) of the variant.
 
-The compile function has the signature `compile(config, arch) -> Compiled` and runs with no GPU present.
+The compile function (each family's `build.py`: `compile(config, arch) -> Compiled`) runs with no GPU present, on
+the machinery of kernels_src.compile.
 """
 
 from __future__ import annotations
@@ -16,12 +18,29 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from flash_msa_rt.manifest import Param, TensorParam, VariantEntry
+from flash_msa_rt.manifest import Param, VariantEntry
 
 # sm90a runs on compute capability 9.0 only and sm100a on 10.0 only (arch-specific targets). sm100f is the
 # Blackwell family target (10.x, e.g. B300's 10.3): buildable on request, not in the default set.
 ARCHS = ("sm90a", "sm100a", "sm100f")
 DEFAULT_ARCHS = ("sm90a", "sm100a")
+
+# Build sets: every variant of the catalogue is in one, per arch (each family's build_set(config, arch)).
+#   default: what the runtime's default paths launch on the arch (its tuning policies, flash_msa_rt/ops);
+#   hopper_sync_check: on sm90a, the mma.sync variants sm100a's default paths launch, so that the Blackwell path's
+#     kernels run (and are tested) on Hopper too;
+#   opt_in: alternates kept for A/B runs (other schedules, stages, knobs), built only on request.
+# A variant joins the default set only when a default path runs it.
+DEFAULT, HOPPER_SYNC_CHECK, OPT_IN = "default", "hopper_sync_check", "opt_in"
+SETS = (DEFAULT, HOPPER_SYNC_CHECK, OPT_IN)
+DEFAULT_SETS = (DEFAULT, HOPPER_SYNC_CHECK)  # what a build compiles unless asked otherwise
+
+
+def mma_set(mma: str, arch: str) -> str:
+    """The set of a variant on its default path but for the MMA: sm90a's default paths run wgmma, every other arch
+    mma.sync (Blackwell has no wgmma), so mma.sync on sm90a is the hopper_sync_check."""
+    return HOPPER_SYNC_CHECK if arch == "sm90a" and mma == "sync" else DEFAULT
+
 
 # What CuTeDSL's --gpu-arch option calls each of our arch names.
 GPU_ARCH_OPTION = {"sm90a": "sm_90a", "sm100a": "sm_100a", "sm100f": "sm_100f"}
@@ -50,6 +69,7 @@ class BuildSpec:
     cluster: tuple[int, int, int] = (1, 1, 1)
     smem_bytes: int = 0
     hot: bool = True  # a hot kernel must not use local memory (spills fail the build)
+    build_set: str = DEFAULT  # SETS: which builds compile it (the catalogue fills it from the family's build_set)
     config_obj: Any = field(default=None, compare=False, repr=False)
 
     def entry(self, **built: Any) -> VariantEntry:
@@ -127,26 +147,3 @@ def smem_refusal(smem_bytes: int, arch: str) -> str | None:
 def verdict(reason: str | None) -> tuple[bool, str]:
     """can_implement's (ok, reason) from the first refusal found (None: ok)."""
     return reason is None, reason or ""
-
-
-def dtype_tag(dtype: str) -> str:
-    return {"bf16": "bf16", "f16": "f16"}[dtype]
-
-
-def fake_tensor(param: TensorParam):
-    """The CuTeDSL fake tensor a TensorParam declares: the compile sees exactly the runtime's ABI.
-
-    Every symbolic extent becomes its own int32 sym_int (with the declared divisibility), so the cubin assumes
-    nothing about two tensors sharing a size: the runtime binds symbols by name and checks equality itself.
-    Dynamic strides become sym_ints of their declared width; static entries stay static.
-    """
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
-
-    elem = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32, "i32": cutlass.Int32,
-            "i64": cutlass.Int64, "u8": cutlass.Uint8}[param.dtype]
-    shape = tuple(s if isinstance(s, int) else cute.sym_int(divisibility=param.divisibility.get(s, 1))
-                  for s in param.shape)
-    stride = tuple(s if isinstance(s, int) else cute.sym_int(64 if s == "i64" else 32) for s in param.stride)
-    return make_fake_tensor(elem, shape, stride, assumed_align=param.align)

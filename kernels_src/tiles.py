@@ -9,7 +9,6 @@
   passes instead of being two dependent global loads after the tile's product;
 - a work item's plan entries (queries, destinations) staged once in a shared table, so that every tile reads
   them there instead of starting with a dependent global load (item_words, item_word);
-- the build entry point's common part: compile on fake arguments and check the traced shared memory;
 - for the wgmma kernels (sm90a): views of the warpgroup MMA accumulator (rows x columns, and as the register A
   operand of the next product).
 """
@@ -17,9 +16,6 @@
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.cute.runtime import make_fake_stream
-
-from kernels_src.spec import Compiled, fake_tensor
 
 
 def smem_tile(dtype, shape):
@@ -168,18 +164,7 @@ def wg_acc_as_a(lay):
     )
 
 
-_FAKE_SCALARS = {"f32": lambda: cutlass.Float32(1.0), "i32": lambda: cutlass.Int32(1), "i64": lambda: cutlass.Int64(1)}
-
-
-def compile_tile_kernel(kernel, config, arch: str, params, smem_bytes: int, entry=None) -> Compiled:
-    """Compile kernel for arch on a fake argument per declared param (the family's ABI, in launch order: tensors
-    of its declared shapes, scalars of its declared types), then a stream; the shared memory it traced must be
-    what the spec declares (the launcher allocates the spec's figure)."""
-    from kernels_src.block_scores.kernel import compile_kernel  # block_scores.kernel imports this module
-
-    fake = (*(fake_tensor(p) if p.kind == "tensor" else _FAKE_SCALARS[p.ctype]() for p in params),
-            make_fake_stream())
-    compiled = compile_kernel(kernel, config, arch, fake, entry=entry)
-    if kernel.traced["smem_bytes"] != smem_bytes:
-        raise RuntimeError(f"shared memory: kernel {kernel.traced['smem_bytes']} bytes, spec {smem_bytes}")
-    return compiled
+def tile_storage(dtype, layout):
+    """A SharedStorage (cute.struct) field for one `layout` of dtype, 1024-byte aligned: the period of the 128-byte
+    swizzle, so that every swizzled tile, TMA box and wgmma descriptor starts on an atom."""
+    return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]

@@ -105,6 +105,41 @@ def block_sparse(q, k, v, block_indices, block_size, scale, grad_out=None):
                        grad_out, None, block_indices)
 
 
+def rows(q_proxy, k_proxy, q, k, v, query_rows, scale, block_indices=None, block_size=128):
+    """Result(out (B, R, H, D), lse (B, H, R), lse_proxy, kl_rows (B, Hp, R)) of the given query rows only, in the
+    inputs' dtype: what the whole-sequence oracle would give there, for sequences too long for S x S matrices.
+
+    Each row's allowed keys are t <= i in the listed blocks of block_indices (B, Hp, S, K), or every t <= i when
+    block_indices is None (warmup: dense causal). The main heads of proxy head p read row (b, p, i)'s list.
+    """
+    B, S, H, _ = q.shape
+    Hk, Hp, Hpk = k.shape[2], q_proxy.shape[2], k_proxy.shape[2]
+    G = H // Hp
+    out = q.new_zeros(B, len(query_rows), H, q.shape[-1])
+    lse = q.new_zeros(B, H, len(query_rows))
+    lse_p, kl = q.new_zeros(B, Hp, len(query_rows)), q.new_zeros(B, Hp, len(query_rows))
+    blk_of_t = torch.arange(S, device=q.device) // block_size
+    for r, i in enumerate(query_rows):
+        t = torch.arange(i + 1, device=q.device)
+        for b in range(B):
+            for p in range(Hp):
+                keys = t if block_indices is None else \
+                    t[(blk_of_t[:i + 1].unsqueeze(-1) == block_indices[b, p, i].long()).any(-1)]
+                heads = torch.arange(p * G, (p + 1) * G, device=q.device)
+                kk, vv = k[b, keys][:, heads // (H // Hk)], v[b, keys][:, heads // (H // Hk)]  # (T, G, D)
+                s = torch.einsum("gd,tgd->gt", q[b, i, heads], kk) * scale
+                row_lse = torch.logsumexp(s, -1)
+                prob = torch.exp(s - row_lse.unsqueeze(-1))
+                out[b, r, heads] = torch.einsum("gt,tgd->gd", prob, vv)
+                lse[b, heads, r] = row_lse
+                s_p = k_proxy[b, keys, p // (Hp // Hpk)] @ q_proxy[b, i, p] * scale
+                lse_p[b, p, r] = torch.logsumexp(s_p, -1)
+                tau = prob.mean(0)
+                log_pi = s_p - lse_p[b, p, r]
+                kl[b, p, r] = torch.where(tau > 0, tau * (torch.log(torch.where(tau > 0, tau, 1)) - log_pi), 0).sum()
+    return Result(out=out, lse=lse, lse_proxy=lse_p, kl_rows=kl)
+
+
 def _with_grads(q_proxy, k_proxy, q, k, v, allowed, scale, grad_out, kl_upstream, block_indices):
     named = {"q": q, "k": k, "v": v}
     if q_proxy is not None:

@@ -235,3 +235,30 @@ def test_select_blocks_rejects(over, error, words):
     assert msg.startswith("select_blocks:"), msg
     for w in words:
         assert w in msg, (w, msg)
+
+
+def test_out_of_range_block_index_names_the_public_function_and_argument():
+    """Issue 39: the range error named the internal op block_sparse_forward."""
+    idx = torch.full((B, Hk, S, 2), -1, dtype=torch.int32)
+    idx[1, 0, 7, 1] = 3  # S = 9, block_size 4: blocks 0..2
+    with pytest.raises(ValueError) as info:
+        api.block_sparse_attention(_bhsd(H, D), _bhsd(Hk, D), _bhsd(Hk, D), idx, BS)
+    msg = str(info.value)
+    assert msg.startswith("block_sparse_attention: block_indices[1, 0, 7, 1] = 3 is outside [-1, 3)"), msg
+    assert "block_sparse_forward" not in msg
+
+
+@pytest.mark.parametrize("fn", ["flash_msa_func", "block_sparse_attention", "select_blocks"])
+def test_bhsd_tensors_passed_as_bshd_get_a_layout_hint(fn):
+    """Issue 39: (B, heads, S, D) tensors with layout="bshd" read heads as seqlen; the error says so."""
+    qp, kp, q, k, v = _bhsd(Hp, Dp), _bhsd(Hpk, Dp), _bhsd(H, D), _bhsd(Hk, D), _bhsd(Hk, D)
+    with pytest.raises(ValueError) as info:
+        if fn == "flash_msa_func":
+            api.flash_msa_func(qp, kp, q, k, v, BS, layout="bshd", block_size=BS)
+        elif fn == "block_sparse_attention":
+            api.block_sparse_attention(q, k, v, torch.zeros(B, Hk, H, 1, dtype=torch.int32), BS, layout="bshd")
+        else:
+            api.select_blocks(qp, kp, BS, layout="bshd", block_size=BS)
+    msg = str(info.value)
+    assert msg.startswith(f"{fn}: ") and "seqlen" in msg, msg
+    assert "layout='bshd'" in msg and "pass layout='bhsd'" in msg, msg

@@ -1,5 +1,6 @@
 """proxy_block_scores on the GPU against the pure-PyTorch reference (fresh random inputs, poisoned output)."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -61,16 +62,19 @@ def test_matches_reference(shape, mma, force_mma):
 
 
 def test_block_size_64_runs_or_names_its_build_command():
-    """Bs = 64 is in the catalogue but not in the default build: either it was built and is right, or the error
-    says exactly how to build it."""
+    """Bs = 64 is in the catalogue, but no build set carries it (only `--block-size 64` widens a build to it): where
+    it was built it must be right, otherwise the error must say exactly how to build it. Both branches check."""
     from flash_msa_rt import MissingVariantError, proxy_block_scores
+    from flash_msa_rt.loader import built_values, device_arch
 
+    arch = device_arch(torch.cuda.current_device())
     q, k = make_inputs(2, 1111, 4, 2, 128, seed=64)
-    try:
-        scores = proxy_block_scores(q, k, block_size=64, scale=0.1)
-    except MissingVariantError as e:
-        assert "python -m build_tools build --arch sm90a --dtype bf16 --head-dim 128 --block-size 64" in str(e)
-        pytest.skip("Bs = 64 not built here (the error names the build command, as it must)")
+    if 64 not in built_values("block_scores", "block_size", arch, dtype="bf16"):
+        command = f"python -m build_tools build --arch {arch} --dtype bf16 --head-dim 128 --block-size 64"
+        with pytest.raises(MissingVariantError, match=re.escape(command)):
+            proxy_block_scores(q, k, block_size=64, scale=0.1)
+        return
+    scores = proxy_block_scores(q, k, block_size=64, scale=0.1)
     assert scores.shape == (2, 4, 1111, 18)
     check_against_reference(scores, q, k, 64, 0.1)
 
@@ -154,12 +158,12 @@ def test_build_time_facts_match_the_loaded_kernel():
     """Registers and local memory read from the cubin at build time equal what the driver reports."""
     from flash_msa_rt import driver
     from flash_msa_rt.loader import get_kernel
+    from flash_msa_rt import tuning
     from flash_msa_rt.ops.block_scores import kernel_config
+    from flash_msa_rt.ops.device import arch_of
 
-    from flash_msa_rt.ops.block_scores import device_mma
-
-    kernel = get_kernel("block_scores", kernel_config("bf16", 128, 128, device_mma(torch.device("cuda", 0))),
-                        torch.device("cuda", 0))
+    mma = tuning.block_scores.choose(arch_of(torch.device("cuda", 0))).mma
+    kernel = get_kernel("block_scores", kernel_config("bf16", 128, 128, mma), torch.device("cuda", 0))
     d = driver.cu()
     attr = d.CUfunction_attribute
     regs = driver.check(d.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, kernel._func), "regs")

@@ -5,6 +5,7 @@ kernels cannot run, with the reason."""
 import pytest
 import torch
 
+from flash_msa_rt import tuning
 from flash_msa_rt.ops import block_sparse, dispatch, kernels
 from tests.oracle import allowed_from_indices
 
@@ -38,12 +39,12 @@ def test_kernel_indices_allow_the_same_keys(H, Hk, Hi):
 @pytest.mark.parametrize("H, Hk, Hi, budget_heads", [(8, 2, 2, 0), (8, 2, 2, 1.1), (8, 4, 1, 0), (12, 4, 3, 2.2)])
 def test_forward_on_emulated_kernels_matches_the_reference(H, Hk, Hi, budget_heads, monkeypatch):
     """block_sparse_forward_cuda with sparse_fwd and sparse_combine replaced by their emulated contracts
-    (flash_msa_rt.ops.sparse_emulate) on the views they are given, in one chunk or in chunks of kernel heads:
+    (tests/sparse_emulate.py) on the views they are given, in one chunk or in chunks of kernel heads:
     out and lse are the reference's (float64 inputs; the launcher keeps the statistics in float32)."""
     from flash_msa_rt import reference
     from flash_msa_rt.ops import sparse_fwd
     from flash_msa_rt.ops import sparse_plan as sp
-    from flash_msa_rt.ops.sparse_emulate import emulate_forward
+    from tests.sparse_emulate import emulate_forward
 
     B, S, D, K, Bs = 2, 600, 16, 5, 128
     gen = torch.Generator().manual_seed(H + Hk + Hi)
@@ -74,13 +75,14 @@ def test_forward_on_emulated_kernels_matches_the_reference(H, Hk, Hi, budget_hea
 
     monkeypatch.setattr(sparse_fwd, "chunk_plans", recorded_chunk_plans)
     monkeypatch.setattr(sparse_fwd, "get_kernel", emulated_kernel)
-    monkeypatch.setattr(sparse_fwd, "DTYPES", {torch.float64: "f64"})
     L, G = block_sparse.kernel_heads(H, Hk, Hi), block_sparse.kernel_group(H, Hk, Hi)
+    over = {}
     if budget_heads:  # chunks of kernel heads
         per_head = B * S * K * (G * D * 2 + 4 * (G + 3 * sp.kl_groups(Bs)))
-        monkeypatch.setattr(sparse_fwd, "partials_budget", lambda *shape: int(budget_heads * per_head))
-        assert sparse_fwd.forward_chunks(B, S, L, Hk, L, K, G, D, Bs)[0] < L
-    out, lse = block_sparse.block_sparse_forward_cuda(q, k, v, idx, Bs, D ** -0.5)
+        over = {"sparse_fwd": {"partials_budget": int(budget_heads * per_head)}}
+        assert sparse_fwd.forward_chunks(B, S, L, Hk, L, K, G, D, Bs, int(budget_heads * per_head))[0] < L
+    with tuning.override(**over):
+        out, lse = block_sparse.block_sparse_forward_cuda(q, k, v, idx, Bs, D ** -0.5)
     want_out, want_lse = reference.block_sparse_forward(q, k, v, idx, Bs, D ** -0.5)
     assert out.shape == q.shape and lse.shape == (B, H, S) and lse.dtype == torch.float32
     torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)  # the launcher keeps lse_part in float32
@@ -103,21 +105,14 @@ def _problem(op="block_sparse_forward", dtype=torch.bfloat16, **over):
     ({"heads": 48, "index_heads": 1, "kv_group": 48}, "G = H / lcm(Hi, Hk) = 48 / lcm(1, 1) = 48"),
     ({"heads": 12, "index_heads": 4, "kv_group": 12}, "12 / lcm(4, 1) = 3"),
 ])
-def test_block_sparse_kernels_decline_with_a_reason(op, over, words):
+def test_block_sparse_kernels_decline_with_a_reason(op, over, words, catalogue_artifacts):
+    catalogue_artifacts("sm90a")  # what is built: the default sm90a build's manifest
     reason = kernels._block_sparse_supports(_problem(op, **over))
     assert reason is not None and words in reason, reason
 
 
 def test_float32_and_deterministic_backward_are_declined():
     assert "float32" in kernels._block_sparse_supports(_problem(dtype=torch.float32))
-    with pytest.warns(RuntimeWarning) if not kernels._warned_deterministic else _nothing():
+    with pytest.warns(RuntimeWarning):  # the autouse fixture re-armed the warning
         reason = kernels._block_sparse_supports(_problem("block_sparse_backward", deterministic=True))
     assert "use_deterministic_algorithms" in reason and "atomics" in reason
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -42,8 +42,9 @@ def test_serialised_wgmma_fails_the_build():
 
     import cutlass.cute as cute
     from build_tools.build import BuildError, check_compiled
-    from kernels_src.block_scores.kernel import compile_kernel, ptxas_performance_warnings
-    from kernels_src.select.kernel import _fake_args
+    from kernels_src.compile import compile_kernel, ptxas_performance_warnings
+    from kernels_src.block_scores.build import fake_args
+    from kernels_src.select import params
     from kernels_src.select.wgmma import ProxySelectWG
 
     class AcrossSteps(ProxySelectWG):
@@ -66,9 +67,9 @@ def test_serialised_wgmma_fails_the_build():
             warpgroup.wait_group(0)
 
     config = Config(mma="wgmma")
-    shipped = compile_kernel(ProxySelectWG(config), config, "sm90a", _fake_args(config))
+    shipped = compile_kernel(ProxySelectWG(config), config, "sm90a", fake_args(params(config), "block_indices"))
     assert shipped.ptxas_warnings == ()
-    compiled = compile_kernel(AcrossSteps(config), config, "sm90a", _fake_args(config))
+    compiled = compile_kernel(AcrossSteps(config), config, "sm90a", fake_args(params(config), "block_indices"))
     assert any(w.startswith("C7514: Potential Performance Loss") for w in compiled.ptxas_warnings), \
         compiled.ptxas_warnings
     spec = next(s for s in variants(("sm90a",)) if s.name == config.variant_name("sm90a"))

@@ -21,8 +21,10 @@ FAMILIES = ("sparse_fwd", "sparse_combine", "sparse_kl", "sparse_combine_kl", "s
 
 @pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
 def test_sparse_kernels_build(tmp_path, arch):
-    specs = [s for s in variants((arch,), only=["sparse_*_bf16_*g4_*", "sparse_combine_kl_*"]) if s.op in FAMILIES]
-    # The combine twice on both: the widest heads per warp (shipped) and one head per warp (A/B runs).
+    specs = [s for s in variants((arch,), sets="all", only=["sparse_*_bf16_*g4_*", "sparse_combine_kl_*"])
+             if s.op in FAMILIES]
+    # Every build set (the A/B alternates too). The combine twice on both: the widest heads per warp (shipped) and
+    # one head per warp (A/B runs).
     # sm90a builds every family but the combines twice: mma.sync and wgmma (Hopper only); the forward and the KL
     # pass on wgmma once more each, with their warpgroups in ping-pong (the forward twice: one and two q buffers),
     # the proxy backward with resident heads, and the main backward writing tau, with atomics and deterministic

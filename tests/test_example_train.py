@@ -93,6 +93,24 @@ def test_same_init_and_data_for_both_runs(full):
 
 
 @pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed (pip install matplotlib)")
+def test_summary_says_which_backend_ran_and_what_to_expect(full):
+    """Issue 39: the metrics record the backends that actually ran each MSA op, and the summary says what to
+    expect from them (on a CPU: the reference, slow by design)."""
+    _, m = full
+    assert set(m["msa_backends"]) >= {"select_blocks", "msa_forward", "msa_backward", "warmup_forward",
+                                      "warmup_backward"}
+    if m["config"]["device"] == "cpu":
+        assert all(ns == ["reference"] for ns in m["msa_backends"].values()), m["msa_backends"]
+        assert m["msa_backend"] == "reference"
+        assert "slow by design" in m["msa_backend_note"] and "nothing about the kernels" in m["msa_backend_note"]
+    train_msa = sys.modules[_train_main().__module__]
+    summary = train_msa.format_summary(m)
+    assert m["msa_backend_note"] in summary and f"MSA backend: {m['msa_backend']}" in summary
+    assert train_msa.backend_label({"msa_forward": {"kernels"}, "msa_backward": {"reference"}}) == \
+        "kernels + reference (msa_backward)"
+    assert "AOT kernels" in train_msa.backend_note("kernels", "NVIDIA H200")
+
+
 def test_plot_is_written(full):
     out, _ = full
     png = out / "metrics.png"

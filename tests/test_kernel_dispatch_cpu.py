@@ -22,11 +22,46 @@ def _problem(op="msa_backward", dtype=torch.bfloat16, **over):
     ({"block_size": 64}, "block_size 64"),
     ({"kv_group": 2}, "Hp >= Hk"),
 ])
-def test_sparse_kernels_decline_with_a_reason(over, words):
-    with pytest.warns(RuntimeWarning) if over.get("deterministic") and not kernels._warned_deterministic else \
-            _nothing():
-        reason = kernels._msa_supports(_problem(**over))
+def test_sparse_kernels_decline_with_a_reason(over, words, catalogue_artifacts):
+    """What the sparse kernels run is read from the manifest (here: the default sm90a build's): a problem outside it
+    is declined naming the problem's value and what is built."""
+    catalogue_artifacts("sm90a")
+    reason = kernels._msa_supports(_problem(**over))
     assert reason is not None and words in reason
+    if words.startswith(("G", "D", "block_size")):
+        assert "built for sm90a" in reason and "G in (1, 2, 4, 8, 16)" in reason, reason
+
+
+def test_every_default_problem_is_accepted_on_the_default_build(catalogue_artifacts):
+    """Against the default sm90a build's manifest, dispatch finds every variant a default forward and backward
+    launches (the loader's lookup by named fields), at every built G, deterministic or not, and the selection's;
+    sm100a's build has no deterministic kernels."""
+    catalogue_artifacts("sm90a")
+    for G in (1, 2, 4, 8, 16):
+        for op, det in (("msa_forward", False), ("msa_backward", False), ("msa_backward", True)):
+            assert kernels._msa_supports(_problem(op, group=G, kv_group=G, deterministic=det)) is None, (op, G)
+        assert kernels._warmup_supports(_problem("warmup_forward", group=G, kv_group=G)) is None, G
+    for k in (1, 16, 17, 64):
+        select = _problem("select_blocks", top_k_blocks=k)
+        assert kernels._select_supports(select) is None, k
+    assert "K 65" in kernels._select_supports(_problem("select_blocks", top_k_blocks=65))
+
+
+def test_the_variant_lookup_reads_named_fields(catalogue_artifacts):
+    """The loader finds a variant by its config's named fields, whatever order the runtime writes them in (the
+    build's declaration order names the variant); a field of another value is missing, with the nearest ones."""
+    from flash_msa_rt import loader
+    from flash_msa_rt.errors import MissingVariantError
+    from flash_msa_rt.ops import sparse_fwd
+
+    catalogue_artifacts("sm90a")
+    config = sparse_fwd.kernel_config("bf16", 128, 128, 4, sparse_fwd.choice("sm90a", 4))
+    entry, _ = loader.find_variant("sparse_fwd", config, "sm90a")
+    shuffled = dict(reversed(list(config.items())))
+    assert list(shuffled) != list(config) and loader.find_variant("sparse_fwd", shuffled, "sm90a")[0] is entry
+    assert loader.built_values("sparse_fwd", "group", "sm90a", dtype="bf16") == (1, 2, 4, 8, 16)
+    with pytest.raises(MissingVariantError, match="nearest available"):
+        loader.find_variant("sparse_fwd", dict(shuffled, group=3), "sm90a")
 
 
 def test_deterministic_backward_is_declined_off_the_tau_path(monkeypatch):
@@ -35,7 +70,7 @@ def test_deterministic_backward_is_declined_off_the_tau_path(monkeypatch):
     from flash_msa_rt import loader
 
     monkeypatch.setattr(loader, "device_arch", lambda index: "sm100a")
-    with pytest.warns(RuntimeWarning) if not kernels._warned_deterministic else _nothing():
+    with pytest.warns(RuntimeWarning):  # the autouse fixture re-armed the warning
         reason = kernels._msa_supports(_problem(deterministic=True))
     assert "use_deterministic_algorithms" in reason and "sm100a" in reason and "reference" in reason
     monkeypatch.setattr(loader, "device_arch", lambda index: "sm90a")
@@ -50,17 +85,31 @@ def test_float32_is_declined():
     assert "float32" in kernels._msa_supports(_problem("msa_forward", dtype=torch.float32))
 
 
-class _nothing:
-    def __enter__(self):
-        return self
+def test_reset_warnings_rearms_every_once_per_process_warning():
+    """dispatch.reset_warnings re-arms deterministic mode's warning (and forgets the cuDNN refusals), so that the
+    next decline warns again."""
+    import warnings
 
-    def __exit__(self, *exc):
-        return False
+    from flash_msa_rt import loader
+    from flash_msa_rt.ops import dispatch
+
+    with pytest.MonkeyPatch.context() as m, warnings.catch_warnings(record=True) as recwarn:
+        warnings.simplefilter("always")
+        m.setattr(loader, "device_arch", lambda index: "sm100a")
+        for _ in range(2):
+            kernels._msa_supports(_problem(deterministic=True))
+        assert len(recwarn) == 1
+        kernels._cudnn_failed[0] = RuntimeError("refused")
+        dispatch.reset_warnings()
+        assert not kernels._cudnn_failed
+        kernels._msa_supports(_problem(deterministic=True))
+        assert len(recwarn) == 2
 
 
 @pytest.mark.parametrize("first", ["flash_msa_rt.ops.kernels", "flash_msa_rt.ops.dispatch", "flash_msa_rt"])
 def test_kernel_backend_registers_once_whatever_is_imported_first(first):
-    """dispatch and kernels import each other: either order leaves exactly one kernel backend before the reference."""
+    """dispatch registers the kernel backend (kernels does not import dispatch): whatever is imported first,
+    exactly one kernel backend comes before the reference."""
     import subprocess
     import sys
 
@@ -117,7 +166,6 @@ def test_warmup_falls_back_to_the_sparse_main_path_when_cudnn_refuses(monkeypatc
         calls.append("cudnn")
         raise RuntimeError("cuDNN Frontend error: no valid engine configs")
 
-    monkeypatch.setattr(kernels, "_cudnn_failed", {})
     monkeypatch.setattr(kernels.dense_main, "available", lambda: None)
     monkeypatch.setattr(kernels.torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(kernels.dense_main, "dense_forward", refuse)
@@ -143,7 +191,6 @@ def test_warmup_backward_falls_back_when_only_cudnn_backward_refuses(monkeypatch
         calls.append("cudnn_bwd")
         raise RuntimeError("cuDNN Frontend error")
 
-    monkeypatch.setattr(kernels, "_cudnn_failed", {})
     monkeypatch.setattr(kernels.dense_main, "available", lambda: None)
     monkeypatch.setattr(kernels.torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(kernels.dense_main, "dense_backward", refuse)
@@ -158,12 +205,12 @@ def test_warmup_backward_falls_back_when_only_cudnn_backward_refuses(monkeypatch
 @pytest.mark.parametrize("dense_built", [True, False])
 def test_warmup_proxy_passes_take_the_dense_kernels_where_usable(monkeypatch, dense_built):
     """Warmup's KL pass and proxy backward run the dense kernels (flash_msa_rt.ops.warmup_kl) when `usable` says
-    so, and the sparse kernels over the all-causal selection otherwise or when DENSE_WARMUP_KL is off. Checked
-    with the GPU calls replaced by recorders."""
+    so, and the sparse kernels over the all-causal selection otherwise or when tuning.warmup's dense_proxy is
+    overridden off. Checked with the GPU calls replaced by recorders."""
+    from flash_msa_rt import tuning
     from flash_msa_rt.ops import warmup_kl
 
     calls = []
-    monkeypatch.setattr(kernels, "_cudnn_failed", {})
     monkeypatch.setattr(kernels.dense_main, "available", lambda: None)
     monkeypatch.setattr(kernels.torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(kernels.dense_main, "dense_forward", lambda *a: ("out", "lse"))
@@ -178,33 +225,52 @@ def test_warmup_proxy_passes_take_the_dense_kernels_where_usable(monkeypatch, de
     qp = torch.zeros(1, 300, 2, 128)
     q = torch.zeros(1, 300, 8, 128)
     for dense_switch in (True, False):
-        monkeypatch.setattr(kernels, "DENSE_WARMUP_KL", dense_switch)
         calls.clear()
-        assert kernels._warmup_forward(qp, qp, q, qp, qp, 0.1) == ("out", "lse", "lp", "kl")
-        assert kernels._warmup_backward(qp, qp, q, qp, qp, q, "lse", "lp", 0.1, q, torch.ones(())) == (
-            "dqp", "dkp", "dq", "dk", "dv")
+        with tuning.override(warmup={"dense_proxy": dense_switch}):
+            assert kernels._warmup_forward(qp, qp, q, qp, qp, 0.1) == ("out", "lse", "lp", "kl")
+            assert kernels._warmup_backward(qp, qp, q, qp, qp, q, "lse", "lp", 0.1, q, torch.ones(())) == (
+                "dqp", "dkp", "dq", "dk", "dv")
         dense = dense_built and dense_switch
         assert calls == (["dense_kl", "dense_bwd"] if dense else ["sparse_kl", "sparse_bwd"]), (dense_built,
                                                                                                 dense_switch)
 
 
-def test_dense_warmup_kernels_say_why_not():
-    """warmup_kl.usable names what it cannot run: the group (the KL pass stops at G = 4, the backward at 16), the
-    head dims, the dtype, and a tensor off CUDA."""
+def test_warmup_main_attention_override_takes_the_sparse_path(monkeypatch):
+    """tuning.warmup's dense_main overridden off runs warmup's main attention on the sparse kernels even where
+    cuDNN is usable (the GPU tests' way to check that path)."""
+    from flash_msa_rt import tuning
+
+    monkeypatch.setattr(kernels.dense_main, "available", lambda: None)
+    monkeypatch.setattr(kernels.torch.backends.cudnn, "is_available", lambda: True)
+    q = torch.zeros(1, 300, 8, 128)
+    assert kernels._dense_main(q)
+    with tuning.override(warmup={"dense_main": False}):
+        assert not kernels._dense_main(q)
+
+
+def test_dense_warmup_kernels_say_why_not(catalogue_artifacts):
+    """warmup_kl.usable names what it cannot run: the dtype and head dims, a tensor off CUDA, a group the proxy
+    backward's chunks do not divide; and, from the manifest, a group the KL pass is not built for."""
     from flash_msa_rt.ops import warmup_kl
 
     qp = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16)
     q8 = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)
-    assert "G 8" in warmup_kl.usable(qp, q8, "warmup_kl")
     assert "runs on CUDA devices" in warmup_kl.usable(qp, q8, "warmup_bwd_proxy")
-    assert "G 32" in warmup_kl.usable(qp, torch.zeros(1, 4, 32, 128, dtype=torch.bfloat16), "warmup_bwd_proxy")
     assert "Dp 64" in warmup_kl.usable(torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16), q8[:, :, :4])
     assert "torch.float32" in warmup_kl.usable(qp.float(), q8[:, :, :4].float())
+    catalogue_artifacts("sm90a")
+    warmup_kl._built.cache_clear()
+    try:
+        why = warmup_kl._built("warmup_kl", "bf16", 128, 8, "pingpong", 0)
+        assert "G 8" in why and "G in (1, 2, 4)" in why, why
+        assert warmup_kl._built("warmup_kl", "bf16", 128, 4, "pingpong", 0) is None
+    finally:
+        warmup_kl._built.cache_clear()
 
 
-def test_dense_warmup_kernels_need_sm90a_and_their_variant(monkeypatch, tmp_path):
-    """Off sm90a the dense warmup kernels decline with the arch; on sm90a without the variant in the artifacts,
-    with the loader's message (which names the build command). The verdict is cached per device."""
+def test_dense_warmup_kernels_need_their_variant(monkeypatch, tmp_path):
+    """Without the variant in the device's artifacts (sm100a builds none) the dense warmup kernels decline with
+    the loader's message (which names the build command). The verdict is cached per device."""
     from flash_msa_rt import loader
     from flash_msa_rt.ops import warmup_kl
 
@@ -212,11 +278,11 @@ def test_dense_warmup_kernels_need_sm90a_and_their_variant(monkeypatch, tmp_path
     warmup_kl._built.cache_clear()
     try:
         monkeypatch.setattr(loader, "device_arch", lambda index: "sm100a")
-        assert "sm90a only, not sm100a" in warmup_kl._built("warmup_kl", "bf16", 128, 4, 0)
+        assert "not built for sm100a" in warmup_kl._built("warmup_kl", "bf16", 128, 4, "pingpong", 0)
         monkeypatch.setattr(loader, "device_arch", lambda index: "sm90a")
-        why = warmup_kl._built("warmup_bwd_proxy", "bf16", 128, 4, 1)
+        why = warmup_kl._built("warmup_bwd_proxy", "bf16", 128, 4, "", 1)
         assert "python -m build_tools build" in why, why
         monkeypatch.setattr(loader, "device_arch", lambda index: "sm100a")
-        assert warmup_kl._built("warmup_bwd_proxy", "bf16", 128, 4, 1) == why  # cached for device 1
+        assert warmup_kl._built("warmup_bwd_proxy", "bf16", 128, 4, "", 1) == why  # cached for device 1
     finally:
         warmup_kl._built.cache_clear()

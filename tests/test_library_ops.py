@@ -146,14 +146,13 @@ def test_ops_equal_the_reference():
 # --- dispatch ----------------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def clean_dispatch(monkeypatch):
-    monkeypatch.setattr(dispatch, "_warned", False)
-    dispatch._resolved.clear()
+def clean_dispatch():
+    dispatch.reset_warnings()  # also forgets dispatch's answers
     yield
     for b in dispatch.backends():
         if b.name.startswith("test-"):
             dispatch.unregister_backend(b.name)
-    dispatch._resolved.clear()
+    dispatch.reset_warnings()
 
 
 def test_a_registered_backend_runs_what_it_supports(clean_dispatch):
@@ -161,7 +160,7 @@ def test_a_registered_backend_runs_what_it_supports(clean_dispatch):
 
     def fwd(*args):
         calls.append(args[0].shape)
-        return dispatch._REFERENCE.ops["block_sparse_forward"](*args)
+        return dispatch.reference_impl("block_sparse_forward")(*args)
 
     dispatch.register_backend(dispatch.Backend(
         "test-d8", "cpu", lambda p: None if p.config["head_dim"] == D else f"head_dim {p.config['head_dim']}",
@@ -182,13 +181,17 @@ def test_cuda_without_kernels_falls_back_once_with_the_build_command(clean_dispa
     cuda = torch.device("cuda", 0)  # resolving touches no device
     with pytest.warns(RuntimeWarning) as record:
         impl = dispatch.implementation("msa_forward", cuda, torch.bfloat16, head_dim=8, block_size=4)
-    assert impl is dispatch._REFERENCE.ops["msa_forward"]
+    assert impl is dispatch.reference_impl("msa_forward")
     msg = str(record[0].message)
     assert "python -m build_tools build --arch sm90a" in msg and "no bf16 d=8 variant built" in msg
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dispatch.implementation("msa_backward", cuda, torch.bfloat16, head_dim=8, block_size=4)
-        dispatch.implementation("msa_forward", torch.device("cpu"), torch.bfloat16, head_dim=8)  # CPU: silent
+    with pytest.warns(UserWarning, match="pure-PyTorch reference.*shown once"):  # CPU: one notice ...
+        dispatch.implementation("msa_forward", torch.device("cpu"), torch.bfloat16, head_dim=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dispatch.implementation("msa_backward", torch.device("cpu"), torch.bfloat16, head_dim=8)  # ... per process
 
 
 def test_register_backend_rejects_unknown_ops_and_keeps_the_reference():
@@ -196,3 +199,39 @@ def test_register_backend_rejects_unknown_ops_and_keeps_the_reference():
         dispatch.register_backend(dispatch.Backend("test-bad", "cuda", lambda p: None, {"msa_fwd": print}))
     with pytest.raises(ValueError, match="reference"):
         dispatch.unregister_backend("reference")
+
+
+def test_a_backward_runs_under_its_forwards_tuning_overrides(clean_dispatch):
+    """tuning.override is scoped to its block and its context, and autograd runs backward on threads of its own:
+    the custom op's backward re-enters the overrides its forward ran under, whenever and wherever it runs."""
+    import threading
+
+    from flash_msa_rt import tuning
+
+    seen = {}
+
+    def recording(op):
+        def run(*args):
+            seen[op] = (tuning.current(), threading.get_ident())
+            return dispatch.reference_impl(op)(*args)
+        return run
+
+    dispatch.register_backend(dispatch.Backend("test-tuning", "cpu", lambda p: None,
+                                               {op: recording(op) for op in ("msa_forward", "msa_backward")}))
+    qp, kp, q, k, v = five(seed=11)
+    idx = selection(qp.detach(), kp.detach())
+    with tuning.override(sparse_bwd={"producer": False}) as applied:
+        out, _, _, kl = torch.ops.flash_msa.msa_forward(qp, kp, q, k, v, idx, BS, SCALE)
+    assert tuning.current() == tuning.NONE
+    (out.square().sum() + kl.sum()).backward()
+    assert seen["msa_forward"][0] == seen["msa_backward"][0] == applied
+    assert applied.fields("sparse_bwd") == {"producer": False}
+
+    def other_thread():  # overrides do not leak into other threads
+        seen["thread"] = tuning.current()
+
+    with tuning.override(sparse_fwd={"stages": 2}):
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+    assert seen["thread"] == tuning.NONE

@@ -175,7 +175,7 @@ def test_missing_variant_lists_nearest_and_build_command(toy):
 
 def test_missing_arch_names_the_wheel_and_command(toy, monkeypatch):
     monkeypatch.setattr(loader, "device_arch", lambda index: "sm100a")
-    with pytest.raises(MissingVariantError, match=r"no sm100a artifacts.*FLASH_MSA_ARCHS=sm100a pip wheel"):
+    with pytest.raises(MissingVariantError, match=r"no sm100a artifacts.*flash-msa-rt\[sm100a\].*FLASH_MSA_ARCHS=sm100a pip install"):
         loader.get_kernel(OP, CONFIG, torch.device("cuda", 0))
 
 

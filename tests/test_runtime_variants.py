@@ -5,6 +5,7 @@ buffer the loader refuses)."""
 
 import pytest
 
+from flash_msa_rt import tuning
 from flash_msa_rt.manifest import variant_name
 from flash_msa_rt.ops import block_scores as rt_scores
 from flash_msa_rt.ops import select as rt_select
@@ -15,36 +16,88 @@ from kernels_src import sparse_bwd, sparse_kl, warmup_kl
 from kernels_src.catalogue import variants
 
 DTYPES = ("bf16", "f16")
+GROUPS = (1, 2, 4, 8, 16)
+
+
+def _names(launched, arch):
+    return [variant_name(op, cfg, arch) for op, cfg in launched]
 
 
 @pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
 def test_every_launched_variant_is_in_the_catalogue(arch):
+    """What the runtime launches by default on arch (the tuning policies' choices) is in arch's default build."""
     built = {s.name for s in variants((arch,))}
-    launched = [("select", rt_select.kernel_config(dt, 128, 128, k, rt_fwd.family_mma(arch, "select")))
-                for dt in DTYPES for k in rt_select.SHIPPED_MAX_KS]
-    launched += [("block_scores", rt_scores.kernel_config("bf16", dp, 128, rt_fwd.family_mma(arch, "block_scores")))
+    launched = [("select", rt_select.kernel_config(dt, 128, 128, k, tuning.select.choose(arch).mma))
+                for dt in DTYPES for k in (16, 64)]
+    launched += [("block_scores", rt_scores.kernel_config("bf16", dp, 128, tuning.block_scores.choose(arch).mma))
                  for dp in (64, 128)]
     for dt in DTYPES:
-        for G in rt_fwd.GROUPS:
+        for G in GROUPS:
             launched += rt_fwd.variants(dt, 128, 128, 128, G, arch) + rt_bwd.variants(dt, 128, 128, 128, G, arch)
-    missing = [variant_name(op, cfg, arch) for op, cfg in launched if variant_name(op, cfg, arch) not in built]
+    missing = [n for n in _names(launched, arch) if n not in built]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("overrides", [
+    tuning.every_mma("sync"),
+    {"sparse_fwd": {"schedule": "lockstep", "kl_schedule": "lockstep"}},
+    {"sparse_fwd": {"stages": 2}},
+    {"sparse_fwd": {"combine_heads": 1}},
+    {"sparse_bwd": {"tau_path": False, "recompute_heads": "stepped"}},
+    {"sparse_bwd": {"producer": False}},
+], ids=["sync", "lockstep", "two-q-buffers", "one-head-combine", "stepped", "no-producer"])
+def test_variants_the_gpu_tests_force_are_built_for_sm90a(overrides):
+    """The alternate variants the GPU tests and sanitizers reach through tuning.override are all in the sm90a
+    catalogue (the opt-in build set, or the hopper_sync_check set for mma.sync; the forward's one q buffer is not
+    built at G = 1, and the proxy backward's resident heads stop at G = 4: the tests ask for those only where they
+    exist)."""
+    built = {s.name for s in variants(("sm90a",), sets="all")}
+    launched = []
+    with tuning.override(**overrides):
+        for dt in DTYPES:
+            for G in GROUPS:
+                launched += rt_fwd.variants(dt, 128, 128, 128, G, "sm90a")
+                launched += rt_bwd.variants(dt, 128, 128, 128, G, "sm90a")
+    missing = [n for n in _names(launched, "sm90a") if n not in built]
+    assert not missing, missing
+
+
+def test_overrides_are_scoped_and_checked():
+    """An override holds inside its block only, nests (inner fields win), and names a policy and fields that
+    exist."""
+    assert rt_fwd.choice("sm90a", 4).schedule == "pingpong"
+    with tuning.override(sparse_fwd={"schedule": "lockstep"}):
+        assert rt_fwd.choice("sm90a", 4).schedule == "lockstep"
+        assert rt_fwd.choice("sm90a", 4).stages == 2  # derived from the overridden schedule
+        with tuning.override(sparse_fwd={"schedule": "pingpong"}, sparse_bwd={"producer": False}):
+            assert rt_fwd.choice("sm90a", 4).schedule == "pingpong" and not rt_bwd.choice("sm90a", 4).producer
+        assert rt_bwd.choice("sm90a", 4).producer
+    assert rt_fwd.choice("sm90a", 4).schedule == "pingpong" and tuning.current() == tuning.NONE
+    with tuning.override(**tuning.every_mma("sync")):
+        fwd = rt_fwd.choice("sm90a", 4)
+        assert (fwd.mma, fwd.schedule, fwd.kl_schedule, fwd.kl_tile_n) == ("sync", "lockstep", "lockstep", 64)
+    with pytest.raises(ValueError, match="unknown policy 'sparse_fw'"):
+        with tuning.override(sparse_fw={"stages": 1}):
+            pass
+    with pytest.raises(ValueError, match=r"sparse_fwd has no fields \['stage'\]"):
+        with tuning.override(sparse_fwd={"stage": 1}):
+            pass
 
 
 def test_dense_warmup_variants_are_the_catalogues():
     """The runtime's dense warmup KL pass (in either schedule) and proxy backward launch a built variant for each
-    group they claim (sm90a), and claim exactly the groups the catalogue builds (a group not claimed would silently keep the slow
-    sparse kernels)."""
-    launches = {"warmup_kl": [rt_warmup_kl.kernel_config(dt, 128, G, sc) for dt in DTYPES for G in rt_warmup_kl.GROUPS
-                              for sc in rt_warmup_kl.SCHEDULE_THREADS],  # the runtime's SCHEDULE, or a test's
-                "warmup_bwd_proxy": [rt_warmup_kl.backward_config(dt, 128, rt_warmup_kl.backward_chunk(G))
-                                     for dt in DTYPES for G in rt_warmup_kl.BACKWARD_GROUPS]}
+    group they claim (sm90a), and claim exactly the groups the catalogue builds (a group not claimed would silently
+    keep the slow sparse kernels)."""
+    t = tuning.warmup.choose("sm90a")
+    launches = {"warmup_kl": [rt_warmup_kl.kernel_config(dt, 128, G, sc) for dt in DTYPES for G in warmup_kl.GROUPS
+                              for sc in tuning.warmup.KL_SCHEDULE_THREADS],  # the policy's schedule, or a test's
+                "warmup_bwd_proxy": [rt_warmup_kl.backward_config(dt, 128, rt_warmup_kl.backward_chunk(G, t))
+                                     for dt in DTYPES for G in GROUPS]}
     for op, configs in launches.items():
-        built = {s.name for s in variants(("sm90a",)) if s.op == op}
+        built = {s.name for s in variants(("sm90a",), sets="all") if s.op == op}  # lockstep: opt-in
         assert {variant_name(op, c, "sm90a") for c in configs} == built, op
         assert not [s for s in variants(("sm100a",)) if s.op == op]
-    assert all(G % rt_warmup_kl.backward_chunk(G) == 0 for G in rt_warmup_kl.BACKWARD_GROUPS)
-    assert rt_warmup_kl.GROUPS == warmup_kl.GROUPS
+    assert all(G % rt_warmup_kl.backward_chunk(G, t) == 0 for G in GROUPS)
 
 
 @pytest.mark.parametrize("mma, schedule, groups", [("sync", None, 4), ("wgmma", "lockstep", 2),
@@ -53,7 +106,9 @@ def test_kl_part_columns_are_the_kernels(mma, schedule, groups):
     """The KL pass writes (A, T, L) per key group: 64-key slices x 2 halves on mma.sync, the whole block x 2
     warpgroups on wgmma in lockstep, one group in ping-pong (the runtime's default at G = 4). The runtime allocates
     kl_part from kl_part_groups; the kernel declares its columns; the build has the variant."""
-    cfg = rt_fwd.kl_config("bf16", 128, 128, 4, mma, schedule)
+    over = {"kl_mma": mma, **({"kl_schedule": schedule} if schedule else {})}
+    with tuning.override(sparse_fwd=over):
+        cfg = rt_fwd.kl_config("bf16", 128, 128, 4, rt_fwd.choice("sm90a", 4))
     config = sparse_kl.Config(**cfg)
     assert sparse_kl.can_implement(config, "sm90a")[0], config
     kl_part = next(p for p in sparse_kl.params(config) if p.name == "kl_part")
@@ -70,14 +125,18 @@ def test_proxy_heads_the_runtime_launches_are_built():
     for G in (1, 2, 4, 8, 16):
         for mma in ("sync", "wgmma"):
             for heads in (None, "stepped"):
-                cfg = rt_bwd.proxy_config("bf16", 128, 128, G, mma, heads)
+                with tuning.override(sparse_bwd={"mma": mma, "proxy_mma": mma,
+                                                 **({"recompute_heads": heads} if heads else {})}):
+                    t = rt_bwd.choice("sm90a", G)
+                cfg = rt_bwd.proxy_config("bf16", 128, 128, G, t)
                 assert cfg["heads"] == ("resident" if mma == "wgmma" and G <= 4 and heads is None else "stepped")
                 assert sparse_bwd_proxy.Config(**cfg) in sparse_bwd_proxy.configs()
-            cfg = rt_bwd.proxy_config("bf16", 128, 128, G, mma, tau=True)
-            assert cfg["heads"] == ("tau" if mma == "wgmma" else "stepped")
-            assert cfg["group"] == (1 if mma == "wgmma" else G)
-            assert sparse_bwd_proxy.Config(**cfg) in sparse_bwd_proxy.configs()
-        main = rt_bwd.kernel_config("bf16", 128, 128, G, "wgmma", tau_out=True)
+                assert t.tau_path == (mma == "wgmma")
+                if t.tau_path:
+                    cfg = rt_bwd.proxy_config("bf16", 128, 128, G, t, tau=True)
+                    assert cfg["heads"] == "tau" and cfg["group"] == 1
+                    assert sparse_bwd_proxy.Config(**cfg) in sparse_bwd_proxy.configs()
+        main = rt_bwd.kernel_config("bf16", 128, 128, G, rt_bwd.choice("sm90a", G), tau_out=True)
         assert sparse_bwd.MainConfig(**main) in sparse_bwd.configs()
         assert sparse_bwd.can_implement(sparse_bwd.MainConfig(**main), "sm90a")[0]
     ok, reason = sparse_bwd.can_implement(sparse_bwd.MainConfig(tau_out=1), "sm90a")  # mma.sync: 64-key slices
@@ -117,29 +176,33 @@ def test_deterministic_backward_variants_are_built():
 
 def test_deterministic_budget_and_entry_bytes():
     """Deterministic chunks hold tau plus fp32 dq / dq_p rows per entry, within twice the dq
-    accumulator bounded by [DETERMINISTIC_FLOOR, DETERMINISTIC_BUDGET]."""
+    accumulator bounded by [2, 4] GiB (tuning.sparse_bwd)."""
+    def budget(B, S, H, D):
+        return rt_bwd.choice("sm90a", 4, D, 128, B, S, H).deterministic_budget
+
     assert rt_bwd.entry_bytes(128, 4, 128) == 256
     assert rt_bwd.entry_bytes(128, 4, 128, True) == 256 + 4 * 4 * 128 + 4 * 128
-    assert rt_bwd.deterministic_budget(1, 8192, 16, 128) == rt_bwd.DETERMINISTIC_FLOOR
-    assert rt_bwd.deterministic_budget(1, 65536, 16, 128) == rt_bwd.DETERMINISTIC_FLOOR
-    assert rt_bwd.deterministic_budget(3, 65536, 16, 128) == 8 * 3 * 65536 * 16 * 128
-    assert rt_bwd.deterministic_budget(2, 65536, 32, 128) == rt_bwd.DETERMINISTIC_BUDGET
+    assert budget(1, 8192, 16, 128) == 2 << 30
+    assert budget(1, 65536, 16, 128) == 2 << 30
+    assert budget(3, 65536, 16, 128) == 8 * 3 * 65536 * 16 * 128
+    assert budget(2, 65536, 32, 128) == 4 << 30
     per_entry = rt_bwd.entry_bytes(128, 4, 128, True)
-    c = rt_bwd.tau_heads(2, 65536, 8, 8, 1, 16, 128, rt_bwd.DETERMINISTIC_BUDGET, per_entry)
-    chunk = rt_bwd.tau_chunk(2, 65536, c, 16, 128, rt_bwd.DETERMINISTIC_BUDGET, per_entry)
-    assert c == 1 and 2 * c * chunk * 16 * per_entry <= rt_bwd.DETERMINISTIC_BUDGET * 1.125
+    c = rt_bwd.tau_heads(2, 65536, 8, 8, 1, 16, 128, 4 << 30, per_entry)
+    chunk = rt_bwd.tau_chunk(2, 65536, c, 16, 128, 4 << 30, per_entry)
+    assert c == 1 and 2 * c * chunk * 16 * per_entry <= (4 << 30) * 1.125
 
 
 def test_kl_schedules_the_runtime_launches_are_built():
     """wgmma runs the KL pass in ping-pong (resident heads single-buffered at G <= 4, a ring of slots at G = 8, 16),
     mma.sync in lockstep; forcing lockstep on wgmma gives the lockstep kernel, built for every G. A ring of one
     slot, or resident heads with two, is refused."""
-    assert rt_fwd.kl_schedule("wgmma") == "pingpong" and rt_fwd.kl_schedule("sync") == "lockstep"
+    assert rt_fwd.choice("sm90a", 4).kl_schedule == "pingpong" and rt_fwd.choice("sm100a", 4).kl_schedule == "lockstep"
     for G in (1, 2, 4, 8, 16):
         for schedule in (None, "lockstep"):
-            config = sparse_kl.Config(**rt_fwd.kl_config("bf16", 128, 128, G, "wgmma", schedule))
+            with tuning.override(sparse_fwd={"kl_schedule": schedule} if schedule else {}):
+                config = sparse_kl.Config(**rt_fwd.kl_config("bf16", 128, 128, G, rt_fwd.choice("sm90a", G)))
             assert config in sparse_kl.configs(), config
-    assert rt_fwd.kl_config("bf16", 128, 128, 16, "wgmma")["stages"] == sparse_kl.STREAM_STAGES
+    assert rt_fwd.kl_config("bf16", 128, 128, 16, rt_fwd.choice("sm90a", 16))["stages"] == sparse_kl.STREAM_STAGES
     for G, stages in ((8, 1), (4, 2)):
         ok, reason = sparse_kl.can_implement(sparse_kl.Config(group=G, tile_n=128, mma="wgmma", stages=stages,
                                                               schedule="pingpong"), "sm90a")
@@ -148,16 +211,17 @@ def test_kl_schedules_the_runtime_launches_are_built():
 
 @pytest.mark.parametrize("mma", ["sync", "wgmma"])
 def test_backward_keys_per_cta_agree(mma):
-    assert rt_fwd.tile_n_for(mma, 128) == sparse_bwd.tile_n_for(mma, 128)
-    assert rt_bwd.kernel_config("bf16", 128, 128, 4, mma)["tile_n"] == sparse_bwd.tile_n_for(mma, 128)
+    with tuning.override(sparse_bwd={"mma": mma}):
+        assert rt_bwd.kernel_config("bf16", 128, 128, 4, rt_bwd.choice("sm90a", 4))["tile_n"] == \
+            sparse_bwd.tile_n_for(mma, 128)
 
 
 def test_kl_pass_runs_wgmma_on_hopper_at_every_group():
     """On sm90a the KL pass runs wgmma in ping-pong at every G (heads resident at G <= 4, streamed at 8, 16), and
     mma.sync elsewhere."""
-    assert rt_fwd.family_mma("sm90a", "sparse_kl") == "wgmma" and rt_fwd.family_mma("sm100a", "sparse_kl") == "sync"
+    assert rt_fwd.choice("sm90a", 4).kl_mma == "wgmma" and rt_fwd.choice("sm100a", 4).kl_mma == "sync"
     for G in (1, 2, 4, 8, 16):
-        config = sparse_kl.Config(**rt_fwd.kl_config("bf16", 128, 128, G, "wgmma"))
+        config = sparse_kl.Config(**rt_fwd.kl_config("bf16", 128, 128, G, rt_fwd.choice("sm90a", G)))
         assert config.schedule == "pingpong" and sparse_kl.resident_heads(config) == (G <= 4)
 
 
@@ -179,37 +243,35 @@ def test_tau_head_chunks_map_every_head(Hp, Hk, Hpk):
     assert 1 in seen and Hp in seen
 
 
-def test_tau_budget_follows_the_dq_accumulator(monkeypatch):
-    """Half the fp32 dq accumulator, within [TAU_FLOOR, TAU_BUDGET] (both 1 GiB today: small problems in one
-    chunk, large ones in chunks of at most 1 GiB of tau rows)."""
-    assert rt_bwd.TAU_FLOOR <= rt_bwd.TAU_BUDGET
+def test_tau_budget_is_one_gib():
+    """Half the fp32 dq accumulator within [1 GiB, 1 GiB] (tuning.sparse_bwd: fewer chunks won over a lower peak
+    at B = 1): small problems in one chunk, large ones in chunks of at most 1 GiB of tau rows; an override sets
+    it."""
     for shape in ((1, 8192, 16, 128), (1, 65536, 16, 128), (2, 65536, 32, 128), (1, 1 << 20, 64, 128)):
-        half_dq = 2 * shape[0] * shape[1] * shape[2] * shape[3]
-        assert rt_bwd.tau_budget(*shape) == max(rt_bwd.TAU_FLOOR, min(rt_bwd.TAU_BUDGET, half_dq))
+        B, S, H, D = shape
+        assert rt_bwd.choice("sm90a", 4, D, 128, B, S, H).tau_budget == 1 << 30
     # (a) at B = 1, 64K: every proxy head in one chunk (4 x 268 MB of tau rows); (b) at 64K: two heads per chunk
-    assert rt_bwd.tau_heads(1, 65536, 4, 2, 1, 16, 128, rt_bwd.tau_budget(1, 65536, 16, 128)) == 4
-    assert rt_bwd.tau_heads(2, 65536, 8, 8, 1, 16, 128, rt_bwd.tau_budget(2, 65536, 32, 128)) == 2
-    monkeypatch.setattr(rt_bwd, "TAU_FLOOR", 1 << 28)  # the rule itself, with a lower floor
-    assert rt_bwd.tau_budget(1, 8192, 16, 128) == 1 << 28
-    assert rt_bwd.tau_budget(2, 65536, 16, 128) == 2 * 2 * 65536 * 16 * 128  # (a) at B = 2: 537 MB
-    assert rt_bwd.tau_budget(2, 65536, 32, 128) == rt_bwd.TAU_BUDGET  # (b): 1 GiB
+    assert rt_bwd.tau_heads(1, 65536, 4, 2, 1, 16, 128, 1 << 30) == 4
+    assert rt_bwd.tau_heads(2, 65536, 8, 8, 1, 16, 128, 1 << 30) == 2
+    with tuning.override(sparse_bwd={"tau_budget": 1 << 28}):
+        assert rt_bwd.choice("sm90a", 4, 128, 128, 1, 8192, 16).tau_budget == 1 << 28
 
 
 @pytest.mark.parametrize("producer", [False, True])
-def test_producer_variants_agree_with_the_build(producer, monkeypatch):
-    """With PRODUCER on, the runtime asks for the warp-specialised main backward exactly where the build makes it
-    (and every variant it launches is built); off, never."""
+def test_producer_variants_agree_with_the_build(producer):
+    """With the producer on (the policy's choice), the runtime asks for the warp-specialised main backward
+    exactly where the build makes it (and every variant it launches is built); overridden off, never."""
     from flash_msa_rt.ops import sparse_bwd as runtime
     from kernels_src import sparse_bwd as build
 
-    monkeypatch.setattr(runtime, "PRODUCER", producer)
     assert (runtime.PRODUCER_THREADS, runtime.PRODUCER_GROUPS) == (build.PRODUCER_THREADS, build.PRODUCER_GROUPS)
-    built = {s.name for s in variants(("sm90a",), only=["sparse_bwd_*"])}
-    for G in build.GROUPS:
-        want = producer and G in build.PRODUCER_GROUPS
-        config = runtime.kernel_config("bf16", 128, 128, G, "wgmma", tau_out=True)
-        assert (config["threads"] == build.PRODUCER_THREADS) == want, G
-        assert variant_name("sparse_bwd", config, "sm90a") in built, config
-    for G in build.GROUPS:
-        assert runtime.kernel_config("bf16", 128, 128, G, "wgmma", True, True)["threads"] == 256
-        assert runtime.kernel_config("bf16", 128, 128, G, "wgmma")["threads"] == 256
+    built = {s.name for s in variants(("sm90a",), sets="all", only=["sparse_bwd_*"])}  # no producer: opt-in
+    with tuning.override(sparse_bwd={} if producer else {"producer": False}):
+        for G in build.GROUPS:
+            t = runtime.choice("sm90a", G)
+            want = producer and G in build.PRODUCER_GROUPS
+            config = runtime.kernel_config("bf16", 128, 128, G, t, tau_out=True)
+            assert (config["threads"] == build.PRODUCER_THREADS) == want, G
+            assert variant_name("sparse_bwd", config, "sm90a") in built, config
+            assert runtime.kernel_config("bf16", 128, 128, G, t, True, True)["threads"] == 256
+            assert runtime.kernel_config("bf16", 128, 128, G, t)["threads"] == 256

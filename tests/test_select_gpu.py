@@ -19,8 +19,9 @@ SHAPES = [  # B, S, Hp, Hpk, Dp, K: odd lengths, partial blocks, K above / below
     (2, 2049, 4, 4, 128, 16),
     (1, 4173, 2, 1, 128, 64),
     (1, 8191, 4, 1, 128, 16),
-    (1, 4096, 2, 1, 64, 40),
 ]
+# Dp = 64 is not in any build set yet (kernels_src.catalogue builds it only when --head-dim 64 widens the matrix):
+# its case returns here once the opt-in set carries it (issue 10 / 40).
 
 
 def make_inputs(B, S, Hp, Hpk, Dp, dtype, seed, std=1.0):
@@ -90,19 +91,13 @@ def check_selection(sel: torch.Tensor, q, k, K, block_size, scale, exact_rows=0.
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_Hp{}_Hpk{}_D{}_K{}".format(*s))
 def test_selection_matches_contract(shape, dtype, mma, force_mma):
-    from flash_msa_rt import MissingVariantError
     from flash_msa_rt.ops.select import select_blocks_cuda
 
     force_mma(mma)
     B, S, Hp, Hpk, Dp, K = shape
     q, k = make_inputs(B, S, Hp, Hpk, Dp, dtype, seed=hash(shape) % 1000)
     scale = Dp ** -0.5
-    try:
-        sel = select_blocks_cuda(q, k, K, 128, scale)
-    except MissingVariantError as e:  # Dp = 64 is in the catalogue, not in the default build
-        assert Dp != 128 and "python -m build_tools build --arch" in str(e), str(e)
-        pytest.skip(f"Dp {Dp} {dtype} not built here (the error names the build command)")
-    check_selection(sel, q, k, K, 128, scale)
+    check_selection(select_blocks_cuda(q, k, K, 128, scale), q, k, K, 128, scale)
 
 
 def test_long_sequence_and_large_logits():
@@ -161,11 +156,12 @@ def test_public_api_routes_selection_to_the_kernel():
 
 
 def test_sparse_op_runs_on_cuda_with_kernel_selection():
-    """flash_msa_func on CUDA: the selection kernel feeds the attention (reference until its kernels land);
-    out and kl_loss equal the reference run on the kernel's own block_indices."""
+    """flash_msa_func on CUDA: the selection kernel feeds the sparse kernels; out and kl_loss equal the sparse
+    forward run on the selection kernel's own block_indices, bitwise (the same kernels on the same inputs; the
+    public API's (B, H, S, D) inputs are views of the same values)."""
     import flash_msa_rt
-    from flash_msa_rt import reference
     from flash_msa_rt.ops.select import select_blocks_cuda
+    from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
 
     B, S, H, Hk, Hp, D = 1, 700, 8, 2, 2, 128
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -173,9 +169,8 @@ def test_sparse_op_runs_on_cuda_with_kernel_selection():
         return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
     qp, kp, q, k, v = rnd(B, Hp, S, D), rnd(B, 1, S, D), rnd(B, H, S, D), rnd(B, Hk, S, D), rnd(B, Hk, S, D)
     out, kl = flash_msa_rt.flash_msa_func(qp, kp, q, k, v, 256, D ** -0.5)
-    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
     sel = select_blocks_cuda(t(qp), t(kp), 2, 128, D ** -0.5)
-    ref_out, _, _, kl_rows = reference.msa_forward(t(qp), t(kp), t(q), t(k), t(v), sel, 128, D ** -0.5)
-    # Same computation up to layout (cuBLAS may pick another algorithm for other strides): one bf16 ulp.
-    torch.testing.assert_close(out, ref_out.reshape(B, S, H * D), rtol=2 ** -7, atol=2 ** -7)
-    torch.testing.assert_close(kl, kl_rows.mean(), rtol=1e-5, atol=1e-7)
+    ref_out, _, _, kl_rows = msa_forward_cuda(t(qp), t(kp), t(q), t(k), t(v), sel, 128, D ** -0.5)
+    assert torch.equal(out, ref_out.reshape(B, S, H * D))
+    torch.testing.assert_close(kl, kl_rows.mean(), rtol=1e-6, atol=1e-8)  # a mean over rows: its order may differ

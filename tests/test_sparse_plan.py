@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import oracle
-from flash_msa_rt.ops.sparse_emulate import emulate_forward, emulate_kl
+from flash_msa_rt import tuning
+from tests.sparse_emulate import emulate_forward, emulate_kl
 from flash_msa_rt.ops.sparse_plan import (SparsePlan, combine_forward, combine_kl_lse, kl_groups, live_slots,
                                           partials_bytes, recut, sparse_plan)
 from flash_msa_rt.reference.msa import msa_forward
@@ -270,7 +271,7 @@ def test_partials_bytes():
     assert partials_bytes(plan, 128, torch.bfloat16) == E * 8 * 128 * 2 + 4 * (E * 8 + E * 3)  # Bs 4: one group
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.gpu
 def test_cuda_graph_capture_matches_eager():
     """The plan and both combines capture into one CUDA graph; replay on new indices equals eager."""
     dev = torch.device("cuda")
@@ -301,7 +302,7 @@ def test_cuda_graph_capture_matches_eager():
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.gpu
 def test_cuda_equals_cpu():
     """The plan is exact integer work: identical on CUDA; the combines agree to fp32 rounding."""
     B, Hp, S, K, G, D, Bs = 2, 3, 1001, 6, 8, 16, 16
@@ -346,15 +347,20 @@ def test_query_chunks_equal_the_whole_plan():
 
 
 def test_forward_query_chunk_fits_the_budget():
-    from flash_msa_rt.ops.sparse_fwd import CHUNK_SLACK, PARTIALS_BUDGET, query_chunk
+    from flash_msa_rt.ops.sparse_fwd import CHUNK_SLACK, choice, query_chunk
 
+    def policy_chunk(B, S, Hp, K, G, D, Bs):  # the chunk under the tuning policy's budget for these sizes
+        return query_chunk(B, S, Hp, K, G, D, Bs, choice("sm90a", G, D, Bs, B, S, Hp * G).partials_budget)
+
+    least = choice("sm90a", 4).partials_budget  # no sizes: the policy's floor
+    assert least == 2 << 30
     # Configuration (b) at 128K tokens: the whole selection's partials would take ~17 GB; a chunk's may take as
     # much as the backward's fp32 dq accumulator (2 GiB here).
     B, S, Hp, K, G, D = 2, 65536, 8, 16, 4, 128
     budget = 4 * B * S * Hp * G * D
-    chunk = query_chunk(B, S, Hp, K, G, D, 128)
+    chunk = policy_chunk(B, S, Hp, K, G, D, 128)
     per_query = B * Hp * K * (G * D * 2 + 4 * (G + 12))
-    assert budget >= PARTIALS_BUDGET
+    assert budget >= least
     # equal chunks, none over the budget by more than the slack, and no more of them than full ones would take
     full = budget // per_query // 128 * 128
     assert chunk % 128 == 0 and chunk * per_query <= budget * (1 + CHUNK_SLACK)
@@ -362,10 +368,10 @@ def test_forward_query_chunk_fits_the_budget():
     assert (S + chunk - 1) // chunk == 8  # 9 full chunks would leave a 2.5K-query tail
     # Smaller problems keep the least budget (configuration (a) at 16K tokens: dq would take 128 MiB); the chunk
     # that fits leaves 640 queries, so one chunk takes them all, within the slack.
-    chunk = query_chunk(1, 16384, 4, K, 4, D, 128)
+    chunk = policy_chunk(1, 16384, 4, K, 4, D, 128)
     per_query = 4 * K * (4 * D * 2 + 4 * (4 + 12))
-    assert chunk == 16384 and chunk * per_query <= PARTIALS_BUDGET * (1 + CHUNK_SLACK)
-    assert query_chunk(1, 300, 1, 1, 1, 128, 128) == 384  # small problems: one chunk covering every block
+    assert chunk == 16384 and chunk * per_query <= least * (1 + CHUNK_SLACK)
+    assert policy_chunk(1, 300, 1, 1, 1, 128, 128) == 384  # small problems: one chunk covering every block
     assert query_chunk(B, S, Hp, K, G, D, 128, budget=1) == 128  # at least one block per chunk
     # chunks as equal as whole blocks allow: 9 blocks that fit 4 per chunk run as 3 + 3 + 3, not 4 + 4 + 1
     four_blocks = 4 * 128 * (128 * 2 + 4 * 13)
@@ -373,7 +379,7 @@ def test_forward_query_chunk_fits_the_budget():
     assert query_chunk(1, 8 * 128 + 1, 1, 1, 1, 128, 128, budget=four_blocks) == 3 * 128  # 9 blocks, the last partial
 
 
-def test_warmup_kl_pass_in_query_chunks_matches_the_reference(monkeypatch):
+def test_warmup_kl_pass_in_query_chunks_matches_the_reference(monkeypatch, tuned):
     """Warmup's KL pass (sparse_fwd.msa_kl_cuda over every causal block, given the main lse) in several query
     chunks, with the kernel replaced by its emulated contract: lse_proxy and kl_rows are the reference warmup
     forward's (float64)."""
@@ -405,9 +411,8 @@ def test_warmup_kl_pass_in_query_chunks_matches_the_reference(monkeypatch):
 
     monkeypatch.setattr(sparse_fwd, "sparse_plan", recorded_plan)
     monkeypatch.setattr(sparse_fwd, "get_kernel", emulated_kernel)
-    monkeypatch.setattr(sparse_fwd, "DTYPES", {torch.float64: "f64"})
     # three chunks of 128 queries: the budget holds one chunk's (A, T, L) partials
-    monkeypatch.setattr(sparse_fwd, "KL_PARTIALS_BUDGET", B * Hp * 3 * 4 * 3 * kl_groups(128) * 128)
+    tuned(sparse_fwd={"kl_partials_budget": B * Hp * 3 * 4 * 3 * kl_groups(128) * 128})
     sel = kernels.AllCausalBlocks(qp, kernels.WARMUP_BLOCK)  # rows made per chunk, as warmup runs it
     lsep, kl = sparse_fwd.msa_kl_cuda(qp, kp, q, k, lse, sel, kernels.WARMUP_BLOCK, scale)
     assert len(plans) == 3 and [int(p.entry_query.min()) for p in plans] == [0, 128, 256]
@@ -415,13 +420,13 @@ def test_warmup_kl_pass_in_query_chunks_matches_the_reference(monkeypatch):
     torch.testing.assert_close(kl, want_kl.float(), rtol=1e-5, atol=1e-6)
 
 
-def test_warmup_proxy_backward_in_query_chunks_matches_the_reference(monkeypatch):
+def test_warmup_proxy_backward_in_query_chunks_matches_the_reference(monkeypatch, tuned):
     """Warmup's proxy backward (sparse_bwd.proxy_backward_cuda over every causal block) in several query chunks,
     with the kernel replaced by its emulated contract: dq_proxy and dk_proxy are the reference warmup backward's
     (float64)."""
     from flash_msa_rt import reference
-    from flash_msa_rt.ops import kernels, sparse_bwd, sparse_fwd
-    from flash_msa_rt.ops.sparse_emulate import emulate_proxy_backward
+    from flash_msa_rt.ops import kernels, sparse_bwd
+    from tests.sparse_emulate import emulate_proxy_backward
 
     gen = torch.Generator().manual_seed(32)
     B, S, H, Hk, Hp, Hpk, D = 2, 300, 4, 2, 2, 1, 16
@@ -447,8 +452,7 @@ def test_warmup_proxy_backward_in_query_chunks_matches_the_reference(monkeypatch
 
     monkeypatch.setattr(sparse_bwd, "sparse_plan", recorded_plan)
     monkeypatch.setattr(sparse_bwd, "get_kernel", emulated_kernel)
-    monkeypatch.setattr(sparse_fwd, "DTYPES", {torch.float64: "f64"})
-    monkeypatch.setattr(sparse_bwd, "PLAN_ENTRIES", B * Hp * 3 * 128)  # chunks of 128 queries (3 blocks each)
+    tuned(sparse_bwd={"plan_entries": B * Hp * 3 * 128})  # chunks of 128 queries (3 blocks each)
     got = sparse_bwd.proxy_backward_cuda(qp, kp, q, k, lse, lse_p, kernels.AllCausalBlocks(qp, kernels.WARMUP_BLOCK),
                                          kernels.WARMUP_BLOCK, scale, kl_grad)
     assert len(plans) == 3 and [int(p.entry_query.min()) for p in plans] == [0, 128, 256]
@@ -461,11 +465,12 @@ def test_runtime_items_fit_the_backward_entry_table(G):
     """sparse_bwd stages an item's entries in a shared table of ENTRY_TABLE (entries past it take a slower global
     read): the runtime's items, a hot block's longest ones included, must fit it at every G."""
     from flash_msa_rt.ops import sparse_bwd as sb
+    from flash_msa_rt.tuning.sparse_bwd import ITEM_ENTRIES
     from kernels_src.sparse_bwd import ENTRY_TABLE
 
     B, Hp, Bs = 1, 1, 128
-    assert sb.ITEM_ENTRIES == ENTRY_TABLE
-    T = sb.tiles_per_item(G)
+    assert ITEM_ENTRIES == ENTRY_TABLE
+    T = sb.choice("sm90a", G).tiles_per_item
     S = 2 * Bs * T * sb.TILE_M // G  # block 0's list: two full items and more
     local = (torch.arange(S, dtype=torch.int32) // Bs).view(1, 1, S, 1).expand(B, Hp, S, 1)
     idx = torch.cat([torch.zeros_like(local), torch.where(local > 0, local, -1)], dim=-1).contiguous()
@@ -485,20 +490,20 @@ CHUNK_CASES = [  # (B, Hp, S, K, Bs, heads, queries, batch entries)
 
 
 @pytest.mark.parametrize("case", CHUNK_CASES)
-def test_chunk_plans_equal_each_chunks_own_plan(case, monkeypatch):
+def test_chunk_plans_equal_each_chunks_own_plan(case, tuned):
     """chunk_plans sorts every chunk at once; each chunk's plans equal sparse_plan / recut of that chunk's rows
     field for field, for every tile cut, including the batched sorts of long sequences."""
     from flash_msa_rt.ops import sparse_plan as sp
 
     B, Hp, S, K, Bs, heads, queries, batch = case
     if batch:
-        monkeypatch.setattr(sp, "PLAN_BATCH_ENTRIES", batch)
+        tuned(plan={"batch_entries": batch})
     gen = torch.Generator().manual_seed(S + Hp)
     idx = random_indices(gen, B, Hp, S, K, Bs)
     cuts = ((8, 2), (3, 5), (64, 1))
     got = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "list")
     by_size = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "size")  # the same items, longest first
-    monkeypatch.setattr(sp, "QUERY_BIN", 32)
+    tuned(plan={"query_bin": 32})
     by_query = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "query")  # the same items, by (bp, query bin)
     starts = [(p0, s0) for p0 in range(0, Hp, heads) for s0 in range(0, S, queries)]
     assert sorted(got) == sorted(starts)
@@ -605,20 +610,19 @@ def test_forward_chunks_match_the_reference(chunks, budget_heads, Hk, Hpk, heads
 
     monkeypatch.setattr(sparse_fwd, "chunk_plans", recorded_chunk_plans)
     monkeypatch.setattr(sparse_fwd, "get_kernel", emulated_kernel)
-    monkeypatch.setattr(sparse_fwd, "DTYPES", {torch.float64: "f64"})
-    monkeypatch.setattr(sparse_fwd, "FORWARD_CHUNKS", chunks)
     per_head = B * S * K * (G * D * 2 + 4 * (G + 3 * kl_groups(Bs)))
-    monkeypatch.setattr(sparse_fwd, "partials_budget", lambda *shape: int(budget_heads * per_head))
-    c, queries = sparse_fwd.forward_chunks(B, S, Hp, Hk, Hpk, K, G, D, Bs)
+    budget = int(budget_heads * per_head)
+    c, queries = sparse_fwd.forward_chunks(B, S, Hp, Hk, Hpk, K, G, D, Bs, budget, chunks)
     assert (c, queries < S) == (heads, query_chunks)
-    got = sparse_fwd.msa_forward_cuda(qp, kp, q, k, v, idx, Bs, scale)
+    with tuning.override(sparse_fwd={"chunks": chunks, "partials_budget": budget}):
+        got = sparse_fwd.msa_forward_cuda(qp, kp, q, k, v, idx, Bs, scale)
     assert len({p.query_offset for p in plans.values()}) == -(-S // queries)
     # Against one chunk of the same emulated pipeline (tiles group other queries, so BLAS may round differently),
     # and that against the reference: lse and kl_rows are float32 buffers, and the KL pass reads the float32 lse
     # (KL = ln 2 sum A + lse_p sum T cancels: ~eps32 |lse|).
-    monkeypatch.setattr(sparse_fwd, "partials_budget", lambda *shape: 1 << 40)
-    assert sparse_fwd.forward_chunks(B, S, Hp, Hk, Hpk, K, G, D, Bs) == (Hp, -(-S // Bs) * Bs)
-    whole = sparse_fwd.msa_forward_cuda(qp, kp, q, k, v, idx, Bs, scale)
+    assert sparse_fwd.forward_chunks(B, S, Hp, Hk, Hpk, K, G, D, Bs, 1 << 40, chunks) == (Hp, -(-S // Bs) * Bs)
+    with tuning.override(sparse_fwd={"chunks": chunks, "partials_budget": 1 << 40}):
+        whole = sparse_fwd.msa_forward_cuda(qp, kp, q, k, v, idx, Bs, scale)
     want = reference.msa_forward(qp, kp, q, k, v, idx, Bs, scale)
     for name, g, one, w in zip(("out", "lse", "lse_proxy", "kl_rows"), got, whole, want):
         torch.testing.assert_close(g, one, rtol=1e-12, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
@@ -627,15 +631,16 @@ def test_forward_chunks_match_the_reference(chunks, budget_heads, Hk, Hpk, heads
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_runtime_combine_heads_are_built(D):
-    """The runtime mirrors the build's widest heads per warp (it does not import kernels_src): every G it asks
-    for must be a variant the catalogue builds and the kernel accepts."""
+    """The tuning policy asks for the build's widest heads per warp (the runtime does not import kernels_src):
+    every G it asks for must be a variant the catalogue builds and the kernel accepts."""
     from flash_msa_rt.ops import sparse_fwd as sf
+    from flash_msa_rt.tuning.sparse_fwd import COMBINE_LANE_ELEMENTS
     from kernels_src import sparse_combine as sc
 
-    assert sf.COMBINE_LANE_ELEMENTS == sc.LANE_ELEMENTS
+    assert COMBINE_LANE_ELEMENTS == sc.LANE_ELEMENTS
     built = {(c.group, c.heads_per_warp) for c in sc.configs(head_dims=(D,))}
-    for G in sf.GROUPS:
-        hw = sf.combine_heads(G, D)
+    for G in (1, 2, 4, 8, 16):
+        hw = sf.choice("sm90a", G, D).combine_heads
         assert hw == sc.widest_heads(G, D) and (G, hw) in built and (G, 1) in built
         assert sc.can_implement(sc.Config(head_dim=D, group=G, heads_per_warp=hw), "sm90a")[0]
         assert hw * D // 32 <= sc.LANE_ELEMENTS and (hw == G or hw * D // 32 == sc.LANE_ELEMENTS)
@@ -644,16 +649,15 @@ def test_runtime_combine_heads_are_built(D):
 @pytest.mark.parametrize("case", CHUNK_CASES[:5])
 @pytest.mark.parametrize("order", ["list", "size", "query"])
 @pytest.mark.parametrize("n_cuts", [2, 3])  # 3: more than one plan_items launch makes (the torch cut)
-def test_chunk_plans_on_the_list_kernels_equal_the_sort(case, order, n_cuts, monkeypatch):
+def test_chunk_plans_on_the_list_kernels_equal_the_sort(case, order, n_cuts, tuned):
     """The plan kernels' contracts (sparse_emulate.plan_lists_kernels, tile by tile and list by list as the kernels
     run, on tiles of 16 rows so that these chunks are whole tiles) give chunk_plans' plans field for field: the key
     layout, the ranks, the dead entries' places, the lists table and the items all agree with the torch sort's."""
     from flash_msa_rt.ops import sparse_plan as sp
-    from flash_msa_rt.ops.sparse_emulate import plan_lists_kernels
+    from tests.sparse_emulate import plan_lists_kernels
 
     B, Hp, S, K, Bs, heads, queries, _ = case
-    monkeypatch.setattr(sp, "LIST_TILE_ROWS", 16)
-    monkeypatch.setattr(sp, "QUERY_BIN", 32)
+    tuned(plan={"tile_rows": 16, "query_bin": 32})
     gen = torch.Generator().manual_seed(S + Hp + 7)
     idx = random_indices(gen, B, Hp, S, K, Bs)
     cuts = ((8, 2), (3, 5), (64, 1))[:n_cuts]
@@ -685,17 +689,17 @@ def test_chunk_keys_are_the_kernels():
     assert ck.tiles == 3 and ck.NB == [6, 12, 16] * 2 and ck.E == [bc * 384 * K, bc * 384 * K, bc * 232 * K] * 2
 
 
-def test_chunk_plans_takes_the_kernel_path_with_its_chunk_keys(monkeypatch):
+def test_chunk_plans_takes_the_kernel_path_with_its_chunk_keys(monkeypatch, tuned):
     """chunk_plans routes to the plan kernels with the ChunkKeys lists_on_device gave (here on CPU, the kernels
     emulated): the plans equal the torch sort's."""
     from flash_msa_rt.ops import sparse_plan as sp
-    from flash_msa_rt.ops.sparse_emulate import plan_lists_kernels
+    from tests.sparse_emulate import plan_lists_kernels
 
     B, Hp, S, K, Bs, heads, queries = 2, 4, 333, 5, 32, 2, 96
     idx = random_indices(torch.Generator().manual_seed(3), B, Hp, S, K, Bs)
     cuts = ((8, 2), (3, 5))
     want = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "list")
-    monkeypatch.setattr(sp, "LIST_TILE_ROWS", 16)
+    tuned(plan={"tile_rows": 16})
     ck, given = sp.chunk_keys(B, Hp, S, K, heads, queries, Bs), []
     monkeypatch.setattr(sp, "lists_on_device", lambda *a: given.append(ck) or ck)
     monkeypatch.setattr(sp, "_lists_kernels", lambda *a: plan_lists_kernels(Bs, tile_rows=16))

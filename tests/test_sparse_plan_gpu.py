@@ -7,6 +7,7 @@ tiles (a query chunk's boundary inside a CTA, tiles past S)."""
 import pytest
 import torch
 
+from flash_msa_rt import tuning
 from test_sparse_plan import random_indices
 
 pytestmark = pytest.mark.gpu
@@ -29,22 +30,16 @@ CASES = [  # B, Hp, S, K, heads, queries
 def _plans(idx, heads, queries, order, on_device):
     from flash_msa_rt.ops import sparse_plan as sp
 
-    before = sp.LISTS_ON_DEVICE
-    sp.LISTS_ON_DEVICE = on_device
-    try:
+    with tuning.override(plan={"lists_on_device": on_device}):
         assert (sp.lists_on_device(idx, 128, 4, heads, queries) is not None) == on_device
         return sp.chunk_plans(idx, 128, 4, heads, queries, ((32, 64), (64, 32)), order)
-    finally:
-        sp.LISTS_ON_DEVICE = before
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("order", ["list", "size", "query"])
 @pytest.mark.parametrize("scatter_threads", [128, 512])
-def test_plans_on_the_list_kernels_equal_the_sort(case, order, scatter_threads, monkeypatch):
-    from flash_msa_rt.ops import sparse_plan as sp
-
-    monkeypatch.setattr(sp, "SCATTER_THREADS", scatter_threads)
+def test_plans_on_the_list_kernels_equal_the_sort(case, order, scatter_threads, tuned):
+    tuned(plan={"scatter_threads": scatter_threads})
     B, Hp, S, K, heads, queries = case
     gen = torch.Generator().manual_seed(S * 7 + Hp + K)
     idx = random_indices(gen, B, Hp, S, K, 128)

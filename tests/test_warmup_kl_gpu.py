@@ -8,10 +8,7 @@ kernels over the all-causal selection."""
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu  # conftest skips it without a usable GPU (fails under FLASH_MSA_REQUIRE_GPU=1)
 
 # (B, S, H, Hk, Hp, Hpk): G = H / Hp in {1, 2, 4}
 SHAPES = [
@@ -42,9 +39,12 @@ def _reference(qp, kp, q, k, v, scale, dt):
 def test_the_dense_pass_is_usable_here():
     """On the H200 with the default artifacts, warmup's KL runs on the dense kernel for every group it is built for
     (else the tests below would test nothing new)."""
+    from flash_msa_rt.loader import built_values, device_arch
     from flash_msa_rt.ops import warmup_kl
 
-    for G in warmup_kl.GROUPS:
+    groups = built_values("warmup_kl", "group", device_arch(torch.cuda.current_device()))
+    assert groups == (1, 2, 4), groups  # the KL pass keeps the G + 1 query tiles of a CTA in shared memory
+    for G in groups:
         for dtype in (torch.bfloat16, torch.float16):
             q = torch.empty(1, 1, 4 * G, 128, device="cuda", dtype=dtype)
             for op in ("warmup_kl", "warmup_bwd_proxy"):
@@ -62,11 +62,11 @@ SCHEDULES = ("lockstep", "pingpong")  # both builds of the KL pass, whichever th
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_H{}_Hk{}_Hp{}_Hpk{}".format(*s))
-def test_dense_warmup_kl_matches_reference(shape, dtype, schedule, monkeypatch):
+def test_dense_warmup_kl_matches_reference(shape, dtype, schedule, tuned):
     from flash_msa_rt.ops import warmup_kl
     from tests.oracle import assert_close, dtype_error
 
-    monkeypatch.setattr(warmup_kl, "SCHEDULE", schedule)
+    tuned(warmup={"kl_schedule": schedule})
 
     B, S, H, Hk, Hp, Hpk = shape
     qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=S + H)
@@ -169,7 +169,7 @@ def _kl_given_lse(qp, kp, q, k, lse, scale):
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_dense_warmup_kl_large_logits(dtype, schedule, monkeypatch):
+def test_dense_warmup_kl_large_logits(dtype, schedule, tuned):
     """Inputs of standard deviation 6 (fp16) / 30 (bf16) per element: logits with standard deviations in the
     hundreds, rows whose tau sits on one key, large per-row shifts. Finite, and within 4x the error of the float32
     computation plus what the fp32 rounding of the given lse costs in float64 (a relative error e of tau costs
@@ -178,7 +178,7 @@ def test_dense_warmup_kl_large_logits(dtype, schedule, monkeypatch):
     from flash_msa_rt.ops import warmup_kl
     from tests.oracle import assert_close, dtype_error
 
-    monkeypatch.setattr(warmup_kl, "SCHEDULE", schedule)
+    tuned(warmup={"kl_schedule": schedule})
     B, S, H, Hk, Hp, Hpk = 1, 777, 8, 2, 2, 1
     std = 30.0 if dtype == torch.bfloat16 else 6.0
     qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=5, std=std)
@@ -197,7 +197,8 @@ def test_dense_warmup_kl_large_logits(dtype, schedule, monkeypatch):
 def test_dense_and_sparse_passes_agree():
     """The warmup forward with the dense pass and with the sparse pass over the all-causal selection (what runs
     where the dense one is not built): the same statistics up to float32 summation order."""
-    from flash_msa_rt.ops import dispatch, kernels
+    from flash_msa_rt import tuning
+    from flash_msa_rt.ops import dispatch
 
     B, S, H, Hk, Hp, Hpk = 2, 3000, 16, 4, 4, 1
     qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, torch.bfloat16, seed=9)
@@ -205,11 +206,8 @@ def test_dense_and_sparse_passes_agree():
     impl = dispatch.implementation("warmup_forward", torch.device("cuda"), torch.bfloat16, head_dim=128,
                                    proxy_head_dim=128, block_size=None, group=H // Hp, kv_group=H // Hk, varlen=False)
     dense = impl(qp, kp, q, k, v, scale)
-    try:
-        kernels.DENSE_WARMUP_KL = False
+    with tuning.override(warmup={"dense_proxy": False}):
         sparse = impl(qp, kp, q, k, v, scale)
-    finally:
-        kernels.DENSE_WARMUP_KL = True
     for name, d, s in zip(("lse_proxy", "kl_rows"), dense[2:], sparse[2:]):
         err = (d - s).abs().max().item()
         assert err <= 1e-4 * max(1.0, s.abs().max().item()), (name, err)

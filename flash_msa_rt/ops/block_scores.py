@@ -11,27 +11,19 @@ import math
 import torch
 
 from flash_msa_rt.loader import get_kernel
+from flash_msa_rt.ops.device import arch_of
+from flash_msa_rt.tuning import block_scores as tuning_scores
 
 SUPPORTED_DTYPES = {torch.bfloat16: "bf16"}
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BLOCK_SIZES = (64, 128)  # 128 ships in the wheel; 64: python -m build_tools build --block-size 64
 
 
-def kernel_config(dtype: str, head_dim: int, block_size: int, mma: str = "sync") -> dict:
-    """The variant this op launches for a problem; fields in the order the build names them.
-
-    One tile configuration (128 query rows, 4 warps, 2 K stages), on the device's MMA (device_mma).
-    """
+def kernel_config(dtype: str, head_dim: int, block_size: int, mma: str) -> dict:
+    """The variant this op launches for a problem: one tile configuration (128 query rows, 4 warps, 2 K stages),
+    on the tuning policy's MMA (tuning.block_scores)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "tile_m": 128, "threads": 128,
             "stages": 2, "mma": mma}
-
-
-def device_mma(device: torch.device) -> str:
-    """wgmma on sm90a (the select kernel's score tiles, ~1.25x there), mma.sync elsewhere; the sparse families'
-    rule and FORCE_MMA (flash_msa_rt.ops.sparse_fwd.family_mma)."""
-    from flash_msa_rt.ops.sparse_fwd import device_mma as family_device_mma
-
-    return family_device_mma(device, "block_scores")
 
 
 def _check_inputs(q_proxy, k_proxy, block_size, scale):
@@ -90,7 +82,8 @@ def proxy_block_scores(q_proxy: torch.Tensor, k_proxy: torch.Tensor, block_size:
         scores = out
     if scores.numel() == 0:  # an empty batch, sequence or head set: nothing to launch
         return scores
-    kernel = get_kernel("block_scores", kernel_config(SUPPORTED_DTYPES[q_proxy.dtype], Dp, block_size,
-                                                      device_mma(q_proxy.device)), q_proxy.device)
+    mma = tuning_scores.choose(arch_of(q_proxy.device)).mma
+    kernel = get_kernel("block_scores", kernel_config(SUPPORTED_DTYPES[q_proxy.dtype], Dp, block_size, mma),
+                        q_proxy.device)
     kernel(q_proxy=q_proxy, k_proxy=k_proxy, scores=scores, scale=float(scale), group=Hp // Hpk)
     return scores

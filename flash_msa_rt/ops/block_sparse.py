@@ -22,6 +22,7 @@ import torch
 
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops import sparse_bwd, sparse_fwd
+from flash_msa_rt.ops.device import arch_of
 from flash_msa_rt.ops.sparse_plan import chunk_plans, list_kernel_configs
 
 _INT32_LIMIT = 1 << 31
@@ -73,16 +74,16 @@ def block_sparse_backward_cuda(q, k, v, out, lse, block_indices, block_size, sca
     Hp, K = sel.shape[1], sel.shape[3]
     G = H // Hp
     dt, dev, f32 = sparse_fwd.DTYPES[q.dtype], q.device, torch.float32
-    mma = sparse_fwd.device_mma(dev, "sparse_bwd")
-    main = get_kernel("sparse_bwd", sparse_bwd.kernel_config(dt, D, block_size, G, mma), dev)
+    t = sparse_bwd.choice(arch_of(dev), G, D, block_size, B, S, H)
+    main = get_kernel("sparse_bwd", sparse_bwd.kernel_config(dt, D, block_size, G, t), dev)
     delta = torch.empty((B, H, S), dtype=f32, device=dev)
     get_kernel("bwd_delta", sparse_bwd.delta_config(dt, D), dev)(dout=grad_out, out=out, delta=delta)
     flat, (dq_acc, dk_acc, dv_acc) = sparse_bwd.accumulators((q, k, v))
     # Chunks of index heads whose plans index fewer than 2**31 (entry, head) rows (the plan's int32 arithmetic);
     # one chunk at every size the benchmarks run.
     c = sparse_fwd.heads_per_chunk(B * S * K * G, Hp, Hk, Hp, _INT32_LIMIT - 1)
-    plans = chunk_plans(sel, block_size, G, c, S, ((sparse_bwd.TILE_M // G, sparse_bwd.tiles_per_item(G)),),
-                        sparse_bwd.backward_item_order(G))
+    plans = chunk_plans(sel, block_size, G, c, S, ((sparse_bwd.TILE_M // G, t.tiles_per_item),), t.item_order,
+                        arch=arch_of(dev))
     lse = lse.contiguous()
     for hc in sparse_fwd.head_chunks(Hp, Hk, Hp, G, c):
         (plan,) = plans[(hc.p0, 0)]
@@ -97,10 +98,10 @@ def variants(dtype: str, head_dim: int, block_size: int, group: int, arch: str =
              backward: bool = False) -> list[tuple[str, dict]]:
     """Every (op, config) the block-sparse forward (or backward) launches on arch."""
     if backward:
-        mma = sparse_fwd.family_mma(arch, "sparse_bwd")
-        return [("sparse_bwd", sparse_bwd.kernel_config(dtype, head_dim, block_size, group, mma)),
-                ("bwd_delta", sparse_bwd.delta_config(dtype, head_dim))] + list_kernel_configs(block_size)
-    return [("sparse_fwd", sparse_fwd.kernel_config(dtype, head_dim, block_size, group,
-                                                    sparse_fwd.family_mma(arch, "sparse_fwd"))),
-            ("sparse_combine", sparse_fwd.combine_config(dtype, head_dim, block_size, group))] + \
-        list_kernel_configs(block_size)
+        t = sparse_bwd.choice(arch, group, head_dim, block_size)
+        return [("sparse_bwd", sparse_bwd.kernel_config(dtype, head_dim, block_size, group, t)),
+                ("bwd_delta", sparse_bwd.delta_config(dtype, head_dim))] + list_kernel_configs(block_size, arch=arch)
+    t = sparse_fwd.choice(arch, group, head_dim, block_size)
+    return [("sparse_fwd", sparse_fwd.kernel_config(dtype, head_dim, block_size, group, t)),
+            ("sparse_combine", sparse_fwd.combine_config(dtype, head_dim, block_size, group, t))] + \
+        list_kernel_configs(block_size, arch=arch)

@@ -6,8 +6,9 @@ Today: selection (flash_msa_rt.ops.select), the MSA sparse forward (flash_msa_rt
 torch's own operators) and its proxy KL pass and proxy backward on the dense warmup kernels
 (flash_msa_rt.ops.warmup_kl) where they are built, else on the sparse kernels with every causal block selected
 (and everything on the sparse kernels where this torch lacks the cuDNN operators). The varlen forms register
-here as their kernels land; until then they run on the reference and dispatch says so once. A problem a kernel
-cannot run (dtype, head dim, block size, K, G, varlen, deterministic mode where no deterministic kernels exist
+here as their kernels land; until then they run on the reference and dispatch says so once (flash_msa_rt.ops.dispatch
+registers this backend; this module does not import dispatch). What is built is read from the manifest. A problem
+a kernel cannot run (dtype, head dim, block size, K, G, varlen, deterministic mode where no deterministic kernels exist
 (sm100a, warmup's and block-sparse attention's backward), or a variant not built for this GPU) is declined with
 the reason, which dispatch shows with the build command; a declined call is never an error.
 """
@@ -18,39 +19,43 @@ import warnings
 
 import torch
 
+from flash_msa_rt import loader
 from flash_msa_rt.errors import FlashMsaError
-from flash_msa_rt.ops import block_sparse, dense_main, dispatch, select, sparse_bwd, sparse_fwd, warmup_kl
+from flash_msa_rt.ops import block_sparse, dense_main, select, sparse_bwd, sparse_fwd, warmup_kl
+from flash_msa_rt.ops.backends import Backend, Problem, reference_impl
+from flash_msa_rt.ops.device import arch_of
+from flash_msa_rt.tuning import select as tuning_select
+from flash_msa_rt.tuning import warmup as tuning_warmup
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
-def _built(problem: dispatch.Problem, variants: list[tuple[str, dict]]) -> str | None:
+def _built(problem: Problem, variants: list[tuple[str, dict]]) -> str | None:
     """None when every (op, config) variant is in the device's artifacts, else the loader's reason (which names
     the build command)."""
-    from flash_msa_rt import artifacts
-    from flash_msa_rt.loader import device_arch
-
-    index = problem.device.index if problem.device.index is not None else torch.cuda.current_device()
     try:
         for op, config in variants:
-            artifacts.find_variant(op, config, device_arch(index))
+            loader.find_variant(op, config, _arch(problem))
     except FlashMsaError as e:
         return str(e)
     return None
 
 
-def _select_supports(problem: dispatch.Problem) -> str | None:
+def _select_supports(problem: Problem) -> str | None:
     c = problem.config
     if c.get("varlen"):
         return "the selection kernel does not take cu_seqlens yet"
     if problem.dtype not in _DTYPE_NAMES:
         return f"dtype {problem.dtype} (selection kernel: bfloat16, float16)"
     dp, bs, k = c.get("proxy_head_dim"), c.get("block_size"), c.get("top_k_blocks")
-    if dp not in select.HEAD_DIMS or bs not in select.BLOCK_SIZES or k > max(select.SHIPPED_MAX_KS):
-        return (f"proxy head dim {dp}, block_size {bs}, K {k} (selection kernel: head dim {select.HEAD_DIMS}, "
-                f"block_size {select.BLOCK_SIZES}, K <= {max(select.SHIPPED_MAX_KS)})")
-    return _built(problem, [("select", select.kernel_config(_DTYPE_NAMES[problem.dtype], dp, bs,
-                                                            select.max_k_for(k), select.device_mma(problem.device)))])
+    arch, dt = _arch(problem), _DTYPE_NAMES[problem.dtype]
+    dims = loader.built_values("select", "head_dim", arch, dtype=dt)
+    sizes = loader.built_values("select", "block_size", arch, dtype=dt)
+    max_k = select.max_k_for(k, arch)
+    if dp not in dims or bs not in sizes or max_k is None:
+        return (f"proxy head dim {dp}, block_size {bs}, K {k} (selection kernel built for {arch}, {dt}: head dim "
+                f"in {dims}, block_size {sizes}, K <= {max(loader.built_values('select', 'max_k', arch), default=0)})")
+    return _built(problem, [("select", select.kernel_config(dt, dp, bs, max_k, tuning_select.choose(arch).mma))])
 
 
 _DETERMINISTIC_REASON = (
@@ -59,7 +64,7 @@ _DETERMINISTIC_REASON = (
 _warned_deterministic = False
 
 
-def _msa_supports(problem: dispatch.Problem) -> str | None:
+def _msa_supports(problem: Problem) -> str | None:
     """msa_forward and msa_backward: the same problem limits, each op's own variants (under deterministic
     algorithms, the backward's deterministic ones where the arch has them)."""
     c = problem.config
@@ -72,10 +77,9 @@ def _msa_supports(problem: dispatch.Problem) -> str | None:
     if problem.dtype not in _DTYPE_NAMES:
         return f"dtype {problem.dtype} (sparse forward kernel: bfloat16, float16)"
     d, dp, bs, g, kv_group = (c.get(n) for n in ("head_dim", "proxy_head_dim", "block_size", "group", "kv_group"))
-    if d not in sparse_fwd.HEAD_DIMS or dp not in sparse_fwd.HEAD_DIMS or bs not in sparse_fwd.BLOCK_SIZES \
-            or g not in sparse_fwd.GROUPS:
-        return (f"D {d}, Dp {dp}, block_size {bs}, G {g} (sparse forward kernel: D = Dp in {sparse_fwd.HEAD_DIMS}, "
-                f"block_size {sparse_fwd.BLOCK_SIZES}, G in {sparse_fwd.GROUPS})")
+    limits = _sparse_limits(problem, d, bs, g, dp)
+    if limits:
+        return limits
     if kv_group % g:
         return (f"H / Hk = {kv_group} is not a multiple of G = H / Hp = {g}: the sparse forward kernel needs "
                 f"Hp >= Hk with Hp a multiple of Hk")
@@ -83,6 +87,20 @@ def _msa_supports(problem: dispatch.Problem) -> str | None:
         return _built(problem, sparse_fwd.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g, _arch(problem)))
     return _built(problem, sparse_bwd.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g, _arch(problem),
                                                deterministic))
+
+
+def _sparse_limits(problem: Problem, d: int, bs: int, g: int, dp: int | None = None) -> str | None:
+    """None when the sparse forward is built for (dtype, D = Dp, block size, G) on the device's arch, else what is
+    built there (the manifest's variants: what the build made)."""
+    arch, dt = _arch(problem), _DTYPE_NAMES[problem.dtype]
+    dims = loader.built_values("sparse_fwd", "head_dim", arch, dtype=dt)
+    sizes = loader.built_values("sparse_fwd", "block_size", arch, dtype=dt)
+    groups = loader.built_values("sparse_fwd", "group", arch, dtype=dt)
+    if d not in dims or (dp is not None and dp != d) or bs not in sizes or g not in groups:
+        have = f"D = Dp in {dims}" if dp is not None else f"D in {dims}"
+        return (f"D {d}, {'' if dp is None else f'Dp {dp}, '}block_size {bs}, G {g} (sparse kernels built for {arch}, "
+                f"{dt}: {have}, block_size {sizes}, G in {groups})")
+    return None
 
 
 def _decline_deterministic(why: str) -> str:
@@ -94,10 +112,10 @@ def _decline_deterministic(why: str) -> str:
     return reason
 
 
-def _arch(problem: dispatch.Problem) -> str:
-    from flash_msa_rt.loader import device_arch
-
-    return device_arch(problem.device.index if problem.device.index is not None else torch.cuda.current_device())
+def _arch(problem: Problem) -> str:
+    """The arch of the problem's device (asked each time dispatch resolves a problem: tests fake devices)."""
+    return loader.device_arch(problem.device.index if problem.device.index is not None
+                              else torch.cuda.current_device())
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -109,8 +127,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None):
     if -(-q_proxy.shape[1] // block_size) >= select.MAX_BLOCKS:  # int16 block slots: beyond 4M tokens
-        return dispatch.reference_impl("select_blocks")(q_proxy, k_proxy, top_k_blocks, block_size, scale,
-                                                        cu_seqlens)
+        return reference_impl("select_blocks")(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens)
     return select.select_blocks_cuda(_tma_ready(q_proxy), _tma_ready(k_proxy), top_k_blocks, block_size, scale)
 
 
@@ -132,8 +149,7 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
 
 # Warmup's KL pass and proxy backward run on the dense kernels where they are built (flash_msa_rt.ops.warmup_kl:
 # sm90a; the KL pass at G <= 4, the proxy backward at every G) and on the sparse kernels over the all-causal
-# selection elsewhere; tests and benchmarks set False to run the latter.
-DENSE_WARMUP_KL = True
+# selection elsewhere, or where tuning.warmup says so (dense_proxy).
 WARMUP_BLOCK = 128  # warmup selects every causal block; any block size gives the same dense causal result
 _INT32_LIMIT = 1 << 31
 
@@ -184,7 +200,12 @@ def _dense_main(q) -> bool:
     usable and has not refused this device; otherwise the sparse kernels run it with every causal block
     selected."""
     index = q.device.index if q.device.type == "cuda" and q.device.index is not None else 0
-    return dense_main.available() is None and torch.backends.cudnn.is_available() and index not in _cudnn_failed
+    return (_warmup_tuning(q).dense_main and dense_main.available() is None and torch.backends.cudnn.is_available()
+            and index not in _cudnn_failed)
+
+
+def _warmup_tuning(q) -> tuning_warmup.WarmupTuning:
+    return tuning_warmup.choose(arch_of(q.device))
 
 
 def _cudnn_refused(q, error: RuntimeError) -> None:
@@ -205,7 +226,7 @@ def _warmup_fits(q_proxy, q) -> bool:
 def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
     assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
     if not _warmup_fits(q_proxy, q):
-        return dispatch.reference_impl("warmup_forward")(q_proxy, k_proxy, q, k, v, scale, cu_seqlens)
+        return reference_impl("warmup_forward")(q_proxy, k_proxy, q, k, v, scale, cu_seqlens)
     if not _dense_main(q):
         return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
     q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
@@ -214,7 +235,7 @@ def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
     except RuntimeError as e:
         _cudnn_refused(q, e)
         return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
-    if DENSE_WARMUP_KL and warmup_kl.usable(q_proxy, q) is None:
+    if _warmup_tuning(q).dense_proxy and warmup_kl.usable(q_proxy, q) is None:
         lse_proxy, kl_rows = warmup_kl.warmup_kl_cuda(q_proxy, k_proxy, q, k, lse, scale)
     else:
         lse_proxy, kl_rows = sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse,
@@ -225,8 +246,8 @@ def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
 def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None):
     assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
     if not _warmup_fits(q_proxy, q):
-        return dispatch.reference_impl("warmup_backward")(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
-                                                          grad_out, kl_grad, cu_seqlens)
+        return reference_impl("warmup_backward")(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
+                                                 grad_out, kl_grad, cu_seqlens)
     if not _dense_main(q):
         return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy),
                              WARMUP_BLOCK, scale, grad_out, kl_grad)
@@ -240,7 +261,8 @@ def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad
                                  WARMUP_BLOCK, scale, grad_out, kl_grad)
     else:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if kl_grad is not None and DENSE_WARMUP_KL and warmup_kl.usable(q_proxy, q, "warmup_bwd_proxy") is None:
+    if kl_grad is not None and _warmup_tuning(q).dense_proxy and \
+            warmup_kl.usable(q_proxy, q, "warmup_bwd_proxy") is None:
         dq_proxy, dk_proxy = warmup_kl.warmup_proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, scale,
                                                                   kl_grad)
     elif kl_grad is not None:
@@ -252,16 +274,16 @@ def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad
     return dq_proxy, dk_proxy, dq, dk, dv
 
 
-def _warmup_supports(problem: dispatch.Problem) -> str | None:
+def _warmup_supports(problem: Problem) -> str | None:
     if problem.op == "warmup_backward" and problem.config.get("deterministic"):
         return _decline_deterministic("warmup's backward (cuDNN's dense backward, the proxy kernels) adds with fp32 "
                                       "atomics")
     op = "msa_forward" if problem.op == "warmup_forward" else "msa_backward"
     c = dict(problem.config, block_size=WARMUP_BLOCK)
-    return _msa_supports(dispatch.Problem(op, problem.device, problem.dtype, c))
+    return _msa_supports(Problem(op, problem.device, problem.dtype, c))
 
 
-def _block_sparse_supports(problem: dispatch.Problem) -> str | None:
+def _block_sparse_supports(problem: Problem) -> str | None:
     """block_sparse_forward / backward: the MSA main kernels with G = H / lcm(Hi, Hk) (block_sparse.kernel_group);
     the backward adds with fp32 atomics, so under deterministic algorithms it is declined to the reference."""
     c = problem.config
@@ -274,9 +296,9 @@ def _block_sparse_supports(problem: dispatch.Problem) -> str | None:
     d, bs, H, Hi = (c.get(n) for n in ("head_dim", "block_size", "heads", "index_heads"))
     Hk = H // c.get("kv_group")
     g = block_sparse.kernel_group(H, Hk, Hi)
-    if d not in sparse_fwd.HEAD_DIMS or bs not in sparse_fwd.BLOCK_SIZES or g not in sparse_fwd.GROUPS:
-        return (f"D {d}, block_size {bs}, G = H / lcm(Hi, Hk) = {H} / lcm({Hi}, {Hk}) = {g} (block-sparse kernels: "
-                f"D in {sparse_fwd.HEAD_DIMS}, block_size {sparse_fwd.BLOCK_SIZES}, G in {sparse_fwd.GROUPS})")
+    limits = _sparse_limits(problem, d, bs, g)
+    if limits:
+        return f"G = H / lcm(Hi, Hk) = {H} / lcm({Hi}, {Hk}) = {g}; {limits}"
     return _built(problem, block_sparse.variants(_DTYPE_NAMES[problem.dtype], d, bs, g, _arch(problem),
                                                  backward=problem.op == "block_sparse_backward"))
 
@@ -322,12 +344,28 @@ _SUPPORTS = {"select_blocks": _select_supports, "msa_forward": _msa_supports, "m
              "warmup_forward": _warmup_supports, "warmup_backward": _warmup_supports,
              "block_sparse_forward": _block_sparse_supports, "block_sparse_backward": _block_sparse_supports}
 
-KERNELS = dispatch.Backend(
-    name="kernels", device_type="cuda",
-    supports=lambda problem: _SUPPORTS[problem.op](problem) if problem.op in _SUPPORTS
-    else "its kernel is not built yet",
+
+def _supports(problem: Problem) -> str | None:
+    """The op's verdict; a device without a usable arch or artifacts (the loader's error) declines with it."""
+    if problem.op not in _SUPPORTS:
+        return "its kernel is not built yet"
+    try:
+        return _SUPPORTS[problem.op](problem)
+    except FlashMsaError as e:
+        return str(e)
+
+
+KERNELS = Backend(
+    name="kernels", device_type="cuda", supports=_supports,
     ops={"select_blocks": _select_blocks, "msa_forward": _msa_forward, "msa_backward": _msa_backward,
          "warmup_forward": _warmup_forward, "warmup_backward": _warmup_backward,
          "block_sparse_forward": _block_sparse_forward, "block_sparse_backward": _block_sparse_backward},
 )
-dispatch.register_kernels()  # a no-op when dispatch was imported first and has registered it already
+
+
+def reset_warnings() -> None:
+    """Re-arm this backend's once-per-process warnings (deterministic mode's fallback) and forget the devices whose
+    cuDNN refused warmup's attention (each says so once); flash_msa_rt.ops.dispatch.reset_warnings calls it."""
+    global _warned_deterministic
+    _warned_deterministic = False
+    _cudnn_failed.clear()

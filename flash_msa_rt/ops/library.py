@@ -8,7 +8,8 @@ autograd, fake tensors and export.
 
 Autograd: the differentiable outputs are `out` (to q, k, v) and `kl_rows` (to q_proxy, k_proxy only: tau is
 detached); lse and lse_proxy are saved for the backward and marked non-differentiable. Gradients that do not arrive
-are passed to the backward op as None instead of materialised zeros.
+are passed to the backward op as None instead of materialised zeros. A backward runs under the tuning overrides
+its forward ran under (flash_msa_rt.tuning.override): autograd runs it on its own threads.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from flash_msa_rt import tuning
 from flash_msa_rt.ops import dispatch
 
 NAMESPACE = "flash_msa"
@@ -123,7 +125,7 @@ def _msa_setup_context(ctx, inputs, output):
     q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens = inputs
     out, lse, lse_proxy, _ = output
     ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens)
-    ctx.block_size, ctx.scale = block_size, scale
+    ctx.block_size, ctx.scale, ctx.tuning = block_size, scale, tuning.current()
     ctx.mark_non_differentiable(lse, lse_proxy)
     ctx.set_materialize_grads(False)
 
@@ -132,8 +134,9 @@ def _msa_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
     q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens = ctx.saved_tensors
     if grad_out is None and grad_kl_rows is None:
         return (None,) * 9
-    grads = msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, ctx.block_size, ctx.scale,
-                         grad_out, grad_kl_rows, cu_seqlens)
+    with tuning.applied(ctx.tuning):
+        grads = msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, ctx.block_size,
+                             ctx.scale, grad_out, grad_kl_rows, cu_seqlens)
     return (*_arrived(grads, grad_out, grad_kl_rows), None, None, None, None)
 
 
@@ -186,7 +189,7 @@ def _warmup_setup_context(ctx, inputs, output):
     q_proxy, k_proxy, q, k, v, scale, cu_seqlens = inputs
     out, lse, lse_proxy, _ = output
     ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens)
-    ctx.scale = scale
+    ctx.scale, ctx.tuning = scale, tuning.current()
     ctx.mark_non_differentiable(lse, lse_proxy)
     ctx.set_materialize_grads(False)
 
@@ -195,8 +198,9 @@ def _warmup_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows)
     q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens = ctx.saved_tensors
     if grad_out is None and grad_kl_rows is None:
         return (None,) * 7
-    grads = warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, ctx.scale, grad_out, grad_kl_rows,
-                            cu_seqlens)
+    with tuning.applied(ctx.tuning):
+        grads = warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, ctx.scale, grad_out, grad_kl_rows,
+                                cu_seqlens)
     return (*_arrived(grads, grad_out, grad_kl_rows), None, None)
 
 
@@ -246,7 +250,7 @@ def _block_sparse_setup_context(ctx, inputs, output):
     q, k, v, block_indices, block_size, scale, cu_seqlens = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, block_indices, cu_seqlens)
-    ctx.block_size, ctx.scale = block_size, scale
+    ctx.block_size, ctx.scale, ctx.tuning = block_size, scale, tuning.current()
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
@@ -255,7 +259,9 @@ def _block_sparse_backward_rule(ctx, grad_out, grad_lse):
     q, k, v, out, lse, block_indices, cu_seqlens = ctx.saved_tensors
     if grad_out is None:
         return (None,) * 7
-    grads = block_sparse_backward(q, k, v, out, lse, block_indices, ctx.block_size, ctx.scale, grad_out, cu_seqlens)
+    with tuning.applied(ctx.tuning):
+        grads = block_sparse_backward(q, k, v, out, lse, block_indices, ctx.block_size, ctx.scale, grad_out,
+                                      cu_seqlens)
     return (*grads, None, None, None, None)
 
 

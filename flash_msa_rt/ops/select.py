@@ -9,32 +9,25 @@ from __future__ import annotations
 
 import torch
 
+from flash_msa_rt import loader
 from flash_msa_rt.loader import get_kernel
+from flash_msa_rt.ops.device import arch_of
+from flash_msa_rt.tuning import select as tuning_select
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
-HEAD_DIMS = (64, 128)
-BLOCK_SIZES = (64, 128)
-MAX_KS = (16, 32, 64)  # variants keep max_k slots per row; the smallest that fits K runs (16 and 64 ship)
-SHIPPED_MAX_KS = (16, 64)
 MAX_BLOCKS = 1 << 15  # slot block indices are int16 in shared memory
 
 
-def kernel_config(dtype: str, head_dim: int, block_size: int, max_k: int, mma: str = "sync") -> dict:
-    """The variant launched for a problem; fields in the order the build names them. mma: device_mma(device)."""
+def kernel_config(dtype: str, head_dim: int, block_size: int, max_k: int, mma: str) -> dict:
+    """The variant launched for a problem; mma: the tuning policy's (tuning.select)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "max_k": max_k, "tile_m": 128,
             "threads": 128, "stages": 2, "mma": mma}
 
 
-def device_mma(device: torch.device) -> str:
-    """The score tiles' MMA on the device: wgmma on sm90a (kernels_src/select/wgmma.py), mma.sync elsewhere; the
-    sparse families' rule and FORCE_MMA (flash_msa_rt.ops.sparse_fwd.family_mma)."""
-    from flash_msa_rt.ops.sparse_fwd import device_mma as family_device_mma
-
-    return family_device_mma(device, "select")
-
-
-def max_k_for(top_k_blocks: int) -> int:
-    return next(m for m in SHIPPED_MAX_KS if top_k_blocks <= m)
+def max_k_for(top_k_blocks: int, arch: str) -> int | None:
+    """The smallest max_k built for arch that holds top_k_blocks slots per row (variants keep max_k slots in
+    registers), or None."""
+    return next((m for m in loader.built_values("select", "max_k", arch) if top_k_blocks <= m), None)
 
 
 def select_blocks_cuda(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: int, block_size: int,
@@ -50,7 +43,9 @@ def select_blocks_cuda(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_block
     out = torch.empty((B, Hp, S, top_k_blocks), dtype=torch.int32, device=q_proxy.device)
     if out.numel() == 0:
         return out
-    config = kernel_config(DTYPES[q_proxy.dtype], Dp, block_size, max_k_for(top_k_blocks), device_mma(q_proxy.device))
+    arch = arch_of(q_proxy.device)
+    config = kernel_config(DTYPES[q_proxy.dtype], Dp, block_size, max_k_for(top_k_blocks, arch),
+                           tuning_select.choose(arch).mma)
     kernel = get_kernel("select", config, q_proxy.device)
     kernel(q_proxy=q_proxy, k_proxy=k_proxy, block_indices=out, scale=float(scale), group=Hp // Hpk)
     return out

@@ -7,7 +7,7 @@
   4. the accumulators cast to the input dtypes.
 With both gradients on wgmma, steps 2 and 3 run per chunk of proxy heads: sparse_bwd also writes each plan entry's
 tau (the mean of its G heads' P, which it has anyway), and the proxy kernel reads it ("tau" heads) instead of
-recomputing the G main score tiles; a chunk's tau rows fit tau_budget. Otherwise the proxy kernel recomputes tau
+recomputing the G main score tiles; a chunk's tau rows fit the choice's tau_budget (tuning.sparse_bwd). Otherwise the proxy kernel recomputes tau
 (resident or stepped heads; proxy_backward_cuda, which warmup mode also runs on its own).
 Internal layout (B, S, heads, D). Atomics make the summation order vary run to run (not bitwise deterministic);
 under torch.use_deterministic_algorithms(True) the tau path runs its deterministic variants instead, which store
@@ -20,134 +20,59 @@ import torch
 
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops import sparse_bwd_sums, sparse_fwd
+from flash_msa_rt.ops.device import arch_of
 from flash_msa_rt.ops.sparse_plan import chunk_plans, list_kernel_configs, recut, sparse_plan
-
-TILE_M = 64
-# Rows per item: dk / dv leave registers (atomics) once per item. benchmarks/sweep_items.py, (b) S = 64K:
-# sparse_bwd 60.4 ms at 8 tiles, 56.1 at 16, 53.5 at 32; sparse_bwd_proxy 38.5 at 4 tiles (of 64 queries x G
-# heads), 36.8 at 16, 36.3 at 32. Again on the whole-block wgmma kernels (results/sweep_items_b_ac5e11f.json):
-# sparse_bwd 43.78 / 40.13 / 37.78 ms at 8 / 16 / 32, sparse_bwd_proxy 20.13 / 19.52 / 19.30 at 8 / 16 / 32.
-# With the forward's and backward's chunk plans (whole lists, results/ab_tiles_per_item_59e1276.log, one process):
-# 64 tiles against 32, whole backward (b) / (a) / (c) 64K and (a) B = 1 64K: 42.71 -> 41.68, 21.39 -> 20.89,
-# 76.09 -> 74.26, 13.62 -> 13.20 ms. An item's entries must fit the kernel's shared table (ITEM_ENTRIES).
-TILES_PER_ITEM = 64  # at most (tiles_per_item)
-ITEM_ENTRIES = 2048  # kernels_src.sparse_bwd.ENTRY_TABLE: entries past it take a slower global read
+from flash_msa_rt.tuning import sparse_bwd as tuning_bwd
+from flash_msa_rt.tuning.problem import Problem
+from flash_msa_rt.tuning.sparse_bwd import (PRODUCER_GROUPS, PRODUCER_THREADS, TILE_M, SparseBwdTuning, keys_per_cta,
+                                            per_group_tiles)
 
 
-def tiles_per_item(group: int) -> int:
-    """Tiles per sparse_bwd item at G = group: TILES_PER_ITEM, fewer where the item's entries (tiles of 64 // G
-    queries) would pass ITEM_ENTRIES (G = 1: 32 tiles)."""
-    return max(1, min(TILES_PER_ITEM, ITEM_ENTRIES // max(1, TILE_M // group)))
+def choice(arch: str, group: int, head_dim: int = 128, block_size: int = 128, B: int = 0, S: int = 0,
+           H: int = 0) -> SparseBwdTuning:
+    """tuning.sparse_bwd's choice for a backward of these sizes on arch (under the overrides in effect)."""
+    return tuning_bwd.choose(arch, Problem(group=group, head_dim=head_dim, block_size=block_size, batch=B,
+                                           seqlen=S, heads=H))
 
 
-# Item order of the backward's launches (sparse_plan.chunk_plans: "list", or "query": by bins of
-# sparse_plan.QUERY_BIN queries, so the CTAs resident at once reduce into fewer dq rows). Query bins of 2048
-# against list order, same process, two runs (results/ab_item_query*_4a058e1.log): whole backward (c) 64K (G = 16)
-# 76.48 -> 73.57 and 75.93 -> 73.08 ms; (b) 64K (G = 4) 41.50 -> 40.74, then 40.99 -> 41.71 (noise); (a) 64K at
-# B = 1 and B = 2 and (a) B = 1 32K 2.5-5 % slower (G = 4). So query bins at G >= BACKWARD_QUERY_GROUP (G = 8 not
-# measured: list order there). The deterministic kernels' turns need list order and always get it.
-BACKWARD_ITEM_ORDER = "list"
-BACKWARD_QUERY_GROUP = 16
-
-
-def backward_item_order(group: int, deterministic: bool = False) -> str:
-    """The item order of a backward at G = group (chunk_plans' order)."""
-    if deterministic:
-        return "list"
-    return "query" if group >= BACKWARD_QUERY_GROUP else BACKWARD_ITEM_ORDER
-
-
-PROXY_MAIN_TILES_PER_ITEM = 128  # proxy tiles are 64 queries x G heads: sparse_fwd.per_group_tiles(128, G) per item
-PLAN_ENTRIES = 1 << 26  # entries one proxy-backward plan may hold (warmup's all-causal selection is chunked)
-
-
-def tile_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync") -> dict:
-    """The tiles of either backward kernel: a key block split over block_size // tile_n CTAs; mma: "sync" or
-    "wgmma" (sparse_fwd.family_mma)."""
+def tile_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str) -> dict:
+    """The tiles of either backward kernel: a key block split over block_size // tile_n CTAs."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
-            "tile_n": sparse_fwd.tile_n_for(mma, block_size), "threads": 256, "stages": 2, "mma": mma}
+            "tile_n": keys_per_cta(mma, block_size), "threads": 256, "stages": 2, "mma": mma}
 
 
-# The warp-specialised main kernel (kernels_src/sparse_bwd/producer.py: a producer warpgroup gathers the tiles,
-# threads 384) where it is built: the atomic tau kernels on wgmma at G in PRODUCER_GROUPS. It measured 1.04-1.07x
-# on the whole backward (results/ab_producer_v3_630c669.log), with the GPU tests on and off and all four
-# sanitizers clean on it (results/sanitizer_producer_v3_630c669.log). False restores the 256-thread kernel.
-PRODUCER = True
-PRODUCER_THREADS = 384
-PRODUCER_GROUPS = (1, 2, 4)
-
-
-def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
+def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, t: SparseBwdTuning,
                   tau_out: bool = False, deterministic: bool = False) -> dict:
-    """sparse_bwd's variant; tau_out: it also writes tau for the proxy kernel's "tau" heads; deterministic (with
-    tau_out): partial rows stored for sparse_bwd_sums instead of atomics."""
-    config = {**tile_config(dtype, head_dim, block_size, group, mma), "tau_out": int(tau_out),
+    """sparse_bwd's variant under the choice t; tau_out: it also writes tau for the proxy kernel's "tau" heads;
+    deterministic (with tau_out): partial rows stored for sparse_bwd_sums instead of atomics. The warp-specialised
+    kernel (a producer warpgroup gathers the tiles) is built for the atomic tau kernels on wgmma at
+    PRODUCER_GROUPS."""
+    config = {**tile_config(dtype, head_dim, block_size, group, t.mma), "tau_out": int(tau_out),
               "deterministic": int(deterministic)}
-    if PRODUCER and tau_out and not deterministic and mma == "wgmma" and group in PRODUCER_GROUPS:
+    if t.producer and tau_out and not deterministic and t.mma == "wgmma" and group in PRODUCER_GROUPS:
         config["threads"] = PRODUCER_THREADS
     return config
 
 
-# How the proxy backward gets a tile's tau on wgmma: read from the main backward when it runs beside it ("tau",
-# kernels_src/sparse_bwd_proxy/tau.py); else recomputed from the G main heads, at G <= 4 all at once ("resident":
-# the G head tiles and the proxy rows gathered together, S_{g+1} in flight under P_g's exponentials; resident.py),
-# else one step per head ("stepped"). mma.sync has the stepped kernel only.
-PROXY_RESIDENT_GROUPS = (1, 2, 4)
-FORCE_PROXY_HEADS: str | None = None  # tests and benchmarks: "stepped" / "resident" recompute tau even when it
-                                      # could be read ("resident" stays stepped at G >= 8)
-TAU_BUDGET = 1 << 30  # at most this many bytes of tau rows (the input dtype, block_size per plan entry) per chunk
-# ... and at least this many. Each chunk costs a launch's ramp and tail on both kernels: at (a) B = 1, S = 64K,
-# 4 chunks of 268 MB took the backward 12.3-13.0 ms, 1 chunk 11.0 (results/ab_budgets_242f55b.log,
-# ab_item_order_242f55b.log), for a peak of 1.9 GiB beyond the inputs instead of 1.15 (cuDNN dense: 1.6 GB).
-TAU_FLOOR = 1 << 30
-DETERMINISTIC_BUDGET = 1 << 32  # deterministic: at most this many bytes of one chunk's tau and partial dq rows
-DETERMINISTIC_FLOOR = 1 << 31  # ... and at least this many: each chunk costs ~2 ms of host work (its plan and
-                               # sums); at 1 GiB (a) B = 1, S = 32K ran 8 chunks, host-bound at 4.5x the GPU time
+PROXY_TAU_STAGES = 3  # the "tau" proxy kernel gathers its rows two tiles ahead
 
 
-def tau_budget(B: int, S: int, H: int, D: int) -> int:
-    """Bytes of one backward chunk's tau rows: half of the fp32 dq accumulator the backward holds anyway (4 B S H D
-    bytes), within [TAU_FLOOR, TAU_BUDGET] (today both 1 GiB: fewer chunks won over the lower peak at B = 1)."""
-    return max(TAU_FLOOR, min(TAU_BUDGET, 2 * B * S * H * D))
-
-
-def deterministic_budget(B: int, S: int, H: int, D: int) -> int:
-    """Bytes of one deterministic chunk's tau and partial dq / dq_p rows: twice the fp32 dq accumulator they
-    replace (4 B S H D bytes), within [DETERMINISTIC_FLOOR, DETERMINISTIC_BUDGET]. Deterministic mode is a
-    debugging mode: it may hold a little more memory than the atomic path for fewer, longer chunks."""
-    return max(DETERMINISTIC_FLOOR, min(DETERMINISTIC_BUDGET, 8 * B * S * H * D))
+def proxy_config(dtype: str, head_dim: int, block_size: int, group: int, t: SparseBwdTuning, tau: bool = False,
+                 deterministic: bool = False) -> dict:
+    """The proxy backward's variant under the choice t: tau read from the main backward (tau; one variant, built
+    at group 1, since it does not depend on G), else recomputed (t.recompute_heads; mma.sync steps through the
+    heads); deterministic: its partial-row variant."""
+    heads = "tau" if tau else (t.recompute_heads if t.proxy_mma == "wgmma" else "stepped")
+    config = tile_config(dtype, head_dim, block_size, 1 if heads == "tau" else group, t.proxy_mma)
+    if heads == "tau":
+        config["stages"] = PROXY_TAU_STAGES
+    return {**config, "heads": heads, "deterministic": int(deterministic)}
 
 
 def entry_bytes(block_size: int, group: int, head_dim: int, deterministic: bool = False) -> int:
     """Bytes per plan entry of a tau-path chunk: its tau row (block_size keys, 2 bytes), and when deterministic
     its fp32 partial dq rows (G heads) and dq_p row."""
     return 2 * block_size + ((4 * group * head_dim + 4 * head_dim) if deterministic else 0)
-
-
-def proxy_heads(mma: str, group: int, tau: bool = False) -> str:
-    """tau: the main backward runs in the same call and can write tau."""
-    if mma != "wgmma":
-        return "stepped"
-    if tau and FORCE_PROXY_HEADS in (None, "tau"):
-        return "tau"
-    if group not in PROXY_RESIDENT_GROUPS or FORCE_PROXY_HEADS == "stepped":
-        return "stepped"
-    return "resident"
-
-
-# The tau proxy kernel's buffers: its rows gathered two tiles ahead (kernels_src/sparse_bwd_proxy TAU_STAGES).
-PROXY_TAU_STAGES = 3
-
-
-def proxy_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
-                 heads: str | None = None, tau: bool = False, deterministic: bool = False) -> dict:
-    """The proxy backward's variant: the backward's tiles plus how a tile gets its tau (proxy_heads unless given);
-    the "tau" kernel does not depend on G and is built once, at group 1; deterministic: its partial-row variant."""
-    heads = heads or proxy_heads(mma, group, tau)
-    config = tile_config(dtype, head_dim, block_size, 1 if heads == "tau" else group, mma)
-    if heads == "tau":
-        config["stages"] = PROXY_TAU_STAGES
-    return {**config, "heads": heads, "deterministic": int(deterministic)}
 
 
 def delta_config(dtype: str, head_dim: int) -> dict:
@@ -161,89 +86,85 @@ def slot_sum_config(dtype: str, head_dim: int, block_size: int, group: int) -> d
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
              arch: str = "sm90a", deterministic: bool = False) -> list[tuple[str, dict]]:
-    """Every (op, config) one backward may launch on arch: with both gradients (tau written and read where the
-    MMA allows), and with one of them missing; deterministic: the deterministic tau path's (deterministic_refusal
-    says where there is none)."""
-    mma, mma_p = sparse_fwd.family_mma(arch, "sparse_bwd"), sparse_fwd.family_mma(arch, "sparse_bwd_proxy")
+    """Every (op, config) one backward may launch on arch: with both gradients (tau written and read on the tau
+    path), and with one of them missing; deterministic: the deterministic tau path's (deterministic_refusal says
+    where there is none)."""
+    t = choice(arch, group, head_dim, block_size)
     if deterministic:
-        return [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, mma, True, True)),
-                ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, mma_p, "tau", True, True)),
+        return [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, t, True, True)),
+                ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, t, True, True)),
                 ("bwd_delta", delta_config(dtype, head_dim)),
                 ("slot_sum", slot_sum_config(dtype, head_dim, block_size, group)),
-                ("slot_sum", slot_sum_config(dtype, proxy_head_dim, block_size, 1))] + list_kernel_configs(block_size)
-    tau = tau_path(mma, mma_p)
-    out = [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, mma)),
-           ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, mma_p)),
-           ("bwd_delta", delta_config(dtype, head_dim))] + list_kernel_configs(block_size)
-    if tau:
-        out += [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, mma, tau_out=True)),
-                ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, mma_p, tau=True))]
+                ("slot_sum", slot_sum_config(dtype, proxy_head_dim, block_size, 1))] + \
+            list_kernel_configs(block_size, arch=arch)
+    out = [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, t)),
+           ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, t)),
+           ("bwd_delta", delta_config(dtype, head_dim))] + list_kernel_configs(block_size, arch=arch)
+    if t.tau_path:
+        out += [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, t, tau_out=True)),
+                ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, t, tau=True))]
     return out
 
 
 def deterministic_refusal(arch: str) -> str | None:
     """Why arch has no deterministic backward kernels, or None: they are the tau path's (wgmma on both kernels)."""
-    mma, mma_p = sparse_fwd.family_mma(arch, "sparse_bwd"), sparse_fwd.family_mma(arch, "sparse_bwd_proxy")
-    if mma == mma_p == "wgmma":
+    t = choice(arch, 1)
+    if t.mma == t.proxy_mma == "wgmma":
         return None
-    return (f"the deterministic backward kernels are the wgmma tau path (sm90a); {arch} runs sparse_bwd on {mma!r} "
-            f"and sparse_bwd_proxy on {mma_p!r}")
-
-
-def tau_path(mma: str, mma_proxy: str) -> bool:
-    """Whether the main backward writes tau for the proxy kernel: both on wgmma (whole key block per CTA), unless
-    a test or benchmark forces the recomputing heads."""
-    return mma == mma_proxy == "wgmma" and FORCE_PROXY_HEADS in (None, "tau")
+    return (f"the deterministic backward kernels are the wgmma tau path (sm90a); {arch} runs sparse_bwd on "
+            f"{t.mma!r} and sparse_bwd_proxy on {t.proxy_mma!r}")
 
 
 def tau_chunk(B: int, S: int, Hp: int, K: int, block_size: int, budget: int, per_entry: int | None = None) -> int:
     """Queries per backward chunk on the tau path: the chunk's rows (B Hp K entries per query, per_entry bytes
-    each: entry_bytes, by default a tau row of block_size keys, 2 bytes) fit budget bytes (tau_budget) plus
+    each: entry_bytes, by default a tau row of block_size keys, 2 bytes) fit budget bytes (the choice's) plus
     sparse_fwd.CHUNK_SLACK, in equal whole blocks."""
     per_entry = per_entry or 2 * block_size
     return sparse_fwd.equal_chunk(S, block_size, B * Hp * K * per_entry, budget)
 
 
 def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                      kl_grad, deterministic: bool = False):
+                      kl_grad, deterministic: bool = False, arch: str | None = None):
     """(dq_proxy, dk_proxy, dq, dk, dv). grad_out (B, S, H, D) or None; kl_grad broadcastable to (B, Hp, S) or
     None (a missing gradient gives zeros). Tensors validated, 16-byte aligned, unit-stride head dim.
     deterministic: bitwise reproducible gradients (the tau path's deterministic variants; the device must have
-    them: deterministic_refusal)."""
+    them: deterministic_refusal). arch: the device's unless given (the tuning policy's arch)."""
     B, S, H, D = q.shape
     Hp, Hk = q_proxy.shape[2], k.shape[2]
     G = H // Hp
     dt = sparse_fwd.DTYPES[q.dtype]
     dev = q.device
     f32 = torch.float32
-    mma, mma_p = sparse_fwd.device_mma(dev, "sparse_bwd"), sparse_fwd.device_mma(dev, "sparse_bwd_proxy")
+    arch = arch or arch_of(dev)
+    t = choice(arch, G, D, block_size, B, S, H)
+    mma, mma_p = t.mma, t.proxy_mma
     if deterministic:
         if not mma == mma_p == "wgmma":
             raise NotImplementedError(f"msa_backward deterministic: the kernels are the wgmma tau path (sm90a); this "
                                       f"device runs sparse_bwd on {mma!r}, sparse_bwd_proxy on {mma_p!r}")
         grad_out = grad_out if grad_out is not None else torch.zeros_like(out)
         kl_grad = kl_grad if kl_grad is not None else torch.zeros((B, Hp, S), dtype=f32, device=dev)
-        return _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
-                                  grad_out, kl_grad, None, None, None, deterministic=True)
-    if grad_out is not None and kl_grad is not None and tau_path(mma, mma_p):
+        return _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size,
+                                  scale, grad_out, kl_grad, None, None, None, deterministic=True)
+    if grad_out is not None and kl_grad is not None and t.tau_path:
         flat, (dqp_acc, dkp_acc, dq_acc, dk_acc, dv_acc) = accumulators((q_proxy, k_proxy, q, k, v))
-        _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
+        _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
                            grad_out, kl_grad, dq_acc, dk_acc, dv_acc, dqp_acc, dkp_acc)
         return tuple(cast_accumulators(flat, (q_proxy, k_proxy, q, k, v)))
     flat, (dq_acc, dk_acc, dv_acc) = accumulators((q, k, v))
-    plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, tiles_per_item(G))
+    plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, t.tiles_per_item)
     if grad_out is not None:
         delta = torch.empty((B, H, S), dtype=f32, device=dev)
         get_kernel("bwd_delta", delta_config(dt, D), dev)(dout=grad_out, out=out, delta=delta)
-        get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, mma), dev)(
+        get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, t), dev)(
             q=q, k=k, v=v, dout=grad_out, lse=lse.contiguous(), delta=delta, entry_query=plan.entry_query,
             items=plan.items, dq_acc=dq_acc, dk_acc=dk_acc, dv_acc=dv_acc, scale=float(scale), hp=Hp,
             hp_per_hk=Hp // Hk)
     if kl_grad is not None:
         # The main plan's sorted lists, cut into the proxy kernel's tiles (64 distinct queries): no second sort.
-        proxy_plan = recut(plan, TILE_M, sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, G))
+        proxy_plan = recut(plan, TILE_M, t.proxy_tiles_per_item)
         dq_proxy, dk_proxy = proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size,
-                                                 scale, kl_grad, proxy_plan)
+                                                 scale, kl_grad, proxy_plan, arch=arch)
     else:
         dq_proxy, dk_proxy = torch.zeros_like(q_proxy), torch.zeros_like(k_proxy)
     return (dq_proxy, dk_proxy, *cast_accumulators(flat, (q, k, v)))
@@ -278,15 +199,16 @@ def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: in
     """Proxy heads per backward chunk on the tau path: sparse_fwd.heads_per_chunk of the chunk's rows (B S K entries
     per head, per_entry bytes each: entry_bytes, by default a tau row of block_size keys, 2 bytes) in budget bytes
     (tau_budget). Chunks of heads keep every reverse list whole; at (b) 64K chunks of queries measured the same
-    within noise for the backward (NOTES.md)."""
+    within noise for the backward."""
     return sparse_fwd.heads_per_chunk(B * S * K * (per_entry or 2 * block_size), Hp, Hk, Hpk, budget)
 
 
 chunk_heads = sparse_fwd.chunk_heads
 
 
-def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                       kl_grad, dq_acc, dk_acc, dv_acc, dqp_acc=None, dkp_acc=None, deterministic: bool = False):
+def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
+                       grad_out, kl_grad, dq_acc, dk_acc, dv_acc, dqp_acc=None, dkp_acc=None,
+                       deterministic: bool = False):
     """Both backward kernels per chunk of proxy heads (and of queries, where one head's tau rows exceed the
     budget), tau passed from the main kernel to the proxy kernel: adds into the caller's zeroed fp32 accumulators
     (`accumulators`) and returns None. A chunk is the same problem on head-sliced views (strided; the kernels take
@@ -302,23 +224,24 @@ def _backward_with_tau(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_ind
     dev = q.device
     f32 = torch.float32
     det = deterministic
-    main = get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, "wgmma", True, det), dev)
-    proxy = get_kernel("sparse_bwd_proxy", proxy_config(dt, D, block_size, G, "wgmma", "tau", True, det), dev)
+    main = get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, t, True, det), dev)
+    proxy = get_kernel("sparse_bwd_proxy", proxy_config(dt, D, block_size, G, t, True, det), dev)
     delta = torch.empty((B, H, S), dtype=f32, device=dev)
     get_kernel("bwd_delta", delta_config(dt, D), dev)(dout=grad_out, out=out, delta=delta)
     grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
     lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
-    budget = deterministic_budget(B, S, H, D) if det else tau_budget(B, S, H, D)
+    budget = t.deterministic_budget if det else t.tau_budget
     per_entry = entry_bytes(block_size, G, D, det)
     c = tau_heads(B, S, Hp, Hk, Hpk, K, block_size, budget, per_entry)
     chunk = tau_chunk(B, S, c, K, block_size, budget, per_entry)
     rows = B * c * min(chunk, S) * K
-    proxy_tiles = sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, 1)
+    proxy_tiles = per_group_tiles(128, 1)  # the "tau" kernel's tiles hold 64 queries of one head
     # Every chunk's main plan and its recut into the proxy kernel's tiles from one sort (sparse_plan.chunk_plans;
     # before the tau rows exist, so the sort's temporaries do not add to the peak). The main plan's sorted lists
     # are the proxy plan's: entry e's tau row is row e for both.
-    cuts = ((TILE_M // G, tiles_per_item(G)), (TILE_M, proxy_tiles))
-    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, backward_item_order(G, det))
+    cuts = ((TILE_M // G, t.tiles_per_item), (TILE_M, proxy_tiles))
+    # the deterministic kernels' turns need list order
+    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, "list" if det else t.item_order, arch=arch)
     tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
     if det:
         sums = _DeterministicSums(q_proxy, q, rows, block_size)
@@ -385,7 +308,8 @@ class _DeterministicSums:
         self.sum_dqp(block_indices=sel, part=self.dqp_part[:plan.E], out=self.dqp[:, s0:s1, ps], query_offset=s0)
 
 
-def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size, scale, kl_grad, plan=None):
+def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size, scale, kl_grad, plan=None,
+                        arch: str | None = None):
     """(dq_proxy, dk_proxy) from (pi - tau) * kl_grad over a selection: the sparse_bwd_proxy kernel alone (warmup
     mode runs it with every causal block selected, beside cuDNN's dense backward). plan: the whole selection's plan
     in the proxy kernel's tiles (64 distinct queries; msa_backward_cuda recuts its main plan), or None to plan here
@@ -398,20 +322,20 @@ def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, b
     dqp_acc = torch.zeros(q_proxy.shape, dtype=f32, device=dev)
     dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
     grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
-    kernel = get_kernel("sparse_bwd_proxy", proxy_config(sparse_fwd.DTYPES[q.dtype], D, block_size, G,
-                                                         sparse_fwd.device_mma(dev, "sparse_bwd_proxy")), dev)
+    t = choice(arch or arch_of(dev), G, D, block_size, B, S, H)
+    kernel = get_kernel("sparse_bwd_proxy", proxy_config(sparse_fwd.DTYPES[q.dtype], D, block_size, G, t), dev)
     lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
     K = block_indices.shape[3]
-    # Queries in chunks of at most PLAN_ENTRIES (b, p, i, slot) entries: warmup's all-causal selection has
+    # Queries in chunks of at most t.plan_entries (b, p, i, slot) entries: warmup's all-causal selection has
     # O(B * Hp * S^2 / Bs) of them (the accumulators sum the chunks' contributions like the items').
     given = plan
-    chunk = S if given is not None else max(block_size, PLAN_ENTRIES // max(1, B * Hp * K) // block_size * block_size)
+    chunk = S if given is not None else max(block_size,
+                                            t.plan_entries // max(1, B * Hp * K) // block_size * block_size)
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         if given is None:  # the proxy kernel's tiles are 64 distinct queries, whatever G
             sel = block_indices[:, :, s0:s1].contiguous()
-            plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M,
-                               sparse_fwd.per_group_tiles(PROXY_MAIN_TILES_PER_ITEM, G), query_offset=s0)
+            plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M, t.proxy_tiles_per_item, query_offset=s0)
         kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, entry_query=plan.entry_query, items=plan.items, lse=lse,
                lse_proxy=lse_proxy, kl_grad=grad, dqp_acc=dqp_acc, dkp_acc=dkp_acc, scale=float(scale),
                hp_per_hk=Hp // Hk, hp_per_hpk=Hp // Hpk)

@@ -1,7 +1,7 @@
 """The sparse forward's launcher: MSA main attention + proxy lse + KL on the GPU, KV-outer.
 
 Steps, all on the device with no host synchronisation:
-  0. the queries are cut into chunks whose partial buffers fit PARTIALS_BUDGET; per chunk:
+  0. the problem is cut into chunks (of heads, then queries) whose partial buffers fit the budget; per chunk:
   1. sparse_plan: the reverse index (key block -> the queries that chose it), cut into bounded work items (every
      chunk's at once: chunk_plans);
   2. sparse_fwd kernel: per (entry, head) the one-block partial output and its lse;
@@ -16,131 +16,30 @@ Internal layout (B, S, heads, D); the public API validates user input and routes
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
 from flash_msa_rt.loader import get_kernel
+from flash_msa_rt.ops.device import arch_of
 from flash_msa_rt.ops.sparse_plan import chunk_plans, kl_groups, list_kernel_configs, sparse_plan
+from flash_msa_rt.tuning import sparse_fwd as tuning_fwd
+from flash_msa_rt.tuning.problem import Problem
+from flash_msa_rt.tuning.sparse_fwd import SparseFwdTuning
 
-DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
-HEAD_DIMS = (128,)
-BLOCK_SIZES = (128,)
-GROUPS = (1, 2, 4, 8, 16)
-TILE_M = 128
-# Work items: one key block and at most this many tiles of its queries (bounds the hot blocks). Larger items load
-# their key block for more tiles; measured by benchmarks/sweep_items.py on the ping-pong forward and the wgmma KL
-# pass (results/sweep_items_b_ac5e11f.json, (b) S = 64K): sparse_fwd 18.94 / 17.88 / 17.34 ms at 8 / 16 / 32
-# tiles, the KL pass 12.73 / 12.53 / 12.47 at 8 / 16 / 32 (KL_MAIN_TILES_PER_ITEM 128 gives 32 at G = 4). In the
-# chunked whole op the gain does not show (fewer, longer items per chunk): (b) 64K forward 40.53 ms at 16 tiles,
-# 40.65 at 32 (results/bench_msa_ac5e11f.log, bench_msa_64k_128k_f3ec34b.log). With chunks of heads (whole lists)
-# and one sort for every chunk, 64 against 32 in one process (results/ab_tiles_per_item_59e1276.log): whole forward
-# (b) / (a) / (c) 64K and (a) B = 1 64K 35.47 -> 34.31, 17.91 -> 17.70, 65.62 -> 64.96, 11.34 -> 11.18 ms.
-TILES_PER_ITEM = 64
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}  # f64: the CPU tests' emulated kernels
+TILE_M = 128  # rows per forward tile: 128 // G queries x G heads
 KL_TILE = 64  # distinct queries per KL tile; the tile visits the G heads one after another
-KL_MAIN_TILES_PER_ITEM = 128  # KL items: ~128 // G tiles of 64 queries x G heads, 1 to 32 tiles (per_group_tiles)
-# The least bytes of per-slot partials one forward chunk may hold (partials_budget). Each chunk costs four launches'
-# ramps and tails: at (a) B = 1, S = 64K, 4 chunks took the forward 9.9-10.4 ms, 1 chunk 8.4-8.5
-# (results/ab_budgets_242f55b.log); 2 GiB holds (a) B = 1 up to 64K in two chunks, (a) B = 2 at 64K in four.
-PARTIALS_BUDGET = 2 << 30
-# Item order of the forward's launches (sparse_plan.chunk_plans): "size", longest first, against "list" in one
-# process (results/ab_item_order_242f55b.log): forward (a) / (b) / (c) 64K 18.12 -> 17.30, 32.52 -> 32.23,
-# 61.48 -> 60.31 ms, (b) 16K 31.24 -> 30.68; (a) B = 1 64K and 16K within noise (10.36 -> 10.42, 3.41 -> 3.47). The
-# backward keeps list order: its main kernel measured 0.6-1 ms slower longest first at (b).
-FORWARD_ITEM_ORDER = "size"
-KL_PARTIALS_BUDGET = 1 << 30  # bytes of (A, T, L) partials per chunk of msa_kl_cuda (warmup's KL pass alone)
 
 
-def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
-                  schedule: str | None = None) -> dict:
-    """The variant launched for a problem; fields in the order the build names them.
-    mma: family_mma(arch, "sparse_fwd"); schedule: fwd_schedule(mma) unless given."""
-    schedule = schedule or fwd_schedule(mma)
+def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, t: SparseFwdTuning) -> dict:
+    """The forward's variant for a problem under the choice t (tuning.sparse_fwd)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
-            "threads": 256, "stages": fwd_stages(schedule, group), "mma": mma, "schedule": schedule}
+            "threads": 256, "stages": t.stages, "mma": t.mma, "schedule": t.schedule}
 
 
-# q tile buffers: the ping-pong kernel with one buffer (96 KB) runs two CTAs per SM, and each warpgroup gathers its
-# next tile under its softmax, PV and epilogue instead of a tile ahead. One 16K-query chunk, same plan, outputs
-# bitwise equal (results/ab_fwd_stages_8fbc399.log), 2 -> 1 buffers: (b) 64K 3.85 -> 3.40 ms, (a) 1.96 -> 1.80, (c)
-# G = 16 8.25 -> 6.96 (6.82 with the entries loaded at the tile top, what ships: ab_fwd_knobs_8fbc399.log), (b) 8K
-# 14.28 -> 13.59. At G = 1 one buffer spills (16 bytes at the 128 registers two CTAs allow).
-FORCE_STAGES: int | None = None  # tests and benchmarks: run the ping-pong forward with this many q buffers
-
-
-def fwd_stages(schedule: str, group: int) -> int:
-    if schedule != "pingpong":
-        return 2
-    return FORCE_STAGES or (1 if group >= 2 else 2)
-
-
-# How sparse_fwd's two warpgroups share a tile (kernels_src/sparse_fwd/pingpong.py), per MMA: on wgmma each
-# warpgroup runs its own rows and their QK products take turns (ping-pong); mma.sync has the lockstep kernel only.
-# Measured on one 16K-query chunk at S = 64K (results/ab_sparse_fwd_pingpong_76681b9.log), lockstep -> ping-pong:
-# (a) 2.79 -> 2.22 ms, (b) 5.36 -> 4.32, (c) 9.68 -> 8.76; the outputs are bit-identical.
-FWD_SCHEDULE = {"sync": "lockstep", "wgmma": "pingpong"}
-FORCE_SCHEDULE: str | None = None  # tests and benchmarks: run the wgmma forward with this schedule instead
-
-
-def fwd_schedule(mma: str) -> str:
-    return FORCE_SCHEDULE if FORCE_SCHEDULE and mma == "wgmma" else FWD_SCHEDULE[mma]
-
-
-# The MMA each family runs on sm90a, by measurement ((b) S = 64K B = 2, kernels_src/sparse_fwd/NOTES.md): wgmma
-# takes sparse_fwd from 26.4 to 23.1 ms and sparse_bwd from 67.4 to 57.0; the KL pass in ping-pong 4.40 -> 2.12 ms
-# on a 16K-query chunk at (b), 6.70 -> 4.62 at (c), G = 16 (results/ab_sparse_kl_streamed_ab83e1c.log; mma.sync
-# -> wgmma); select 20.07 -> 15.82 ms (results/ab_select_wgmma_eabdb10.log). Elsewhere every family runs mma.sync
-# (Blackwell has no wgmma). Both kinds are built for sm90a, and the GPU tests check both.
-SM90_MMA = {"sparse_fwd": "wgmma", "sparse_kl": "wgmma", "sparse_bwd": "wgmma", "sparse_bwd_proxy": "wgmma",
-            "select": "wgmma", "block_scores": "wgmma"}
-FORCE_MMA: str | None = None  # tests and benchmarks: run every family on this MMA instead ("sync" | "wgmma")
-
-
-def family_mma(arch: str, op: str) -> str:
-    """The MMA kind the kernel of family op (block_scores, select, sparse_fwd, sparse_kl, sparse_bwd,
-    sparse_bwd_proxy) uses on arch."""
-    if arch != "sm90a":
-        return "sync"
-    if FORCE_MMA:
-        return FORCE_MMA
-    return SM90_MMA[op]
-
-
-@functools.lru_cache(maxsize=None)
-def _device_arch(index: int) -> str:
-    from flash_msa_rt.loader import device_arch
-
-    return device_arch(index)
-
-
-def device_mma(device: torch.device, op: str) -> str:
-    """family_mma of the device's arch for op (the arch cached per device); "sync" off CUDA (emulated kernels in
-    CPU tests)."""
-    if device.type != "cuda":
-        return "sync"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return family_mma(_device_arch(index), op)
-
-
-def per_group_tiles(main_tiles: int, group: int) -> int:
-    """Tiles per item for kernels whose tile visits the G heads in turn (KL pass, proxy backward): about
-    main_tiles // G, between 1 and 32."""
-    return max(1, min(32, main_tiles // group))
-
-
-COMBINE_LANE_ELEMENTS = 16  # kernels_src.sparse_combine.LANE_ELEMENTS
-COMBINE_HEADS_PER_WARP: int | None = None  # A/B runs: 1 runs the one-head-per-warp combine (None: the widest)
-
-
-def combine_heads(group: int, head_dim: int) -> int:
-    """The combine's heads per warp: as many of the G heads as keep a lane at 16 elements (2 x 16-byte loads per
-    slot), unless COMBINE_HEADS_PER_WARP says otherwise (kernels_src.sparse_combine.widest_heads)."""
-    return COMBINE_HEADS_PER_WARP or max(1, min(group, 32 * COMBINE_LANE_ELEMENTS // head_dim))
-
-
-def combine_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
+def combine_config(dtype: str, head_dim: int, block_size: int, group: int, t: SparseFwdTuning) -> dict:
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "threads": 256,
-            "heads_per_warp": combine_heads(group, head_dim)}
+            "heads_per_warp": t.combine_heads}
 
 
 def combine_kl_config(block_size: int) -> dict:
@@ -148,37 +47,10 @@ def combine_kl_config(block_size: int) -> dict:
     return {"block_size": block_size, "threads": 256}
 
 
-def tile_n_for(mma: str, block_size: int) -> int:
-    """Keys per CTA of the kernels on 64-query tiles (KL pass, both backward kernels): the whole key block on wgmma
-    (dK, dV or dk_p of 128 keys in registers; (b) S = 64K: sparse_bwd 53.5 -> 37.6 ms, sparse_bwd_proxy 31.9 ->
-    19.5 against two CTAs of 64 keys), 64-key slices on mma.sync (128 keys spill there)."""
-    return block_size if mma == "wgmma" else 64
-
-
-# How the KL pass's two warpgroups share the work on wgmma: each runs its own tiles over the whole key block
-# ("pingpong"), with the G + 1 head tiles resident and single-buffered at G <= 4 (kernels_src/sparse_kl/
-# pingpong.py) or streamed through a ring of KL_STREAM_STAGES slots at G = 8, 16 (streamed.py); "lockstep": both
-# warpgroups on one tile (wgmma.py), the only schedule of the mma.sync kernel.
-KL_RESIDENT_GROUPS = (1, 2, 4)
-KL_STREAM_STAGES = 4
-FORCE_KL_SCHEDULE: str | None = None  # tests and benchmarks: "lockstep" runs the lockstep wgmma kernel instead
-
-
-def kl_schedule(mma: str) -> str:
-    return (FORCE_KL_SCHEDULE or "pingpong") if mma == "wgmma" else "lockstep"
-
-
-def kl_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str = "sync",
-              schedule: str | None = None) -> dict:
-    """The KL pass runs on the proxy backward's tiles (64 distinct queries x tile_n_for(mma) keys per CTA);
-    schedule: kl_schedule(mma) unless given."""
-    schedule = schedule or kl_schedule(mma)
-    stages = 2
-    if schedule == "pingpong":
-        stages = 1 if group in KL_RESIDENT_GROUPS else KL_STREAM_STAGES
+def kl_config(dtype: str, head_dim: int, block_size: int, group: int, t: SparseFwdTuning) -> dict:
+    """The KL pass runs on the proxy backward's tiles (64 distinct queries x t.kl_tile_n keys per CTA)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": KL_TILE,
-            "tile_n": tile_n_for(mma, block_size), "threads": 256, "stages": stages, "mma": mma,
-            "schedule": schedule}
+            "tile_n": t.kl_tile_n, "threads": 256, "stages": t.kl_stages, "mma": t.kl_mma, "schedule": t.kl_schedule}
 
 
 def kl_part_groups(config: dict) -> int:
@@ -189,13 +61,21 @@ def kl_part_groups(config: dict) -> int:
     return kl_groups(config["block_size"], config["tile_n"])
 
 
+def choice(arch: str, group: int, head_dim: int = 128, block_size: int = 128, B: int = 0, S: int = 0,
+           H: int = 0) -> SparseFwdTuning:
+    """tuning.sparse_fwd's choice for a forward of these sizes on arch (under the overrides in effect)."""
+    return tuning_fwd.choose(arch, Problem(group=group, head_dim=head_dim, block_size=block_size, batch=B,
+                                           seqlen=S, heads=H))
+
+
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
              arch: str = "sm90a") -> list[tuple[str, dict]]:
     """Every (op, config) one forward launches on arch."""
-    return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_fwd"))),
-            ("sparse_combine", combine_config(dtype, head_dim, block_size, group)),
-            ("sparse_kl", kl_config(dtype, head_dim, block_size, group, family_mma(arch, "sparse_kl"))),
-            ("sparse_combine_kl", combine_kl_config(block_size))] + list_kernel_configs(block_size)
+    t = choice(arch, group, head_dim, block_size)
+    return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, t)),
+            ("sparse_combine", combine_config(dtype, head_dim, block_size, group, t)),
+            ("sparse_kl", kl_config(dtype, head_dim, block_size, group, t)),
+            ("sparse_combine_kl", combine_kl_config(block_size))] + list_kernel_configs(block_size, arch=arch)
 
 
 def _plan_args(plan) -> dict:
@@ -208,27 +88,18 @@ def _kl_args(q_proxy, k_proxy, q, k, plan, scale) -> dict:
                 hp_per_hpk=Hp // k_proxy.shape[2], **_plan_args(plan))
 
 
-def partials_budget(B: int, S: int, H: int, D: int) -> int:
-    """Bytes one forward chunk's partials may hold: PARTIALS_BUDGET, or the backward's fp32 dq accumulator
-    (4 * B * S * H * D bytes) where that is larger, since training needs that much later anyway. Fewer chunks
-    cost less host work and fewer grid tails: (b) S = 64K B = 2 forward 66.9 ms in 18 chunks of 1 GiB, 59.3 in 9
-    of 2 GiB, 56.9 in 5 of 4 GiB (benchmarks/profile_msa.py)."""
-    return max(PARTIALS_BUDGET, 4 * B * S * H * D)
-
-
 # A chunk may hold this fraction more than the budget, so that the queries split into equal chunks instead of
 # full ones and a small tail: configuration (a) at B = 1, S = 16K would run a 640-query tail chunk (a plan, four
 # launches and their grid tails) for 4 % over the budget, (b) at S = 64K 9 chunks where 8 take 5 % more.
 CHUNK_SLACK = 1 / 8
 
 
-def query_chunk(B: int, S: int, Hp: int, K: int, G: int, D: int, block_size: int,
-                budget: int | None = None) -> int:
+def query_chunk(B: int, S: int, Hp: int, K: int, G: int, D: int, block_size: int, budget: int) -> int:
     """Queries per forward chunk, a multiple of block_size (at least one block): the partial buffers (o_part in
-    2 bytes; lse_part and the KL pass's (A, T, L) triples in fp32) of one chunk stay within budget bytes (default
-    partials_budget) plus CHUNK_SLACK, and the chunks are as equal as whole blocks allow."""
+    2 bytes; lse_part and the KL pass's (A, T, L) triples in fp32) of one chunk stay within budget bytes (the
+    choice's partials_budget) plus CHUNK_SLACK, and the chunks are as equal as whole blocks allow."""
     per_query = B * Hp * K * (G * D * 2 + 4 * (G + 3 * kl_groups(block_size)))
-    return equal_chunk(S, block_size, per_query, budget or partials_budget(B, S, Hp * G, D))
+    return equal_chunk(S, block_size, per_query, budget)
 
 
 def heads_per_chunk(per_head: int, Hp: int, Hk: int, Hpk: int, budget: int, slack: float = 0.0) -> int:
@@ -279,23 +150,17 @@ def head_chunks(Hp: int, Hk: int, Hpk: int, G: int, c: int) -> list[HeadChunk]:
     return chunks
 
 
-# How the forward cuts a problem whose partials exceed the budget: "heads" first (chunks of proxy heads over every
-# query, then queries too where one head's partials do not fit), or "queries" (every head, chunks of queries).
-# Chunks of heads keep each reverse list whole, so its items are full: a query chunk of 1 / n of the sequence cuts
-# every list into n shorter ones, each ending in a partial item.
-FORWARD_CHUNKS = "heads"
-
-
 def forward_chunks(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, G: int, D: int, block_size: int,
-                   budget: int | None = None) -> tuple[int, int]:
+                   budget: int, chunks: str = "heads") -> tuple[int, int]:
     """(proxy heads, queries) per forward chunk: the partial buffers of one chunk (o_part in 2 bytes, lse_part and
-    the KL pass's (A, T, L) triples in fp32, per entry) fit budget (default partials_budget) plus CHUNK_SLACK."""
-    budget = budget or partials_budget(B, S, Hp * G, D)
+    the KL pass's (A, T, L) triples in fp32, per entry) fit budget (the choice's partials_budget) plus
+    CHUNK_SLACK; chunks (the choice's): "heads" cuts the heads first (chunks of proxy heads over every query,
+    then queries too where one head's partials do not fit), "queries" the queries only."""
     per_entry = G * D * 2 + 4 * (G + 3 * kl_groups(block_size))
     # CHUNK_SLACK as for queries: (a) at B = 1, S = 16K holds 1.14 GB of partials against a 1 GiB budget, and two
-    # chunks of two heads doubled its host-bound forward's launches (results/bench_msa_batch1_1989e46.log).
+    # chunks of two heads doubled its host-bound forward's launches.
     c = Hp
-    if FORWARD_CHUNKS == "heads":
+    if chunks == "heads":
         c = heads_per_chunk(B * S * K * per_entry, Hp, Hk, Hpk, budget, CHUNK_SLACK)
     return c, equal_chunk(S, block_size, B * c * K * per_entry, budget)
 
@@ -310,11 +175,12 @@ def equal_chunk(S: int, block_size: int, per_query: int, budget: int) -> int:
     return -(-blocks // chunks) * block_size
 
 
-def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale):
+def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, arch: str | None = None):
     """(out (B, S, H, D), lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) on a CUDA device.
 
     The caller has validated shapes and made every tensor 16-byte aligned with a unit-stride head dim.
-    Queries run in chunks whose per-slot partial outputs fit partials_budget: a row's K slots all belong to its
+    Queries run in chunks whose per-slot partial outputs fit the choice's partials_budget (tuning.sparse_fwd, for
+    arch: the device's unless given): a row's K slots all belong to its
     chunk, so each chunk is planned, computed, combined and its KL taken on its own; extra memory is the plan
     (O(B*Hp*S*K) int32) plus one chunk's partials, whatever S.
     q_proxy = k_proxy = None: the main attention alone over block_indices (B, Hp, S, K), G = H / Hp heads per
@@ -326,10 +192,12 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     proxy = q_proxy is not None
     dt = DTYPES[q.dtype]
     dev = q.device
-    fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, device_mma(dev, "sparse_fwd")), dev)
-    combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G), dev)
+    arch = arch or arch_of(dev)
+    t = choice(arch, G, D, block_size, B, S, H)
+    fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, t), dev)
+    combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G, t), dev)
     if proxy:
-        kl_cfg = kl_config(dt, D, block_size, G, device_mma(dev, "sparse_kl"))
+        kl_cfg = kl_config(dt, D, block_size, G, t)
         kl = get_kernel("sparse_kl", kl_cfg, dev)
         combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -340,13 +208,12 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     if out.numel() == 0:
         return out, lse, lse_proxy, kl_rows
     Hk, Hpk = k.shape[2], (k_proxy.shape[2] if proxy else Hp)
-    c, chunk = forward_chunks(B, S, Hp, Hk, Hpk, K, G, D, block_size)
+    c, chunk = forward_chunks(B, S, Hp, Hk, Hpk, K, G, D, block_size, t.partials_budget, t.chunks)
     # Every chunk's plan and the KL pass's recut of it from one sort (chunk_plans: the host's work per chunk is
     # then its views and launches); planned before the partial buffers exist, so the sort's temporaries do not
     # add to the peak.
-    cuts = ((TILE_M // G, TILES_PER_ITEM),) + (((KL_TILE, per_group_tiles(KL_MAIN_TILES_PER_ITEM, G)),) if proxy
-                                               else ())
-    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, FORWARD_ITEM_ORDER)
+    cuts = ((TILE_M // G, t.tiles_per_item),) + (((KL_TILE, t.kl_tiles_per_item),) if proxy else ())
+    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, t.item_order, arch=arch)
     E_max = B * c * min(chunk, S) * K
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
@@ -387,15 +254,16 @@ def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scal
                query_offset=s0)
 
 
-def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
+def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, arch: str | None = None):
     """(lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) of a selection, given the main attention's final lse (B, H, S):
     the KL pass alone, for a main attention computed elsewhere (warmup mode: cuDNN's dense attention). Queries run
-    in chunks whose (A, T, L) partials fit KL_PARTIALS_BUDGET."""
+    in chunks whose (A, T, L) partials fit the choice's kl_partials_budget."""
     B, S, H, D = q.shape
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
     dev = q.device
-    kl_cfg = kl_config(DTYPES[q.dtype], D, block_size, G, device_mma(dev, "sparse_kl"))
+    t = choice(arch or arch_of(dev), G, D, block_size, B, S, H)
+    kl_cfg = kl_config(DTYPES[q.dtype], D, block_size, G, t)
     kl = get_kernel("sparse_kl", kl_cfg, dev)
     combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
@@ -404,13 +272,12 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale):
         return lse_proxy, kl_rows
     groups = kl_part_groups(kl_cfg)
     per_query = B * Hp * K * 4 * 3 * groups
-    chunk = max(block_size, KL_PARTIALS_BUDGET // per_query // block_size * block_size)
+    chunk = max(block_size, t.kl_partials_budget // per_query // block_size * block_size)
     kl_buf = torch.empty((B * Hp * min(chunk, S) * K, 3 * groups), dtype=torch.float32, device=dev)
     lse = lse.contiguous()
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         sel = block_indices[:, :, s0:s1].contiguous()
-        kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, per_group_tiles(KL_MAIN_TILES_PER_ITEM, G),
-                              query_offset=s0)
+        kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, t.kl_tiles_per_item, query_offset=s0)
         _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan)
     return lse_proxy, kl_rows

@@ -36,6 +36,8 @@ import math
 
 import torch
 
+from flash_msa_rt.tuning import plan as tuning_plan
+
 _INT32_LIMIT = 2 ** 31
 
 
@@ -193,17 +195,12 @@ def _cut_items(bounds: torch.Tensor, NB: int, E: int, C: int):
 
 # --- every chunk's plan from one sort ------------------------------------------------------------------------
 
-# Entries one chunk_plans sort may hold (its temporaries take ~16 bytes each beyond the plan's 8): more are sorted in
-# batches of whole query chunks.
-PLAN_BATCH_ENTRIES = 1 << 26
-# Item order "query": items sorted by (bp, the query of their first entry // QUERY_BIN), list order inside a bin.
-QUERY_BIN = 2048
 ORDERS = ("list", "size", "query")
 
 
 def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads: int, queries: int,
                 cuts: tuple[tuple[int, int], ...],
-                order: str = "list") -> dict[tuple[int, int], tuple[SparsePlan, ...]]:
+                order: str = "list", arch: str = "") -> dict[tuple[int, int], tuple[SparsePlan, ...]]:
     """The plans of every chunk of `heads` proxy heads x `queries` queries of block_indices (B, Hp, S, K), from one
     stable sort: {(p0, s0): (plan, ...)} with one plan per (tile_queries, tiles_per_item) in cuts, each equal
     field for field (items up to its W) to sparse_plan(block_indices[:, p0:p0 + heads, s0:s1], block_size,
@@ -212,14 +209,15 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     same items longest first (a stable sort on their entry counts: the full items keep their list order, the
     lists' partial remainders follow from the longest down), so a launch ends on its shortest items instead of
     wherever the last lists' remainders fall (longest-processing-time-first for the grid's tail); or "query": the
-    items of each (b, p) by the query bin (QUERY_BIN queries) of their first entry, list order inside a bin, so the
-    CTAs resident at once gather and reduce into the rows of a few bins (the backward's fp32 dq reductions, 10x the
-    L2 in list order, mostly miss it: kernels_src/sparse_bwd/NOTES.md). An item's entries are sorted by query, so
+    items of each (b, p) by the query bin (tuning.plan's query_bin queries) of their first entry, list order inside
+    a bin, so the CTAs resident at once gather and reduce into the rows of a few bins (the backward's fp32 dq
+    reductions, 10x the L2 in list order, mostly miss it). arch: the tuning policy's (tuning.plan). An item's
+    entries are sorted by query, so
     its rows span a contiguous query range either way; the items themselves are the same in every order.
 
     Why. The forward and the backward run in chunks (bounded partial buffers), and each sparse_plan is ~45 small
     torch ops on the host: at (a) S = 64K, B = 2 the host took 11-13 ms to enqueue the 8 forward chunks' plans,
-    recuts and launches against ~19 ms of GPU work (results/ab_chunk_plans_72e4dc0.log: 4.3-5.4 ms with this).
+    recuts and launches against ~19 ms of GPU work (4.3-5.4 ms with this).
     Here the chunk is the major sort key, so chunk c's entries, dead ones last, fill the shape-static range [sum of
     the earlier chunks' E, + its own E) of one sorted array, and all chunks' items are cut in one batched pass.
     """
@@ -229,6 +227,7 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     if Hp % heads or queries % block_size and queries < S:
         raise ValueError(f"chunk_plans: heads = {heads} must divide Hp = {Hp} and queries = {queries} be a multiple "
                          f"of block_size = {block_size} (or cover S = {S})")
+    t = tuning_plan.choose(arch)
     ck = lists_on_device(block_indices, block_size, group, heads, queries)
     if ck is not None:
         return _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, ck=ck)
@@ -240,13 +239,13 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
                                             torch.full((1,), NB, dtype=torch.int64, device=dev), cuts, [E], [L],
                                             order == "size")
         if order == "query":
-            items = _by_query(items, entry_query, torch.zeros(1, dtype=torch.int64, device=dev))
+            items = _by_query(items, entry_query, torch.zeros(1, dtype=torch.int64, device=dev), t.query_bin)
         return {(0, 0): tuple(
             SparsePlan(entry_query=entry_query, entry_dest=entry_dest, items=items[n, 0, :W[n][0]],
                        item_count=item_count[n, :1], list_bounds=bounds, E=E, W=W[n][0], K=K, Hp=Hp, S=S, B=B,
                        NB=NB, block_size=block_size, group=group, tile_queries=tq, tiles_per_item=T)
             for n, (tq, T) in enumerate(cuts))}
-    per_batch = max(1, PLAN_BATCH_ENTRIES // max(1, B * Hp * K * queries)) * queries
+    per_batch = max(1, t.batch_entries // max(1, B * Hp * K * queries)) * queries
     plans = {}
     for r0 in range(0, S, per_batch):
         batch = block_indices[:, :, r0:min(S, r0 + per_batch)]
@@ -293,7 +292,7 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
     sorted_key, order = torch.sort(key.reshape(-1), stable=True)
     del key, live
     # Decode each sorted entry: its query, and its row in its chunk's (B, c, length, K) partial grid (int32: a
-    # batch holds fewer than PLAN_BATCH_ENTRIES entries).
+    # batch holds fewer than tuning.plan's batch_entries entries).
     order = order.to(i32)
     rest = torch.div(order, K, rounding_mode="floor")
     row = rest.remainder(S)
@@ -331,7 +330,7 @@ def _chunk_plan_dict(entry_query, entry_dest, starts, cut, off_t, q_lo, q_hi, NB
     first entry, read by order "query" only; q_lo, q_hi, NB, L, E: per chunk, host ints."""
     items, item_count, W = cut
     if item_order == "query":
-        items = _by_query(items, entry_query, off_t)
+        items = _by_query(items, entry_query, off_t, tuning_plan.choose("").query_bin)
 
     plans = {}
     for n in range(len(E)):
@@ -349,12 +348,9 @@ def _chunk_plan_dict(entry_query, entry_dest, starts, cut, off_t, q_lo, q_hi, NB
 
 # --- the sorted lists by the plan_lists kernels (kernels_src/plan_lists) -------------------------------------------
 
-LISTS_ON_DEVICE = True  # A/B runs: False sorts with torch (the path CPU tensors always take)
 LIST_BLOCK_SIZES = (128,)  # the plan_lists variants the build makes
-LIST_TILE_ROWS = 128  # kernels_src.plan_lists.TILE_ROWS: query rows per CTA
 # The kernels' (key, tile) count matrix holds ~B Hp S^2 / (Bs 128) int32 cells (twice: counts and their cumsum);
 # past this many the torch sort, batched, takes less memory (S >= 512K at B = 1, Hp = 8).
-LIST_MAX_CELLS = 1 << 26
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,8 +387,8 @@ def chunk_keys(B: int, Hp: int, S: int, K: int, heads: int, queries: int, block_
     bc = B * heads
     L = [bc * nb for nb in NB]
     E = [bc * (hi - lo) * K for lo, hi in zip(q_lo, q_hi)]
-    return ChunkKeys(queries=Q, tiles=-(-Q // LIST_TILE_ROWS), q_lo=q_lo, q_hi=q_hi, NB=NB, L=L, E=E, n_q=n_q,
-                     keys=sum(n + bc for n in L))
+    tiles = -(-Q // tuning_plan.choose("").tile_rows)
+    return ChunkKeys(queries=Q, tiles=tiles, q_lo=q_lo, q_hi=q_hi, NB=NB, L=L, E=E, n_q=n_q, keys=sum(n + bc for n in L))
 
 
 def lists_on_device(block_indices: torch.Tensor, block_size: int, group: int, heads: int,
@@ -400,13 +396,14 @@ def lists_on_device(block_indices: torch.Tensor, block_size: int, group: int, he
     """The chunks' ChunkKeys where chunk_plans sorts with the plan_lists kernels, else None: CUDA tensors, a built
     block size, query chunks of whole kernel tiles, K within the widest variant's registers, and int32 positions
     and cells. Otherwise the torch sort runs (and raises where a chunk's partial rows pass int32)."""
-    if not (LISTS_ON_DEVICE and block_indices.is_cuda and block_size in LIST_BLOCK_SIZES):
+    t = tuning_plan.choose("")
+    if not (t.lists_on_device and block_indices.is_cuda and block_size in LIST_BLOCK_SIZES):
         return None
     B, Hp, S, K = block_indices.shape
-    if queries < S and queries % LIST_TILE_ROWS or not 1 <= K <= LIST_MAX_KS[-1] or B * Hp * S == 0:
+    if queries < S and queries % t.tile_rows or not 1 <= K <= LIST_MAX_KS[-1] or B * Hp * S == 0:
         return None
     ck = chunk_keys(B, Hp, S, K, heads, queries, block_size)
-    fits = (sum(ck.E) < _INT32_LIMIT and max(ck.E) * group < _INT32_LIMIT and ck.cells <= LIST_MAX_CELLS
+    fits = (sum(ck.E) < _INT32_LIMIT and max(ck.E) * group < _INT32_LIMIT and ck.cells <= t.max_cells
             and ck.keys < _INT32_LIMIT)
     return ck if fits else None
 
@@ -416,18 +413,16 @@ ITEM_CUTS = 2  # cuts one plan_items launch makes
 
 
 LIST_MAX_KS = (16, 64)  # kernels_src.plan_lists.MAX_KS: slots per row a variant holds in registers
-# Rows per scatter CTA at max_k 16 (kernels_src.plan_lists.SCATTER_THREADS; max_k 64 takes 128): 512 rows give
-# each list ~4x longer runs of consecutive stores. A/B runs: 128.
-SCATTER_THREADS = 512
 
 
-def list_kernel_configs(block_size: int, K: int | None = None) -> list[tuple[str, dict]]:
+def list_kernel_configs(block_size: int, K: int | None = None, arch: str = "") -> list[tuple[str, dict]]:
     """The (op, config) of the plan kernels chunk_plans launches for K slots per row: count, scatter (the smallest
     max_k >= K), then the items cut; K None: every variant any K may launch."""
     max_ks = LIST_MAX_KS if K is None else (next(m for m in LIST_MAX_KS if K <= m),)
+    t = tuning_plan.choose(arch)
 
     def threads(m, phase):
-        return SCATTER_THREADS if phase == "scatter" and m == LIST_MAX_KS[0] else LIST_TILE_ROWS
+        return t.scatter_threads if phase == "scatter" and m == LIST_MAX_KS[0] else t.tile_rows
 
     return [("plan_lists", {"block_size": block_size, "max_k": m, "phase": phase, "threads": threads(m, phase)})
             for m in max_ks for phase in ("count", "scatter")] + \
@@ -561,15 +556,16 @@ def _per_cut(sizes: list[int], device):
     return out
 
 
-def _by_query(items: torch.Tensor, entry_query: torch.Tensor, first_entry: torch.Tensor) -> torch.Tensor:
+def _by_query(items: torch.Tensor, entry_query: torch.Tensor, first_entry: torch.Tensor,
+              query_bin: int) -> torch.Tensor:
     """items (n_cuts, n_ch, W_max, 4) of chunk_plans reordered per chunk by (bp, query bin of the first entry),
     stable (list order inside a bin); first_entry (n_ch,): each chunk's first sorted entry in entry_query. The
     empty rows past the real count (n_entries = 0) stay last."""
     i64 = torch.int64
     start = items[..., 2].to(i64) + first_entry.view(1, -1, 1)
     query = entry_query[start.clamp(max=entry_query.shape[0] - 1)].to(i64)
-    bins = _INT32_LIMIT // QUERY_BIN + 1  # more than any query's bin (queries are int32)
-    key = items[..., 0].to(i64) * bins + torch.div(query, QUERY_BIN, rounding_mode="floor")
+    bins = _INT32_LIMIT // query_bin + 1  # more than any query's bin (queries are int32)
+    key = items[..., 0].to(i64) * bins + torch.div(query, query_bin, rounding_mode="floor")
     key = torch.where(items[..., 3] > 0, key, torch.full((), torch.iinfo(i64).max, dtype=i64, device=key.device))
     order = torch.sort(key, dim=2, stable=True).indices
     return items.gather(2, order.unsqueeze(-1).expand(*order.shape, 4))

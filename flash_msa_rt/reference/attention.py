@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from flash_msa_rt.reference import checks
-from flash_msa_rt.reference.numerics import _ieee_fp32_matmul, finite_or_zero
+from flash_msa_rt.reference.numerics import _ieee_fp32_matmul, empty_rows_zero, nan_where, probabilities, without_nan
 
 # Scores per chunk and per live tensor (a handful are live at once): 2**24 fp32 = 64 MiB.
 _CHUNK_ELEMS = 1 << 24
@@ -100,7 +100,9 @@ def forward(q, k, v, keys_of_rows: KeysOfRows, scale: float, q_proxy=None, k_pro
     """Masked attention, and with the proxy tensors the KL of the proxy against the group-mean attention.
 
     Returns out (B, H, S, D), lse (B, H, S) and, with a proxy, lse_proxy and kl_rows (B, Hp, S), all in the
-    compute dtype. A row with no allowed key gets out = 0, lse = -inf (and lse_proxy = -inf, KL = 0).
+    compute dtype. A row with no allowed key gets out = 0, lse = -inf (and lse_proxy = -inf, KL = 0). A NaN input
+    reaches exactly the results that depend on it: a NaN score (in q, k, q_proxy or k_proxy) makes its row's lse,
+    out and KL NaN, a NaN value (in v) the out elements of the rows that attend to it.
     """
     B, H, S, _ = q.shape
     out = torch.empty_like(q)
@@ -110,24 +112,29 @@ def forward(q, k, v, keys_of_rows: KeysOfRows, scale: float, q_proxy=None, k_pro
         Hp = q_proxy.shape[1]
         lse_proxy = q.new_empty(B, Hp, S)
         kl_rows = q.new_empty(B, Hp, S)
+    v, v_nan = without_nan(v)
     with _ieee_fp32_matmul():
         for i0, i1 in row_chunks(S, B * H * S):
             keys = keys_of_rows(i0, i1)
             s = masked_scores(q[:, :, i0:i1], k[:, :, :i1], keys, scale)
             lse_c = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - finite_or_zero(lse_c).unsqueeze(-1))
+            p = probabilities(s, lse_c)
+            out_c = grouped_matmul(p, v[:, :, :i1])
+            if v_nan is not None:
+                out_c = nan_where(out_c, grouped_matmul((s > float("-inf")).to(s.dtype), v_nan[:, :, :i1]))
             del s
-            out[:, :, i0:i1] = grouped_matmul(p, v[:, :, :i1])
+            out[:, :, i0:i1] = out_c
             lse[:, :, i0:i1] = lse_c
             if with_proxy:
                 tau = group_mean(p, Hp)
                 del p
                 sp = masked_scores(q_proxy[:, :, i0:i1], k_proxy[:, :, :i1], keys, scale)
                 lse_pc = torch.logsumexp(sp, dim=-1)
-                log_pi = sp - finite_or_zero(lse_pc).unsqueeze(-1)
-                # KL terms with tau = 0 are 0 (they would be 0 * -inf where pi is masked too).
-                terms = torch.where(tau > 0, tau * (torch.log(tau) - log_pi), torch.zeros((), dtype=tau.dtype,
-                                                                                          device=tau.device))
+                log_pi = sp - empty_rows_zero(lse_pc).unsqueeze(-1)
+                # KL terms with tau = 0 are 0 (they would be 0 * -inf where pi is masked too); a NaN tau (from a
+                # NaN main score) or log_pi (a NaN proxy score) keeps its term, and so its row, NaN.
+                terms = torch.where(tau == 0, torch.zeros((), dtype=tau.dtype, device=tau.device),
+                                    tau * (torch.log(tau) - log_pi))
                 lse_proxy[:, :, i0:i1] = lse_pc
                 kl_rows[:, :, i0:i1] = terms.sum(dim=-1)
     if with_proxy:
@@ -144,6 +151,8 @@ def backward(q, k, v, out, lse, keys_of_rows: KeysOfRows, scale: float, grad_out
     proxy, when kl_weights (B, Hp, S) is given: pi = exp(s_p - lse_proxy) on the allowed keys; tau = group mean of
       P; dS_p = (pi - tau) * kl_weights; dq_proxy = scale dS_p K_p; dk_proxy = scale dS_p^T Q_p (summed likewise).
     Returns (dq, dk, dv, dq_proxy, dk_proxy) in the compute dtype; a part without upstream gradient is zeros.
+    dS and dS_p are exactly 0 on the keys a row cannot see, and the matmuls that sum over rows or keys run on
+    NaN-free operands, so a NaN reaches the gradients of the rows and keys that depend on it and no others.
     """
     B, H, S, _ = q.shape
     Hk = k.shape[1]
@@ -156,21 +165,34 @@ def backward(q, k, v, out, lse, keys_of_rows: KeysOfRows, scale: float, grad_out
         return dq, dk, dv, dq_proxy, dk_proxy
     if main:
         delta = (grad_out * out).sum(dim=-1)  # (B, H, S)
+        grad_out, do_nan = without_nan(grad_out)
+    # A NaN in q (k) already makes dS NaN on every key (row) that depends on it; the cleaned copies only keep
+    # masked zeros from turning into NaN in dk = dS^T q and dq = dS k.
+    q, _ = without_nan(q)
+    k, _ = without_nan(k)
+    if with_proxy:
+        q_proxy, _ = without_nan(q_proxy)
+        k_proxy, _ = without_nan(k_proxy)
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    dv_hits = torch.zeros_like(v) if main and do_nan is not None else None
     with _ieee_fp32_matmul():
         for i0, i1 in row_chunks(S, B * H * S):
             keys = keys_of_rows(i0, i1)
             q_rows, k_pre, v_pre = q[:, :, i0:i1], k[:, :, :i1], v[:, :, :i1]
             s = masked_scores(q_rows, k_pre, keys, scale)
-            p = torch.exp(s - finite_or_zero(lse[:, :, i0:i1]).unsqueeze(-1))
+            p = probabilities(s, lse[:, :, i0:i1])
+            allowed = s > float("-inf")
             del s
             if main:
                 do = grad_out[:, :, i0:i1]
                 dp = grouped_matmul(do, v_pre.transpose(-1, -2))
-                ds = p * (dp - delta[:, :, i0:i1].unsqueeze(-1))
+                ds = torch.where(allowed, p * (dp - delta[:, :, i0:i1].unsqueeze(-1)), zero)
                 del dp
                 dq[:, :, i0:i1] = scale * grouped_matmul(ds, k_pre)
                 dk[:, :, :i1] += scale * grouped_sum_matmul(ds, q_rows, Hk)
                 dv[:, :, :i1] += grouped_sum_matmul(p, do, Hk)
+                if do_nan is not None:
+                    dv_hits[:, :, :i1] += grouped_sum_matmul(allowed.to(p.dtype), do_nan[:, :, i0:i1], Hk)
                 del ds
             if with_proxy:
                 Hp, Hpk = q_proxy.shape[1], k_proxy.shape[1]
@@ -178,10 +200,12 @@ def backward(q, k, v, out, lse, keys_of_rows: KeysOfRows, scale: float, grad_out
                 del p
                 qp_rows, kp_pre = q_proxy[:, :, i0:i1], k_proxy[:, :, :i1]
                 sp = masked_scores(qp_rows, kp_pre, keys, scale)
-                pi = torch.exp(sp - finite_or_zero(lse_proxy[:, :, i0:i1]).unsqueeze(-1))
-                dsp = (pi - tau) * kl_weights[:, :, i0:i1].unsqueeze(-1)
+                pi = probabilities(sp, lse_proxy[:, :, i0:i1])
+                dsp = torch.where(sp > float("-inf"), (pi - tau) * kl_weights[:, :, i0:i1].unsqueeze(-1), zero)
                 dq_proxy[:, :, i0:i1] = scale * grouped_matmul(dsp, kp_pre)
                 dk_proxy[:, :, :i1] += scale * grouped_sum_matmul(dsp, qp_rows, Hpk)
+    if main:
+        dv = nan_where(dv, dv_hits)
     return dq, dk, dv, dq_proxy, dk_proxy
 
 

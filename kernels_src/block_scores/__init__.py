@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, TmaCoordParam, TmaParam, variant_name
-from kernels_src.spec import BuildSpec, family_spec, refusal, smem_refusal, verdict
+from kernels_src.spec import BuildSpec, family_spec, mma_set, refusal, smem_refusal, verdict
 
 OP = "block_scores"
 
@@ -122,8 +122,13 @@ def params(config: Config) -> tuple:
             o["tma_q"], o["tma_q_coord"], o["tma_k"], o["tma_k_coord"])
 
 
+def build_set(config: Config, arch: str) -> str:
+    """Both head dims are default paths (proxy_block_scores takes Dp 64 and 128); the MMA decides the rest."""
+    return mma_set(config.mma, arch)
+
+
 def build_spec(config: Config, arch: str) -> BuildSpec:
     # x fastest: the query tiles of one (head, batch) run side by side and share that head's k_proxy in L2.
     return family_spec(OP, config, arch, can_implement, params=params(config),
                        grid=(f"ceil_div(S, {config.tile_m})", "Hp", "B"),
-                       compile_fn="kernels_src.block_scores.kernel:compile", smem_bytes=config.smem_bytes())
+                       compile_fn="kernels_src.block_scores.build:compile", smem_bytes=config.smem_bytes())

@@ -10,26 +10,17 @@ Per CTA: one (query tile of tile_m rows, proxy head p, batch b).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
-import re
-import sys
-import tempfile
-from pathlib import Path
 
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.cute.runtime import make_fake_stream
 
-from kernels_src.block_scores import SWIZZLE_BYTES, Config, params
-from kernels_src.spec import GPU_ARCH_OPTION, Compiled, fake_tensor
-from kernels_src.tiles import acc_rows_cols
-
-_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
+from kernels_src.block_scores import Config
+from kernels_src.constants import DTYPES
+from kernels_src.tiles import acc_rows_cols, tile_storage
 
 
 @dataclasses.dataclass
@@ -62,7 +53,7 @@ class ScoreTiles:
 class ProxyBlockScores:
     def __init__(self, config: Config):
         self.cfg = config
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = DTYPES[config.dtype]
         self.head_dim = config.head_dim
         self.block_size = config.block_size
         self.tile_m = config.tile_m
@@ -138,8 +129,8 @@ class ProxyBlockScores:
         class SharedStorage:
             q_full: cute.struct.MemRange[cutlass.Int64, 1]
             k_full: cute.struct.MemRange[cutlass.Int64, self.stages]
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_q_layout)], 1024]
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_k_layout)], 1024]
+            s_q: tile_storage(self.dtype, s_q_layout)
+            s_k: tile_storage(self.dtype, s_k_layout)
 
         smem_bytes = SharedStorage.size_in_bytes()
         self.traced["smem_bytes"] = smem_bytes
@@ -325,97 +316,3 @@ class ProxyBlockScores:
             for e in cutlass.range(tidx, rows_valid * width, self.threads, unroll=1):
                 r = e // width
                 scores[b, p, m0 + r, n_blocks + e - r * width] = -cutlass.Float32.inf
-
-
-# ---------------------------------------------------------------------- ahead-of-time compile
-
-
-def _fake_args(config: Config):
-    """Fake arguments built from the declared tensor params, so the compile sees exactly the runtime's ABI.
-
-    Strides are plain i64: the kernel never does address math with the q/k strides (TMA does), and
-    cuTensorMapEncodeTiled itself rejects strides that are not 16-byte multiples.
-    """
-    decl = {p.name: p for p in params(config)}
-    tensors = (fake_tensor(decl[name]) for name in ("q_proxy", "k_proxy", "scores"))
-    return (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
-
-
-_TMA_FORMAT = {"bf16": "BF16", "f16": "F16"}
-
-
-def check_traced(config, traced: dict, declared: tuple) -> None:
-    """The descriptor basis and shared memory CuTeDSL chose must be what the build spec declares."""
-    decl = {p.name: p for p in declared}
-    for name in ("tma_q", "tma_k"):
-        m = re.search(r'tma_gbasis = <"\(([^)]*)\):\(([^)]*)\)">', traced[name])
-        if not m:
-            raise RuntimeError(f"{name}: no tma_gbasis in {traced[name]!r}")
-        box = tuple(int(x) for x in m.group(1).split(","))
-        dims = tuple(int(x.split("@")[1]) for x in m.group(2).split(","))
-        unit = all(x.split("@")[0] == "1" for x in m.group(2).split(","))
-        want = decl[name]
-        if (dims, box) != (want.dims, want.box) or not unit:
-            raise RuntimeError(f"{name}: CuTeDSL built basis {m.group(0)}, spec declares dims {want.dims} box {want.box}")
-        if _TMA_FORMAT[config.dtype] not in traced[name]:
-            raise RuntimeError(f"{name}: unexpected TMA format in {traced[name]!r}")
-    if traced["swizzle"] != "S<3,4,3>":  # 128B swizzle in CuTeDSL's byte-address spelling
-        raise RuntimeError(f"smem swizzle {traced['swizzle']}, the spec declares {SWIZZLE_BYTES}B (S<3,4,3>)")
-    if traced["smem_bytes"] != config.smem_bytes():
-        raise RuntimeError(f"shared memory: kernel {traced['smem_bytes']} bytes, spec {config.smem_bytes()}")
-
-
-def compile_kernel(kernel, config, arch: str, fake_args, entry=None) -> Compiled:
-    """Compile one variant for arch with no GPU present; returns SASS, PTX and the dynamic shared memory.
-
-    PTX and cubin are kept through cute.compile's own --keep-ptx / --keep-cubin / --dump-dir options (no
-    environment variables; keeping artifacts also turns CuTeDSL's compile cache off, so they are always fresh).
-    entry: the jit function to compile when the kernel object has several (default: the object itself).
-    """
-    # remarks{ptx}: CuTeDSL runs ptxas verbose and reports its log on stderr, the only place ptxas's performance
-    # warnings show (e.g. C7514, every wgmma serialised: kernels_src/select/NOTES.md); the build refuses them.
-    log = io.StringIO()
-    with tempfile.TemporaryDirectory(prefix=f"{type(kernel).__name__}_") as dump:
-        options = f"--gpu-arch {GPU_ARCH_OPTION[arch]} --keep-ptx --keep-cubin --dump-dir {dump} remarks{{ptx}}"
-        try:
-            with contextlib.redirect_stderr(log):
-                compiled = cute.compile(entry or kernel, *fake_args, options=options)
-        except Exception:
-            sys.stderr.write(log.getvalue())  # the compiler's own report of the failure
-            raise
-        ptx, cubin = compiled.__ptx__, compiled.__cubin__
-        if not ptx or not cubin:  # fall back to the dump files
-            files = {p.suffix: p for p in Path(dump).iterdir()}
-            ptx = ptx or files[".ptx"].read_text()
-            cubin = cubin or files[".cubin"].read_bytes()
-    if isinstance(cubin, str):
-        cubin = cubin.encode("latin-1")
-    return Compiled(cubin=bytes(cubin), ptx=ptx, smem_bytes=kernel.traced["smem_bytes"],
-                    ptxas_warnings=ptxas_performance_warnings(log.getvalue()))
-
-
-# ptxas's performance warnings: "(C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized
-# due to ...", "(C7512) ... due to insufficient register resources ...", "(C7517) wgmma.wait_group is injected ...".
-_PTXAS_WARNING = re.compile(r"\((C75\d\d)\)\s*([^\n]*)")
-
-
-def ptxas_performance_warnings(log: str) -> tuple[str, ...]:
-    """The distinct "C75xx: text" warnings in a ptxas log, each cut before the kernel's (long) name."""
-    found = set()
-    for code, text in _PTXAS_WARNING.findall(log):
-        for cut in (" for the function", " in the function", " in function"):
-            text = text.split(cut)[0]
-        found.add(f"{code}: {text.strip()}")
-    return tuple(sorted(found))
-
-
-def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    if config.mma == "wgmma":
-        from kernels_src.block_scores.wgmma import ProxyBlockScoresWG
-
-        kernel = ProxyBlockScoresWG(config)
-    else:
-        kernel = ProxyBlockScores(config)
-    compiled = compile_kernel(kernel, config, arch, _fake_args(config))
-    check_traced(config, kernel.traced, params(config))
-    return compiled

@@ -16,6 +16,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
+from kernels_src import wgmma
 from kernels_src.block_scores.kernel import ProxyBlockScores
 from kernels_src.tiles import WARPGROUP_ROWS, wg_acc_rows_cols
 
@@ -59,15 +60,7 @@ class WarpgroupScores:
         stage = j % self.stages
         cute.arch.mbarrier_wait(t.k_full + stage, (j // self.stages) % 2)
 
-        mma = self._wg_mma()
-        thr = mma.get_slice(t.tidx)
-        t_ra = thr.make_fragment_A(thr.partition_A(t.s_q))
-        t_rb = thr.make_fragment_B(thr.partition_B(t.s_k[None, None, stage]))
-        warpgroup.fence()  # the accumulator registers were read and masked since the last products
-        for kk in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
-            mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
-            cute.gemm(mma, t.acc, t_ra[None, None, kk], t_rb[None, None, kk], t.acc)
-        warpgroup.commit_group()
+        wgmma.issue_smem(self._wg_mma(), t.tidx, t.acc, t.s_q, t.s_k[None, None, stage])
         warpgroup.wait_group(0)
 
         cute.arch.sync_threads()

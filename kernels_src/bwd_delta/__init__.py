@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import TensorParam, variant_name
-from kernels_src.spec import BuildSpec, family_spec, refusal, verdict
+from kernels_src.spec import DEFAULT, BuildSpec, family_spec, refusal, verdict
 
 OP = "bwd_delta"
 
@@ -60,7 +60,12 @@ def params(config: Config) -> tuple:
     )
 
 
+def build_set(config: Config, arch: str) -> str:
+    """Every backward runs it."""
+    return DEFAULT
+
+
 def build_spec(config: Config, arch: str) -> BuildSpec:
     return family_spec(OP, config, arch, can_implement, params=params(config),
                        grid=(f"ceil_div(B * S * H, {rows_per_cta(config)})", "1", "1"),
-                       compile_fn="kernels_src.bwd_delta.kernel:compile", smem_bytes=0)
+                       compile_fn="kernels_src.bwd_delta.build:compile", smem_bytes=0)

@@ -7,19 +7,15 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream
 
-from kernels_src.block_scores.kernel import compile_kernel
-from kernels_src.spec import Compiled, fake_tensor
-
-_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
+from kernels_src.constants import DTYPES
 
 
 class BackwardDelta:
     def __init__(self, config):
         from kernels_src.bwd_delta import ELEMS_PER_LANE, lanes_per_row, rows_per_cta
 
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = DTYPES[config.dtype]
         self.head_dim = config.head_dim
         self.threads = config.threads
         self.per_lane = ELEMS_PER_LANE
@@ -63,11 +59,3 @@ class BackwardDelta:
             off //= 2
         if live and sub == 0:
             delta[b, h, i] = total
-
-
-def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    from kernels_src.bwd_delta import params
-
-    kernel = BackwardDelta(config)
-    fake = (*(fake_tensor(p) for p in params(config)), make_fake_stream())
-    return compile_kernel(kernel, config, arch, fake)

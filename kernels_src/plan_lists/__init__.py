@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.spec import BuildSpec, family_spec, refusal, verdict
+from kernels_src.spec import DEFAULT, OPT_IN, BuildSpec, family_spec, refusal, verdict
 
 OP = "plan_lists"
 
@@ -126,14 +126,23 @@ def smem_bytes(config: Config) -> int:
             + r16(2 * config.threads * config.max_k) + r16(config.threads) + r16(warps))
 
 
+def build_set(config, arch: str) -> str:
+    """The scatter runs 512 rows per CTA at max_k 16 (SCATTER_THREADS[-1]; max_k 64 has 128 only); 128 rows at
+    max_k 16 is kept for A/B runs. Count and the items cut always run."""
+    if getattr(config, "phase", None) == "scatter" and config.max_k == MAX_KS[0] and \
+            config.threads != SCATTER_THREADS[-1]:
+        return OPT_IN
+    return DEFAULT
+
+
 def build_spec(config, arch: str) -> BuildSpec:
     if isinstance(config, ItemsConfig):
         return family_spec(ITEMS_OP, config, arch, can_implement, params=item_params(config),
-                           grid=("C", "U", "1"), compile_fn="kernels_src.plan_lists.items:compile",
+                           grid=("C", "U", "1"), compile_fn="kernels_src.plan_lists.build:compile_items",
                            smem_bytes=4 * (ITEM_THREADS // 32))
     return family_spec(OP, config, arch, can_implement, params=params(config),
                        grid=(f"B * Hp * ceil_div(S, {config.threads})", "1", "1"),
-                       compile_fn="kernels_src.plan_lists.kernel:compile", smem_bytes=smem_bytes(config))
+                       compile_fn="kernels_src.plan_lists.build:compile", smem_bytes=smem_bytes(config))
 
 
 # --- phase 3: the lists cut into work items -------------------------------------------------------------------

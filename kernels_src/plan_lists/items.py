@@ -8,12 +8,8 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream
 
-from kernels_src.block_scores.kernel import compile_kernel
-from kernels_src.plan_lists import item_params
 from kernels_src.plan_lists.kernel import exclusive_scan
-from kernels_src.spec import Compiled, fake_tensor
 
 
 class PlanItems:
@@ -73,10 +69,3 @@ class PlanItems:
                 items[m, n, r, f] = cutlass.Int32(0)
         if tidx == 0:
             item_count[m, n] = total
-
-
-def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    kernel = PlanItems(config)
-    fake = (*(fake_tensor(p) for p in item_params(config) if p.kind == "tensor"),
-            *(cutlass.Int32(1) for p in item_params(config) if p.kind == "scalar"), make_fake_stream())
-    return compile_kernel(kernel, config, arch, fake)

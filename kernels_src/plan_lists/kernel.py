@@ -11,11 +11,8 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream
 
-from kernels_src.block_scores.kernel import compile_kernel
-from kernels_src.plan_lists import TILE_ROWS, params, window_blocks
-from kernels_src.spec import Compiled, fake_tensor
+from kernels_src.plan_lists import TILE_ROWS, window_blocks
 
 _TILE_WARPS = TILE_ROWS // 32  # warps (bitmap words) per tile
 
@@ -376,11 +373,3 @@ class PlanLists:
             if tidx % TILE_ROWS == 0 and tk.b == 0 and tk.pc == 0:  # the dead entries' start: the live count
                 di = (tk.kbase + tk.bc * tk.nb) * tiles
                 lists[tk.chunk, 0, tk.bc * tk.nb] = cutlass.Int64(ends[di] - counts[di]) - chunk_start
-
-
-def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    kernel = PlanLists(config)
-    ps = params(config)
-    fake = (*(fake_tensor(p) for p in ps if p.kind == "tensor"), cutlass.Int32(1), cutlass.Int32(1),
-            cutlass.Int32(1), make_fake_stream())
-    return compile_kernel(kernel, config, arch, fake, entry=getattr(kernel, config.phase))

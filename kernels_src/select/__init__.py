@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
 from kernels_src.block_scores import proxy_operands
-from kernels_src.spec import BuildSpec, family_spec, refusal, smem_refusal, verdict
+from kernels_src.spec import BuildSpec, family_spec, mma_set, refusal, smem_refusal, verdict
 
 OP = "select"
 
@@ -97,8 +97,13 @@ def params(config: Config) -> tuple:
             o["tma_q"], o["tma_q_coord"], o["tma_k"], o["tma_k_coord"])
 
 
+def build_set(config: Config, arch: str) -> str:
+    """max_k 16 and 64 are the default paths' (the smallest that holds top_k runs); the MMA decides the rest."""
+    return mma_set(config.mma, arch)
+
+
 def build_spec(config: Config, arch: str) -> BuildSpec:
     # query tiles of one head side by side: K shared in L2
     return family_spec(OP, config, arch, can_implement, params=params(config),
                        grid=(f"ceil_div(S, {config.tile_m})", "Hp", "B"),
-                       compile_fn="kernels_src.select.kernel:compile", smem_bytes=config.smem_bytes())
+                       compile_fn="kernels_src.select.build:compile", smem_bytes=config.smem_bytes())

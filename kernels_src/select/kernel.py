@@ -21,11 +21,10 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream
 
-from kernels_src.block_scores.kernel import ProxyBlockScores, check_traced, compile_kernel
-from kernels_src.select import Config, params
-from kernels_src.spec import Compiled, fake_tensor
+from kernels_src.block_scores.kernel import ProxyBlockScores
+from kernels_src.select import Config
+from kernels_src.tiles import tile_storage
 
 
 @dataclasses.dataclass
@@ -63,8 +62,8 @@ class ProxySelect(ProxyBlockScores):
             k_full: cute.struct.MemRange[cutlass.Int64, self.stages]
             slot_score: cute.struct.MemRange[cutlass.Float32, slots]
             slot_block: cute.struct.MemRange[cutlass.Int16, slots]
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_q_layout)], 1024]
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_k_layout)], 1024]
+            s_q: tile_storage(self.dtype, s_q_layout)
+            s_k: tile_storage(self.dtype, s_k_layout)
 
         smem_bytes = SharedStorage.size_in_bytes()
         self.traced["smem_bytes"] = smem_bytes
@@ -223,21 +222,3 @@ class ProxySelect(ProxyBlockScores):
         block_indices[b, p, i, n_kept] = local_block
         for s in cutlass.range(n_kept + 1, top_k, unroll=1):
             block_indices[b, p, i, s] = -1
-
-
-def _fake_args(config: Config):
-    decl = {p.name: p for p in params(config)}
-    tensors = (fake_tensor(decl[name]) for name in ("q_proxy", "k_proxy", "block_indices"))
-    return (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
-
-
-def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    if config.mma == "wgmma":
-        from kernels_src.select.wgmma import ProxySelectWG
-
-        kernel = ProxySelectWG(config)
-    else:
-        kernel = ProxySelect(config)
-    compiled = compile_kernel(kernel, config, arch, _fake_args(config))
-    check_traced(config, kernel.traced, params(config))
-    return compiled

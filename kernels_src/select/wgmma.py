@@ -19,6 +19,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
+from kernels_src import wgmma
 from kernels_src.block_scores.wgmma import WarpgroupScores
 from kernels_src.select.kernel import ProxySelect
 from kernels_src.tiles import WARPGROUP_ROWS, wg_acc_rows_cols
@@ -51,15 +52,7 @@ class ProxySelectWG(WarpgroupScores, ProxySelect):
         """Half h of block j's scores, S_h = Q_h K_j^T, issued as one wgmma group (not waited for). The caller has
         waited for K stage j % stages to be full. The MMA object is made here: its accumulate flag is state set
         per step, which must not outlive this call."""
-        mma = self._wg_mma()
-        thr = mma.get_slice(t.tidx)
-        t_ra = thr.make_fragment_A(thr.partition_A(t.half_q[h]))
-        t_rb = thr.make_fragment_B(thr.partition_B(t.s_k[None, None, j % self.stages]))
-        warpgroup.fence()  # the half's accumulator registers were read and masked since its last products
-        for kk in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
-            mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
-            cute.gemm(mma, t.half_acc[h], t_ra[None, None, kk], t_rb[None, None, kk], t.half_acc[h])
-        warpgroup.commit_group()
+        wgmma.issue_smem(self._wg_mma(), t.tidx, t.half_acc[h], t.half_q[h], t.s_k[None, None, j % self.stages])
 
     @cute.jit
     def half_row_maxes(self, t, h: cutlass.Constexpr, j, m0, first_masked):

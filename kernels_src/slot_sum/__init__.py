@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
 from kernels_src import sparse_combine
-from kernels_src.spec import BuildSpec, family_spec, refusal, verdict
+from kernels_src.spec import DEFAULT, OPT_IN, BuildSpec, family_spec, refusal, verdict
 
 OP = "slot_sum"
 
@@ -65,7 +65,12 @@ def params(config: Config) -> tuple:
     )
 
 
+def build_set(config: Config, arch: str) -> str:
+    """The deterministic backward's sums: its kernels are the wgmma tau path's, so it runs on sm90a only."""
+    return DEFAULT if arch == "sm90a" else OPT_IN
+
+
 def build_spec(config: Config, arch: str) -> BuildSpec:
     return family_spec(OP, config, arch, can_implement, params=params(config),
                        grid=(f"ceil_div(B * Hp * S * {config.group}, {ROWS_PER_CTA})", "1", "1"),
-                       compile_fn="kernels_src.slot_sum.kernel:compile", smem_bytes=0)
+                       compile_fn="kernels_src.slot_sum.build:compile", smem_bytes=0)

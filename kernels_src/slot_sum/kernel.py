@@ -5,11 +5,8 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream
 
-from kernels_src.block_scores.kernel import compile_kernel
 from kernels_src.sparse_combine.kernel import RowWarps
-from kernels_src.spec import Compiled, fake_tensor
 
 class SlotSum(RowWarps):
     @cute.jit
@@ -40,11 +37,3 @@ class SlotSum(RowWarps):
             ptr = cute.make_ptr(self.dtype, row_out.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
             dst = cute.local_tile(cute.make_tensor(ptr, cute.make_layout(self.head_dim)), (self.per_lane,), (lane,))
             cute.autovec_copy(res, dst)
-
-
-def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    from kernels_src.slot_sum import params
-
-    kernel = SlotSum(config)
-    fake = (*(fake_tensor(p) for p in params(config) if p.kind == "tensor"), cutlass.Int32(0), make_fake_stream())
-    return compile_kernel(kernel, config, arch, fake)

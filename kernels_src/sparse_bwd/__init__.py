@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.spec import BuildSpec, family_spec, refusal, smem_refusal, verdict
+from kernels_src.spec import OPT_IN, BuildSpec, family_spec, mma_set, refusal, smem_refusal, verdict
 
 OP = "sparse_bwd"
 
@@ -226,8 +226,19 @@ def tau_params(config) -> tuple:
     return (TensorParam("tau", config.dtype, ("E", config.block_size), (config.block_size, 1), align=16),)
 
 
+def build_set(config, arch: str) -> str:
+    """On wgmma the default paths run: tau_out 0 (one gradient wanted; the block-sparse backward), tau_out 1 with
+    the producer warpgroup at G in PRODUCER_GROUPS and without it above, and the deterministic variants. The
+    256-thread tau_out kernel at G in PRODUCER_GROUPS is the producer's A/B alternate."""
+    c = config
+    if c.mma == "wgmma" and c.tau_out and not c.deterministic and c.group in PRODUCER_GROUPS and \
+            c.threads != PRODUCER_THREADS:
+        return OPT_IN
+    return mma_set(c.mma, arch)
+
+
 def build_spec(config: Config, arch: str) -> BuildSpec:
     # one CTA per (item, key slice)
     return family_spec(OP, config, arch, can_implement, params=params(config),
                        grid=(f"W * {config.block_size // config.tile_n}", "1", "1"),
-                       compile_fn="kernels_src.sparse_bwd.kernel:compile", smem_bytes=config.smem_bytes())
+                       compile_fn="kernels_src.sparse_bwd.build:compile", smem_bytes=config.smem_bytes())

@@ -21,8 +21,6 @@ The wgmma subclass (wgmma.py) takes the whole 128-key block per CTA with the sam
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
-import math
-
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -30,19 +28,18 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
 from kernels_src.atomics import bulk_reduce_add_f32, bulk_store_f32, raise_flag, red_add_v2, wait_flag
-from kernels_src.sparse_bwd import DQ_ROW_PAD, ENTRY_TABLE, PRODUCER_THREADS
-from kernels_src.spec import Compiled
-from kernels_src.tiles import (acc_rows_cols, compile_tile_kernel, copy_row, copy_word, cp_async_rows, cp_async_word,
-                               item_word, row_table, smem_tile, stage_item_words, transposed, warp_mma)
-
-_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
-_LOG2E = math.log2(math.e)
+from kernels_src.barriers import SparseBackward as Bar
+from kernels_src.constants import DTYPES, LOG2E
+from kernels_src.sparse_bwd import DQ_ROW_PAD, ENTRY_TABLE
+from kernels_src.tiles import (acc_rows_cols, copy_row, copy_word, cp_async_rows, cp_async_word, item_word, row_table,
+                               smem_tile, stage_item_words, tile_storage, transposed, warp_mma)
+from kernels_src.work_items import item_slice
 
 
 class SparseBackward:
     def __init__(self, config):
         self.cfg = config
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = DTYPES[config.dtype]
         self.head_dim = config.head_dim
         self.block_size = config.block_size
         self.tile_n = config.tile_n
@@ -188,15 +185,15 @@ class SparseBackward:
             if self.ws:  # the producer's full / empty mbarriers per stage, before the 1024-aligned tiles
                 full: cute.struct.MemRange[cutlass.Int64, self.stages]
                 empty: cute.struct.MemRange[cutlass.Int64, self.stages]
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_v: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
-            s_do: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
-            s_p: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
-            s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
-            s_dq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_dq)], 1024]
+            s_k: tile_storage(self.dtype, l_kv)
+            s_v: tile_storage(self.dtype, l_kv)
+            s_q: tile_storage(self.dtype, l_rows)
+            s_do: tile_storage(self.dtype, l_rows)
+            s_p: tile_storage(self.dtype, l_p)
+            s_ds: tile_storage(self.dtype, l_p)
+            s_dq: tile_storage(cutlass.Float32, l_dq)
             s_entries: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, ENTRY_TABLE], 1024]
-            s_rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_rows_f)], 1024]
+            s_rows: tile_storage(cutlass.Float32, l_rows_f)
         return SharedStorage
 
     # ------------------------------------------------------------------ device side
@@ -243,12 +240,9 @@ class SparseBackward:
         w = cta // self.halves
         n_entries = items[w, 3]
         if n_entries > 0:
-            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
-            b = bp // hp
-            p = bp - b * hp
+            # This CTA's keys: one tile_n slice of the item's key block (both slices see every row of the item).
+            b, p, start, t0 = item_slice(items, w, cta, self.halves, hp, self.block_size, self.tile_n)
             kvh = p // hp_per_hk
-            # This CTA's keys: one tile_n slice of key block j (both slices see every row of the item).
-            t0 = j * self.block_size + (cta - w * self.halves) * self.tile_n
             seqlen = q.shape[1]
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
@@ -322,7 +316,7 @@ class SparseBackward:
         acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
         dq_mn = self.rows_cols(acc_dq)
         coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
-        scale_log2 = scale * _LOG2E
+        scale_log2 = scale * LOG2E
         n_rows = cute.size(s_mn, mode=[0])
         lse2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
         dlt = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
@@ -411,7 +405,7 @@ class SparseBackward:
     def consumers_sync(self):
         """The barrier of the threads that compute: the whole CTA, or without the producer warpgroup a named one."""
         if cutlass.const_expr(self.ws):
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+            cute.arch.barrier(barrier_id=Bar.CONSUMERS, number_of_threads=self.threads)
         else:
             cute.arch.sync_threads()
 
@@ -507,7 +501,7 @@ class SparseBackward:
             dlt[r] = cutlass.Float32(0.0)
             key_limit[r] = -1
             if qi < n_q:
-                lse2[r] = s_rows[row, tile % self.stages, 0] * _LOG2E
+                lse2[r] = s_rows[row, tile % self.stages, 0] * LOG2E
                 dlt[r] = s_rows[row, tile % self.stages, 1]
                 key_limit[r] = item_word(entry_query, s_entries, start, tile * self.tile_queries + qi) - t0
 
@@ -683,21 +677,3 @@ class SparseBackward:
                     copy_word(word, lse[b, h, None], i, s_rows, row, buf, 0)
                 else:
                     copy_word(word, delta[b, h, None], i, s_rows, row, buf, 1)
-
-
-def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    from kernels_src.sparse_bwd import params
-
-    if config.mma == "wgmma" and config.threads == PRODUCER_THREADS:
-        from kernels_src.sparse_bwd.producer import SparseBackwardWS
-
-        kernel = SparseBackwardWS(config)
-    elif config.mma == "wgmma":
-        from kernels_src.sparse_bwd.wgmma import SparseBackwardWG
-
-        kernel = SparseBackwardWG(config)
-    else:
-        kernel = SparseBackward(config)
-    entry = kernel.call_det if getattr(config, "deterministic", 0) else \
-        kernel.call_tau if getattr(config, "tau_out", 0) else None
-    return compile_tile_kernel(kernel, config, arch, params(config), config.smem_bytes(), entry=entry)

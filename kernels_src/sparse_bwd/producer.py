@@ -20,10 +20,11 @@ warpgroup gives its registers up (PRODUCER_REGS) and the consumers take CONSUMER
 
 import dataclasses
 
+from kernels_src.constants import WARPGROUP_THREADS
 from kernels_src.sparse_bwd.wgmma import SparseBackwardWG
 
-CONSUMERS = 2 * 128
-PRODUCERS = 128
+CONSUMERS = 2 * WARPGROUP_THREADS
+PRODUCERS = WARPGROUP_THREADS
 
 
 class SparseBackwardWS(SparseBackwardWG):

@@ -21,6 +21,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
+from kernels_src import wgmma
 from kernels_src.sparse_bwd.kernel import SparseBackward
 from kernels_src.tiles import WARPGROUP_ROWS, wg_acc_rows_cols
 
@@ -71,14 +72,7 @@ class WarpgroupTiles:
             mma = self._kv_mma()
         else:
             raise NotImplementedError("wgmma tiles: A^T B^T with a K-major B is not a product of these kernels")
-        thr = mma.get_slice(tidx)
-        t_ra = thr.make_fragment_A(thr.partition_A(s_a))
-        t_rb = thr.make_fragment_B(thr.partition_B(s_b))
-        warpgroup.fence()
-        for kk in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
-            mma.set(warpgroup.Field.ACCUMULATE, accumulate or kk != 0)
-            cute.gemm(mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
-        warpgroup.commit_group()
+        wgmma.issue_smem(mma, tidx, acc, s_a, s_b, accumulate)
         if cutlass.const_expr(wait):
             warpgroup.wait_group(0)
 

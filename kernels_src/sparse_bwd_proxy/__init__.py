@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam
 from kernels_src import sparse_bwd
-from kernels_src.spec import BuildSpec, family_spec, smem_refusal, verdict
+from kernels_src.spec import OPT_IN, BuildSpec, family_spec, mma_set, smem_refusal, verdict
 
 OP = "sparse_bwd_proxy"
 
@@ -138,8 +138,18 @@ def _mma_fields(config) -> dict:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(sparse_bwd.MmaConfig)}
 
 
+def build_set(config, arch: str) -> str:
+    """On wgmma a tile gets tau from the main backward ("tau", and its deterministic variant) or, without it,
+    recomputes it with resident heads at G <= 4 and stepped heads above (flash_msa_rt's sparse_bwd tuning); the
+    stepped wgmma kernel at G <= 4 is an A/B alternate."""
+    c = config
+    if c.mma == "wgmma" and c.heads == "stepped" and resident_ok(c):
+        return OPT_IN
+    return mma_set(c.mma, arch)
+
+
 def build_spec(config, arch: str) -> BuildSpec:
     # one CTA per (item, key slice)
     return family_spec(OP, config, arch, can_implement, params=params(config),
                        grid=(f"W * {config.block_size // config.tile_n}", "1", "1"),
-                       compile_fn="kernels_src.sparse_bwd_proxy.kernel:compile", smem_bytes=smem_bytes(config))
+                       compile_fn="kernels_src.sparse_bwd_proxy.build:compile", smem_bytes=smem_bytes(config))

@@ -18,18 +18,15 @@ lse_p and kl_grad, so no step waits on a chain of global loads between its produ
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
-import math
-
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
 
+from kernels_src.constants import LOG2E
 from kernels_src.sparse_bwd.kernel import SparseBackward
-from kernels_src.spec import Compiled
-from kernels_src.tiles import compile_tile_kernel, copy_row, copy_word, cp_async_word, row_table, transposed
-
-_LOG2E = math.log2(math.e)
+from kernels_src.tiles import copy_row, copy_word, cp_async_word, row_table, tile_storage, transposed
+from kernels_src.work_items import item_block, item_slice
 
 
 # The staged row-scalar tables (rows = the tile's distinct queries): ints [query, ...], floats [lse_g of the step,
@@ -48,9 +45,7 @@ class SparseProxyBackward(SparseBackward):
     def item_block(self, items, w, hp):
         """Trace time: work item w's batch b, proxy head p (bp = b * Hp + p), first entry and key block start, for
         the kernels that take the whole key block per CTA."""
-        bp, j, start = items[w, 0], items[w, 1], items[w, 2]
-        b = bp // hp
-        return b, bp - b * hp, start, j * self.block_size
+        return item_block(items, w, hp, self.block_size)
 
     def proxy_gradients(self, thr_s, thr_kv):
         """Trace time: this thread's dq_p accumulator (rows x D, in the score MMA's partition) with its rows x
@@ -99,14 +94,14 @@ class SparseProxyBackward(SparseBackward):
 
         @cute.struct
         class SharedStorage:
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
-            s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
-            s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
-            s_dq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_dq)], 1024]
-            s_ri: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, cute.cosize(l_ri)], 1024]
-            s_rf: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_rf)], 1024]
+            s_k: tile_storage(self.dtype, l_kv)
+            s_kp: tile_storage(self.dtype, l_kv)
+            s_q: tile_storage(self.dtype, l_rows)
+            s_qp: tile_storage(self.dtype, l_rows)
+            s_ds: tile_storage(self.dtype, l_p)
+            s_dq: tile_storage(cutlass.Float32, l_dq)
+            s_ri: tile_storage(cutlass.Int32, l_ri)
+            s_rf: tile_storage(cutlass.Float32, l_rf)
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_proxy(q, k, q_proxy, k_proxy, entry_query, items, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
@@ -125,13 +120,10 @@ class SparseProxyBackward(SparseBackward):
         w = cta // self.halves
         n_entries = items[w, 3]
         if n_entries > 0:
-            bp, j, start = items[w, 0], items[w, 1], items[w, 2]
-            hp = q_proxy.shape[2]
-            b = bp // hp
-            p = bp - b * hp
+            # This CTA's keys: one tile_n slice of the item's key block (tau and pi are per key: the slices are
+            # independent).
+            b, p, start, t0 = item_slice(items, w, cta, self.halves, q_proxy.shape[2], self.block_size, self.tile_n)
             pkh = p // hp_per_hpk
-            # This CTA's keys: one tile_n slice of key block j (tau and pi are per key: the slices are independent).
-            t0 = j * self.block_size + (cta - w * self.halves) * self.tile_n
             seqlen = q.shape[1]
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
@@ -155,7 +147,7 @@ class SparseProxyBackward(SparseBackward):
             s_mn, tau_mn = self.rows_cols(acc_s), self.rows_cols(tau)
             coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             acc_dq, dq_mn, coord_dq, acc_dkp = self.proxy_gradients(thr_s, thr_kv)
-            scale_log2 = scale * _LOG2E
+            scale_log2 = scale * LOG2E
             rows_per_thread = cute.size(s_mn, mode=[0])
             query_srcs = (lse_proxy[b, p, None], kl_grad[b, p, None])
             i_rows = cute.make_rmem_tensor((self.tile_m * self.head_dim // 8 // self.threads,), cutlass.Int32)
@@ -200,7 +192,7 @@ class SparseProxyBackward(SparseBackward):
                     self.gemm(mma_s, thr_s, acc_s, s_qp, s_kp, tidx, False, False)
                     for r in cutlass.range_constexpr(rows_per_thread):
                         qi = coord_s[r, 0][0]
-                        lsep2 = s_rf[qi, tb, LSE_P] * _LOG2E
+                        lsep2 = s_rf[qi, tb, LSE_P] * LOG2E
                         cg = s_rf[qi, tb, KL_GRAD]
                         key_limit = s_ri[qi, tb, QUERY] - t0  # the query is -1 past n_q: no key
                         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
@@ -234,7 +226,7 @@ class SparseProxyBackward(SparseBackward):
         self.gemm(mma_s, thr_s, acc_s, s_q, s_k, tidx, False, False)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             qi = coord_s[r, 0][0]
-            lse2 = s_rf[qi, sb, LSE_G] * _LOG2E
+            lse2 = s_rf[qi, sb, LSE_G] * LOG2E
             key_limit = s_ri[qi, tb, QUERY] - t0
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 if coord_s[0, c][1] <= key_limit:
@@ -299,25 +291,3 @@ class SparseProxyBackward(SparseBackward):
                     if lead:
                         self.clear_query(s_ri, s_rf, qi, tb)
         cute.arch.cp_async_commit_group()
-
-
-def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    from kernels_src.sparse_bwd_proxy import params, smem_bytes
-
-    entry = None
-    if config.heads == "tau":
-        from kernels_src.sparse_bwd_proxy.tau import SparseProxyBackwardTau
-
-        kernel = SparseProxyBackwardTau(config)
-        entry = kernel.call_det if getattr(config, "deterministic", 0) else None
-    elif config.heads == "resident":
-        from kernels_src.sparse_bwd_proxy.resident import SparseProxyBackwardResident
-
-        kernel = SparseProxyBackwardResident(config)
-    elif config.mma == "wgmma":
-        from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
-
-        kernel = SparseProxyBackwardWG(config)
-    else:
-        kernel = SparseProxyBackward(config)
-    return compile_tile_kernel(kernel, config, arch, params(config), smem_bytes(config), entry=entry)

@@ -15,17 +15,15 @@ Row scalar tables (tile buffer tile % 2): ints [query], floats [lse_0 .. lse_{G-
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
-import math
-
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
 
+from kernels_src.constants import LOG2E
 from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
-from kernels_src.tiles import copy_row, copy_word, cp_async_word, row_table
+from kernels_src.tiles import copy_row, copy_word, cp_async_word, row_table, tile_storage
 
-_LOG2E = math.log2(math.e)
 _TILE_BUFFERS = 2  # proxy rows and row scalars: this tile's and the next one's
 
 
@@ -57,14 +55,14 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
 
         @cute.struct
         class SharedStorage:
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_heads)], 1024]
-            s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_proxy)], 1024]
-            s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
-            s_dq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_dq)], 1024]
-            s_ri: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, cute.cosize(l_ri)], 1024]
-            s_rf: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_rf)], 1024]
+            s_k: tile_storage(self.dtype, l_kv)
+            s_kp: tile_storage(self.dtype, l_kv)
+            s_q: tile_storage(self.dtype, l_heads)
+            s_qp: tile_storage(self.dtype, l_proxy)
+            s_ds: tile_storage(self.dtype, l_p)
+            s_dq: tile_storage(cutlass.Float32, l_dq)
+            s_ri: tile_storage(cutlass.Int32, l_ri)
+            s_rf: tile_storage(cutlass.Float32, l_rf)
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_resident(q, k, q_proxy, k_proxy, entry_query, items, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
@@ -105,7 +103,7 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
             tau_mn = self.rows_cols(tau)
             coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             acc_dq, dq_mn, coord_dq, acc_dkp = self.proxy_gradients(thr_s, thr_kv)
-            scale_log2 = scale * _LOG2E
+            scale_log2 = scale * LOG2E
             rows_per_thread = cute.size(tau_mn, mode=[0])
             cols = cute.size(tau_mn, mode=[1])
 
@@ -139,7 +137,7 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
                     s_mn = self.rows_cols(accs[g % 2])
                     for r in cutlass.range_constexpr(rows_per_thread):
                         qi = coord_s[r, 0][0]
-                        lse2 = s_rf[qi, tb, g] * _LOG2E
+                        lse2 = s_rf[qi, tb, g] * LOG2E
                         key_limit = s_ri[qi, tb, 0] - t0  # the query is -1 past n_q: no key
                         for c in cutlass.range_constexpr(cols):
                             e = cutlass.Float32(0.0)
@@ -156,7 +154,7 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
                 sp_mn = self.rows_cols(accs[self.group % 2])
                 for r in cutlass.range_constexpr(rows_per_thread):
                     qi = coord_s[r, 0][0]
-                    lsep2 = s_rf[qi, tb, self.lse_p_field] * _LOG2E
+                    lsep2 = s_rf[qi, tb, self.lse_p_field] * LOG2E
                     cg = s_rf[qi, tb, self.kl_grad_field]
                     key_limit = s_ri[qi, tb, 0] - t0
                     for c in cutlass.range_constexpr(cols):

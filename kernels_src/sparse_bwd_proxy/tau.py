@@ -16,17 +16,15 @@ key block (item_prev, item_done: sparse_bwd's take_turn / end_turn).
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
-import math
-
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
 
+from kernels_src.constants import LOG2E
 from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
-from kernels_src.tiles import copy_row, copy_word, cp_async_word, load_rows, row_table
+from kernels_src.tiles import copy_row, copy_word, cp_async_word, load_rows, row_table, tile_storage
 
-_LOG2E = math.log2(math.e)
 _LSE_P, _KL_GRAD = 0, 1  # float fields
 
 
@@ -68,13 +66,13 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
 
         @cute.struct
         class SharedStorage:
-            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
-            s_tau: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
-            s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_p)], 1024]
-            s_dq: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_dq)], 1024]
-            s_ri: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, cute.cosize(l_ri)], 1024]
-            s_rf: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_rf)], 1024]
+            s_kp: tile_storage(self.dtype, l_kv)
+            s_qp: tile_storage(self.dtype, l_rows)
+            s_tau: tile_storage(self.dtype, l_rows)
+            s_ds: tile_storage(self.dtype, l_p)
+            s_dq: tile_storage(cutlass.Float32, l_dq)
+            s_ri: tile_storage(cutlass.Int32, l_ri)
+            s_rf: tile_storage(cutlass.Float32, l_rf)
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         layouts = (l_kv, l_rows, l_p, l_dq, self._gmem_copy(), SharedStorage)
@@ -139,7 +137,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             tau_mn = self.rows_cols(tau_r)
             coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             acc_dq, dq_mn, coord_dq, acc_dkp = self.proxy_gradients(thr_s, thr_kv)
-            scale_log2 = scale * _LOG2E
+            scale_log2 = scale * LOG2E
             rows_per_thread = cute.size(sp_mn, mode=[0])
             cols = cute.size(sp_mn, mode=[1])
 
@@ -187,7 +185,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                 # dS_p = (pi - tau) * kl_grad; rows past n_q have query -1 (no key), tau 0 and kl_grad 0.
                 for r in cutlass.range_constexpr(rows_per_thread):
                     qi = coord_s[r, 0][0]
-                    lsep2 = s_rf[qi, tb, _LSE_P] * _LOG2E
+                    lsep2 = s_rf[qi, tb, _LSE_P] * LOG2E
                     cg = s_rf[qi, tb, _KL_GRAD]
                     key_limit = s_ri[qi, tb, 0] - t0
                     for c in cutlass.range_constexpr(cols):

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.spec import BuildSpec, family_spec, refusal, verdict
+from kernels_src.spec import DEFAULT, OPT_IN, BuildSpec, family_spec, refusal, verdict
 
 OP = "sparse_combine"
 
@@ -78,8 +78,13 @@ def params(config: Config) -> tuple:
     )
 
 
+def build_set(config: Config, arch: str) -> str:
+    """The widest heads per warp is what runs; one head per warp is kept for A/B runs."""
+    return DEFAULT if config.heads_per_warp == widest_heads(config.group, config.head_dim) else OPT_IN
+
+
 def build_spec(config: Config, arch: str) -> BuildSpec:
     return family_spec(OP, config, arch, can_implement, params=params(config),
                        grid=(f"ceil_div(B * Hp * S * {config.group // config.heads_per_warp}, {ROWS_PER_CTA})",
                              "1", "1"),
-                       compile_fn="kernels_src.sparse_combine.kernel:compile", smem_bytes=0)
+                       compile_fn="kernels_src.sparse_combine.build:compile", smem_bytes=0)

@@ -5,20 +5,12 @@ partial outputs, rescaled when m grows. A slot's loads are the warp's hw contigu
 coalesced; 16-byte loads per lane at the widest). RowWarps (one warp per (b, p, i, g) row) is slot_sum's.
 """
 
-import math
-
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream
 
-from kernels_src.block_scores.kernel import compile_kernel
-from kernels_src.spec import Compiled, fake_tensor
-
-_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
+from kernels_src.constants import DTYPES, LN2, LOG2E
 
 
 def selection_row(bpi, Hp, S, query_offset, block_size: int):
@@ -36,7 +28,7 @@ class RowWarps:
 
     def __init__(self, config):
         self.cfg = config
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = DTYPES[config.dtype]
         self.head_dim = config.head_dim
         self.block_size = config.block_size
         self.group = config.group
@@ -111,7 +103,7 @@ class SparseCombine(RowWarps):
                 if j >= 0 and j <= local:
                     d = cutlass.Int64(bpi) * K + k  # 64-bit: d * G * D passes 2**31 at benchmark sizes
                     part = cute.local_tile(o_part[d, g, None], (self.per_lane,), (t,)).load()
-                    l2 = lse_part[d, g] * _LOG2E
+                    l2 = lse_part[d, g] * LOG2E
                     m_new = cute.arch.fmax(m, l2)
                     rescale = cute.math.exp2(m - m_new, fastmath=True)
                     w = cute.math.exp2(l2 - m_new, fastmath=True)
@@ -133,12 +125,4 @@ class SparseCombine(RowWarps):
             if t == 0:
                 lse[b, h, i] = neg_inf
                 if total > 0.0:
-                    lse[b, h, i] = (m + cute.math.log2(total, fastmath=True)) * _LN2
-
-
-def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    from kernels_src.sparse_combine import params
-
-    kernel = SparseCombine(config)
-    fake = (*(fake_tensor(p) for p in params(config) if p.kind == "tensor"), cutlass.Int32(0), make_fake_stream())
-    return compile_kernel(kernel, config, arch, fake)
+                    lse[b, h, i] = (m + cute.math.log2(total, fastmath=True)) * LN2

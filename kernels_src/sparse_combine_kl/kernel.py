@@ -8,20 +8,15 @@ skipped (never exp2(-inf - -inf)). Every lane of a warp runs the same rounds (th
 rows), rows past the end included, so the shuffles always see the whole warp.
 """
 
-import math
-
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_stream
 
-from kernels_src.block_scores.kernel import compile_kernel
+from kernels_src.constants import LN2
 from kernels_src.sparse_combine.kernel import selection_row
 from kernels_src.sparse_combine_kl import LANES_PER_ROW
-from kernels_src.spec import Compiled, fake_tensor
 
-_LN2 = math.log(2.0)
 _BUTTERFLY = tuple(LANES_PER_ROW >> (n + 1) for n in range(LANES_PER_ROW.bit_length() - 1))  # 4, 2, 1: a row's lanes
 
 
@@ -89,19 +84,11 @@ class SparseCombineKL:
         if lane == 0 and live_row:
             lse = neg_inf
             if s > 0.0:
-                lse = (m_row + cute.math.log2(s, fastmath=True)) * _LN2
+                lse = (m_row + cute.math.log2(s, fastmath=True)) * LN2
             kl = cutlass.Float32(0.0)
             if t_sum > 0.0:
-                kl = _LN2 * a_sum
+                kl = LN2 * a_sum
                 if s > 0.0:
                     kl += lse * t_sum
             lse_proxy[b, p, i] = lse
             kl_rows[b, p, i] = kl
-
-
-def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    from kernels_src.sparse_combine_kl import params
-
-    kernel = SparseCombineKL(config)
-    fake = (*(fake_tensor(p) for p in params(config) if p.kind == "tensor"), cutlass.Int32(0), make_fake_stream())
-    return compile_kernel(kernel, config, arch, fake)

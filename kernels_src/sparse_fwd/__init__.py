@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.spec import BuildSpec, family_spec, refusal, smem_refusal, verdict
+from kernels_src.spec import OPT_IN, BuildSpec, family_spec, mma_set, refusal, smem_refusal, verdict
 
 OP = "sparse_fwd"
 
@@ -113,8 +113,17 @@ def params(config: Config) -> tuple:
     )
 
 
+def build_set(config: Config, arch: str) -> str:
+    """wgmma runs in ping-pong, with one q buffer at G >= 2 (two at G = 1, where one spills): flash_msa_rt's
+    sparse_fwd tuning. The lockstep wgmma kernel and ping-pong with two buffers at G >= 2 are its A/B alternates."""
+    c = config
+    if c.mma == "wgmma" and (c.schedule != "pingpong" or c.stages != (1 if c.group >= 2 else 2)):
+        return OPT_IN
+    return mma_set(c.mma, arch)
+
+
 def build_spec(config: Config, arch: str) -> BuildSpec:
     # one CTA per work item; items past the real count exit at once
     return family_spec(OP, config, arch, can_implement, params=params(config),
                        grid=("W", "1", "1"),
-                       compile_fn="kernels_src.sparse_fwd.kernel:compile", smem_bytes=config.smem_bytes())
+                       compile_fn="kernels_src.sparse_fwd.build:compile", smem_bytes=config.smem_bytes())

@@ -21,19 +21,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
-from kernels_src.spec import Compiled
-from kernels_src.tiles import (acc_as_frg_a, acc_rows_cols, compile_tile_kernel, copy_row, cp_async_rows, smem_tile,
-                               warp_mma)
-
-_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
+from kernels_src.constants import DTYPES, LN2, LOG2E
+from kernels_src.tiles import acc_as_frg_a, acc_rows_cols, copy_row, cp_async_rows, smem_tile, tile_storage, warp_mma
+from kernels_src.work_items import item_block
 
 
 class SparseAttention:
     def __init__(self, config):
         self.cfg = config
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = DTYPES[config.dtype]
         self.head_dim = config.head_dim
         self.block_size = config.block_size
         self.group = config.group
@@ -73,9 +69,9 @@ class SparseAttention:
 
         @cute.struct
         class SharedStorage:
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_q)], 1024]
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
-            s_v: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
+            s_q: tile_storage(self.dtype, l_q)
+            s_k: tile_storage(self.dtype, l_k)
+            s_v: tile_storage(self.dtype, l_k)
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_forward(
@@ -110,7 +106,7 @@ class SparseAttention:
             tiled_mma, tiled_mma_pv, thr_mma, thr_pv, acc, acc_mn, coord_mn, acc_o, acc_o_mn, coord_o = \
                 self.accumulators(tidx)
             quad_lane = tidx % 4
-            scale_log2 = scale * _LOG2E
+            scale_log2 = scale * LOG2E
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
             self.gather_tile(gcopy, q, s_q_all, b, p, entry_query, start, n_entries, 0, tidx)
@@ -228,9 +224,7 @@ class SparseAttention:
 
     def item_block(self, items, w, hp):
         """Trace time: work item w's batch b, proxy head p (bp = b * Hp + p), first entry and key block start."""
-        bp, j, start = items[w, 0], items[w, 1], items[w, 2]
-        b = bp // hp
-        return b, bp - b * hp, start, j * self.block_size
+        return item_block(items, w, hp, self.block_size)
 
     def smem_views(self, storage, s_q_layout, s_k_layout):
         """Trace time: the q tile buffers, K, V and V^T (D, keys) for the PV product's B operand (the same bytes,
@@ -270,7 +264,7 @@ class SparseAttention:
         """Row r of tile_softmax, its query given as key_limit = i - t0."""
         self.mask_row(acc_mn, coord_mn, r, key_limit)
         row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
-        lse_rows[r] = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * _LN2
+        lse_rows[r] = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
         inv_l[r] = cute.arch.rcp_approx(row_sum)
 
     @cute.jit
@@ -324,22 +318,3 @@ class SparseAttention:
         row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=2)
         row_sum += cute.arch.shuffle_sync_bfly(row_sum, offset=1)
         return row_max, row_sum
-
-
-# ---------------------------------------------------------------------- ahead-of-time compile
-
-
-def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    from kernels_src.sparse_fwd import params
-
-    if config.mma == "wgmma" and config.schedule == "pingpong":
-        from kernels_src.sparse_fwd.pingpong import SparseAttentionPingPong
-
-        kernel = SparseAttentionPingPong(config)
-    elif config.mma == "wgmma":
-        from kernels_src.sparse_fwd.wgmma import SparseAttentionWG
-
-        kernel = SparseAttentionWG(config)
-    else:
-        kernel = SparseAttention(config)
-    return compile_tile_kernel(kernel, config, arch, params(config), config.smem_bytes(), entry=kernel.forward)

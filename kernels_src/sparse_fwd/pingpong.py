@@ -29,14 +29,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
-from kernels_src.sparse_fwd.kernel import _LOG2E
+from kernels_src.barriers import SparseFwdPingPong as Bar
+from kernels_src.constants import LOG2E, WARPGROUP_THREADS
 from kernels_src.sparse_fwd.wgmma import SparseAttentionWG
 from kernels_src.tiles import WARPGROUP_ROWS, copy_row, cp_async_rows
-
-# Named barriers (0 is __syncthreads): a warpgroup's own rows, and whose turn it is to issue QK.
-_BAR_ROWS = 1  # + warpgroup: its 128 threads
-_BAR_TURN = 3  # + warpgroup: 256 threads, 128 waiting and 128 arriving
-_WG_THREADS = 128
 
 
 class SparseAttentionPingPong(SparseAttentionWG):
@@ -50,7 +46,7 @@ class SparseAttentionPingPong(SparseAttentionWG):
         super().__init__(config)
         # With one q buffer at G >= 8, loading the entries where they are used leaves ptxas short of registers at
         # the 128 two CTAs per SM allow, and it serialises every wgmma (C7512; the build refuses it); loaded at
-        # the tile's top they fit, and measured 1.02x at G = 16 (6.93 -> 6.82 ms, results/ab_fwd_knobs_8fbc399.log).
+        # the tile's top they fit, and measured 1.02x at G = 16 (6.93 -> 6.82 ms).
         self.entries_ahead = self.group <= 4 or self.stages == 1
 
     def occupancy(self) -> dict:
@@ -69,15 +65,15 @@ class SparseAttentionPingPong(SparseAttentionWG):
     ):
         """The lockstep kernel's launch (SparseAttention.forward) and arguments; gcopy loads the key block with all
         256 threads, a 128-thread copy of the same atoms gathers a warpgroup's rows."""
-        gcopy_wg = cp_async_rows(self.dtype, self.head_dim, _WG_THREADS, self.ROW_THREADS)
+        gcopy_wg = cp_async_rows(self.dtype, self.head_dim, WARPGROUP_THREADS, self.ROW_THREADS)
         tidx, _, _ = cute.arch.thread_idx()
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, hp)
             seqlen = q.shape[1]
-            wg = tidx // _WG_THREADS
-            wg_tidx = tidx % _WG_THREADS
+            wg = tidx // WARPGROUP_THREADS
+            wg_tidx = tidx % WARPGROUP_THREADS
             row0 = wg * WARPGROUP_ROWS  # this warpgroup's first row of every tile
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_q_all, s_k, s_v, s_vt = self.smem_views(storage, s_q_layout, s_k_layout)
@@ -86,7 +82,7 @@ class SparseAttentionPingPong(SparseAttentionWG):
             tiled_mma, tiled_mma_pv, thr_mma, thr_pv, acc, acc_mn, coord_mn, acc_o, acc_o_mn, coord_o = \
                 self.accumulators(tidx)
             quad_lane = tidx % 4
-            scale_log2 = scale * _LOG2E
+            scale_log2 = scale * LOG2E
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
             gthr = gcopy_wg.get_slice(wg_tidx)
@@ -99,7 +95,7 @@ class SparseAttentionPingPong(SparseAttentionWG):
             self.gather_queries(entry_query, start, n_entries, 0, row0, gthr, g_query)
             self.gather_rows(gcopy_wg, q, s_q_all, b, p, g_query, 0, row0, gthr)
             if wg == 1:
-                cute.arch.barrier_arrive(barrier_id=_BAR_TURN, number_of_threads=2 * _WG_THREADS)
+                cute.arch.barrier_arrive(barrier_id=Bar.TURN, number_of_threads=2 * WARPGROUP_THREADS)
             for tile in cutlass.range(n_tiles, unroll=1):
                 e0 = start + tile * self.tile_queries
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
@@ -119,16 +115,16 @@ class SparseAttentionPingPong(SparseAttentionWG):
                 if tile == 0:
                     cute.arch.sync_threads()  # the key block came from both warpgroups' threads
                 else:
-                    cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                    cute.arch.barrier(barrier_id=Bar.ROWS + wg, number_of_threads=WARPGROUP_THREADS)
 
-                cute.arch.barrier(barrier_id=_BAR_TURN + wg, number_of_threads=2 * _WG_THREADS)
+                cute.arch.barrier(barrier_id=Bar.TURN + wg, number_of_threads=2 * WARPGROUP_THREADS)
                 self.qk(tiled_mma, thr_mma, acc, s_q, s_k, tidx, wait=False)
-                cute.arch.barrier_arrive(barrier_id=_BAR_TURN + 1 - wg, number_of_threads=2 * _WG_THREADS)
+                cute.arch.barrier_arrive(barrier_id=Bar.TURN + 1 - wg, number_of_threads=2 * WARPGROUP_THREADS)
                 warpgroup.wait_group(0)
                 if cutlass.const_expr(self.stages == 1):
                     # One buffer: once every warp's QK has read it, the next tile's rows go into it and arrive
                     # under this tile's softmax, PV product and epilogue.
-                    cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                    cute.arch.barrier(barrier_id=Bar.ROWS + wg, number_of_threads=WARPGROUP_THREADS)
                     if tile + 1 < n_tiles:
                         self.gather_queries(entry_query, start, n_entries, tile + 1, row0, gthr, g_query)
                         self.gather_rows(gcopy_wg, q, s_q_all, b, p, g_query, tile + 1, row0, gthr)
@@ -152,9 +148,9 @@ class SparseAttentionPingPong(SparseAttentionWG):
                                     n_q, quad_lane)
                 if cutlass.const_expr(self.stages == 2):
                     # This warpgroup's warps are past their reads of the buffer before its gather of tile + 2.
-                    cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                    cute.arch.barrier(barrier_id=Bar.ROWS + wg, number_of_threads=WARPGROUP_THREADS)
             if wg == 0:  # warpgroup 1's last arrival on TURN + 0 (see the module docstring)
-                cute.arch.barrier(barrier_id=_BAR_TURN, number_of_threads=2 * _WG_THREADS)
+                cute.arch.barrier(barrier_id=Bar.TURN, number_of_threads=2 * WARPGROUP_THREADS)
 
     @cute.jit
     def row_entries(self, entry_query, entry_dest, e0, n_q, t0, coord_mn, key_limit, dest):

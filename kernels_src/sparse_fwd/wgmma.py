@@ -24,6 +24,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
+from kernels_src import wgmma
 from kernels_src.sparse_fwd.kernel import SparseAttention
 from kernels_src.packed import pack_pair, store_global_v2
 from kernels_src.tiles import WARPGROUP_ROWS, wg_acc_as_a, wg_acc_rows_cols
@@ -87,15 +88,7 @@ class SparseAttentionWG(SparseAttention):
         """acc = A B^T over the tile (fp32, unscaled): wgmma on shared-memory descriptors, waited for unless
         wait=False (then the caller waits: warpgroup.wait_group). The MMA object is made here: its accumulate
         flag is set per step, and state set inside the caller's loop must not outlive the loop body."""
-        tiled_mma = self._tiled_mma()
-        thr_mma = tiled_mma.get_slice(tidx)
-        t_ra = thr_mma.make_fragment_A(thr_mma.partition_A(s_a))
-        t_rb = thr_mma.make_fragment_B(thr_mma.partition_B(s_b))
-        warpgroup.fence()
-        for kk in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
-            cute.gemm(tiled_mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
-        warpgroup.commit_group()
+        wgmma.issue_smem(self._tiled_mma(), tidx, acc, s_a, s_b)
         if cutlass.const_expr(wait):
             warpgroup.wait_group(0)
 
@@ -108,9 +101,5 @@ class SparseAttentionWG(SparseAttention):
         r_p.store(acc_p.load().to(self.dtype))
         t_rp = cute.make_tensor(r_p.iterator, wg_acc_as_a(r_p.layout))
         t_rv = thr_mma.make_fragment_B(thr_mma.partition_B(s_vt))
-        warpgroup.fence()
-        for kk in cutlass.range_constexpr(cute.size(t_rv, mode=[2])):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
-            cute.gemm(tiled_mma, acc_o, t_rp[None, None, kk], t_rv[None, None, kk], acc_o)
-        warpgroup.commit_group()
+        wgmma.issue(tiled_mma, acc_o, t_rp, t_rv)
         warpgroup.wait_group(0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam
 from kernels_src import sparse_bwd
-from kernels_src.spec import BuildSpec, family_spec, smem_refusal, verdict
+from kernels_src.spec import OPT_IN, BuildSpec, family_spec, mma_set, smem_refusal, verdict
 
 OP = "sparse_kl"
 
@@ -117,8 +117,16 @@ def params(config) -> tuple:
     )
 
 
+def build_set(config, arch: str) -> str:
+    """wgmma runs the KL pass in ping-pong (the configs() stages: resident heads at G <= 4, streamed above):
+    flash_msa_rt's sparse_fwd tuning; the lockstep wgmma kernel is its A/B alternate."""
+    if config.mma == "wgmma" and config.schedule != "pingpong":
+        return OPT_IN
+    return mma_set(config.mma, arch)
+
+
 def build_spec(config, arch: str) -> BuildSpec:
     # one CTA per (item, key slice)
     return family_spec(OP, config, arch, can_implement, params=params(config),
                        grid=(f"W * {config.block_size // config.tile_n}", "1", "1"),
-                       compile_fn="kernels_src.sparse_kl.kernel:compile", smem_bytes=smem_bytes(config))
+                       compile_fn="kernels_src.sparse_kl.build:compile", smem_bytes=smem_bytes(config))

@@ -18,11 +18,9 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from kernels_src.constants import LOG2E
 from kernels_src.sparse_bwd_proxy.kernel import SparseProxyBackward
-from kernels_src.spec import Compiled
-from kernels_src.tiles import compile_tile_kernel, copy_row
-
-_LOG2E = math.log2(math.e)
+from kernels_src.tiles import copy_row, tile_storage
 
 
 class SparseKL(SparseProxyBackward):
@@ -36,10 +34,10 @@ class SparseKL(SparseProxyBackward):
 
         @cute.struct
         class SharedStorage:
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
-            s_qp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+            s_k: tile_storage(self.dtype, l_kv)
+            s_kp: tile_storage(self.dtype, l_kv)
+            s_q: tile_storage(self.dtype, l_rows)
+            s_qp: tile_storage(self.dtype, l_rows)
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_kl(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
@@ -78,7 +76,7 @@ class SparseKL(SparseProxyBackward):
             tau = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
             s_mn, tau_mn = self.rows_cols(acc_s), self.rows_cols(tau)
             coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-            scale_log2 = scale * _LOG2E
+            scale_log2 = scale * LOG2E
             log2_g = math.log2(self.group)
             rows_per_thread = cute.size(s_mn, mode=[0])
             quad_lane = tidx % 4
@@ -167,7 +165,7 @@ class SparseKL(SparseProxyBackward):
             key_limit = -1
             if qi < n_q:
                 i = entry_query[e0 + qi]
-                lse2 = lse[b, h, i] * _LOG2E
+                lse2 = lse[b, h, i] * LOG2E
                 key_limit = i - t0
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 if coord_s[0, c][1] <= key_limit:
@@ -198,23 +196,3 @@ class SparseKL(SparseProxyBackward):
                 if g == 0:
                     t_sqp[None, m, None].fill(0)
         cute.arch.cp_async_commit_group()
-
-
-def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    from kernels_src.sparse_kl import params, resident_heads, smem_bytes
-
-    if config.schedule == "pingpong" and resident_heads(config):
-        from kernels_src.sparse_kl.pingpong import SparseKLPingPong
-
-        kernel = SparseKLPingPong(config)
-    elif config.schedule == "pingpong":
-        from kernels_src.sparse_kl.streamed import SparseKLStreamed
-
-        kernel = SparseKLStreamed(config)
-    elif config.mma == "wgmma":
-        from kernels_src.sparse_kl.wgmma import SparseKLWG
-
-        kernel = SparseKLWG(config)
-    else:
-        kernel = SparseKL(config)
-    return compile_tile_kernel(kernel, config, arch, params(config), smem_bytes(config))

@@ -26,11 +26,12 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
-from kernels_src.sparse_kl.wgmma import _LOG2E, SparseKLWG
-from kernels_src.tiles import WARPGROUP_ROWS, cp_async_rows, cp_async_word
+from kernels_src import wgmma
+from kernels_src.barriers import SparseKLPingPong as Bar
+from kernels_src.constants import LOG2E, WARPGROUP_THREADS
+from kernels_src.sparse_kl.wgmma import SparseKLWG
+from kernels_src.tiles import WARPGROUP_ROWS, cp_async_rows, cp_async_word, tile_storage
 
-_BAR_ROWS = 1  # + warpgroup: its 128 threads' gathered rows are in shared memory
-_WG_THREADS = 128
 ENTRY_RING = 2  # entry slots per warpgroup: its next tile's and the one after
 _K = warpgroup.OperandMajorMode.K
 
@@ -64,9 +65,9 @@ class SparseKLPingPong(SparseKLWG):
 
         @cute.struct
         class SharedStorage:
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+            s_k: tile_storage(self.dtype, l_kv)
+            s_kp: tile_storage(self.dtype, l_kv)
+            s_q: tile_storage(self.dtype, l_rows)
             s_ent: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, ENTRY_RING * self.tile_m * 2], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
@@ -81,15 +82,15 @@ class SparseKLPingPong(SparseKLWG):
                         SharedStorage: cutlass.Constexpr):
         """gcopy loads the key block with all 256 threads; a 128-thread copy of the same atoms gathers a
         warpgroup's rows."""
-        gcopy_wg = cp_async_rows(self.dtype, self.head_dim, _WG_THREADS, self.ROW_THREADS)
+        gcopy_wg = cp_async_rows(self.dtype, self.head_dim, WARPGROUP_THREADS, self.ROW_THREADS)
         tidx, _, _ = cute.arch.thread_idx()
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
             seqlen = q.shape[1]
-            wg = tidx // _WG_THREADS
-            wg_tidx = tidx % _WG_THREADS
+            wg = tidx // WARPGROUP_THREADS
+            wg_tidx = tidx % WARPGROUP_THREADS
             heads = self.group + 1
             base = wg * heads  # this warpgroup's buffers
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
@@ -99,7 +100,7 @@ class SparseKLPingPong(SparseKLWG):
 
             acc, s_mn, tau, tau_mn, coord = self.wg_accumulators(wg_tidx)
             rows = cute.size(tau_mn, mode=[0])
-            scale_log2 = scale * _LOG2E
+            scale_log2 = scale * LOG2E
             quad_lane = tidx % 4
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
@@ -115,7 +116,7 @@ class SparseKLPingPong(SparseKLWG):
                 self.stage_entries(entry_query, ring[None, 1, wg], start, n_entries, wg + 2, wg_tidx)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(0)  # the ring's group, which also holds the key block's copies
-                cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                cute.arch.barrier(barrier_id=Bar.ROWS + wg, number_of_threads=WARPGROUP_THREADS)
                 self.load_row_data(entry_query, lse, b, p, start, n_entries, wg, coord, row_i, lse2,
                                    s_ent=ring[None, 0, wg])
                 self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries, wg, wg_tidx,
@@ -131,7 +132,7 @@ class SparseKLPingPong(SparseKLWG):
                 if it > 0:
                     cute.arch.cp_async_wait_group(0)
                     self.publish_async_copies()
-                    cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                    cute.arch.barrier(barrier_id=Bar.ROWS + wg, number_of_threads=WARPGROUP_THREADS)
                 # Read before this tile's slot takes tile + 4's entries below. Entries are sorted by query: only a
                 # tile whose first query lies inside the block sees t > i.
                 masked = ring[0, it % ENTRY_RING, wg] < t0 + self.block_size - 1
@@ -142,7 +143,7 @@ class SparseKLPingPong(SparseKLWG):
                         # Once every warp of the warpgroup is past its wait, every main product is complete and
                         # their buffers take the next tile's rows while this one finishes.
                         if tile + 2 < n_tiles:
-                            cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                            cute.arch.barrier(barrier_id=Bar.ROWS + wg, number_of_threads=WARPGROUP_THREADS)
                             self.gather_heads(gcopy_wg, q, q_proxy, s_q, b, p, entry_query, start, n_entries,
                                               tile + 2, wg_tidx, base=base, first=0, count=self.group,
                                               s_ent=s_next)
@@ -155,7 +156,7 @@ class SparseKLPingPong(SparseKLWG):
                                 tau_mn[r, c] += e
                 self.wg_product(acc, s_q[None, None, base + self.group], s_kp, wg_tidx)
                 if tile + 2 < n_tiles:
-                    cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+                    cute.arch.barrier(barrier_id=Bar.ROWS + wg, number_of_threads=WARPGROUP_THREADS)
                     # This tile's slot is read by nobody past the barrier at its top: it takes tile + 4's
                     # entries, in the group of tile + 2's proxy rows.
                     self.stage_entries(entry_query, ring[None, it % ENTRY_RING, wg], start, n_entries, tile + 4,
@@ -174,7 +175,7 @@ class SparseKLPingPong(SparseKLWG):
                 for r in cutlass.range_constexpr(rows):
                     row_i[r] = next_i[r]
                     for g in cutlass.range_constexpr(self.group):
-                        lse2[r, g] = next_lse2[r, g] * _LOG2E
+                        lse2[r, g] = next_lse2[r, g] * LOG2E
 
     @cute.jit
     def stage_entries(self, entry_query, s_slot, start, n_entries, tile, wg_tidx):
@@ -201,13 +202,5 @@ class SparseKLPingPong(SparseKLWG):
     def wg_product(self, acc, s_a, s_b, wg_tidx):
         """acc = A B^T on this warpgroup's 64 rows and all the block's keys, waited for. The MMA is remade here: its
         accumulate flag is state set per step."""
-        mma = self._wg_score_mma()
-        thr = mma.get_slice(wg_tidx)
-        t_ra = thr.make_fragment_A(thr.partition_A(s_a))
-        t_rb = thr.make_fragment_B(thr.partition_B(s_b))
-        warpgroup.fence()
-        for kk in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
-            mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
-            cute.gemm(mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
-        warpgroup.commit_group()
+        wgmma.issue_smem(self._wg_score_mma(), wg_tidx, acc, s_a, s_b)
         warpgroup.wait_group(0)

@@ -18,9 +18,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from kernels_src.sparse_kl.pingpong import _BAR_ROWS, _WG_THREADS, SparseKLPingPong
-from kernels_src.sparse_kl.wgmma import _LOG2E
-from kernels_src.tiles import copy_row, copy_word, cp_async_rows, cp_async_word, row_table
+from kernels_src.barriers import SparseKLPingPong as Bar
+from kernels_src.constants import LOG2E, WARPGROUP_THREADS
+from kernels_src.sparse_kl.pingpong import SparseKLPingPong
+from kernels_src.tiles import copy_row, copy_word, cp_async_rows, cp_async_word, row_table, tile_storage
 
 
 class SparseKLStreamed(SparseKLPingPong):
@@ -45,10 +46,10 @@ class SparseKLStreamed(SparseKLPingPong):
 
         @cute.struct
         class SharedStorage:
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
-            s_lse: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(l_lse)], 1024]
+            s_k: tile_storage(self.dtype, l_kv)
+            s_kp: tile_storage(self.dtype, l_kv)
+            s_q: tile_storage(self.dtype, l_rows)
+            s_lse: tile_storage(cutlass.Float32, l_lse)
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_streamed(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
@@ -60,15 +61,15 @@ class SparseKLStreamed(SparseKLPingPong):
                         scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
                         l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_lse: cute.Layout,
                         gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
-        gcopy_wg = cp_async_rows(self.dtype, self.head_dim, _WG_THREADS, self.ROW_THREADS)
+        gcopy_wg = cp_async_rows(self.dtype, self.head_dim, WARPGROUP_THREADS, self.ROW_THREADS)
         tidx, _, _ = cute.arch.thread_idx()
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
             seqlen = q.shape[1]
-            wg = tidx // _WG_THREADS
-            wg_tidx = tidx % _WG_THREADS
+            wg = tidx // WARPGROUP_THREADS
+            wg_tidx = tidx % WARPGROUP_THREADS
             base = wg * self.stages  # this warpgroup's ring slots
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k, s_kp = self.key_tiles(storage, l_kv, gcopy, k, k_proxy, b, p // hp_per_hk, p // hp_per_hpk, t0,
@@ -79,7 +80,7 @@ class SparseKLStreamed(SparseKLPingPong):
 
             acc, s_mn, tau, tau_mn, coord = self.wg_accumulators(wg_tidx)
             rows = cute.size(tau_mn, mode=[0])
-            scale_log2 = scale * _LOG2E
+            scale_log2 = scale * LOG2E
             quad_lane = tidx % 4
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
@@ -116,7 +117,7 @@ class SparseKLStreamed(SparseKLPingPong):
                                            n_entries, wg, it, my_tiles, n, base, wg_tidx)
                     self.wg_product(acc, s_q[None, None, slot], s_k, wg_tidx)
                     for r in cutlass.range_constexpr(rows):
-                        lse2 = s_lse[coord[r, 0][0], slot, 0] * _LOG2E
+                        lse2 = s_lse[coord[r, 0][0], slot, 0] * LOG2E
                         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                             tau_mn[r, c] += cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
                 # The proxy, then the tile's (A, T, L).
@@ -140,7 +141,7 @@ class SparseKLStreamed(SparseKLPingPong):
         cute.arch.cp_async_wait_group(self.stages - 2)
         self.publish_async_copies()
         # Every thread's rows of step u are in, and every warp is past step u - 1's product and its lse reads.
-        cute.arch.barrier(barrier_id=_BAR_ROWS + wg, number_of_threads=_WG_THREADS)
+        cute.arch.barrier(barrier_id=Bar.ROWS + wg, number_of_threads=WARPGROUP_THREADS)
         ahead = n + self.stages - 1
         next_tile = ahead // steps  # 0 or 1: stages - 1 < steps
         ahead_it = it + next_tile

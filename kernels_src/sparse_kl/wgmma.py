@@ -18,13 +18,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
+from kernels_src.constants import LOG2E
+from kernels_src.kl_rows import kl_row_sums, scaled_row_max
 from kernels_src.sparse_bwd.wgmma import WarpgroupTiles
 from kernels_src.sparse_kl import resident_heads
 from kernels_src.sparse_kl.kernel import SparseKL
-from kernels_src.tiles import copy_row
-
-_LOG2E = math.log2(math.e)
-_FLT_MIN = 1.1754943508222875e-38
+from kernels_src.tiles import copy_row, tile_storage
 
 
 class SparseKLWG(WarpgroupTiles, SparseKL):
@@ -47,9 +46,9 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
 
             @cute.struct
             class SharedStorage:
-                s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-                s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kv)], 1024]
-                s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_rows)], 1024]
+                s_k: tile_storage(self.dtype, l_kv)
+                s_kp: tile_storage(self.dtype, l_kv)
+                s_q: tile_storage(self.dtype, l_rows)
 
             self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
             self.kernel_resident(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
@@ -82,7 +81,7 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
             tau_mn = self.rows_cols(tau)
             coord = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             rows = cute.size(tau_mn, mode=[0])
-            scale_log2 = scale * _LOG2E
+            scale_log2 = scale * LOG2E
             quad_lane = tidx % 4
             warp_n = tidx // 128  # this warpgroup's half of the block: its key group
 
@@ -168,7 +167,7 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
                 for g in cutlass.range_constexpr(self.group):
                     lse2[r, g] = lse[b, p * self.group + g, i]
                     if cutlass.const_expr(log2e):
-                        lse2[r, g] = lse2[r, g] * _LOG2E
+                        lse2[r, g] = lse2[r, g] * LOG2E
 
     @cute.jit
     def write_shares(self, s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, warp_n, quad_lane,
@@ -179,31 +178,8 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
         log2_g = math.log2(self.group)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             key_limit = row_i[r] - t0
-            row_max = -cutlass.Float32.inf
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                sp2 = s_mn[r, c] * scale_log2
-                s_mn[r, c] = sp2
-                if cutlass.const_expr(not masked):
-                    row_max = cute.arch.fmax(row_max, sp2)
-                elif coord[0, c][1] <= key_limit:
-                    row_max = cute.arch.fmax(row_max, sp2)
-                else:
-                    tau_mn[r, c] = 0.0
-            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
-            row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
-            sum_exp = cutlass.Float32(0.0)
-            a_sum = cutlass.Float32(0.0)
-            t_sum = cutlass.Float32(0.0)
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                sp2 = s_mn[r, c]
-                if cutlass.const_expr(not masked):
-                    sum_exp += cute.math.exp2(sp2 - row_max, fastmath=True)
-                elif coord[0, c][1] <= key_limit:
-                    sum_exp += cute.math.exp2(sp2 - row_max, fastmath=True)
-                ts = tau_mn[r, c]
-                # ts = 0 (masked or underflowed) adds 0; tau_sum >= FLT_MIN otherwise (exp2.ftz is never denormal).
-                a_sum += ts * (cute.math.log2(cute.arch.fmax(ts, _FLT_MIN), fastmath=True) - sp2)
-                t_sum += ts
+            row_max = scaled_row_max(s_mn, tau_mn, coord, r, key_limit, scale_log2, masked)
+            sum_exp, a_sum, t_sum = kl_row_sums(s_mn, tau_mn, coord, r, key_limit, row_max, masked)
             for off in cutlass.range_constexpr(2):
                 sum_exp += cute.arch.shuffle_sync_bfly(sum_exp, offset=2 >> off)
                 a_sum += cute.arch.shuffle_sync_bfly(a_sum, offset=2 >> off)

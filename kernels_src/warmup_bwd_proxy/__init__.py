@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.spec import BuildSpec, family_spec
+from kernels_src.spec import DEFAULT, BuildSpec, family_spec
 from kernels_src.warmup_kl import _align, dense_configs, dense_verdict
 
 OP = "warmup_bwd_proxy"
@@ -80,7 +80,12 @@ def params(config: Config) -> tuple:
     )
 
 
+def build_set(config: Config, arch: str) -> str:
+    """Every variant runs: the proxy backward takes the G heads in chunks of 1, 2 or 4."""
+    return DEFAULT
+
+
 def build_spec(config: Config, arch: str) -> BuildSpec:
     return family_spec(OP, config, arch, can_implement, params=params(config),
                        grid=(f"ceil_div(S, {config.tile_m})", "Hp", "B"),
-                       compile_fn="kernels_src.warmup_bwd_proxy.kernel:compile", smem_bytes=config.smem_bytes())
+                       compile_fn="kernels_src.warmup_bwd_proxy.build:compile", smem_bytes=config.smem_bytes())

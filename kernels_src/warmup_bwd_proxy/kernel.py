@@ -19,8 +19,6 @@ launch recomputes the proxy's products.
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
-import math
-
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -28,13 +26,13 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
+from kernels_src import wgmma
 from kernels_src.atomics import red_add_v2
-from kernels_src.spec import Compiled
-from kernels_src.tiles import (WARPGROUP_ROWS, compile_tile_kernel, cp_async_rows, load_rows, smem_tile, transposed,
+from kernels_src.constants import LOG2E
+from kernels_src.tiles import (WARPGROUP_ROWS, cp_async_rows, load_rows, smem_tile, tile_storage, transposed,
                                wg_acc_as_a, wg_acc_rows_cols)
 from kernels_src.warmup_kl.kernel import WarmupKL
 
-_LOG2E = math.log2(math.e)
 _K, _MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
 
 
@@ -72,10 +70,10 @@ class WarmupProxyBackward(WarmupKL):
 
         @cute.struct
         class SharedStorage:
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_q)], 1024]
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
-            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_kp)], 1024]
-            s_ds: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_ds)], 1024]
+            s_q: tile_storage(self.dtype, l_q)
+            s_k: tile_storage(self.dtype, l_k)
+            s_kp: tile_storage(self.dtype, l_kp)
+            s_ds: tile_storage(self.dtype, l_ds)
             s_rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.tile_m * (self.group + 2)], 16]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
@@ -122,7 +120,7 @@ class WarmupProxyBackward(WarmupKL):
         acc_dk = cute.make_rmem_tensor(thr_dk.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
         coord_dk = wg_acc_rows_cols(thr_dk.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim))))
         t_ds = thr.partition_C(s_ds)  # this thread's (row, key) elements of the dS_p tile
-        scale_log2 = scale * _LOG2E
+        scale_log2 = scale * LOG2E
 
         # Per row: lse_g and lse_p in log2 units and kl_grad, staged once in shared memory (registers are what
         # G = 4 runs out of). Rows past S: P = pi = 0 (+inf lse), kl_grad 0.
@@ -133,8 +131,8 @@ class WarmupProxyBackward(WarmupKL):
                 s_rows[tidx, f] = cutlass.Float32.inf if f <= self.group else 0.0
             if i < seqlen:
                 for g in cutlass.range_constexpr(self.group):
-                    s_rows[tidx, g] = lse[b, h0 + g, i] * _LOG2E
-                s_rows[tidx, self.group] = lse_proxy[b, p, i] * _LOG2E
+                    s_rows[tidx, g] = lse[b, h0 + g, i] * LOG2E
+                s_rows[tidx, self.group] = lse_proxy[b, p, i] * LOG2E
                 s_rows[tidx, self.group + 1] = kl_grad[b, p, i]  # weights folded in below
         lse2 = RowView(s_rows, coord)
 
@@ -224,27 +222,9 @@ class WarmupProxyBackward(WarmupKL):
         thr = mma.get_slice(tidx)
         t_ra = cute.make_tensor(r_a.iterator, wg_acc_as_a(r_a.layout))
         t_rb = thr.make_fragment_B(thr.partition_B(s_b))
-        warpgroup.fence()
-        for kk in cutlass.range_constexpr(cute.size(t_rb, mode=[2])):
-            mma.set(warpgroup.Field.ACCUMULATE, True)
-            cute.gemm(mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
-        warpgroup.commit_group()
+        wgmma.issue(mma, acc, t_ra, t_rb, accumulate=True)
 
     @cute.jit
     def issue_dk(self, acc, s_a, s_b, tidx):
         """acc = A B^T, both MN-major views by descriptor."""
-        mma = self._dk_mma()
-        thr = mma.get_slice(tidx)
-        t_ra = thr.make_fragment_A(thr.partition_A(s_a))
-        t_rb = thr.make_fragment_B(thr.partition_B(s_b))
-        warpgroup.fence()
-        for kk in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
-            mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
-            cute.gemm(mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
-        warpgroup.commit_group()
-
-
-def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    from kernels_src.warmup_bwd_proxy import params
-
-    return compile_tile_kernel(WarmupProxyBackward(config), config, arch, params(config), config.smem_bytes())
+        wgmma.issue_smem(self._dk_mma(), tidx, acc, s_a, s_b)

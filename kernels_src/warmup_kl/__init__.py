@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.spec import BuildSpec, family_spec, refusal, smem_refusal, verdict
+from kernels_src.spec import DEFAULT, OPT_IN, BuildSpec, family_spec, refusal, smem_refusal, verdict
 
 OP = "warmup_kl"
 
@@ -115,7 +115,13 @@ def params(config: Config) -> tuple:
     )
 
 
+def build_set(config: Config, arch: str) -> str:
+    """The dense warmup KL pass runs in ping-pong (a producer warp streams the key tiles); lockstep is kept for
+    A/B runs."""
+    return DEFAULT if config.schedule == "pingpong" else OPT_IN
+
+
 def build_spec(config: Config, arch: str) -> BuildSpec:
     return family_spec(OP, config, arch, can_implement, params=params(config),
                        grid=(f"ceil_div(S, {config.tile_m})", "Hp", "B"),
-                       compile_fn="kernels_src.warmup_kl.kernel:compile", smem_bytes=config.smem_bytes())
+                       compile_fn="kernels_src.warmup_kl.build:compile", smem_bytes=config.smem_bytes())

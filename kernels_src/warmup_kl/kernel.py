@@ -19,8 +19,6 @@ Only key tiles that reach past the tile's first query are masked (t > i); rows a
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
-import math
-
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -28,20 +26,16 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
-from kernels_src.spec import Compiled
-from kernels_src.tiles import (WARPGROUP_ROWS, compile_tile_kernel, cp_async_rows, load_rows, smem_tile,
-                               wg_acc_rows_cols)
-
-_DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
-_FLT_MIN = 1.1754943508222875e-38  # tau_sum is a sum of normal exp2.ftz results or exactly 0
+from kernels_src import wgmma
+from kernels_src.constants import DTYPES, LN2, LOG2E
+from kernels_src.kl_rows import kl_row_sums, scaled_row_max
+from kernels_src.tiles import WARPGROUP_ROWS, cp_async_rows, load_rows, smem_tile, tile_storage, wg_acc_rows_cols
 
 
 class WarmupKL:
     def __init__(self, config):
         self.cfg = config
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = DTYPES[config.dtype]
         self.head_dim = config.head_dim
         self.group = config.group
         self.tile_m = config.tile_m
@@ -68,9 +62,9 @@ class WarmupKL:
 
         @cute.struct
         class SharedStorage:
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_q)], 1024]
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
-            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
+            s_q: tile_storage(self.dtype, l_q)
+            s_k: tile_storage(self.dtype, l_k)
+            s_kp: tile_storage(self.dtype, l_k)
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_rows, scale, hp_per_hk, hp_per_hpk, l_q, l_k,
@@ -98,7 +92,7 @@ class WarmupKL:
         thr, accs, tau, tau_mn, coord = self.score_accumulators(tidx)
         rows = cute.size(tau_mn, mode=[0])
         cols = cute.size(tau_mn, mode=[1])
-        scale_log2 = scale * _LOG2E
+        scale_log2 = scale * LOG2E
 
         # Per row: lse_g in log2 units (rows past S: +inf, so their P is 0), and the running statistics.
         lse2 = cute.make_rmem_tensor((rows, self.group), cutlass.Float32)
@@ -111,7 +105,7 @@ class WarmupKL:
             for g in cutlass.range_constexpr(self.group):
                 lse2[r, g] = cutlass.Float32.inf
                 if i < seqlen:
-                    lse2[r, g] = lse[b, p * self.group + g, i] * _LOG2E
+                    lse2[r, g] = lse[b, p * self.group + g, i] * LOG2E
             row_max[r] = -cutlass.Float32.inf
             row_sum[r] = 0.0
             a_sum[r] = 0.0
@@ -165,10 +159,10 @@ class WarmupKL:
                 t += cute.arch.shuffle_sync_bfly(t, offset=2 >> off)
             i = m0 + coord[r, 0][0]
             if i < seqlen and quad_lane == 0:
-                lse_p = (row_max[r] + cute.math.log2(s, fastmath=True)) * _LN2
+                lse_p = (row_max[r] + cute.math.log2(s, fastmath=True)) * LN2
                 kl = cutlass.Float32(0.0)
                 if t > 0.0:
-                    kl = (a * cute.arch.rcp_approx(t) - cute.math.log2(t, fastmath=True)) * _LN2 + lse_p
+                    kl = (a * cute.arch.rcp_approx(t) - cute.math.log2(t, fastmath=True)) * LN2 + lse_p
                 lse_proxy[b, p, i] = lse_p
                 kl_rows[b, p, i] = kl
 
@@ -206,15 +200,7 @@ class WarmupKL:
     def issue(self, acc, s_a, s_b, tidx):
         """acc = A B^T (fp32, unscaled) issued as one wgmma commit group, not waited for. The MMA is made here: its
         accumulate flag is per-step state that must not outlive this call."""
-        mma = self._score_mma()
-        thr = mma.get_slice(tidx)
-        t_ra = thr.make_fragment_A(thr.partition_A(s_a))
-        t_rb = thr.make_fragment_B(thr.partition_B(s_b))
-        warpgroup.fence()
-        for kk in cutlass.range_constexpr(cute.size(t_ra, mode=[2])):
-            mma.set(warpgroup.Field.ACCUMULATE, kk != 0)
-            cute.gemm(mma, acc, t_ra[None, None, kk], t_rb[None, None, kk], acc)
-        warpgroup.commit_group()
+        wgmma.issue_smem(self._score_mma(), tidx, acc, s_a, s_b)
 
     @cute.jit
     def accumulate_tau(self, s_mn, tau_mn, lse2, g: cutlass.Constexpr, scale_log2):
@@ -234,46 +220,11 @@ class WarmupKL:
         A, T sums (log2 units). In masked tiles keys t > i drop out of all of them."""
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             key_limit = m0 + coord[r, 0][0] - t0
-            tile_max = -cutlass.Float32.inf
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                sp2 = s_mn[r, c] * scale_log2
-                s_mn[r, c] = sp2
-                if cutlass.const_expr(not masked):
-                    tile_max = cute.arch.fmax(tile_max, sp2)
-                elif coord[0, c][1] <= key_limit:
-                    tile_max = cute.arch.fmax(tile_max, sp2)
-                else:
-                    tau_mn[r, c] = 0.0
-            tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=2))
-            tile_max = cute.arch.fmax(tile_max, cute.arch.shuffle_sync_bfly(tile_max, offset=1))
+            tile_max = scaled_row_max(s_mn, tau_mn, coord, r, key_limit, scale_log2, masked)
             # Every row sees key 0 at step 0 (rows past S see every key), so new_max is finite from there on.
             new_max = cute.arch.fmax(row_max[r], tile_max)
-            part = cutlass.Float32(0.0)
-            a = cutlass.Float32(0.0)
-            t = cutlass.Float32(0.0)
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                sp2 = s_mn[r, c]
-                if cutlass.const_expr(not masked):
-                    part += cute.math.exp2(sp2 - new_max, fastmath=True)
-                elif coord[0, c][1] <= key_limit:
-                    part += cute.math.exp2(sp2 - new_max, fastmath=True)
-                ts = tau_mn[r, c]
-                # ts = 0 (masked, or underflowed): 0 * finite = 0, as the contract's "tau = 0 contributes 0".
-                a += ts * (cute.math.log2(cute.arch.fmax(ts, _FLT_MIN), fastmath=True) - sp2)
-                t += ts
+            part, a, t = kl_row_sums(s_mn, tau_mn, coord, r, key_limit, new_max, masked)
             row_sum[r] = row_sum[r] * cute.math.exp2(row_max[r] - new_max, fastmath=True) + part
             row_max[r] = new_max
             a_sum[r] += a
             t_sum[r] += t
-
-
-def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    from kernels_src.warmup_kl import params
-
-    if getattr(config, "schedule", "lockstep") == "pingpong":
-        from kernels_src.warmup_kl.pingpong import WarmupKLPingPong
-
-        kernel = WarmupKLPingPong(config)
-    else:
-        kernel = WarmupKL(config)
-    return compile_tile_kernel(kernel, config, arch, params(config), config.smem_bytes())

@@ -23,17 +23,17 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
-from kernels_src.tiles import copy_row, cp_async_rows, load_rows, smem_tile, wg_acc_rows_cols
-from kernels_src.warmup_kl.kernel import _LOG2E, WarmupKL
+from kernels_src.barriers import WarmupKLPingPong as Bar
+from kernels_src.constants import LOG2E, WARPGROUP_THREADS
+from kernels_src.tiles import copy_row, cp_async_rows, load_rows, smem_tile, tile_storage, wg_acc_rows_cols
+from kernels_src.warmup_kl.kernel import WarmupKL
 
-CONSUMERS = 2 * 128  # the two warpgroups of the products
-_BAR_Q = 1  # the consumers' barrier: resident query tiles loaded
-_BAR_TURN = 2  # + warpgroup: whose turn it is to issue a step's first product
+CONSUMERS = 2 * WARPGROUP_THREADS  # the two warpgroups of the products
 
 
 class WarmupKLPingPong(WarmupKL):
     # Threads per row of the row copies (tiles.cp_async_rows): 4 instead of 16, the producer warp's 8 rows per
-    # instruction instead of 2: (a) / (b) S = 32K 1.05x (results/ab_row_threads_*.log).
+    # instruction instead of 2: (a) / (b) S = 32K 1.05x.
     ROW_THREADS = 4
 
     def __init__(self, config):
@@ -56,9 +56,9 @@ class WarmupKLPingPong(WarmupKL):
             full: cute.struct.MemRange[cutlass.Int64, self.stages]
             empty: cute.struct.MemRange[cutlass.Int64, self.stages]
             s_lse: cute.struct.MemRange[cutlass.Float32, self.tile_m * self.group]
-            s_q: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_q)], 1024]
-            s_k: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
-            s_kp: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(l_k)], 1024]
+            s_q: tile_storage(self.dtype, l_q)
+            s_k: tile_storage(self.dtype, l_k)
+            s_kp: tile_storage(self.dtype, l_k)
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_ws(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_rows, scale, hp_per_hk, hp_per_hpk, l_q, l_k,
@@ -128,7 +128,7 @@ class WarmupKLPingPong(WarmupKL):
 
         thr, accs, tau, tau_mn, coord = self.score_accumulators(tidx)
         rows = cute.size(tau_mn, mode=[0])
-        scale_log2 = scale * _LOG2E
+        scale_log2 = scale * LOG2E
 
         row_max = cute.make_rmem_tensor((rows,), cutlass.Float32)
         row_sum = cute.make_rmem_tensor((rows,), cutlass.Float32)
@@ -141,7 +141,7 @@ class WarmupKLPingPong(WarmupKL):
             g = e - row * self.group
             s_lse[row, g] = cutlass.Float32.inf
             if m0 + row < seqlen:
-                s_lse[row, g] = lse[b, p * self.group + g, m0 + row] * _LOG2E
+                s_lse[row, g] = lse[b, p * self.group + g, m0 + row] * LOG2E
         for r in cutlass.range_constexpr(rows):
             row_max[r] = -cutlass.Float32.inf
             row_sum[r] = 0.0
@@ -150,9 +150,9 @@ class WarmupKLPingPong(WarmupKL):
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BAR_Q, number_of_threads=CONSUMERS)  # query tiles from every consumer
+        cute.arch.barrier(barrier_id=Bar.QUERIES, number_of_threads=CONSUMERS)  # query tiles from every consumer
         if wg == 1:
-            cute.arch.barrier_arrive(barrier_id=_BAR_TURN, number_of_threads=CONSUMERS)
+            cute.arch.barrier_arrive(barrier_id=Bar.TURN, number_of_threads=CONSUMERS)
 
         for step in cutlass.range(n_steps, unroll=1):
             stage = step % self.stages
@@ -160,9 +160,9 @@ class WarmupKLPingPong(WarmupKL):
             cute.arch.mbarrier_wait(full + stage, (step // self.stages) % 2)
             cute.arch.fence_view_async_shared()  # the producer's cp.async writes -> this warpgroup's wgmma reads
 
-            cute.arch.barrier(barrier_id=_BAR_TURN + wg, number_of_threads=CONSUMERS)
+            cute.arch.barrier(barrier_id=Bar.TURN + wg, number_of_threads=CONSUMERS)
             self.issue(accs[0], s_q[None, None, 0], s_k[None, None, stage], tidx)
-            cute.arch.barrier_arrive(barrier_id=_BAR_TURN + 1 - wg, number_of_threads=CONSUMERS)
+            cute.arch.barrier_arrive(barrier_id=Bar.TURN + 1 - wg, number_of_threads=CONSUMERS)
             for n in cutlass.range_constexpr(self.group + 1):
                 if cutlass.const_expr(n + 1 < self.group):
                     self.issue(accs[(n + 1) % 2], s_q[None, None, n + 1], s_k[None, None, stage], tidx)
@@ -184,7 +184,7 @@ class WarmupKLPingPong(WarmupKL):
                         self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, scale_log2,
                                              False)
         if wg == 0:  # warpgroup 1's last arrival on TURN + 0 (pingpong accounting)
-            cute.arch.barrier(barrier_id=_BAR_TURN, number_of_threads=CONSUMERS)
+            cute.arch.barrier(barrier_id=Bar.TURN, number_of_threads=CONSUMERS)
         self.write_rows(row_max, row_sum, a_sum, t_sum, coord, lse_proxy, kl_rows, b, p, m0, seqlen, tidx)
 
 

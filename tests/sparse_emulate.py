@@ -1,4 +1,4 @@
-"""TEST CODE: a pure-torch emulation of the KV-outer sparse kernels' contracts (forward, KL pass, proxy backward),
+"""A pure-torch emulation (test code) of the KV-outer sparse kernels' contracts (forward, KL pass, proxy backward),
 item by item.
 
 This is the executable spec of the kernel's contract with flash_msa_rt.ops.sparse_plan, not a fast path: it loops

@@ -1,0 +1,140 @@
+"""The backends an MSA op can run on: what each declares it supports, and the registry dispatch picks from.
+
+The pure-PyTorch reference (flash_msa_rt.reference) is registered here and supports everything: the fallback of
+every op. flash_msa_rt.ops.dispatch picks an implementation; flash_msa_rt.ops.kernels is the CUDA kernel backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+OPS = ("select_blocks", "msa_forward", "msa_backward", "warmup_forward", "warmup_backward", "block_sparse_forward",
+       "block_sparse_backward")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What a backend sees when asked whether it can run a call."""
+
+    op: str
+    device: torch.device
+    dtype: torch.dtype
+    config: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A named set of op implementations for one device type.
+
+    supports(problem) returns None when the backend runs the problem, otherwise the reason it does not (shown to
+    the user when the call falls back to the reference).
+    """
+
+    name: str
+    device_type: str | None  # None: any device
+    supports: Callable[[Problem], str | None]
+    ops: Mapping[str, Callable] = field(default_factory=dict)
+
+
+_backends: list[Backend] = []
+_resolved: dict[tuple, Callable] = {}  # dispatch's answers; a change of backends forgets them
+_lock = threading.Lock()
+
+
+def register_backend(backend: Backend) -> None:
+    """Add a backend; it is tried before every backend registered earlier (the reference last)."""
+    unknown = sorted(set(backend.ops) - set(OPS))
+    if unknown:
+        raise ValueError(f"register_backend: backend {backend.name!r} implements unknown ops {unknown}; known: "
+                         f"{list(OPS)}")
+    with _lock:
+        _backends.insert(0, backend)
+        _resolved.clear()
+
+
+def unregister_backend(name: str) -> None:
+    if name == _REFERENCE.name:
+        raise ValueError("unregister_backend: the reference backend is the fallback of every op and stays")
+    with _lock:
+        _backends[:] = [b for b in _backends if b.name != name]
+        _resolved.clear()
+
+
+def backends() -> list[Backend]:
+    return list(_backends)
+
+
+# --- the reference backend: flash_msa_rt.reference, imported on first use --------------------------------------
+
+def _ref():
+    import flash_msa_rt.reference as reference
+
+    return reference
+
+
+# The varlen references take cu_seqlens at another position than these ops: pass it by keyword.
+
+def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None):
+    if cu_seqlens is None:
+        return _ref().select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale)
+    return _ref().select_blocks_varlen(q_proxy, k_proxy, cu_seqlens=cu_seqlens, top_k_blocks=top_k_blocks,
+                                       block_size=block_size, scale=scale)
+
+
+def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None):
+    if cu_seqlens is None:
+        return _ref().msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale)
+    return _ref().msa_forward_varlen(q_proxy, k_proxy, q, k, v, block_indices, cu_seqlens=cu_seqlens,
+                                     block_size=block_size, scale=scale)
+
+
+def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
+                  kl_grad, cu_seqlens=None):
+    args = (q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale)
+    if cu_seqlens is None:
+        return _ref().msa_backward(*args, grad_out, kl_grad)
+    return _ref().msa_backward_varlen(*args, grad_out=grad_out, cu_seqlens=cu_seqlens, kl_grad=kl_grad)
+
+
+def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
+    if cu_seqlens is None:
+        return _ref().warmup_forward(q_proxy, k_proxy, q, k, v, scale)
+    return _ref().warmup_forward_varlen(q_proxy, k_proxy, q, k, v, cu_seqlens=cu_seqlens, scale=scale)
+
+
+def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None):
+    args = (q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale)
+    if cu_seqlens is None:
+        return _ref().warmup_backward(*args, grad_out, kl_grad)
+    return _ref().warmup_backward_varlen(*args, grad_out=grad_out, cu_seqlens=cu_seqlens, kl_grad=kl_grad)
+
+
+def _block_sparse_forward(q, k, v, block_indices, block_size, scale, cu_seqlens=None):
+    if cu_seqlens is None:
+        return _ref().block_sparse_forward(q, k, v, block_indices, block_size, scale)
+    return _ref().block_sparse_forward_varlen(q, k, v, block_indices, cu_seqlens=cu_seqlens, block_size=block_size,
+                                              scale=scale)
+
+
+def _block_sparse_backward(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens=None):
+    args = (q, k, v, out, lse, block_indices, block_size, scale)
+    if cu_seqlens is None:
+        return _ref().block_sparse_backward(*args, grad_out)
+    return _ref().block_sparse_backward_varlen(*args, grad_out=grad_out, cu_seqlens=cu_seqlens)
+
+
+_REFERENCE = Backend(
+    name="reference", device_type=None, supports=lambda problem: None,
+    ops={"select_blocks": _select_blocks, "msa_forward": _msa_forward, "msa_backward": _msa_backward,
+         "warmup_forward": _warmup_forward, "warmup_backward": _warmup_backward,
+         "block_sparse_forward": _block_sparse_forward, "block_sparse_backward": _block_sparse_backward})
+_backends.append(_REFERENCE)
+
+
+def reference_impl(op: str) -> Callable:
+    """The reference implementation of op (for a kernel backend that hands one call over)."""
+    return _REFERENCE.ops[op]

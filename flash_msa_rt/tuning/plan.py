@@ -1,0 +1,41 @@
+"""Tuning policy of the sparse work plans (flash_msa_rt.ops.sparse_plan.chunk_plans)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from flash_msa_rt.tuning.overrides import Overrides, current, register
+from flash_msa_rt.tuning.problem import Problem
+
+
+@dataclass(frozen=True)
+class PlanTuning:
+    lists_on_device: bool  # sort with the plan_lists kernels on CUDA tensors (CPU tensors take the torch sort)
+    scatter_threads: int  # rows per scatter CTA at max_k 16 (128 or 512)
+    max_cells: int  # past this many (key, tile) count cells the batched torch sort takes less memory
+    batch_entries: int  # entries one torch sort may hold (its temporaries take ~16 bytes each)
+    query_bin: int  # item order "query": queries per bin
+    tile_rows: int  # query rows per plan_lists CTA (its count matrices' columns); the build makes 128
+
+
+register("plan", PlanTuning)
+
+
+def choose(arch: str, problem: Problem = Problem()) -> PlanTuning:
+    return _choose(arch, current())
+
+
+@functools.lru_cache(maxsize=64)
+def _choose(arch: str, overrides: Overrides) -> PlanTuning:
+    o = overrides.fields("plan")
+    return PlanTuning(
+        # ~8 torch ops per plan instead of ~35 at ~15 us each of host time: (a) S = 64K, B = 2 enqueued its plans
+        # and launches in 4.3-5.4 ms instead of 11-13.
+        lists_on_device=o.get("lists_on_device", True),
+        scatter_threads=o.get("scatter_threads", 512),  # 512 rows give each list ~4x longer runs of stores
+        max_cells=o.get("max_cells", 1 << 26),  # S >= 512K at B = 1, Hp = 8
+        batch_entries=o.get("batch_entries", 1 << 26),
+        query_bin=o.get("query_bin", 2048),  # the backward's query bins (sparse_bwd's item order)
+        tile_rows=o.get("tile_rows", 128),  # tests: emulated plan kernels on smaller tiles
+    )

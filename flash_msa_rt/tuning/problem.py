@@ -1,0 +1,20 @@
+"""What a tuning policy sees of a call: its sizes (a policy reads the ones its choice depends on)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    group: int = 1  # G = H / Hp: main heads per proxy (or index) head
+    head_dim: int = 128  # D (= Dp for the sparse kernels)
+    block_size: int = 128
+    batch: int = 0  # B; 0 where the choice is asked for the variants alone (no sizes yet)
+    seqlen: int = 0  # S
+    heads: int = 0  # H
+
+    @property
+    def dq_bytes(self) -> int:
+        """Bytes of the backward's fp32 dq accumulator, 4 B S H D: the memory a training step holds anyway."""
+        return 4 * self.batch * self.seqlen * self.heads * self.head_dim

@@ -1,0 +1,79 @@
+"""Tuning policy of the MSA sparse forward (flash_msa_rt.ops.sparse_fwd): its kernels' variants (forward, combine,
+KL pass) and how the forward cuts its work."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from flash_msa_rt.tuning.mma import default_mma
+from flash_msa_rt.tuning.overrides import Overrides, current, register
+from flash_msa_rt.tuning.problem import Problem
+from flash_msa_rt.tuning.sparse_bwd import keys_per_cta, per_group_tiles
+
+KL_RESIDENT_GROUPS = (1, 2, 4)  # the ping-pong KL pass holds the G + 1 head tiles single-buffered up to G = 4
+KL_STREAM_STAGES = 4  # ... and streams them through a ring of this many slots at G = 8, 16
+COMBINE_LANE_ELEMENTS = 16  # the combine's widest lane: 2 x 16-byte loads per slot
+
+
+@dataclass(frozen=True)
+class SparseFwdTuning:
+    mma: str  # sparse_fwd's MMA
+    schedule: str  # how its two warpgroups share a tile: "pingpong" (wgmma) | "lockstep"
+    stages: int  # q tile buffers
+    kl_mma: str  # the KL pass's MMA
+    kl_schedule: str  # "pingpong" (wgmma) | "lockstep"
+    kl_stages: int
+    kl_tile_n: int  # keys per CTA of the KL pass
+    combine_heads: int  # heads per warp of the combine
+    tiles_per_item: int  # forward: tiles of 128 // G queries per work item
+    kl_tiles_per_item: int  # KL pass: tiles of 64 queries x G heads per work item
+    chunks: str  # a problem past the budget is cut into chunks of "heads" first, or of "queries"
+    item_order: str  # chunk_plans' order of the items
+    partials_budget: int  # bytes of per-slot partials one chunk may hold
+    kl_partials_budget: int  # bytes of (A, T, L) partials per chunk of the KL pass alone (warmup)
+
+
+register("sparse_fwd", SparseFwdTuning)
+
+
+def choose(arch: str, problem: Problem = Problem()) -> SparseFwdTuning:
+    return _choose(arch, problem, current())
+
+
+@functools.lru_cache(maxsize=256)
+def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseFwdTuning:
+    o = overrides.fields("sparse_fwd")
+    G = p.group
+    mma = o.get("mma", default_mma(arch))
+    # Ping-pong on wgmma, one 16K-query chunk at S = 64K, lockstep -> ping-pong: (a) 2.79 -> 2.22 ms, (b) 5.36 ->
+    # 4.32, (c) 9.68 -> 8.76, bit-identical; mma.sync has the lockstep kernel only.
+    schedule = o.get("schedule", "pingpong" if mma == "wgmma" else "lockstep")
+    # One q buffer in ping-pong runs two CTAs per SM: 2 -> 1 buffers (b) 64K 3.85 -> 3.40 ms, (c) G = 16 8.25 ->
+    # 6.82; at G = 1 one buffer spills (the 128 registers two CTAs allow).
+    stages = o.get("stages", 1 if G >= 2 else 2) if schedule == "pingpong" else 2
+    kl_mma = o.get("kl_mma", default_mma(arch))
+    # The KL pass in ping-pong on wgmma: (b) 4.40 -> 2.12 ms on a 16K-query chunk, (c) G = 16 6.70 -> 4.62.
+    kl_schedule = o.get("kl_schedule", "pingpong" if kl_mma == "wgmma" else "lockstep")
+    kl_stages = 2 if kl_schedule != "pingpong" else (1 if G in KL_RESIDENT_GROUPS else KL_STREAM_STAGES)
+    return SparseFwdTuning(
+        mma=mma, schedule=schedule, stages=stages, kl_mma=kl_mma, kl_schedule=kl_schedule,
+        kl_stages=o.get("kl_stages", kl_stages),
+        kl_tile_n=o.get("kl_tile_n", keys_per_cta(kl_mma, p.block_size)),
+        # As many of the G heads per warp as keep a lane at 16 elements: bitwise the one-head kernel's results.
+        combine_heads=o.get("combine_heads", max(1, min(G, 32 * COMBINE_LANE_ELEMENTS // p.head_dim))),
+        # 64 tiles against 32 with whole lists, forward (b) / (a) / (c) 64K: 35.47 -> 34.31, 17.91 -> 17.70,
+        # 65.62 -> 64.96 ms.
+        tiles_per_item=o.get("tiles_per_item", 64),
+        # KL pass at (b) 64K: 12.73 / 12.53 / 12.47 ms at 8 / 16 / 32 tiles per item (128 // G, at most 32).
+        kl_tiles_per_item=o.get("kl_tiles_per_item", per_group_tiles(128, G)),
+        # Chunks of heads keep every reverse list whole, so its items are full (query chunks cut each list in n).
+        chunks=o.get("chunks", "heads"),
+        # Longest items first against list order: forward (a) / (b) / (c) 64K 18.12 -> 17.30, 32.52 -> 32.23,
+        # 61.48 -> 60.31 ms.
+        item_order=o.get("item_order", "size"),
+        # At least 2 GiB (at (a) B = 1, S = 64K: 4 chunks 9.9-10.4 ms, 1 chunk 8.4-8.5), or the dq accumulator
+        # the backward holds anyway: (b) 64K B = 2 66.9 ms in 18 chunks of 1 GiB, 56.9 in 5 of 4 GiB.
+        partials_budget=o.get("partials_budget", max(2 << 30, p.dq_bytes)),
+        kl_partials_budget=o.get("kl_partials_budget", 1 << 30),  # warmup's KL pass alone: its partials are small
+    )
