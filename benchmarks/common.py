@@ -66,7 +66,7 @@ def flushed_event_times(fn, reps: int, flush: torch.Tensor) -> list[float]:
 class ClockSamples:
     """nvidia-smi sampling the SM clock, the power draw and the active clock-event (throttle) reasons every
     `period_ms` while the block runs (nothing where nvidia-smi is absent); .summary() after it: the H200 caps its
-    power at 700 W, and a long run of heavy kernels lowers the clock (results/clocks_*.log), which a timing
+    power at 700 W, and a long run of heavy kernels lowers the clock (docs/h200.md), which a timing
     beside its clock explains.
 
         with ClockSamples() as clocks:

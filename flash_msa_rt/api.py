@@ -17,7 +17,6 @@ import torch
 from flash_msa_rt.ops import layout as _layout
 from flash_msa_rt.ops import library as _ops
 from flash_msa_rt.ops import validation as _v
-from flash_msa_rt.reference import checks as _checks
 
 __all__ = ["flash_msa_func", "flash_msa_warmup_func", "flash_msa_func_warmup", "flash_msa_varlen_func",
            "flash_msa_warmup_varlen_func", "block_sparse_attention", "select_blocks"]
@@ -121,8 +120,6 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
         raise ValueError(f"{fn}: q has {H} heads, not a multiple of the {k.shape[2]} heads of k and v")
     block_size = _v.check_block_size(fn, block_size)
     _v.check_block_indices(fn, block_indices, B, S, H, q.device)
-    if not q.is_cuda:  # free on the CPU; on the GPU the kernel backend checks the range itself (one flag read)
-        _checks.block_indices(fn, block_indices, B, S, H, block_size)
     scale = _v.resolve_scale(fn, scale, D)
     out, lse = _ops.block_sparse_forward(q, k, v, block_indices, block_size, scale)
     out = _layout.from_bshd(out, layout)

@@ -14,7 +14,7 @@ def block_sparse_forward(q, k, v, block_indices, block_size, scale):
     out = 0 and lse = -inf. An index outside [-1, ceil(S / block_size)) raises ValueError naming it.
     lse is float32, or float64 for float64 inputs.
     """
-    fn = "block_sparse_forward"
+    fn = "block_sparse_attention"  # the public function this op implements: its errors name it
     B, S, H, _, _ = checks.main_dims(fn, q, k, v)
     Bs = checks.block_size(fn, block_size)
     scale = checks.scale(fn, scale)

@@ -14,7 +14,7 @@ over the G heads' rows and spent G times the proxy FLOPs (NOTES.md).
 Row scalars travel with the gathers (tiles.copy_word): the tile's query indices (read from the plan once per tile,
 at g = 0, and kept in the gathering threads' registers for the later heads), each step's lse_g, and the query's
 lse_p and kl_grad, so no step waits on a chain of global loads between its product and its exponentials
-((b) S = 64K: 36.9 -> 32.0 ms, NOTES.md v6).
+((b) S = 64K: 36.9 -> 32.0 ms, NOTES.md, "Measured").
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
