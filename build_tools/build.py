@@ -30,6 +30,13 @@ KERNELS_SRC = REPO / "kernels_src"
 CUTLASS_DIST = "nvidia-cutlass-dsl"
 
 
+# Archs whose cubins have run `python -m flash_msa_rt selftest` and the GPU test suite on real hardware: sm90a on
+# an H200. Each manifest records whether its arch is listed (hardware_verified); on an arch that is not (sm100a,
+# sm100f: no Blackwell GPU has run them yet) the runtime checks each kernel family on first use
+# (flash_msa_rt.guard). Add an arch here once its selftest and GPU suite pass on hardware, then rebuild.
+HARDWARE_VERIFIED_ARCHS = frozenset({"sm90a"})
+
+
 class BuildError(RuntimeError):
     pass
 
@@ -162,7 +169,8 @@ def load_manifest(arch_dir: Path, arch: str, fingerprint: dict[str, str]) -> Man
                 variants = {n: v for n, v in old.variants.items() if v.fingerprint.startswith(tag)}
         except ManifestError:
             variants = {}  # unreadable: rebuild everything it described
-    return Manifest(arch=arch, fingerprint=dict(fingerprint), variants=variants)
+    return Manifest(arch=arch, fingerprint=dict(fingerprint), variants=variants,
+                    hardware_verified=arch in HARDWARE_VERIFIED_ARCHS)
 
 
 def stale_sources(entry: VariantEntry) -> list[str]:

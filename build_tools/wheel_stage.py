@@ -40,7 +40,8 @@ def stage(build_argv: list[str], cache: Path, out: Path) -> dict[str, int]:
             raise StageError(f"{len(missing)} selected variants are not in {cache / arch} (did the build fail?): "
                              f"{', '.join(missing[:5])}")
         picked = Manifest(arch=arch, fingerprint=dict(cached.fingerprint),
-                          variants={n: cached.variants[n] for n in names})
+                          variants={n: cached.variants[n] for n in names},
+                          hardware_verified=cached.hardware_verified)
         (out / arch).mkdir(parents=True)
         for entry in picked.variants.values():
             shutil.copyfile(cache / arch / entry.cubin, out / arch / entry.cubin)

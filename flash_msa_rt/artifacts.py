@@ -77,6 +77,16 @@ def load_manifest(root: Path, arch: str) -> Manifest:
     return manifest
 
 
+def manifest_digest(arch: str, root: Path | None = None) -> str:
+    """sha256 of arch's manifest.json: it records every cubin's sha256, so it names the artifact set (the guard's
+    disk cache is keyed by it: new cubins are checked again)."""
+    path = (root or artifact_root()) / arch / "manifest.json"
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as e:
+        raise ArtifactError(f"{path} is unreadable ({e}); rebuild: {build_command(arch)}") from e
+
+
 @lru_cache(maxsize=None)
 def _source_family_hash(op: str) -> str | None:
     family = SOURCE_KERNELS / op

@@ -5,7 +5,12 @@ or torch, so both sides and the CPU tests can use it.
 
 A manifest lives at artifacts/<arch>/manifest.json and describes every cubin beside it:
 
-    {"schema": 1, "arch": "sm90a", "fingerprint": {...}, "variants": {name: VariantEntry, ...}}
+    {"schema": 1, "arch": "sm90a", "fingerprint": {...}, "hardware_verified": true,
+     "variants": {name: VariantEntry, ...}}
+
+hardware_verified records, at build time, whether cubins of this arch have run the self-test on real hardware
+(build_tools.build.HARDWARE_VERIFIED_ARCHS). It is optional and additive, so the schema stays 1: a runtime that
+predates it ignores it, and a manifest that predates it reads as None (flash_msa_rt.guard decides what that means).
 
 The param ABI is the ordered list of kernel params exactly as CuTeDSL emits them (see
 docs/aot-facts.md, "The kernel parameter ABI"); the runtime packs one buffer per param and passes
@@ -250,14 +255,18 @@ class Manifest:
     fingerprint: dict[str, str]
     variants: dict[str, VariantEntry]
     schema: int = SCHEMA_VERSION
+    hardware_verified: bool | None = None  # None: written before the field existed
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d = {
             "schema": self.schema,
             "arch": self.arch,
             "fingerprint": dict(self.fingerprint),
             "variants": {n: v.to_json() for n, v in sorted(self.variants.items())},
         }
+        if self.hardware_verified is not None:
+            d["hardware_verified"] = self.hardware_verified
+        return d
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
@@ -270,7 +279,10 @@ class Manifest:
         for n, v in variants.items():
             _check(v.name == n, f"manifest: variant keyed {n!r} is named {v.name!r}")
             _check(v.arch == d["arch"], f"manifest: variant {n!r} has arch {v.arch!r} in a {d['arch']!r} manifest")
-        return cls(arch=d["arch"], fingerprint=dict(d["fingerprint"]), variants=variants)
+        verified = d.get("hardware_verified")
+        _check(verified is None or isinstance(verified, bool),
+               f"manifest: hardware_verified {verified!r} is not true, false or absent")
+        return cls(arch=d["arch"], fingerprint=dict(d["fingerprint"]), variants=variants, hardware_verified=verified)
 
     @classmethod
     def load(cls, path: Path) -> "Manifest":

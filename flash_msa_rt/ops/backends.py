@@ -31,13 +31,17 @@ class Backend:
     """A named set of op implementations for one device type.
 
     supports(problem) returns None when the backend runs the problem, otherwise the reason it does not (shown to
-    the user when the call falls back to the reference).
+    the user when the call falls back to the reference). guard(problem), where given, is asked after supports
+    accepts a problem, on dispatch's resolution only (not per call): None admits it, a reason declines it like
+    supports does, except that the guard has told the user itself (flash_msa_rt.guard: the first-use check of
+    cubins never run on this arch's hardware).
     """
 
     name: str
     device_type: str | None  # None: any device
     supports: Callable[[Problem], str | None]
     ops: Mapping[str, Callable] = field(default_factory=dict)
+    guard: Callable[[Problem], str | None] | None = None
 
 
 _backends: list[Backend] = []

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from flash_msa_rt import tuning
+from flash_msa_rt import guard, tuning
 from flash_msa_rt.ops import backends as _registry
 from flash_msa_rt.ops import kernels
 from flash_msa_rt.ops.backends import (OPS, Backend, Problem, backends, reference_impl, register_backend,
@@ -43,16 +43,21 @@ def implementation(op: str, device: torch.device, dtype: torch.dtype, **config: 
         return impl
     problem = Problem(op, device, dtype, dict(config))
     declined = []
+    guarded = False  # a backend's guard declined: it has warned (or raised) itself
     for backend in _registry._backends:
         if op not in backend.ops or (backend.device_type is not None and backend.device_type != device.type):
             continue
         reason = backend.supports(problem)
+        if reason is None and backend.guard is not None:
+            # Before the op's work is enqueued; may synchronise once per process and family (flash_msa_rt.guard)
+            reason = backend.guard(problem)
+            guarded = reason is not None
         if reason is None:
             impl = backend.ops[op]
             break
         declined.append(f"{backend.name}: {reason}")
     assert impl is not None, f"the reference backend implements every op, not {op}"
-    if impl is reference_impl(op):
+    if impl is reference_impl(op) and not guarded:
         if device.type == "cuda":
             _warn_reference_on_cuda(problem, declined)
         else:
@@ -87,12 +92,14 @@ def _note_reference_off_gpu(problem: Problem) -> None:
 
 def reset_warnings() -> None:
     """Re-arm every once-per-process warning of the runtime (the fallback to the reference, deterministic mode's
-    fallback, cuDNN's refusal) and forget the answers that decided them, so that the next call decides and warns
-    again: tests call it around each test, so which test sees a warning does not depend on their order."""
+    fallback, cuDNN's refusal, the first-use guard's verdicts but not its disk cache) and forget the answers that
+    decided them, so that the next call decides and warns again: tests call it around each test, so which test sees
+    a warning does not depend on their order."""
     global _warned, _noted_off_gpu
     _warned = False
     _noted_off_gpu = False
     kernels.reset_warnings()
+    guard.reset()
     _registry._resolved.clear()
 
 

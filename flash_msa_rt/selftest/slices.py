@@ -1,0 +1,148 @@
+"""The guard's slices: per op family, one small problem of the self-test run on a backend's op implementations and
+compared with flash_msa_rt.reference in float64 under flash_msa_rt.tolerances (flash_msa_rt.guard runs them on first
+use of a family on an arch whose cubins never ran on hardware).
+
+A slice calls the backend's ops directly (the functions dispatch would hand out), not the public API: the guard runs
+while dispatch resolves an op, inside the torch.library op's implementation, below autograd and possibly on an
+autograd thread, so it must neither need autograd nor dispatch again. The forward's outputs feed the backward, as in
+training. Each slice returns its comparisons; one that fails names what failed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from flash_msa_rt import tolerances
+from flash_msa_rt.selftest.checks import (BLOCK, D, Problem, _deterministic, _inputs, block_sparse_indices,
+                                          check_plan, selection_comparison)
+
+# S = 300: three key blocks, the last partial; G = H / Hp = 4 (the default config's); Hp = Hk = 2; K = 2 of 3.
+SLICE_PROBLEM = Problem(1, 300, 8, 2, 2, 1, 2)
+_SCALE = D ** -0.5
+
+
+def problem_for(dtype: torch.dtype) -> Problem:
+    return Problem(*(getattr(SLICE_PROBLEM, f) for f in ("B", "S", "H", "Hk", "Hp", "Hpk", "K")), dtype=dtype)
+
+
+def select_slice(ops: Mapping[str, Callable], dtype: torch.dtype, device) -> list[tolerances.Comparison]:
+    """select_blocks: the contract's selection against the float64 block scores (near ties within eps)."""
+    from flash_msa_rt import reference
+
+    p = problem_for(dtype)
+    x, _, _ = _inputs(p, device, seed=11)
+    sel = ops["select_blocks"](x["q_proxy"], x["k_proxy"], p.K, BLOCK, _SCALE, None)
+    scores = reference.proxy_block_scores(x["q_proxy"].double(), x["k_proxy"].double(), BLOCK, _SCALE).double()
+    eps = tolerances.selection_epsilon(x["q_proxy"], x["k_proxy"], _SCALE)
+    return [selection_comparison(sel.to(torch.int32), scores, p.K, eps)]
+
+
+def _kl_weights(p: Problem, device) -> torch.Tensor:
+    return torch.ones((p.B, p.Hp, p.S), dtype=torch.float32, device=device)
+
+
+def _proxied(ops, fwd: str, bwd: str, ref_fwd, ref_bwd, sel_args: tuple, p: Problem, device,
+             repeat_deterministic: bool = False) -> list[tolerances.Comparison]:
+    """msa or warmup: forward (out, kl_rows), then the backward on the forward's own out / lse / lse_proxy."""
+    x, dout, _ = _inputs(p, device, seed=12)
+    ins = list(x.values())
+    kl_grad = _kl_weights(p, device)
+    out, lse, lse_p, kl_rows = ops[fwd](*ins, *sel_args, _SCALE, None)
+    # what the torch.library op saves for its backward (flash_msa_rt.ops.library._stats)
+    out, lse, lse_p = out.contiguous(), lse.float().contiguous(), lse_p.float().contiguous()
+    if repeat_deterministic:
+        with _deterministic():
+            grads = ops[bwd](*ins, out, lse, lse_p, *sel_args, _SCALE, dout, kl_grad, None)
+            again = ops[bwd](*ins, out, lse, lse_p, *sel_args, _SCALE, dout, kl_grad, None)
+    else:
+        grads = ops[bwd](*ins, out, lse, lse_p, *sel_args, _SCALE, dout, kl_grad, None)
+
+    def ref(dt):
+        r_ins = [t.to(dt) for t in ins]
+        o, r_lse, r_lse_p, r_kl = ref_fwd(*r_ins, *sel_args, _SCALE)
+        g = ref_bwd(*r_ins, o, r_lse, r_lse_p, *sel_args, _SCALE, dout.to(dt), kl_grad.to(dt))
+        return o, r_kl.mean(), g
+
+    want, base = ref(torch.float64), ref(torch.float32)
+    comps = [tolerances.check("out", out.reshape(dout.shape), want[0], base[0]),
+             tolerances.check("kl_loss", kl_rows.float().mean(), want[1], base[1])]
+    comps += [tolerances.check(f"d{n}", g, w, b) for n, g, w, b in zip(x, grads, want[2], base[2])]
+    if repeat_deterministic:
+        same = all(torch.equal(a, b) for a, b in zip(grads, again))
+        comps.append(tolerances.Comparison("bitwise repeat", 0.0 if same else float("inf"), 0.0,
+                                           None if same else "two deterministic backward passes differ"))
+    return comps
+
+
+def _msa_selection(x: dict, p: Problem) -> torch.Tensor:
+    from flash_msa_rt import reference
+
+    return reference.select_blocks(x["q_proxy"], x["k_proxy"], p.K, BLOCK, _SCALE).to(torch.int32).contiguous()
+
+
+def msa_slice(ops: Mapping[str, Callable], dtype: torch.dtype, device,
+              deterministic: bool = False) -> list[tolerances.Comparison]:
+    """msa_forward and msa_backward (sparse_fwd, combine, sparse_kl, sparse_bwd, sparse_bwd_proxy) on the
+    reference's selection; on CUDA also the plan kernels the sparse launchers plan with."""
+    from flash_msa_rt import reference
+
+    p = problem_for(dtype)
+    x, _, _ = _inputs(p, device, seed=12)  # the inputs _proxied draws (same seed)
+    sel = _msa_selection(x, p)
+    comps = _proxied(ops, "msa_forward", "msa_backward", reference.msa_forward, reference.msa_backward,
+                     (sel, BLOCK), p, device, repeat_deterministic=deterministic)
+    if torch.device(device).type == "cuda" and not deterministic:
+        for row in check_plan(p, device, 13):
+            if row.status == "FAIL":
+                comps.append(tolerances.Comparison("plans", float("inf"), 0.0, f"plan kernels: {row.detail}"))
+    return comps
+
+
+def deterministic_slice(ops, dtype, device) -> list[tolerances.Comparison]:
+    """msa_backward under torch.use_deterministic_algorithms: within tolerance and bitwise repeatable."""
+    return msa_slice(ops, dtype, device, deterministic=True)
+
+
+def warmup_slice(ops: Mapping[str, Callable], dtype: torch.dtype, device) -> list[tolerances.Comparison]:
+    """warmup_forward and warmup_backward (cuDNN's dense main attention where used, the proxy's KL pass and
+    backward kernels)."""
+    from flash_msa_rt import reference
+
+    return _proxied(ops, "warmup_forward", "warmup_backward", reference.warmup_forward, reference.warmup_backward,
+                    (), problem_for(dtype), device)
+
+
+def block_sparse_slice(ops: Mapping[str, Callable], dtype: torch.dtype, device) -> list[tolerances.Comparison]:
+    """block_sparse_forward and block_sparse_backward over random indices (-1 slots, a repeat, an empty row)."""
+    from flash_msa_rt import reference
+
+    p = problem_for(dtype)
+    x, dout, g = _inputs(p, device, seed=14)
+    idx = block_sparse_indices(p.B, p.Hk, p.S, p.K, g, device)
+    q, k, v = x["q"], x["k"], x["v"]
+    out, lse = ops["block_sparse_forward"](q, k, v, idx, BLOCK, _SCALE, None)
+    out, lse = out.contiguous(), lse.float().contiguous()
+    grads = ops["block_sparse_backward"](q, k, v, out, lse, idx, BLOCK, _SCALE, dout, None)
+
+    def ref(dt):
+        ins = [t.to(dt) for t in (q, k, v)]
+        o, r_lse = reference.block_sparse_forward(*ins, idx, BLOCK, _SCALE)
+        return (o, r_lse, *reference.block_sparse_backward(*ins, o, r_lse, idx, BLOCK, _SCALE, dout.to(dt)))
+
+    want, base = ref(torch.float64), ref(torch.float32)
+    comps = [tolerances.check("out", out, want[0], base[0]),
+             tolerances.check("lse", lse, want[1], base[1], result_dtype=torch.float32)]
+    comps += [tolerances.check(f"d{n}", gr, w, b) for n, gr, w, b in zip("qkv", grads, want[2:], base[2:])]
+    return comps
+
+
+# family -> (its slice, the dispatch ops it proves)
+SLICES: dict[str, tuple[Callable, tuple[str, ...]]] = {
+    "select": (select_slice, ("select_blocks",)),
+    "msa": (msa_slice, ("msa_forward", "msa_backward")),
+    "msa_deterministic": (deterministic_slice, ("msa_backward",)),
+    "warmup": (warmup_slice, ("warmup_forward", "warmup_backward")),
+    "block_sparse": (block_sparse_slice, ("block_sparse_forward", "block_sparse_backward")),
+}
