@@ -155,9 +155,9 @@ def test_chunked_rows_never_score_s_by_s(monkeypatch):
             chunks.append((i0, i1, elems_per_row))
             yield i0, i1
 
-    monkeypatch.setattr(attention, "_CHUNK_ELEMS", B * H * S * 5)  # 5 rows per chunk
     monkeypatch.setattr(attention, "row_chunks", recording)
-    small = run_reference(x, idx, Bs, scale, grad_out, mean_kl_grad(kl_up, x))
+    with attention.chunked_by(B * H * S * 5):  # 5 rows per chunk
+        small = run_reference(x, idx, Bs, scale, grad_out, mean_kl_grad(kl_up, x))
     assert len(chunks) >= 2 * -(-S // 5)  # forward and backward both chunked
     assert max(i1 - i0 for i0, i1, _ in chunks) == 5
     for a, b in zip(whole[0], small[0]):

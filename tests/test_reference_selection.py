@@ -95,13 +95,13 @@ def test_slot_layout_local_block_and_counts():
     assert bool((got <= local.unsqueeze(-1)).all())
 
 
-def test_chunked_selection_is_unchanged(monkeypatch):
+def test_chunked_selection_is_unchanged():
     qp, kp, Bs, K, scale = proxies(SHAPES["oddS_Hpk2"], torch.float64, 50)
     whole = select_blocks(qp, kp, K, Bs, scale)
     B, S, Hp = qp.shape[:3]
-    monkeypatch.setattr(attention, "_CHUNK_ELEMS", B * Hp * S * 3)  # 3 rows per chunk
-    assert len(list(attention.row_chunks(S, B * Hp * S))) == -(-S // 3)
-    assert torch.equal(select_blocks(qp, kp, K, Bs, scale), whole)
+    with attention.chunked_by(B * Hp * S * 3):  # 3 rows per chunk
+        assert len(list(attention.row_chunks(S, B * Hp * S))) == -(-S // 3)
+        assert torch.equal(select_blocks(qp, kp, K, Bs, scale), whole)
 
 
 def test_validation():

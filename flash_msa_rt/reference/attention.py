@@ -4,12 +4,14 @@ Everything but proxied_backward is heads-first in the compute dtype: q (B, H, S,
 q_proxy (B, Hp, S, Dp), k_proxy (B, Hpk, S, Dp). Head h reads key head h // (H / Hk) (the same grouping for proxy heads).
 
 Query rows are processed in chunks [i0, i1) that score only the causal prefix [0, i1): one chunk holds about
-_CHUNK_ELEMS scores per tensor, so no S x S tensor ever exists. `keys_of_rows(i0, i1)` gives the chunk's allowed
+chunk_budget() scores per tensor, so no S x S tensor ever exists. `keys_of_rows(i0, i1)` gives the chunk's allowed
 keys: bool (B or 1, Hi, rows, i1), Hi mask heads each serving a contiguous group of H / Hi heads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Callable
 
 import torch
@@ -17,15 +19,26 @@ import torch
 from flash_msa_rt.reference import checks
 from flash_msa_rt.reference.numerics import _ieee_fp32_matmul, empty_rows_zero, nan_where, probabilities, without_nan
 
-# Scores per chunk and per live tensor (a handful are live at once): 2**24 fp32 = 64 MiB.
-_CHUNK_ELEMS = 1 << 24
+# Scores per chunk and per live tensor (a handful are live at once): 2**24 fp32 = 64 MiB. Scoped, not global:
+# tests ask for small chunks inside `with chunked_by(n):` (the result must not depend on it).
+_chunk_elems = contextvars.ContextVar("flash_msa_reference_chunk_elems", default=1 << 24)
 
 KeysOfRows = Callable[[int, int], torch.Tensor]
 
 
+@contextlib.contextmanager
+def chunked_by(elems: int):
+    """Within the block (this thread / task only), chunks hold about `elems` scores per tensor."""
+    token = _chunk_elems.set(int(elems))
+    try:
+        yield
+    finally:
+        _chunk_elems.reset(token)
+
+
 def row_chunks(S: int, elems_per_row: int):
-    """Query-row ranges [i0, i1) covering [0, S), each at most _CHUNK_ELEMS // elems_per_row rows (>= 1)."""
-    rows = max(1, min(S, _CHUNK_ELEMS // max(1, elems_per_row)))
+    """Query-row ranges [i0, i1) covering [0, S), each at most chunk_elems // elems_per_row rows (>= 1)."""
+    rows = max(1, min(S, _chunk_elems.get() // max(1, elems_per_row)))
     for i0 in range(0, S, rows):
         yield i0, min(S, i0 + rows)
 
