@@ -13,7 +13,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from flash_msa_rt import __version__, artifacts
+from flash_msa_rt import __version__, artifacts, guard
 from flash_msa_rt import arch as arches
 from flash_msa_rt.errors import FlashMsaError, NoGPUError
 
@@ -69,6 +69,9 @@ def describe_artifacts(verbose: bool) -> list[str]:
         families = Counter(v.op for v in m.variants.values())
         print(f"  {arch}: {len(m.variants)} variants in {len(families)} kernel families, built with "
               f"nvidia-cutlass-dsl {m.fingerprint.get('cutlass_dsl')}")
+        if guard.unverified(arch):
+            print(f"    not verified on {arch} hardware: each kernel family checks itself against the reference on "
+                  f"first use ({guard.ENV_MODE}=warn|raise|off; README, \"On a Blackwell GPU\")")
         for op, n in sorted(families.items()):
             print(f"    {op:<24} {n:>4} variant{'s' if n != 1 else ''}")
         if verbose:

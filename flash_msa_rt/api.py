@@ -65,23 +65,36 @@ flash_msa_func_warmup = flash_msa_warmup_func  # the published alias
 
 
 def flash_msa_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale=None, *, block_size=128,
-                          kl_metric=None):
+                          kl_metric=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_k=None):
     """flash_msa_func over packed sequences, FlashAttention varlen style.
 
     q_proxy (total, Hp, Dp), k_proxy (total, Hpk, Dp), q (total, H, D), k and v (total, Hk, D); cu_seqlens int32
     (num_seqs + 1,) from 0 to total, non-decreasing (empty sequences allowed); max_seqlen >= the longest sequence.
     Validating cu_seqlens synchronises the host with the device. Returns (out (total, H, D), kl_loss), kl_loss the
     sum of per-row KL over (p, token) divided by Hp * total.
+
+    Separate query and key lengths (FlashAttention's cu_seqlens_q / cu_seqlens_k): with cu_seqlens_k (int32,
+    num_seqs + 1, from 0 to total_k, non-decreasing) and max_seqlen_k (>= the longest key sequence), cu_seqlens
+    and max_seqlen describe the queries, q_proxy and q (total_q, heads, D), and cu_seqlens_k the keys, k_proxy, k
+    and v (total_k, heads, D). Sequence s has L_q <= L_k and its queries are the last L_q of its L_k positions
+    (bottom-right causal alignment): a query chunk attends to, selects from and trains its proxy against the whole
+    key prefix before it. kl_loss divides by Hp * total_q. seqused_k (int32 (num_seqs,), with cu_seqlens_k):
+    sequence s reads the L_k = seqused_k[s] keys from cu_seqlens_k[s] on, so key ranges may overlap: one rank's
+    two zigzag chunks of a sequence are two query sequences over one gathered key tensor, without a copy
+    (docs/msa-semantics.md); key gradients sum over every sequence that reads a key. Separate key lengths run on
+    the reference (the kernels do not take packed sequences yet).
     """
     return _msa_varlen("flash_msa_varlen_func", True, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k,
-                       scale, block_size, kl_metric)
+                       scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k)
 
 
 def flash_msa_warmup_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale=None, *,
-                                 block_size=128, kl_metric=None):
-    """Warmup mode of flash_msa_varlen_func (dense causal per sequence; top_k validated, unused)."""
+                                 block_size=128, kl_metric=None, cu_seqlens_k=None, max_seqlen_k=None,
+                                 seqused_k=None):
+    """Warmup mode of flash_msa_varlen_func (dense causal per sequence; top_k validated, unused); cu_seqlens_k,
+    max_seqlen_k and seqused_k as there."""
     return _msa_varlen("flash_msa_warmup_varlen_func", False, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen,
-                       top_k, scale, block_size, kl_metric)
+                       top_k, scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k)
 
 
 def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *, layout="bhsd", return_lse=False):
@@ -193,10 +206,22 @@ def _msa(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_
     return out.reshape(dims.B, dims.S, dims.H * dims.D), kl_loss
 
 
-def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale, block_size, kl_metric):
+def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale, block_size, kl_metric,
+                cu_seqlens_k=None, max_seqlen_k=None, seqused_k=None):
+    separate = cu_seqlens_k is not None
+    if not separate:
+        for name, value in (("max_seqlen_k", max_seqlen_k), ("seqused_k", seqused_k)):
+            if value is not None:
+                shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+                raise ValueError(f"{fn}: {name} is {shown} but cu_seqlens_k is None; {name} is supported with "
+                                 f"cu_seqlens_k only (without it, cu_seqlens and max_seqlen describe queries and keys "
+                                 f"alike)")
+    elif max_seqlen_k is None:
+        raise ValueError(f"{fn}: cu_seqlens_k is given but max_seqlen_k is None; pass max_seqlen_k >= the longest "
+                         f"key sequence (as max_seqlen for the queries)")
     _check_five(fn, (q_proxy, k_proxy, q, k, v), 3, "(total_tokens, heads, head_dim)")
     q_proxy, k_proxy, q, k, v = (t.unsqueeze(0) for t in (q_proxy, k_proxy, q, k, v))
-    dims = _v.check_msa_dims(fn, q_proxy, k_proxy, q, k, v, seq_dim_name="total_tokens")
+    dims = _v.check_msa_dims(fn, q_proxy, k_proxy, q, k, v, seq_dim_name="total_tokens", separate_keys=separate)
     block_size = _v.check_block_size(fn, block_size)
     K = _v.check_top_k(fn, top_k, block_size)
     scale = _v.resolve_scale(fn, scale, dims.D)
@@ -204,19 +229,27 @@ def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, t
     _v.check_cu_seqlens(fn, cu_seqlens, q.device)
     longest = _v.check_cu_seqlens_values(fn, cu_seqlens, dims.S)
     _v.check_max_seqlen(fn, max_seqlen, longest)
-    out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric)
+    if separate:
+        longest_k = _v.check_key_offsets(fn, cu_seqlens, cu_seqlens_k, seqused_k, k.shape[1], q.device)
+        _v.check_max_seqlen(fn, max_seqlen_k, longest_k, name="max_seqlen_k",
+                            offsets="cu_seqlens_k / seqused_k" if seqused_k is not None else "cu_seqlens_k")
+    out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric,
+                        cu_seqlens_k, seqused_k)
     return out[0], kl_loss
 
 
-def _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric):
+def _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, cu_seqlens_k=None,
+         seqused_k=None):
     """The ops on (B, S, heads, D) views; kl_loss = mean of kl_rows, formed here so its upstream gradient reaches the
     backward as a device tensor (no host read of the loss coefficient)."""
     if sparse:
-        block_indices = _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, cu_seqlens)
+        block_indices = _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, cu_seqlens,
+                                           cu_seqlens_k, seqused_k)
         out, _, _, kl_rows = _ops.msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale,
-                                              cu_seqlens)
+                                              cu_seqlens, cu_seqlens_k, seqused_k)
     else:
-        out, _, _, kl_rows = _ops.warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens)
+        out, _, _, kl_rows = _ops.warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k,
+                                                 seqused_k)
     kl_loss = kl_rows.sum() / max(kl_rows.numel(), 1)
     if kl_metric is not None:
         kl_metric.copy_(kl_loss.detach())

@@ -80,41 +80,46 @@ def _ref():
     return reference
 
 
-# The varlen references take cu_seqlens at another position than these ops: pass it by keyword.
+# The varlen references take cu_seqlens at another position than these ops: pass it by keyword. key_offsets:
+# cu_seqlens_k / seqused_k (separate key offsets, flash_msa_rt.reference.varlen), passed only where given.
 
-def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None):
+def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, **key_offsets):
     if cu_seqlens is None:
         return _ref().select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale)
     return _ref().select_blocks_varlen(q_proxy, k_proxy, cu_seqlens=cu_seqlens, top_k_blocks=top_k_blocks,
-                                       block_size=block_size, scale=scale)
+                                       block_size=block_size, scale=scale, **key_offsets)
 
 
-def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None):
+def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, **key_offsets):
     if cu_seqlens is None:
         return _ref().msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale)
     return _ref().msa_forward_varlen(q_proxy, k_proxy, q, k, v, block_indices, cu_seqlens=cu_seqlens,
-                                     block_size=block_size, scale=scale)
+                                     block_size=block_size, scale=scale, **key_offsets)
 
 
 def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                  kl_grad, cu_seqlens=None):
+                  kl_grad, cu_seqlens=None, **key_offsets):
     args = (q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale)
     if cu_seqlens is None:
         return _ref().msa_backward(*args, grad_out, kl_grad)
-    return _ref().msa_backward_varlen(*args, grad_out=grad_out, cu_seqlens=cu_seqlens, kl_grad=kl_grad)
+    return _ref().msa_backward_varlen(*args, grad_out=grad_out, cu_seqlens=cu_seqlens, kl_grad=kl_grad,
+                                      **key_offsets)
 
 
-def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
+def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, **key_offsets):
     if cu_seqlens is None:
         return _ref().warmup_forward(q_proxy, k_proxy, q, k, v, scale)
-    return _ref().warmup_forward_varlen(q_proxy, k_proxy, q, k, v, cu_seqlens=cu_seqlens, scale=scale)
+    return _ref().warmup_forward_varlen(q_proxy, k_proxy, q, k, v, cu_seqlens=cu_seqlens, scale=scale,
+                                        **key_offsets)
 
 
-def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None):
+def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None,
+                     **key_offsets):
     args = (q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale)
     if cu_seqlens is None:
         return _ref().warmup_backward(*args, grad_out, kl_grad)
-    return _ref().warmup_backward_varlen(*args, grad_out=grad_out, cu_seqlens=cu_seqlens, kl_grad=kl_grad)
+    return _ref().warmup_backward_varlen(*args, grad_out=grad_out, cu_seqlens=cu_seqlens, kl_grad=kl_grad,
+                                         **key_offsets)
 
 
 def _block_sparse_forward(q, k, v, block_indices, block_size, scale, cu_seqlens=None):

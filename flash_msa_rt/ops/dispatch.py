@@ -3,7 +3,9 @@
 Backends declare what they support (flash_msa_rt.ops.backends); the first registered backend (newest first) that
 supports a problem runs it, and the pure-PyTorch reference, supporting everything, is the fallback. The CUDA kernel
 backend (flash_msa_rt.ops.kernels) is registered here; when it declines a problem, a CUDA call runs on the
-reference and says so once (reset_warnings() re-arms the once-per-process warnings, for tests).
+reference and says so once (reset_warnings() re-arms the once-per-process warnings, for tests). A backend may also
+carry a guard, asked once a problem is supported: the kernel backend's is flash_msa_rt.guard, the first-use check of
+cubins never run on their arch's hardware, which warns itself when it sends a family to the reference.
 
     register_backend(Backend("kernels-sm90a", "cuda", supports=lambda p: None if ... else "reason", ops={...}))
     impl = implementation("msa_forward", q.device, q.dtype, head_dim=128, block_size=128, varlen=False)

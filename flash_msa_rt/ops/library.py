@@ -1,7 +1,9 @@
 """The MSA ops as torch.library custom ops (namespace flash_msa): fake impls for tracing, autograd formulas.
 
 Every op takes (B, S, heads, D) tensors of any strides with a unit-stride head dim and returns fresh contiguous
-tensors; with cu_seqlens (int32 (num_seqs + 1,)) B must be 1 and dim 1 holds the packed sequences. The real
+tensors; with cu_seqlens (int32 (num_seqs + 1,)) B must be 1 and dim 1 holds the packed sequences. Selection, MSA
+and warmup also take cu_seqlens_k and seqused_k (separate key offsets: then cu_seqlens splits the queries, q_proxy
+and q, and cu_seqlens_k the keys, k_proxy, k and v; semantics in flash_msa_rt.reference.varlen). The real
 implementations come from flash_msa_rt.ops.dispatch (a kernel backend where one is registered, else the
 reference). Custom ops make the calls opaque to torch.compile (fullgraph works) and give one registration for
 autograd, fake tensors and export.
@@ -36,10 +38,22 @@ def _like(*tensors: Tensor):
     return tuple(t.new_empty(t.shape) for t in tensors)
 
 
-def _msa_config(q_proxy: Tensor, q: Tensor, k: Tensor, block_size: int | None, cu_seqlens) -> dict:
+def _msa_config(q_proxy: Tensor, q: Tensor, k: Tensor, block_size: int | None, cu_seqlens, cu_seqlens_k) -> dict:
+    # Separate key offsets are a varlen call: a backend that declines varlen declines them too.
     return {"head_dim": q.shape[-1], "proxy_head_dim": q_proxy.shape[-1], "block_size": block_size,
             "group": q.shape[2] // q_proxy.shape[2], "kv_group": q.shape[2] // k.shape[2],
-            "varlen": cu_seqlens is not None}
+            "varlen": cu_seqlens is not None or cu_seqlens_k is not None}
+
+
+def _key_offsets(op: str, cu_seqlens, cu_seqlens_k, seqused_k) -> dict:
+    """The key-offset keywords for an implementation, only where given: the kernel backend's implementations
+    (which decline every varlen call) never see them."""
+    if cu_seqlens is None and (cu_seqlens_k is not None or seqused_k is not None):
+        raise ValueError(f"flash_msa::{op}: cu_seqlens_k and seqused_k need cu_seqlens (the query offsets)")
+    if cu_seqlens_k is None and seqused_k is not None:
+        raise ValueError(f"flash_msa::{op}: seqused_k needs cu_seqlens_k (the key start of each sequence)")
+    given = {"cu_seqlens_k": cu_seqlens_k, "seqused_k": seqused_k}
+    return {name: t for name, t in given.items() if t is not None}
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -61,16 +75,18 @@ def _impl(op: str, like: Tensor, config: dict):
 
 @torch.library.custom_op(f"{NAMESPACE}::select_blocks", mutates_args=())
 def select_blocks(q_proxy: Tensor, k_proxy: Tensor, top_k_blocks: int, block_size: int, scale: float,
-                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
+                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                  seqused_k: Optional[Tensor] = None) -> Tensor:
     """int32 (B, Hp, S, K) selected key blocks per (b, p, i), -1 for empty slots. Not differentiable."""
     config = {"proxy_head_dim": q_proxy.shape[-1], "block_size": block_size, "top_k_blocks": top_k_blocks,
-              "varlen": cu_seqlens is not None}
+              "varlen": cu_seqlens is not None or cu_seqlens_k is not None}
     impl = _impl("select_blocks", q_proxy, config)
-    return _fresh(impl(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens).to(torch.int32))
+    return _fresh(impl(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens,
+                       **_key_offsets("select_blocks", cu_seqlens, cu_seqlens_k, seqused_k)).to(torch.int32))
 
 
 @select_blocks.register_fake
-def _(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None):
+def _(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
     B, S, Hp, _ = q_proxy.shape
     return q_proxy.new_empty((B, Hp, S, top_k_blocks), dtype=torch.int32)
 
@@ -79,12 +95,14 @@ def _(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None):
 
 @torch.library.custom_op(f"{NAMESPACE}::msa_forward", mutates_args=())
 def msa_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor,
-                block_size: int, scale: float,
-                cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                block_size: int, scale: float, cu_seqlens: Optional[Tensor] = None,
+                cu_seqlens_k: Optional[Tensor] = None,
+                seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out (B, S, H, D) q.dtype, lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)); statistics float32
-    (float64 for float64 inputs)."""
-    impl = _impl("msa_forward", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens))
-    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens))
+    (float64 for float64 inputs). S counts the queries (q's dim 1)."""
+    impl = _impl("msa_forward", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k))
+    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens,
+                           **_key_offsets("msa_forward", cu_seqlens, cu_seqlens_k, seqused_k)))
 
 
 def _msa_outputs_fake(q_proxy, q):
@@ -96,48 +114,53 @@ def _msa_outputs_fake(q_proxy, q):
 
 
 @msa_forward.register_fake
-def _(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None):
+def _(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
+      seqused_k=None):
     return _msa_outputs_fake(q_proxy, q)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::msa_backward", mutates_args=())
 def msa_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  lse_proxy: Tensor, block_indices: Tensor, block_size: int, scale: float, grad_out: Optional[Tensor],
-                 kl_grad: Optional[Tensor],
-                 cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 kl_grad: Optional[Tensor], cu_seqlens: Optional[Tensor] = None,
+                 cu_seqlens_k: Optional[Tensor] = None,
+                 seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq_proxy, dk_proxy, dq, dk, dv). kl_grad is d(loss)/d(kl_rows), broadcastable to (B, Hp, S), or None."""
     # The kernels' backward sums with fp32 atomics; under torch.use_deterministic_algorithms(True) dispatch
     # must be able to decline it, so the flag belongs to the problem.
-    config = dict(_msa_config(q_proxy, q, k, block_size, cu_seqlens),
+    config = dict(_msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k),
                   deterministic=torch.are_deterministic_algorithms_enabled())
     impl = _impl("msa_backward", q, config)
     return _fresh(*impl(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                        kl_grad, cu_seqlens))
+                        kl_grad, cu_seqlens, **_key_offsets("msa_backward", cu_seqlens, cu_seqlens_k,
+                                                            seqused_k)))
 
 
 @msa_backward.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out, kl_grad,
-      cu_seqlens=None):
+      cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
     return _like(q_proxy, k_proxy, q, k, v)
 
 
 def _msa_setup_context(ctx, inputs, output):
-    q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens = inputs
+    q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k = inputs
     out, lse, lse_proxy, _ = output
-    ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens)
+    ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens, cu_seqlens_k,
+                          seqused_k)
     ctx.block_size, ctx.scale, ctx.tuning = block_size, scale, tuning.current()
     ctx.mark_non_differentiable(lse, lse_proxy)
     ctx.set_materialize_grads(False)
 
 
 def _msa_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
-    q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens = ctx.saved_tensors
+    q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens, cu_seqlens_k, seqused_k = \
+        ctx.saved_tensors
     if grad_out is None and grad_kl_rows is None:
-        return (None,) * 9
+        return (None,) * 11
     with tuning.applied(ctx.tuning):
         grads = msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, ctx.block_size,
-                             ctx.scale, grad_out, grad_kl_rows, cu_seqlens)
-    return (*_arrived(grads, grad_out, grad_kl_rows), None, None, None, None)
+                             ctx.scale, grad_out, grad_kl_rows, cu_seqlens, cu_seqlens_k, seqused_k)
+    return (*_arrived(grads, grad_out, grad_kl_rows), None, None, None, None, None, None)
 
 
 def _arrived(grads, grad_out, grad_kl_rows):
@@ -158,50 +181,55 @@ msa_forward.register_autograd(_msa_backward_rule, setup_context=_msa_setup_conte
 
 @torch.library.custom_op(f"{NAMESPACE}::warmup_forward", mutates_args=())
 def warmup_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float,
-                   cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                   seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """msa_forward's outputs with every causal key allowed (no selection)."""
-    impl = _impl("warmup_forward", q, _msa_config(q_proxy, q, k, None, cu_seqlens))
-    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, scale, cu_seqlens))
+    impl = _impl("warmup_forward", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k))
+    keys = _key_offsets("warmup_forward", cu_seqlens, cu_seqlens_k, seqused_k)
+    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, **keys))
 
 
 @warmup_forward.register_fake
-def _(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
+def _(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
     return _msa_outputs_fake(q_proxy, q)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::warmup_backward", mutates_args=())
 def warmup_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     lse_proxy: Tensor, scale: float, grad_out: Optional[Tensor], kl_grad: Optional[Tensor],
-                    cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                    seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq_proxy, dk_proxy, dq, dk, dv) of warmup_forward."""
-    config = dict(_msa_config(q_proxy, q, k, None, cu_seqlens),
+    config = dict(_msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k),
                   deterministic=torch.are_deterministic_algorithms_enabled())  # as msa_backward
     impl = _impl("warmup_backward", q, config)
-    return _fresh(*impl(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens))
+    return _fresh(*impl(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
+                        **_key_offsets("warmup_backward", cu_seqlens, cu_seqlens_k, seqused_k)))
 
 
 @warmup_backward.register_fake
-def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None):
+def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None, cu_seqlens_k=None,
+      seqused_k=None):
     return _like(q_proxy, k_proxy, q, k, v)
 
 
 def _warmup_setup_context(ctx, inputs, output):
-    q_proxy, k_proxy, q, k, v, scale, cu_seqlens = inputs
+    q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k, seqused_k = inputs
     out, lse, lse_proxy, _ = output
-    ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens)
+    ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k)
     ctx.scale, ctx.tuning = scale, tuning.current()
     ctx.mark_non_differentiable(lse, lse_proxy)
     ctx.set_materialize_grads(False)
 
 
 def _warmup_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
-    q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens = ctx.saved_tensors
+    q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k = ctx.saved_tensors
     if grad_out is None and grad_kl_rows is None:
-        return (None,) * 7
+        return (None,) * 9
     with tuning.applied(ctx.tuning):
         grads = warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, ctx.scale, grad_out, grad_kl_rows,
-                                cu_seqlens)
-    return (*_arrived(grads, grad_out, grad_kl_rows), None, None)
+                                cu_seqlens, cu_seqlens_k, seqused_k)
+    return (*_arrived(grads, grad_out, grad_kl_rows), None, None, None, None)
 
 
 warmup_forward.register_autograd(_warmup_backward_rule, setup_context=_warmup_setup_context)

@@ -69,16 +69,23 @@ def check_same_dtype_device(fn: str, tensors: dict) -> None:
                             f"share one dtype")
 
 
-def check_msa_dims(fn: str, q_proxy, k_proxy, q, k, v, seq_dim_name: str = "seqlen") -> MsaDims:
-    """Sizes of (B, S, heads, D) views of the five MSA inputs; every disagreement named."""
+def check_msa_dims(fn: str, q_proxy, k_proxy, q, k, v, seq_dim_name: str = "seqlen",
+                   separate_keys: bool = False) -> MsaDims:
+    """Sizes of (B, S, heads, D) views of the five MSA inputs; every disagreement named.
+
+    separate_keys (varlen with cu_seqlens_k): k_proxy, k and v share k's dim 1 (the key tokens), which may differ
+    from q's (the query tokens); S is q's.
+    """
     B, S, H, D = q.shape
     Hp, Dp = q_proxy.shape[2], q_proxy.shape[3]
     Hk, Hpk = k.shape[2], k_proxy.shape[2]
-    for name, t in (("q_proxy", q_proxy), ("k_proxy", k_proxy), ("k", k), ("v", v)):
+    S_k, keys_ref = (k.shape[1], "k") if separate_keys else (S, "q")
+    for name, t, length, ref in (("q_proxy", q_proxy, S, "q"), ("k_proxy", k_proxy, S_k, keys_ref),
+                                 ("k", k, S_k, keys_ref), ("v", v, S_k, keys_ref)):
         if t.shape[0] != B:
             raise ValueError(f"{fn}: {name} has batch {t.shape[0]} but q has batch {B}")
-        if t.shape[1] != S:
-            raise ValueError(f"{fn}: {name} has {seq_dim_name} {t.shape[1]} but q has {seq_dim_name} {S}")
+        if t.shape[1] != length:
+            raise ValueError(f"{fn}: {name} has {seq_dim_name} {t.shape[1]} but {ref} has {seq_dim_name} {length}")
     for name, t in (("k", k), ("v", v)):
         if t.shape[3] != D:
             raise ValueError(f"{fn}: {name} has head_dim {t.shape[3]} but q has head_dim {D}")
@@ -86,8 +93,8 @@ def check_msa_dims(fn: str, q_proxy, k_proxy, q, k, v, seq_dim_name: str = "seql
         raise ValueError(f"{fn}: v has {v.shape[2]} heads but k has {Hk}; k and v must have the same heads")
     if k_proxy.shape[3] != Dp:
         raise ValueError(f"{fn}: k_proxy has head_dim {k_proxy.shape[3]} but q_proxy has head_dim {Dp}")
-    if S < 1:
-        raise ValueError(f"{fn}: {seq_dim_name} {S} must be positive")
+    if S < 1 or S_k < 1:
+        raise ValueError(f"{fn}: {seq_dim_name} {min(S, S_k)} must be positive")
     for what, size in (("heads of q", H), ("heads of k", Hk), ("heads of q_proxy", Hp), ("heads of k_proxy", Hpk),
                        ("head_dim of q", D), ("head_dim of q_proxy", Dp)):
         if size < 1:
@@ -161,31 +168,33 @@ def check_kl_metric(fn: str, kl_metric, device: torch.device) -> None:
         raise ValueError(f"{fn}: kl_metric receives the KL value in place and must not require grad")
 
 
-def check_cu_seqlens(fn: str, cu_seqlens, device: torch.device) -> None:
-    """Type, dtype, shape and device of cu_seqlens; its values are checked by check_cu_seqlens_values."""
+def check_cu_seqlens(fn: str, cu_seqlens, device: torch.device, name: str = "cu_seqlens") -> None:
+    """Type, dtype, shape and device of cu_seqlens (or cu_seqlens_k: `name`); its values are checked by
+    check_cu_seqlens_values."""
     if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"{fn}: cu_seqlens must be a torch.Tensor of int32 offsets, got {type(cu_seqlens).__name__}")
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor of int32 offsets, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"{fn}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
+        raise TypeError(f"{fn}: {name} must have dtype torch.int32, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"{fn}: cu_seqlens must be 1-D (num_seqs + 1,) with at least 2 entries, got shape "
+        raise ValueError(f"{fn}: {name} must be 1-D (num_seqs + 1,) with at least 2 entries, got shape "
                          f"{tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != device:
-        raise ValueError(f"{fn}: cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
+        raise ValueError(f"{fn}: {name} is on {cu_seqlens.device} but the inputs are on {device}")
 
 
-def check_cu_seqlens_values(fn: str, cu_seqlens: torch.Tensor, total: int, row_len: int | None = None) -> int:
+def check_cu_seqlens_values(fn: str, cu_seqlens: torch.Tensor, total: int, row_len: int | None = None,
+                            name: str = "cu_seqlens") -> int:
     """Offsets start at 0, end at total, never decrease and (row_len given) contain every multiple of row_len.
 
     Reads cu_seqlens on the host: one synchronisation, on the varlen path only. Returns the longest sequence.
     """
     offs = cu_seqlens.tolist()
     if offs[0] != 0 or offs[-1] != total:
-        raise ValueError(f"{fn}: cu_seqlens must start at 0 and end at the {total} tokens, got "
+        raise ValueError(f"{fn}: {name} must start at 0 and end at the {total} tokens, got "
                          f"{_short(offs)}")
     lengths = [b - a for a, b in zip(offs[:-1], offs[1:])]
     if min(lengths) < 0:
-        raise ValueError(f"{fn}: cu_seqlens must be non-decreasing, got {_short(offs)}")
+        raise ValueError(f"{fn}: {name} must be non-decreasing, got {_short(offs)}")
     if row_len is not None:
         missing = sorted(set(range(0, total + 1, row_len)) - set(offs))
         if missing:
@@ -199,12 +208,58 @@ def _short(values: list) -> str:
                                                    f"({len(values)} entries)"
 
 
-def check_max_seqlen(fn: str, max_seqlen, longest: int) -> None:
+def check_max_seqlen(fn: str, max_seqlen, longest: int, name: str = "max_seqlen",
+                     offsets: str = "cu_seqlens") -> None:
     if not _is_int(max_seqlen) or max_seqlen < 0:
-        raise ValueError(f"{fn}: max_seqlen must be a non-negative int, got {max_seqlen!r}")
+        raise ValueError(f"{fn}: {name} must be a non-negative int, got {max_seqlen!r}")
     if max_seqlen < longest:
-        raise ValueError(f"{fn}: max_seqlen={max_seqlen} is smaller than the longest sequence in cu_seqlens "
+        raise ValueError(f"{fn}: {name}={max_seqlen} is smaller than the longest sequence in {offsets} "
                          f"({longest})")
+
+
+def check_key_offsets(fn: str, cu_seqlens: torch.Tensor, cu_seqlens_k, seqused_k, total_k: int,
+                      device: torch.device) -> int:
+    """Separate key lengths: cu_seqlens_k (and seqused_k) against the query offsets cu_seqlens, already checked.
+
+    cu_seqlens_k: int32 (num_seqs + 1,) like cu_seqlens, from 0 to total_k, non-decreasing. seqused_k: None, or
+    int32 (num_seqs,): sequence s then reads the keys [cu_seqlens_k[s], cu_seqlens_k[s] + seqused_k[s]), which
+    may overlap other sequences' keys and must end by total_k. Every sequence needs L_q <= L_k (its queries are
+    the last L_q of its L_k positions). Reads the offsets on the host (the varlen path only, which runs on the
+    reference). Returns the longest key sequence.
+    """
+    check_cu_seqlens(fn, cu_seqlens_k, device, name="cu_seqlens_k")
+    if cu_seqlens_k.shape[0] != cu_seqlens.shape[0]:
+        raise ValueError(f"{fn}: cu_seqlens_k has {cu_seqlens_k.shape[0]} entries but cu_seqlens has "
+                         f"{cu_seqlens.shape[0]}; both are (num_seqs + 1,), one entry per sequence boundary")
+    check_cu_seqlens_values(fn, cu_seqlens_k, total_k, name="cu_seqlens_k")
+    k_offs = cu_seqlens_k.tolist()
+    starts, ends = k_offs[:-1], k_offs[1:]
+    if seqused_k is not None:
+        num_seqs = len(starts)
+        if not isinstance(seqused_k, torch.Tensor):
+            raise TypeError(f"{fn}: seqused_k must be a torch.Tensor of int32 key counts or None, got "
+                            f"{type(seqused_k).__name__}")
+        if seqused_k.dtype != torch.int32:
+            raise TypeError(f"{fn}: seqused_k must have dtype torch.int32, got {seqused_k.dtype}")
+        if tuple(seqused_k.shape) != (num_seqs,):
+            raise ValueError(f"{fn}: seqused_k must have shape (num_seqs,) = ({num_seqs},), got "
+                             f"{tuple(seqused_k.shape)}")
+        if seqused_k.device != device:
+            raise ValueError(f"{fn}: seqused_k is on {seqused_k.device} but the inputs are on {device}")
+        used = seqused_k.tolist()
+        for s, (a, n) in enumerate(zip(starts, used)):
+            if n < 0 or a + n > total_k:
+                raise ValueError(f"{fn}: seqused_k[{s}]={n} with cu_seqlens_k[{s}]={a} reads keys [{a}, {a + n}); "
+                                 f"supported: 0 <= seqused_k[s] and cu_seqlens_k[s] + seqused_k[s] <= the {total_k} "
+                                 f"key tokens")
+        ends = [a + n for a, n in zip(starts, used)]
+    q_offs = cu_seqlens.tolist()
+    for s, (qa, qb, ka, kb) in enumerate(zip(q_offs[:-1], q_offs[1:], starts, ends)):
+        if qb - qa > kb - ka:
+            raise ValueError(f"{fn}: sequence {s} has L_q={qb - qa} queries (cu_seqlens) but L_k={kb - ka} keys "
+                             f"(cu_seqlens_k{' / seqused_k' if seqused_k is not None else ''}); L_q <= L_k is "
+                             f"required: the queries are the last L_q of the sequence's L_k positions")
+    return max(b - a for a, b in zip(starts, ends))
 
 
 def check_document_list(fn: str, document_list, B: int, S: int, device: torch.device) -> None:

@@ -3,9 +3,12 @@
 Everything but proxied_backward is heads-first in the compute dtype: q (B, H, S, D), k and v (B, Hk, S, D),
 q_proxy (B, Hp, S, Dp), k_proxy (B, Hpk, S, Dp). Head h reads key head h // (H / Hk) (the same grouping for proxy heads).
 
-Query rows are processed in chunks [i0, i1) that score only the causal prefix [0, i1): one chunk holds about
-chunk_budget() scores per tensor, so no S x S tensor ever exists. `keys_of_rows(i0, i1)` gives the chunk's allowed
-keys: bool (B or 1, Hi, rows, i1), Hi mask heads each serving a contiguous group of H / Hi heads.
+Keys may outnumber queries: with S_q query rows and S_k >= S_q key positions, query row i sits at position
+i + (S_k - S_q) (bottom-right causal alignment, FlashAttention's convention for separate query / key lengths);
+S_q == S_k is the usual case. Query rows are processed in chunks [i0, i1) that score only the causal prefix
+[0, off + i1), off = S_k - S_q: one chunk holds about chunk_budget() scores per tensor, so no S x S tensor ever
+exists. `keys_of_rows(i0, i1)` gives the chunk's allowed keys: bool (B or 1, Hi, rows, off + i1), Hi mask heads
+each serving a contiguous group of H / Hi heads.
 """
 
 from __future__ import annotations
@@ -53,19 +56,22 @@ def seq_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.transpose(1, 2).to(dtype).contiguous()
 
 
-def causal_keys(i0: int, i1: int, device) -> torch.Tensor:
-    """(1, 1, rows, i1): key t is allowed to row i iff t <= i."""
-    i = torch.arange(i0, i1, device=device).view(-1, 1)
-    t = torch.arange(0, i1, device=device).view(1, -1)
-    return (t <= i).view(1, 1, i1 - i0, i1)
+def causal_keys(i0: int, i1: int, device, offset: int = 0) -> torch.Tensor:
+    """(1, 1, rows, offset + i1): key t is allowed to row i (at position offset + i) iff t <= offset + i."""
+    i = torch.arange(offset + i0, offset + i1, device=device).view(-1, 1)
+    t = torch.arange(0, offset + i1, device=device).view(1, -1)
+    return (t <= i).view(1, 1, i1 - i0, offset + i1)
 
 
-def listed_block_keys(idx_rows: torch.Tensor, i0: int, i1: int, block_size: int) -> torch.Tensor:
-    """(B, Hi, rows, i1): key t is allowed to row i iff blk(t) is one of row i's slots and t <= i.
+def listed_block_keys(idx_rows: torch.Tensor, i0: int, i1: int, block_size: int, offset: int = 0) -> torch.Tensor:
+    """(B, Hi, rows, offset + i1): key t is allowed to row i iff blk(t) is one of row i's slots and t <= offset + i.
 
-    idx_rows: (B, Hi, rows, K) block indices of rows [i0, i1), -1 = empty. Duplicates count once (a set).
+    idx_rows: (B, Hi, rows, K) block indices of rows [i0, i1), -1 = empty. Duplicates count once (a set). offset:
+    the position of query row 0 among the keys (S_k - S_q).
     """
     B, Hi, R, _ = idx_rows.shape
+    i1 = offset + i1  # from here on, the key prefix the rows can see
+    i0 = offset + i0
     nb = -(-i1 // block_size)
     idx = idx_rows.long()
     # Empty slots, and blocks past the chunk (causally invisible anyway), go to a spare column dropped below.
@@ -112,12 +118,14 @@ def group_mean(p: torch.Tensor, Hp: int) -> torch.Tensor:
 def forward(q, k, v, keys_of_rows: KeysOfRows, scale: float, q_proxy=None, k_proxy=None):
     """Masked attention, and with the proxy tensors the KL of the proxy against the group-mean attention.
 
-    Returns out (B, H, S, D), lse (B, H, S) and, with a proxy, lse_proxy and kl_rows (B, Hp, S), all in the
-    compute dtype. A row with no allowed key gets out = 0, lse = -inf (and lse_proxy = -inf, KL = 0). A NaN input
-    reaches exactly the results that depend on it: a NaN score (in q, k, q_proxy or k_proxy) makes its row's lse,
-    out and KL NaN, a NaN value (in v) the out elements of the rows that attend to it.
+    q (B, H, S, D) and q_proxy hold the queries, k, v and k_proxy (B, heads, S_k, D) the keys, S_k >= S (query row
+    i at position i + S_k - S). Returns out (B, H, S, D), lse (B, H, S) and, with a proxy, lse_proxy and kl_rows
+    (B, Hp, S), all in the compute dtype. A row with no allowed key gets out = 0, lse = -inf (and lse_proxy = -inf,
+    KL = 0). A NaN input reaches exactly the results that depend on it: a NaN score (in q, k, q_proxy or k_proxy)
+    makes its row's lse, out and KL NaN, a NaN value (in v) the out elements of the rows that attend to it.
     """
     B, H, S, _ = q.shape
+    off = k.shape[2] - S
     out = torch.empty_like(q)
     lse = q.new_empty(B, H, S)
     with_proxy = q_proxy is not None
@@ -127,21 +135,22 @@ def forward(q, k, v, keys_of_rows: KeysOfRows, scale: float, q_proxy=None, k_pro
         kl_rows = q.new_empty(B, Hp, S)
     v, v_nan = without_nan(v)
     with _ieee_fp32_matmul():
-        for i0, i1 in row_chunks(S, B * H * S):
+        for i0, i1 in row_chunks(S, B * H * (off + S)):
             keys = keys_of_rows(i0, i1)
-            s = masked_scores(q[:, :, i0:i1], k[:, :, :i1], keys, scale)
+            t1 = off + i1  # the causal key prefix of rows [i0, i1)
+            s = masked_scores(q[:, :, i0:i1], k[:, :, :t1], keys, scale)
             lse_c = torch.logsumexp(s, dim=-1)
             p = probabilities(s, lse_c)
-            out_c = grouped_matmul(p, v[:, :, :i1])
+            out_c = grouped_matmul(p, v[:, :, :t1])
             if v_nan is not None:
-                out_c = nan_where(out_c, grouped_matmul((s > float("-inf")).to(s.dtype), v_nan[:, :, :i1]))
+                out_c = nan_where(out_c, grouped_matmul((s > float("-inf")).to(s.dtype), v_nan[:, :, :t1]))
             del s
             out[:, :, i0:i1] = out_c
             lse[:, :, i0:i1] = lse_c
             if with_proxy:
                 tau = group_mean(p, Hp)
                 del p
-                sp = masked_scores(q_proxy[:, :, i0:i1], k_proxy[:, :, :i1], keys, scale)
+                sp = masked_scores(q_proxy[:, :, i0:i1], k_proxy[:, :, :t1], keys, scale)
                 lse_pc = torch.logsumexp(sp, dim=-1)
                 log_pi = sp - empty_rows_zero(lse_pc).unsqueeze(-1)
                 # KL terms with tau = 0 are 0 (they would be 0 * -inf where pi is masked too); a NaN tau (from a
@@ -163,12 +172,14 @@ def backward(q, k, v, out, lse, keys_of_rows: KeysOfRows, scale: float, grad_out
       dq = scale dS K; dk = scale dS^T Q and dv = P^T dO, both summed over the heads sharing a kv head.
     proxy, when kl_weights (B, Hp, S) is given: pi = exp(s_p - lse_proxy) on the allowed keys; tau = group mean of
       P; dS_p = (pi - tau) * kl_weights; dq_proxy = scale dS_p K_p; dk_proxy = scale dS_p^T Q_p (summed likewise).
-    Returns (dq, dk, dv, dq_proxy, dk_proxy) in the compute dtype; a part without upstream gradient is zeros.
+    Shapes as forward() (keys may outnumber queries). Returns (dq, dk, dv, dq_proxy, dk_proxy) in the compute dtype;
+    a part without upstream gradient is zeros.
     dS and dS_p are exactly 0 on the keys a row cannot see, and the matmuls that sum over rows or keys run on
     NaN-free operands, so a NaN reaches the gradients of the rows and keys that depend on it and no others.
     """
     B, H, S, _ = q.shape
     Hk = k.shape[1]
+    off = k.shape[2] - S
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     main = grad_out is not None
     with_proxy = q_proxy is not None and kl_weights is not None
@@ -189,9 +200,10 @@ def backward(q, k, v, out, lse, keys_of_rows: KeysOfRows, scale: float, grad_out
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     dv_hits = torch.zeros_like(v) if main and do_nan is not None else None
     with _ieee_fp32_matmul():
-        for i0, i1 in row_chunks(S, B * H * S):
+        for i0, i1 in row_chunks(S, B * H * (off + S)):
             keys = keys_of_rows(i0, i1)
-            q_rows, k_pre, v_pre = q[:, :, i0:i1], k[:, :, :i1], v[:, :, :i1]
+            t1 = off + i1  # the causal key prefix of rows [i0, i1)
+            q_rows, k_pre, v_pre = q[:, :, i0:i1], k[:, :, :t1], v[:, :, :t1]
             s = masked_scores(q_rows, k_pre, keys, scale)
             p = probabilities(s, lse[:, :, i0:i1])
             allowed = s > float("-inf")
@@ -202,21 +214,21 @@ def backward(q, k, v, out, lse, keys_of_rows: KeysOfRows, scale: float, grad_out
                 ds = torch.where(allowed, p * (dp - delta[:, :, i0:i1].unsqueeze(-1)), zero)
                 del dp
                 dq[:, :, i0:i1] = scale * grouped_matmul(ds, k_pre)
-                dk[:, :, :i1] += scale * grouped_sum_matmul(ds, q_rows, Hk)
-                dv[:, :, :i1] += grouped_sum_matmul(p, do, Hk)
+                dk[:, :, :t1] += scale * grouped_sum_matmul(ds, q_rows, Hk)
+                dv[:, :, :t1] += grouped_sum_matmul(p, do, Hk)
                 if do_nan is not None:
-                    dv_hits[:, :, :i1] += grouped_sum_matmul(allowed.to(p.dtype), do_nan[:, :, i0:i1], Hk)
+                    dv_hits[:, :, :t1] += grouped_sum_matmul(allowed.to(p.dtype), do_nan[:, :, i0:i1], Hk)
                 del ds
             if with_proxy:
                 Hp, Hpk = q_proxy.shape[1], k_proxy.shape[1]
                 tau = group_mean(p, Hp)
                 del p
-                qp_rows, kp_pre = q_proxy[:, :, i0:i1], k_proxy[:, :, :i1]
+                qp_rows, kp_pre = q_proxy[:, :, i0:i1], k_proxy[:, :, :t1]
                 sp = masked_scores(qp_rows, kp_pre, keys, scale)
                 pi = probabilities(sp, lse_proxy[:, :, i0:i1])
                 dsp = torch.where(sp > float("-inf"), (pi - tau) * kl_weights[:, :, i0:i1].unsqueeze(-1), zero)
                 dq_proxy[:, :, i0:i1] = scale * grouped_matmul(dsp, kp_pre)
-                dk_proxy[:, :, :i1] += scale * grouped_sum_matmul(dsp, qp_rows, Hpk)
+                dk_proxy[:, :, :t1] += scale * grouped_sum_matmul(dsp, qp_rows, Hpk)
     if main:
         dv = nan_where(dv, dv_hits)
     return dq, dk, dv, dq_proxy, dk_proxy

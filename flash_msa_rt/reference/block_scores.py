@@ -55,19 +55,20 @@ def proxy_block_scores(
 
 
 def block_scores_of_rows(q: torch.Tensor, kt: torch.Tensor, i0: int, i1: int, block_size: int,
-                         scale: float) -> torch.Tensor:
+                         scale: float, offset: int = 0) -> torch.Tensor:
     """Block scores of query rows [i0, i1): (B, Hp, rows, nb) in q's dtype, nb = blocks those rows can see.
 
-    q: (B, Hpk, G, S, Dp) proxy queries grouped by key head; kt: (B, Hpk, 1, Dp, S) proxy keys transposed.
+    q: (B, Hpk, G, S, Dp) proxy queries grouped by key head; kt: (B, Hpk, 1, Dp, S_k) proxy keys transposed;
+    query row i sits at key position offset + i (offset = S_k - S, 0 unless keys outnumber queries).
     Only the causal prefix [0, nb * Bs) is scored, so the cost is rows * keys, never S * S.
     """
     B, Hpk, G = q.shape[:3]
     S = kt.shape[-1]
     Bs = block_size
-    nb = -(-i1 // Bs)  # blocks any row of the chunk can see
+    nb = -(-(offset + i1) // Bs)  # blocks any row of the chunk can see
     t1 = min(S, nb * Bs)
     s = torch.matmul(q[:, :, :, i0:i1], kt[..., :t1]) * scale  # (B, Hpk, G, rows, t1)
-    i = torch.arange(i0, i1, device=s.device).view(-1, 1)
+    i = torch.arange(offset + i0, offset + i1, device=s.device).view(-1, 1)
     t = torch.arange(0, t1, device=s.device).view(1, -1)
     s = s.masked_fill(t > i, float("-inf"))
     if t1 < nb * Bs:  # partial last block: pad with -inf keys (never visible: t >= S > i)

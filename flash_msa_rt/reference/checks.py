@@ -21,15 +21,20 @@ def tensor4(fn: str, name: str, t) -> torch.Tensor:
     return t
 
 
-def main_dims(fn: str, q, k, v) -> tuple[int, int, int, int, int]:
-    """(B, S, H, Hk, D) of q (B, S, H, D) and k, v (B, S, Hk, D), H a multiple of Hk."""
+def main_dims(fn: str, q, k, v, *, keys_longer: bool = False) -> tuple[int, int, int, int, int]:
+    """(B, S, H, Hk, D) of q (B, S, H, D) and k, v (B, S, Hk, D), H a multiple of Hk.
+
+    keys_longer: k and v may hold S_k >= S positions (the queries are the last S of them).
+    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         tensor4(fn, name, t)
     B, S, H, D = q.shape
     Hk = k.shape[2]
-    if tuple(k.shape) != (B, S, Hk, D) or tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} must both be (B, S, Hk, D) = "
-                         f"({B}, {S}, Hk, {D}) to match q {tuple(q.shape)}")
+    Sk = k.shape[1] if keys_longer and k.shape[1] >= S else S
+    if tuple(k.shape) != (B, Sk, Hk, D) or tuple(v.shape) != tuple(k.shape):
+        what = "S_k >= S" if keys_longer else "S"
+        raise ValueError(f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} must both be (B, {what}, Hk, D) with "
+                         f"B = {B}, S = {S}, D = {D} to match q {tuple(q.shape)}")
     if Hk < 1 or H % Hk:
         raise ValueError(f"{fn}: H = {H} query heads must be a positive multiple of Hk = {Hk} kv heads")
     if S < 1:
@@ -38,15 +43,18 @@ def main_dims(fn: str, q, k, v) -> tuple[int, int, int, int, int]:
     return B, S, H, Hk, D
 
 
-def proxy_dims(fn: str, q_proxy, k_proxy, B: int, S: int, H: int | None) -> tuple[int, int, int]:
-    """(Hp, Hpk, Dp) of q_proxy (B, S, Hp, Dp) and k_proxy (B, S, Hpk, Dp); Hp a multiple of Hpk, H of Hp."""
+def proxy_dims(fn: str, q_proxy, k_proxy, B: int, S: int, H: int | None,
+               S_k: int | None = None) -> tuple[int, int, int]:
+    """(Hp, Hpk, Dp) of q_proxy (B, S, Hp, Dp) and k_proxy (B, S_k, Hpk, Dp) (S_k = S unless given); Hp a multiple
+    of Hpk, H of Hp."""
     tensor4(fn, "q_proxy", q_proxy)
     tensor4(fn, "k_proxy", k_proxy)
     Hp, Dp = q_proxy.shape[2], q_proxy.shape[3]
     Hpk = k_proxy.shape[2]
-    if tuple(q_proxy.shape[:2]) != (B, S) or tuple(k_proxy.shape) != (B, S, Hpk, Dp):
+    S_k = S if S_k is None else S_k
+    if tuple(q_proxy.shape[:2]) != (B, S) or tuple(k_proxy.shape) != (B, S_k, Hpk, Dp):
         raise ValueError(f"{fn}: q_proxy {tuple(q_proxy.shape)} and k_proxy {tuple(k_proxy.shape)} must be "
-                         f"(B, S, Hp, Dp) and (B, S, Hpk, Dp) with B = {B}, S = {S}")
+                         f"(B, S, Hp, Dp) and (B, S_k, Hpk, Dp) with B = {B}, S = {S}, S_k = {S_k}")
     if Hpk < 1 or Hp % Hpk:
         raise ValueError(f"{fn}: Hp = {Hp} proxy heads must be a positive multiple of Hpk = {Hpk} proxy key heads")
     if H is not None and (Hp < 1 or H % Hp):
@@ -83,8 +91,10 @@ def top_k_blocks(fn: str, k) -> int:
     return k
 
 
-def block_indices(fn: str, idx, B: int, S: int, H: int, bs: int, *, heads: int | None = None) -> int:
-    """Check (B, Hi, S, K) integer indices in [-1, ceil(S / bs)); H % Hi == 0 (Hi == heads when given). -> Hi."""
+def block_indices(fn: str, idx, B: int, S: int, H: int, bs: int, *, heads: int | None = None,
+                  S_k: int | None = None) -> int:
+    """Check (B, Hi, S, K) integer indices in [-1, ceil(S_k / bs)) (S_k = S unless given, the key positions);
+    H % Hi == 0 (Hi == heads when given). -> Hi."""
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"{fn}: block_indices must be a torch.Tensor, got {type(idx).__name__}")
     if idx.dtype not in _INTS:
@@ -96,13 +106,15 @@ def block_indices(fn: str, idx, B: int, S: int, H: int, bs: int, *, heads: int |
         raise ValueError(f"{fn}: block_indices has {Hi} heads, expected one per proxy head ({heads})")
     if Hi < 1 or H % Hi:
         raise ValueError(f"{fn}: block_indices has Hi = {Hi} heads; H = {H} must be a positive multiple of it")
-    nb = -(-S // bs)
+    S_k = S if S_k is None else S_k
+    nb = -(-S_k // bs)
+    keys = "S" if S_k == S else "S_k"
     if idx.numel():
         bad = (idx < -1) | (idx >= nb)
         if bool(bad.any()):
             where = tuple(int(x) for x in bad.nonzero()[0])
             raise ValueError(f"{fn}: block_indices{list(where)} = {int(idx[where])} is outside [-1, {nb}) "
-                             f"(-1 = empty slot; S = {S}, block_size = {bs} give {nb} blocks)")
+                             f"(-1 = empty slot; {keys} = {S_k}, block_size = {bs} give {nb} blocks)")
     return Hi
 
 

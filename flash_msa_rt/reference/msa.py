@@ -1,4 +1,8 @@
-"""Reference MSA: block-sparse main attention on the proxy's selection, plus the proxy KL (forward, backward)."""
+"""Reference MSA: block-sparse main attention on the proxy's selection, plus the proxy KL (forward, backward).
+
+k, v and k_proxy may hold S_k >= S positions: the S queries are then the last S of them (query row i at position
+S_k - S + i, bottom-right causal alignment) and block indices count the blocks of the S_k key positions.
+"""
 
 from __future__ import annotations
 
@@ -15,16 +19,17 @@ def msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale):
     lse, lse_proxy and kl_rows are float32, or float64 for float64 inputs (the compute dtype).
     """
     fn = "msa_forward"
-    B, S, H, _, _ = checks.main_dims(fn, q, k, v)
-    Hp, _, _ = checks.proxy_dims(fn, q_proxy, k_proxy, B, S, H)
+    B, S, H, _, _ = checks.main_dims(fn, q, k, v, keys_longer=True)
+    S_k = k.shape[1]
+    Hp, _, _ = checks.proxy_dims(fn, q_proxy, k_proxy, B, S, H, S_k)
     Bs = checks.block_size(fn, block_size)
     scale = checks.scale(fn, scale)
-    checks.block_indices(fn, block_indices, B, S, H, Bs, heads=Hp)
+    checks.block_indices(fn, block_indices, B, S, H, Bs, heads=Hp, S_k=S_k)
     checks.same_device(fn, q=q, q_proxy=q_proxy, block_indices=block_indices)
     dt = compute_dtype(q_proxy, k_proxy, q, k, v)
     hf = [attention.heads_first(x, dt) for x in (q_proxy, k_proxy, q, k, v)]
     out, lse, lse_proxy, kl_rows = attention.forward(
-        *hf[2:], _selected_keys(block_indices, Bs), scale, q_proxy=hf[0], k_proxy=hf[1])
+        *hf[2:], _selected_keys(block_indices, Bs, S_k - S), scale, q_proxy=hf[0], k_proxy=hf[1])
     return attention.seq_first(out, q.dtype), lse, lse_proxy, kl_rows
 
 
@@ -38,15 +43,16 @@ def msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, 
     KL reaches only the proxy and grad_out only q, k, v.
     """
     fn = "msa_backward"
-    B, S, H, _, _ = checks.main_dims(fn, q, k, v)
-    Hp, _, _ = checks.proxy_dims(fn, q_proxy, k_proxy, B, S, H)
+    B, S, H, _, _ = checks.main_dims(fn, q, k, v, keys_longer=True)
+    S_k = k.shape[1]
+    Hp, _, _ = checks.proxy_dims(fn, q_proxy, k_proxy, B, S, H, S_k)
     Bs = checks.block_size(fn, block_size)
     scale = checks.scale(fn, scale)
-    checks.block_indices(fn, block_indices, B, S, H, Bs, heads=Hp)
+    checks.block_indices(fn, block_indices, B, S, H, Bs, heads=Hp, S_k=S_k)
     dt = compute_dtype(q_proxy, k_proxy, q, k, v)
     return attention.proxied_backward(fn, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, grad_out, kl_grad,
-                                      scale, dt, _selected_keys(block_indices, Bs))
+                                      scale, dt, _selected_keys(block_indices, Bs, S_k - S))
 
 
-def _selected_keys(block_indices, Bs):
-    return lambda i0, i1: attention.listed_block_keys(block_indices[:, :, i0:i1], i0, i1, Bs)
+def _selected_keys(block_indices, Bs, offset):
+    return lambda i0, i1: attention.listed_block_keys(block_indices[:, :, i0:i1], i0, i1, Bs, offset)

@@ -19,12 +19,15 @@ def select_blocks(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: in
     block score c_p(i, j) (the max of the causal token scores in the block); ties go to the smaller block index.
     Slots are ascending with the empty ones (-1) last; K may exceed the number of blocks.
 
-    q_proxy (B, S, Hp, Dp), k_proxy (B, S, Hpk, Dp); proxy head p reads key head p // (Hp / Hpk). Scores are
+    q_proxy (B, S, Hp, Dp), k_proxy (B, S_k, Hpk, Dp) with S_k >= S (usually S_k = S): query row i sits at key
+    position S_k - S + i (bottom-right causal alignment) and its local block is that position // block_size.
+    Proxy head p reads key head p // (Hp / Hpk). Scores are
     float32 (float64 for float64 inputs); query rows are processed in chunks, each scoring only its causal
     prefix, and ranked per chunk, so neither (B, Hp, S, S) nor (B, Hp, S, NB) is materialised at once.
     """
     B, S = q_proxy.shape[:2] if isinstance(q_proxy, torch.Tensor) else (0, 0)
-    checks.proxy_dims(_FN, q_proxy, k_proxy, B, S, None)
+    S_k = k_proxy.shape[1] if isinstance(k_proxy, torch.Tensor) and k_proxy.dim() == 4 else S
+    checks.proxy_dims(_FN, q_proxy, k_proxy, B, S, None, S_k if S_k >= S else S)
     if S < 1:
         raise ValueError(f"{_FN}: S = {S} must be positive (varlen references accept empty sequences)")
     K = checks.top_k_blocks(_FN, top_k_blocks)
@@ -39,14 +42,14 @@ def select_blocks(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: in
 
     selected = torch.full((B, Hp, S, K), -1, dtype=torch.int32, device=q_proxy.device)
     with _ieee_fp32_matmul():
-        for i0, i1 in attention.row_chunks(S, B * Hp * S):
-            scores = block_scores_of_rows(q, kt, i0, i1, Bs, scale)  # (B, Hp, rows, nb)
-            selected[:, :, i0:i1] = _top_blocks(scores, i0, i1, K, Bs)
+        for i0, i1 in attention.row_chunks(S, B * Hp * S_k):
+            scores = block_scores_of_rows(q, kt, i0, i1, Bs, scale, S_k - S)  # (B, Hp, rows, nb)
+            selected[:, :, i0:i1] = _top_blocks(scores, S_k - S + i0, S_k - S + i1, K, Bs)
     return selected
 
 
 def _top_blocks(scores: torch.Tensor, i0: int, i1: int, K: int, Bs: int) -> torch.Tensor:
-    """Slots (B, Hp, rows, K) of rows [i0, i1) from their block scores (B, Hp, rows, nb)."""
+    """Slots (B, Hp, rows, K) of the rows at key positions [i0, i1) from their block scores (B, Hp, rows, nb)."""
     B, Hp, R, nb = scores.shape
     dev = scores.device
     local = (torch.arange(i0, i1, device=dev) // Bs).view(R, 1)
