@@ -114,7 +114,7 @@ def family(op: str, config) -> str | None:
 
 def units(arch: str, dtype_name: str = "bf16") -> list[str]:
     """Every guard unit of an arch in a dtype (the deterministic family where the arch has those kernels)."""
-    from flash_msa_rt.selftest import DETERMINISTIC_ARCHS
+    from flash_msa_rt.selftest.problems import DETERMINISTIC_ARCHS
     from flash_msa_rt.selftest.slices import SLICES
 
     return [f"{f}/{dtype_name}" for f in SLICES if f != "msa_deterministic" or arch in DETERMINISTIC_ARCHS]

@@ -16,6 +16,7 @@ An op implementation takes the arguments of the torch.library op of the same nam
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Callable
 
@@ -106,4 +107,6 @@ def reset_warnings() -> None:
 
 
 if all(b.name != kernels.KERNELS.name for b in _registry._backends):
-    register_backend(kernels.KERNELS)
+    # The kernel backend with its first-use guard (flash_msa_rt.guard runs the kernel backend's ops itself, so the
+    # two are joined here rather than in kernels.py).
+    register_backend(dataclasses.replace(kernels.KERNELS, guard=guard.admit))

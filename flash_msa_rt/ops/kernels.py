@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from flash_msa_rt import guard, loader
+from flash_msa_rt import loader
 from flash_msa_rt.errors import FlashMsaError
 from flash_msa_rt.ops import block_sparse, dense_main, select, sparse_bwd, sparse_fwd, warmup_kl
 from flash_msa_rt.ops.backends import Backend, Problem, reference_impl
@@ -356,7 +356,7 @@ def _supports(problem: Problem) -> str | None:
 
 
 KERNELS = Backend(
-    name="kernels", device_type="cuda", supports=_supports, guard=guard.admit,
+    name="kernels", device_type="cuda", supports=_supports,
     ops={"select_blocks": _select_blocks, "msa_forward": _msa_forward, "msa_backward": _msa_backward,
          "warmup_forward": _warmup_forward, "warmup_backward": _warmup_backward,
          "block_sparse_forward": _block_sparse_forward, "block_sparse_backward": _block_sparse_backward},

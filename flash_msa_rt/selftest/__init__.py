@@ -23,13 +23,13 @@ from flash_msa_rt.selftest.backends import on_kernels, resolved_backends
 from flash_msa_rt.selftest.checks import (BLOCK, PROBLEMS, Problem, block_sparse_indices, check_block_scores,
                                           check_block_sparse, check_msa, check_plan, check_select, check_warmup,
                                           selection_comparison)
+from flash_msa_rt.selftest.problems import DETERMINISTIC_ARCHS
 from flash_msa_rt.selftest.report import HEADER, Report, Row, format_row, summary, write_json
 
 __all__ = ["run", "device_arch", "Problem", "PROBLEMS", "Report", "Row", "HEADER", "format_row", "summary",
            "write_json", "resolved_backends", "on_kernels", "selection_comparison", "block_sparse_indices",
            "CHECKS", "BLOCK"]
 
-DETERMINISTIC_ARCHS = ("sm90a",)  # README: the deterministic backward kernels exist on sm90a only
 
 # (family, check, the archs that have its kernels: None = every arch the runtime supports)
 CHECKS: tuple[tuple[str, Callable, tuple[str, ...] | None], ...] = (

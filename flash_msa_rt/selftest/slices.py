@@ -15,8 +15,8 @@ from typing import Callable, Mapping
 import torch
 
 from flash_msa_rt import tolerances
-from flash_msa_rt.selftest.checks import (BLOCK, D, Problem, _deterministic, _inputs, block_sparse_indices,
-                                          check_plan, selection_comparison)
+from flash_msa_rt.selftest.problems import (BLOCK, D, Problem, _deterministic, _inputs, block_sparse_indices,
+                                            check_plan, selection_comparison)
 
 # S = 300: three key blocks, the last partial; G = H / Hp = 4 (the default config's); Hp = Hk = 2; K = 2 of 3.
 SLICE_PROBLEM = Problem(1, 300, 8, 2, 2, 1, 2)
