@@ -9,8 +9,8 @@ from flash_msa_rt import tolerances
 from flash_msa_rt.selftest.backends import backend_text as _backend_text
 from flash_msa_rt.selftest.backends import on_kernels, resolved_backends
 from flash_msa_rt.selftest.problems import (  # noqa: F401 - PROBLEMS and check_plan: the self-test's table
-    BLOCK, D, PROBLEMS, Problem, _deterministic, _inputs, _rows, _timed, block_sparse_indices, check_plan,
-    selection_comparison)
+    BLOCK, D, PROBLEMS, Problem, _deterministic, _inputs, _rows, _timed, block_sparse_comparisons,
+    block_sparse_indices, check_plan, selection_comparison)
 from flash_msa_rt.selftest.report import Row
 
 
@@ -109,7 +109,7 @@ def check_warmup(p: Problem, device, seed: int) -> list[Row]:
 
 def check_block_sparse(p: Problem, device, seed: int) -> list[Row]:
     """block_sparse_attention forward and backward (the sparse kernels without the KL pass), Hi = Hk."""
-    from flash_msa_rt import api, reference
+    from flash_msa_rt import api
 
     x, dout, g = _inputs(p, device, seed)
     idx = block_sparse_indices(p.B, p.Hk, p.S, p.K, g, device)
@@ -121,15 +121,7 @@ def check_block_sparse(p: Problem, device, seed: int) -> list[Row]:
                                                                       return_lse=True))
         grads, t_bwd = _timed(lambda: torch.autograd.grad((out * dout).sum(), leaves))
 
-    def ref(dt):
-        ins = [t.detach().to(dt) for t in leaves]
-        o, lse_r = reference.block_sparse_forward(*ins, idx, BLOCK, scale)
-        return (o, lse_r, *reference.block_sparse_backward(*ins, o, lse_r, idx, BLOCK, scale, dout.to(dt)))
-
-    want, base = ref(torch.float64), ref(torch.float32)
-    comps = [tolerances.check("out", out, want[0], base[0]),
-             tolerances.check("lse", lse, want[1], base[1], result_dtype=torch.float32)]
-    comps += [tolerances.check(f"d{n}", gr, w, b) for n, gr, w, b in zip("qkv", grads, want[2:], base[2:])]
+    comps = block_sparse_comparisons(*leaves, idx, scale, dout, out, lse, grads)
     return _rows("block_sparse", p, comps, _backend_text(seen, ops), t_fwd + t_bwd, on_kernels(seen, ops))
 
 

@@ -169,3 +169,20 @@ def check_plan(p: Problem, device, seed: int) -> list[Row]:
                                  None if not differ else "fields differ: " + ", ".join(differ[:4]))
     return _rows("plan_lists/plan_items", p, [comp], "kernel", t,
                  None if ran else "the plan kernels were not used for this problem")
+
+
+def block_sparse_comparisons(q, k, v, idx, scale: float, dout, out, lse, grads) -> list[tolerances.Comparison]:
+    """block_sparse_forward / _backward results (out, lse, dq, dk, dv) against the reference in float64, with the
+    float32 reference as the dtype baseline."""
+    from flash_msa_rt import reference
+
+    def ref(dt):
+        ins = [t.detach().to(dt) for t in (q, k, v)]
+        o, r_lse = reference.block_sparse_forward(*ins, idx, BLOCK, scale)
+        return (o, r_lse, *reference.block_sparse_backward(*ins, o, r_lse, idx, BLOCK, scale, dout.to(dt)))
+
+    want, base = ref(torch.float64), ref(torch.float32)
+    comps = [tolerances.check("out", out, want[0], base[0]),
+             tolerances.check("lse", lse, want[1], base[1], result_dtype=torch.float32)]
+    comps += [tolerances.check(f"d{n}", gr, w, b) for n, gr, w, b in zip("qkv", grads, want[2:], base[2:])]
+    return comps
