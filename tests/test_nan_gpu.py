@@ -22,19 +22,6 @@ B, S, H, Hk, Hp, Hpk, D, BS, K = 1, 700, 8, 2, 2, 1, 128, 128, 3
 SCALE = D ** -0.5
 GPU_CASES = [type(c)(c.name, 300, {"q": 5}.get(c.name, c.head), c.whole) for c in CASES]  # token 300: block 2
 
-# Known open bug (H200, f70a37f): the kernels' combines and KL passes still read NaN as "no key" (fmax drops a
-# NaN partial lse; `total > 0.0` is false for a NaN total), so lse / lse_proxy / kl_rows of these inputs come back
-# -inf or 0 and dv / dk_proxy +-inf. strict=True: once the kernels propagate NaN these cases XPASS and fail, and
-# this table goes. Sites: kernels_src/sparse_combine/kernel.py, sparse_combine_kl/kernel.py, sparse_kl/kernel.py,
-# sparse_kl/wgmma.py, warmup_kl/kernel.py.
-KERNELS_HIDE_NAN = {"msa": {"q_proxy", "k_proxy", "q", "k"}, "block_sparse": {"q", "k"}, "warmup": {"q", "k"}}
-
-
-def _known_bug(request, path: str, case) -> None:
-    if case.name in KERNELS_HIDE_NAN[path]:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"the {path} kernels hide NaN in {case.name}"))
-
-
 def _inputs(dtype, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     shapes = {"q_proxy": (B, S, Hp, D), "k_proxy": (B, S, Hpk, D), "q": (B, S, H, D), "k": (B, S, Hk, D),
@@ -97,8 +84,7 @@ def _check(got, clean, lower, upper, what):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
-def test_msa_kernels_propagate_nan(case, dtype, request):
-    _known_bug(request, "msa", case)
+def test_msa_kernels_propagate_nan(case, dtype):
     from flash_msa_rt.ops.select import select_blocks_cuda
 
     x, dout, kl_up = _inputs(dtype)
@@ -113,8 +99,7 @@ def test_msa_kernels_propagate_nan(case, dtype, request):
 
 
 @pytest.mark.parametrize("case", [c for c in GPU_CASES if c.name in ("q", "k", "v")], ids=lambda c: c.id)
-def test_block_sparse_kernels_propagate_nan(case, request):
-    _known_bug(request, "block_sparse", case)
+def test_block_sparse_kernels_propagate_nan(case):
     from flash_msa_rt import block_sparse_attention
     from flash_msa_rt.selftest import block_sparse_indices, on_kernels, resolved_backends
 
@@ -144,8 +129,7 @@ def test_block_sparse_kernels_propagate_nan(case, request):
 
 
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
-def test_warmup_kernels_propagate_nan(case, request):
-    _known_bug(request, "warmup", case)
+def test_warmup_kernels_propagate_nan(case):
     import flash_msa_rt
     from flash_msa_rt.selftest import on_kernels, resolved_backends
 

@@ -623,8 +623,9 @@ def _stat_dtype(*parts: torch.Tensor) -> torch.dtype:
 
 
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
-    """lse of a row without live slots is -inf; subtracting 0 keeps exp(-inf - lse) = 0, not NaN."""
-    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    """lse of a row without live slots is -inf; subtracting 0 keeps exp(-inf - lse) = 0, not NaN. A NaN lse (a NaN
+    input reached the row) stays NaN, as the kernels' combines keep it."""
+    return torch.where(x == float("-inf"), torch.zeros((), dtype=x.dtype, device=x.device), x)
 
 
 def combine_forward(plan: SparsePlan, block_indices: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor):
@@ -688,5 +689,5 @@ def combine_kl_lse(plan: SparsePlan, block_indices: torch.Tensor, kl_part: torch
     a = torch.where(live, parts[..., 0], zero).sum(dim=(3, 4))
     t = torch.where(live, parts[..., 1], zero).sum(dim=(3, 4))
     lse_proxy = torch.logsumexp(torch.where(live, parts[..., 2] * ln2, neg_inf).flatten(3), dim=3)
-    kl = torch.where(t > 0, ln2 * a + _finite_or_zero(lse_proxy) * t, zero)
+    kl = torch.where(t != 0, ln2 * a + _finite_or_zero(lse_proxy) * t, zero)
     return lse_proxy, kl

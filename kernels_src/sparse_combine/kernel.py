@@ -111,8 +111,11 @@ class SparseCombine(RowWarps):
                     for e in cutlass.range_constexpr(self.per_lane):
                         acc[e] = acc[e] * rescale + w * part[e].to(cutlass.Float32)
                     m = m_new
+            # total is 0 for a row without live slots (out 0, lse -inf) and NaN when a NaN reached a partial: fmax
+            # dropped the NaN lse from m but not from total, and `!=` is unordered (true for NaN), so it reaches
+            # out and lse.
             inv = cutlass.Float32(0.0)
-            if total > 0.0:
+            if total != 0.0:
                 inv = cute.arch.rcp_approx(total)
             res = cute.make_rmem_tensor((self.per_lane,), self.dtype)
             for e in cutlass.range_constexpr(self.per_lane):
@@ -124,5 +127,5 @@ class SparseCombine(RowWarps):
             cute.autovec_copy(res, dst)
             if t == 0:
                 lse[b, h, i] = neg_inf
-                if total > 0.0:
+                if total != 0.0:
                     lse[b, h, i] = (m + cute.math.log2(total, fastmath=True)) * LN2

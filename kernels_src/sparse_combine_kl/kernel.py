@@ -4,7 +4,8 @@ pairs l, l + LANES_PER_ROW, ... (slot-major, so a row's loads of one round are c
 Each lane keeps sum A, sum T and an online log2-sum-exp2 (m, s) of its live pairs' L; the row's lanes then reduce
 them by butterflies (xor offsets below LANES_PER_ROW stay inside the row's lanes), the lse's pieces rescaled to the
 row's max first. A lane or row without a finite L keeps m = -inf and s = 0, and the rescale of such a piece is
-skipped (never exp2(-inf - -inf)). Every lane of a warp runs the same rounds (the pair count is the same for all
+skipped (never exp2(-inf - -inf)). A NaN L (a NaN proxy score) joins no max: it goes into `poison`, a sum that
+is 0 or NaN, added to the lse at the end, so the row's lse and KL come out NaN. Every lane of a warp runs the same rounds (the pair count is the same for all
 rows), rows past the end included, so the shuffles always see the whole warp.
 """
 
@@ -59,6 +60,7 @@ class SparseCombineKL:
         t_sum = cutlass.Float32(0.0)
         m = neg_inf
         s = cutlass.Float32(0.0)
+        poison = cutlass.Float32(0.0)
         for pair in cutlass.range(lane, K * groups, LANES_PER_ROW, unroll=1):
             k = pair // groups
             c = pair - k * groups
@@ -72,9 +74,12 @@ class SparseCombineKL:
                     m_new = cute.arch.fmax(m, l2)
                     s = _rescaled(s, m, m_new) + cute.math.exp2(l2 - m_new, fastmath=True)
                     m = m_new
+                if l2 != l2:
+                    poison = l2
         for off in _BUTTERFLY:
             a_sum += cute.arch.shuffle_sync_bfly(a_sum, offset=off)
             t_sum += cute.arch.shuffle_sync_bfly(t_sum, offset=off)
+            poison += cute.arch.shuffle_sync_bfly(poison, offset=off)
         m_row = m
         for off in _BUTTERFLY:
             m_row = cute.arch.fmax(m_row, cute.arch.shuffle_sync_bfly(m_row, offset=off))
@@ -85,9 +90,11 @@ class SparseCombineKL:
             lse = neg_inf
             if s > 0.0:
                 lse = (m_row + cute.math.log2(s, fastmath=True)) * LN2
-            kl = cutlass.Float32(0.0)
-            if t_sum > 0.0:
-                kl = LN2 * a_sum
+            lse += poison
+            # `!=` is unordered: a NaN A or T (a NaN main score reached tau) makes the KL NaN, not 0.
+            kl = poison
+            if t_sum != 0.0:
+                kl += LN2 * a_sum
                 if s > 0.0:
                     kl += lse * t_sum
             lse_proxy[b, p, i] = lse

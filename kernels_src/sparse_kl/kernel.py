@@ -128,9 +128,10 @@ class SparseKL(SparseProxyBackward):
                                 sp2 = s_mn[r, c] * scale_log2
                                 sum_exp += cute.math.exp2(sp2 - row_max, fastmath=True)
                                 ts = tau_mn[r, c]
-                                if ts > 0.0:
+                                if ts != 0.0:
                                     # tau_sum >= FLT_MIN here (exp2.ftz never returns a denormal), whereas
-                                    # tau_sum / G could be denormal and flush to zero in lg2.ftz.
+                                    # tau_sum / G could be denormal and flush to zero in lg2.ftz. `!=` is
+                                    # unordered: a NaN tau (NaN in q or k) reaches A and T.
                                     a_sum += ts * (cute.math.log2(ts, fastmath=True) - log2_g - sp2)
                                     t_sum += ts
                         for off in cutlass.range_constexpr(2):
@@ -139,7 +140,7 @@ class SparseKL(SparseProxyBackward):
                             t_sum += cute.arch.shuffle_sync_bfly(t_sum, offset=2 >> off)
                         if qi < n_q and quad_lane == 0:
                             lse2 = -cutlass.Float32.inf
-                            if sum_exp > 0.0:
+                            if sum_exp != 0.0:  # unordered: NaN (a NaN proxy score) stays NaN
                                 lse2 = row_max + cute.math.log2(sum_exp, fastmath=True)
                             # Key group = (slice, key half): warps (4, 2) over (queries, keys), column-major,
                             # hold key half w // 4 = tidx // 128, as the wgmma kernel's warpgroups do.

@@ -187,7 +187,7 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
             qi = coord[r, 0][0]
             if qi < n_q and quad_lane == 0:
                 lse2_p = -cutlass.Float32.inf
-                if sum_exp > 0.0:
+                if sum_exp != 0.0:  # unordered: NaN (a NaN proxy score) stays NaN
                     lse2_p = row_max + cute.math.log2(sum_exp, fastmath=True)
                 dest = cutlass.Int64(entry_dest[e0 + qi])
                 col = warp_n * 3

@@ -161,7 +161,7 @@ class WarmupKL:
             if i < seqlen and quad_lane == 0:
                 lse_p = (row_max[r] + cute.math.log2(s, fastmath=True)) * LN2
                 kl = cutlass.Float32(0.0)
-                if t > 0.0:
+                if t != 0.0:  # unordered: a NaN tau (NaN in q or k) makes the KL NaN, not 0
                     kl = (a * cute.arch.rcp_approx(t) - cute.math.log2(t, fastmath=True)) * LN2 + lse_p
                 lse_proxy[b, p, i] = lse_p
                 kl_rows[b, p, i] = kl
