@@ -192,6 +192,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sparse: select/forward/backward ops and flash_msa_func; warmup: flash_msa_warmup_func; "
                         "dense: cuDNN SDPA")
     p.add_argument("--batch1", action="store_true", help="B=1 instead of B = tokens // S")
+    p.add_argument("--kl-values", type=_csv(str, ("exact", "deferred", "none")), default=["exact"],
+                   help="kl_value modes of the public ops (rows of a mode other than exact are named op/mode; "
+                        "deferred passes a kl_metric)")
     p.add_argument("--tokens", type=int, default=TOKENS, help="tokens per step: B = max(1, tokens // S)")
     p.add_argument("--skewed", action="store_true",
                    help="also time msa_forward/msa_backward on a skewed selection (block 0 + nearest blocks)")
@@ -387,7 +390,7 @@ class Case:
         backends = {o: self.backends[o] for o in ops_used}
         row["backend"] = backend if backend is not None else (
             backends[ops_used[0]] if len(ops_used) == 1 else backends)
-        row["formula"] = FORMULAS.get(op)
+        row["formula"] = FORMULAS.get(op.split("/")[0])  # "msa_func.fwd/deferred": msa_func.fwd's formula
         row.update(extra or {})
         on_reference = [o for o, b in backends.items() if b == "reference"]
         limit = None
@@ -458,18 +461,24 @@ class Case:
         dout = self.dout.view(self.B, self.S, self.H * D)
         info = dict(nnz=nnz, nnz_fraction_of_dense=nnz / dense_nnz(self.B, self.H, self.S), layout="bshd")
 
-        def whole_fwd():
-            return flash_msa_func(qp_g, kp_g, q_g, k_g, v_g, top_k=TOP_K, layout="bshd")
+        for kl_value in self.args.kl_values:
+            metric = torch.zeros((), device="cuda") if kl_value == "deferred" else None
 
-        def whole_fwd_bwd():
-            out, kl_loss = whole_fwd()
-            return torch.autograd.grad((out, kl_loss), (qp_g, kp_g, q_g, k_g, v_g), (dout, self.kl_coef))
+            def whole_fwd():
+                return flash_msa_func(qp_g, kp_g, q_g, k_g, v_g, top_k=TOP_K, layout="bshd", kl_value=kl_value,
+                                      kl_metric=metric)
 
-        used = ("select_blocks", "msa_forward", "msa_backward")
-        self.measure("msa_func.fwd", whole_fwd, ops_used=used[:2], flops=main_forward_flops(nnz),
-                     selection="proxy top-K", extra=info)
-        self.measure("msa_func.fwd+bwd", whole_fwd_bwd, ops_used=used, flops=whole_fwd_bwd_flops(nnz),
-                     selection="proxy top-K", extra=info)
+            def whole_fwd_bwd():
+                out, kl_loss = whole_fwd()
+                return torch.autograd.grad((out, kl_loss), (qp_g, kp_g, q_g, k_g, v_g), (dout, self.kl_coef))
+
+            used = ("select_blocks", "msa_forward", "msa_backward")
+            name = "" if kl_value == "exact" else f"/{kl_value}"
+            extra = dict(info, kl_value=kl_value)
+            self.measure(f"msa_func.fwd{name}", whole_fwd, ops_used=used[:2], flops=main_forward_flops(nnz),
+                         selection="proxy top-K", extra=extra)
+            self.measure(f"msa_func.fwd+bwd{name}", whole_fwd_bwd, ops_used=used, flops=whole_fwd_bwd_flops(nnz),
+                         selection="proxy top-K", extra=extra)
         if self.args.skewed:
             skewed = skewed_block_indices(self.B, self.Hp, self.S, self.K, device="cuda")
             self._per_op("skewed", skewed, nnz_main(skewed, self.H), nnz_per_index_head(skewed))
@@ -510,17 +519,23 @@ class Case:
         qp_g, kp_g, q_g, k_g, v_g = (t.detach().requires_grad_() for t in (self.qp, self.kp, self.q, self.k, self.v))
         dout = self.dout.view(self.B, self.S, self.H * D)
 
-        def fwd():
-            return flash_msa_warmup_func(qp_g, kp_g, q_g, k_g, v_g, top_k=TOP_K, layout="bshd")
-
-        def fwd_bwd():
-            out, kl_loss = fwd()
-            return torch.autograd.grad((out, kl_loss), (qp_g, kp_g, q_g, k_g, v_g), (dout, self.kl_coef))
-
         flops = dense_forward_flops(self.B, self.H, self.S)
-        self.measure("warmup_func.fwd", fwd, ops_used=("warmup_forward",), flops=flops, selection="dense causal")
-        self.measure("warmup_func.fwd+bwd", fwd_bwd, ops_used=("warmup_forward", "warmup_backward"),
-                     flops=3.5 * flops, selection="dense causal")
+        for kl_value in self.args.kl_values:
+            metric = torch.zeros((), device="cuda") if kl_value == "deferred" else None
+
+            def fwd():
+                return flash_msa_warmup_func(qp_g, kp_g, q_g, k_g, v_g, top_k=TOP_K, layout="bshd",
+                                             kl_value=kl_value, kl_metric=metric)
+
+            def fwd_bwd():
+                out, kl_loss = fwd()
+                return torch.autograd.grad((out, kl_loss), (qp_g, kp_g, q_g, k_g, v_g), (dout, self.kl_coef))
+
+            name = "" if kl_value == "exact" else f"/{kl_value}"
+            self.measure(f"warmup_func.fwd{name}", fwd, ops_used=("warmup_forward",), flops=flops,
+                         selection="dense causal", extra=dict(kl_value=kl_value))
+            self.measure(f"warmup_func.fwd+bwd{name}", fwd_bwd, ops_used=("warmup_forward", "warmup_backward"),
+                         flops=3.5 * flops, selection="dense causal", extra=dict(kl_value=kl_value))
 
     # --- cuDNN dense baseline ---
 
@@ -640,6 +655,16 @@ def print_table(rows, comps):
                        for m in (c["msa_peak_mem_bytes"], c["dense_peak_mem_bytes"]))
         mhz = "/".join(f"{m:.0f}" if m else "-" for m in (c.get("msa_sm_clock_mhz"), c.get("dense_sm_clock_mhz")))
         print(f"{c['config']:>3} {c['B']:>3} {c['S']:>6} {cells} {xd:>8} {mem:>17} {mhz:>14}")
+    modes = sorted({r["op"].split("/")[1] for r in rows if "/" in r["op"]})
+    for mode in modes:  # --kl-values: the public ops in the other modes, beside exact's
+        print(f"\nkl_value={mode} (ms/TFLOPS; exact's in the table above):")
+        for c in comps:
+            cells = []
+            for op in ("msa_func.fwd", "msa_func.fwd+bwd", "warmup_func.fwd", "warmup_func.fwd+bwd"):
+                r = next((r for r in rows if (r["config"], r["B"], r["S"], r["op"]) ==
+                          (c["config"], c["B"], c["S"], f"{op}/{mode}")), None)
+                cells.append(f"{op} {_fmt_ms(r)}")
+            print(f"{c['config']:>3} {c['B']:>3} {c['S']:>6} " + "   ".join(cells))
     skewed = [c for c in comps if any(r["selection"] == "skewed" and (r["config"], r["B"], r["S"]) ==
                                       (c["config"], c["B"], c["S"]) for r in rows)]
     if skewed:

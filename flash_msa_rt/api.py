@@ -25,7 +25,7 @@ _MSA_NAMES = ("q_proxy", "k_proxy", "q", "k", "v")
 
 
 def flash_msa_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, document_list=None, *, cu_seqlens=None,
-                   kl_metric=None, layout="bhsd", block_size=128):
+                   kl_metric=None, layout="bhsd", block_size=128, kl_value="exact"):
     """MiniMax Sparse Attention: proxy top-K block selection, sparse causal attention and the proxy KL loss.
 
     q_proxy (B, Hp, S, Dp), k_proxy (B, Hpk, S, Dp), q (B, H, S, D), k and v (B, Hk, S, D) for layout="bhsd";
@@ -41,31 +41,35 @@ def flash_msa_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, document_list=N
     every multiple of S); each segment is an independent sequence (causal within it, blocks aligned to its start).
     Validating it synchronises. At most one of document_list and cu_seqlens.
     kl_metric: optional 0-dim float32 tensor on q's device that receives the KL value (published compatibility).
+    kl_value: "exact" (default): kl_loss holds the KL after the forward (and kl_metric too). "deferred": the
+    forward skips the KL pass, kl_loss's value is 0 (its gradient unchanged) and the backward writes the exact KL
+    into kl_metric, on the device; with no backward (no_grad, inputs without grad) a given kl_metric makes the call
+    "exact". "none": no KL value at all (kl_metric must be None). Gradients are the same in every mode.
 
     Returns (out (B, S, H * D) in q's dtype, kl_loss): kl_loss is a 0-dim float32 tensor (float64 for float64
     inputs) holding the true KL, mean over (b, p, i) of KL(tau || pi); its gradient reaches q_proxy and k_proxy
     only, scaled by whatever multiplies it in the loss (read on the device: no host synchronisation).
     """
     return _msa("flash_msa_func", True, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_seqlens,
-                kl_metric, layout, block_size)
+                kl_metric, layout, block_size, kl_value)
 
 
 def flash_msa_warmup_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, document_list=None, *, cu_seqlens=None,
-                          kl_metric=None, layout="bhsd", block_size=128):
+                          kl_metric=None, layout="bhsd", block_size=128, kl_value="exact"):
     """Warmup mode of flash_msa_func: dense causal main attention, the proxy trained by the KL over every causal key.
 
     Same arguments and returns as flash_msa_func. top_k and block_size are validated for compatibility and
     otherwise unused (no selection happens in warmup).
     """
     return _msa("flash_msa_warmup_func", False, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_seqlens,
-                kl_metric, layout, block_size)
+                kl_metric, layout, block_size, kl_value)
 
 
 flash_msa_func_warmup = flash_msa_warmup_func  # the published alias
 
 
 def flash_msa_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale=None, *, block_size=128,
-                          kl_metric=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_k=None):
+                          kl_metric=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_k=None, kl_value="exact"):
     """flash_msa_func over packed sequences, FlashAttention varlen style.
 
     q_proxy (total, Hp, Dp), k_proxy (total, Hpk, Dp), q (total, H, D), k and v (total, Hk, D); cu_seqlens int32
@@ -82,19 +86,19 @@ def flash_msa_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top
     sequence s reads the L_k = seqused_k[s] keys from cu_seqlens_k[s] on, so key ranges may overlap: one rank's
     two zigzag chunks of a sequence are two query sequences over one gathered key tensor, without a copy
     (docs/msa-semantics.md); key gradients sum over every sequence that reads a key. Separate key lengths run on
-    the reference (the kernels do not take packed sequences yet).
+    the reference (the kernels do not take packed sequences yet). kl_value as flash_msa_func's.
     """
     return _msa_varlen("flash_msa_varlen_func", True, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k,
-                       scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k)
+                       scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k, kl_value)
 
 
 def flash_msa_warmup_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale=None, *,
                                  block_size=128, kl_metric=None, cu_seqlens_k=None, max_seqlen_k=None,
-                                 seqused_k=None):
+                                 seqused_k=None, kl_value="exact"):
     """Warmup mode of flash_msa_varlen_func (dense causal per sequence; top_k validated, unused); cu_seqlens_k,
-    max_seqlen_k and seqused_k as there."""
+    max_seqlen_k, seqused_k and kl_value as there."""
     return _msa_varlen("flash_msa_warmup_varlen_func", False, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen,
-                       top_k, scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k)
+                       top_k, scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k, kl_value)
 
 
 def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *, layout="bhsd", return_lse=False):
@@ -181,7 +185,8 @@ def _check_five(fn, tensors, ndim, dims_text):
 
 
 def _msa(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_seqlens, kl_metric, layout,
-         block_size):
+         block_size, kl_value):
+    kl_value = _v.check_kl_value(fn, kl_value, kl_metric)
     _v.check_layout(fn, layout)
     _check_five(fn, (q_proxy, k_proxy, q, k, v), 4, _v.LAYOUTS[layout])
     q_proxy, k_proxy, q, k, v = (_layout.to_bshd(t, layout) for t in (q_proxy, k_proxy, q, k, v))
@@ -202,12 +207,13 @@ def _msa(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_
         _v.check_cu_seqlens_values(fn, cu_seqlens, dims.B * dims.S, row_len=dims.S)
     if cu_seqlens is not None:  # batch rows become consecutive packed sequences of one row
         q_proxy, k_proxy, q, k, v = (_layout.flatten_batch(t) for t in (q_proxy, k_proxy, q, k, v))
-    out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric)
+    out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value)
     return out.reshape(dims.B, dims.S, dims.H * dims.D), kl_loss
 
 
 def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale, block_size, kl_metric,
-                cu_seqlens_k=None, max_seqlen_k=None, seqused_k=None):
+                cu_seqlens_k=None, max_seqlen_k=None, seqused_k=None, kl_value="exact"):
+    kl_value = _v.check_kl_value(fn, kl_value, kl_metric)
     separate = cu_seqlens_k is not None
     if not separate:
         for name, value in (("max_seqlen_k", max_seqlen_k), ("seqused_k", seqused_k)):
@@ -233,24 +239,36 @@ def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, t
         longest_k = _v.check_key_offsets(fn, cu_seqlens, cu_seqlens_k, seqused_k, k.shape[1], q.device)
         _v.check_max_seqlen(fn, max_seqlen_k, longest_k, name="max_seqlen_k",
                             offsets="cu_seqlens_k / seqused_k" if seqused_k is not None else "cu_seqlens_k")
-    out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric,
+    out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value,
                         cu_seqlens_k, seqused_k)
     return out[0], kl_loss
 
 
-def _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, cu_seqlens_k=None,
-         seqused_k=None):
+def _kl_in_forward(kl_value: str, kl_metric, tensors) -> bool:
+    """Whether the forward runs the KL pass: "exact" does, and "deferred" where no backward will run (no_grad or no
+    input needing a gradient) while a kl_metric waits for the value (msa-semantics.md, kl_value)."""
+    if kl_value == "exact":
+        return True
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return kl_value == "deferred" and kl_metric is not None and not backward
+
+
+def _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value,
+         cu_seqlens_k=None, seqused_k=None):
     """The ops on (B, S, heads, D) views; kl_loss = mean of kl_rows, formed here so its upstream gradient reaches the
-    backward as a device tensor (no host read of the loss coefficient)."""
+    backward as a device tensor (no host read of the loss coefficient). Without the KL pass in the forward, kl_rows
+    are zeros (kl_loss's value 0, its gradient unchanged) and the backward writes kl_metric."""
+    kl = _kl_in_forward(kl_value, kl_metric, (q_proxy, k_proxy, q, k, v))
+    deferred_metric = None if kl else kl_metric
     if sparse:
         block_indices = _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, cu_seqlens,
                                            cu_seqlens_k, seqused_k)
         out, _, _, kl_rows = _ops.msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale,
-                                              cu_seqlens, cu_seqlens_k, seqused_k)
+                                              cu_seqlens, cu_seqlens_k, seqused_k, kl, deferred_metric)
     else:
         out, _, _, kl_rows = _ops.warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k,
-                                                 seqused_k)
+                                                 seqused_k, kl, deferred_metric)
     kl_loss = kl_rows.sum() / max(kl_rows.numel(), 1)
-    if kl_metric is not None:
+    if kl_metric is not None and kl:
         kl_metric.copy_(kl_loss.detach())
     return out, kl_loss

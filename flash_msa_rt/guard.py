@@ -103,7 +103,7 @@ def family(op: str, config) -> str | None:
     """The guard family of a dispatch op: the slice that proves its kernels."""
     if op == "select_blocks":
         return "select"
-    if op in ("msa_forward", "msa_backward"):
+    if op in ("msa_forward", "msa_backward", "msa_kl"):
         return "msa_deterministic" if op == "msa_backward" and config.get("deterministic") else "msa"
     if op.startswith("warmup_"):
         return "warmup"

@@ -170,8 +170,8 @@ def test_warmup_falls_back_to_the_sparse_main_path_when_cudnn_refuses(monkeypatc
     monkeypatch.setattr(kernels.torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(kernels.dense_main, "dense_forward", refuse)
     monkeypatch.setattr(kernels.dense_main, "dense_backward", refuse)
-    monkeypatch.setattr(kernels, "_msa_forward", lambda *a: calls.append("sparse_fwd") or "fwd")
-    monkeypatch.setattr(kernels, "_msa_backward", lambda *a: calls.append("sparse_bwd") or "bwd")
+    monkeypatch.setattr(kernels, "_msa_forward", lambda *a, **kw: calls.append("sparse_fwd") or "fwd")
+    monkeypatch.setattr(kernels, "_msa_backward", lambda *a, **kw: calls.append("sparse_bwd") or "bwd")
     qp = torch.zeros(1, 300, 2, 128)
     q = torch.zeros(1, 300, 8, 128)
     with pytest.warns(RuntimeWarning, match="cuDNN attention failed"):
@@ -194,7 +194,7 @@ def test_warmup_backward_falls_back_when_only_cudnn_backward_refuses(monkeypatch
     monkeypatch.setattr(kernels.dense_main, "available", lambda: None)
     monkeypatch.setattr(kernels.torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(kernels.dense_main, "dense_backward", refuse)
-    monkeypatch.setattr(kernels, "_msa_backward", lambda *a: calls.append("sparse_bwd") or "bwd")
+    monkeypatch.setattr(kernels, "_msa_backward", lambda *a, **kw: calls.append("sparse_bwd") or "bwd")
     qp = torch.zeros(1, 300, 2, 128)
     q = torch.zeros(1, 300, 8, 128)
     with pytest.warns(RuntimeWarning, match="cuDNN attention failed"):

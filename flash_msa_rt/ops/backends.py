@@ -12,8 +12,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-OPS = ("select_blocks", "msa_forward", "msa_backward", "warmup_forward", "warmup_backward", "block_sparse_forward",
-       "block_sparse_backward")
+# msa_kl / warmup_kl: the KL pass alone given the main attention's final lse, (lse_proxy, kl_rows); the forwards
+# skip it with kl=False (kl_value "deferred" and "none": the backward runs it, flash_msa_rt.ops.library).
+OPS = ("select_blocks", "msa_forward", "msa_backward", "msa_kl", "warmup_forward", "warmup_backward", "warmup_kl",
+       "block_sparse_forward", "block_sparse_backward")
 
 
 @dataclass(frozen=True)
@@ -90,11 +92,24 @@ def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens
                                        block_size=block_size, scale=scale, **key_offsets)
 
 
-def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, **key_offsets):
+def _without_kl(outputs, kl: bool):
+    """The reference computes the KL with the main attention; kl=False returns zeros in its place (out and lse are
+    then bitwise those of kl=True, so every kl_value mode's backward sees the same tensors)."""
+    out, lse, lse_proxy, kl_rows = outputs
+    return outputs if kl else (out, lse, torch.zeros_like(lse_proxy), torch.zeros_like(kl_rows))
+
+
+def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, *, kl=True,
+                 **key_offsets):
     if cu_seqlens is None:
-        return _ref().msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale)
-    return _ref().msa_forward_varlen(q_proxy, k_proxy, q, k, v, block_indices, cu_seqlens=cu_seqlens,
-                                     block_size=block_size, scale=scale, **key_offsets)
+        return _without_kl(_ref().msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale), kl)
+    return _without_kl(_ref().msa_forward_varlen(q_proxy, k_proxy, q, k, v, block_indices, cu_seqlens=cu_seqlens,
+                                                 block_size=block_size, scale=scale, **key_offsets), kl)
+
+
+def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, **key_offsets):
+    """(lse_proxy, kl_rows): the reference's forward again (it has no KL pass of its own; lse is the same)."""
+    return _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, **key_offsets)[2:]
 
 
 def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
@@ -106,11 +121,15 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
                                       **key_offsets)
 
 
-def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, **key_offsets):
+def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, *, kl=True, **key_offsets):
     if cu_seqlens is None:
-        return _ref().warmup_forward(q_proxy, k_proxy, q, k, v, scale)
-    return _ref().warmup_forward_varlen(q_proxy, k_proxy, q, k, v, cu_seqlens=cu_seqlens, scale=scale,
-                                        **key_offsets)
+        return _without_kl(_ref().warmup_forward(q_proxy, k_proxy, q, k, v, scale), kl)
+    return _without_kl(_ref().warmup_forward_varlen(q_proxy, k_proxy, q, k, v, cu_seqlens=cu_seqlens, scale=scale,
+                                                    **key_offsets), kl)
+
+
+def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, **key_offsets):
+    return _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, **key_offsets)[2:]
 
 
 def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None,
@@ -139,8 +158,9 @@ def _block_sparse_backward(q, k, v, out, lse, block_indices, block_size, scale, 
 _REFERENCE = Backend(
     name="reference", device_type=None, supports=lambda problem: None,
     ops={"select_blocks": _select_blocks, "msa_forward": _msa_forward, "msa_backward": _msa_backward,
-         "warmup_forward": _warmup_forward, "warmup_backward": _warmup_backward,
-         "block_sparse_forward": _block_sparse_forward, "block_sparse_backward": _block_sparse_backward})
+         "msa_kl": _msa_kl, "warmup_forward": _warmup_forward, "warmup_backward": _warmup_backward,
+         "warmup_kl": _warmup_kl, "block_sparse_forward": _block_sparse_forward,
+         "block_sparse_backward": _block_sparse_backward})
 _backends.append(_REFERENCE)
 
 

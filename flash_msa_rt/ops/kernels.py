@@ -131,10 +131,29 @@ def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens
     return select.select_blocks_cuda(_tma_ready(q_proxy), _tma_ready(k_proxy), top_k_blocks, block_size, scale)
 
 
-def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None):
+def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, *, kl=True):
     assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
-    return sparse_fwd.msa_forward_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v)),
-                                       block_indices.contiguous(), block_size, scale)
+    if kl:
+        return sparse_fwd.msa_forward_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v)),
+                                           block_indices.contiguous(), block_size, scale)
+    # The main attention alone (the same sparse_fwd and combine launches): lse_proxy and kl_rows come from msa_kl
+    # in the backward.
+    out, lse, _, _ = sparse_fwd.msa_forward_cuda(None, None, *(_tma_ready(t) for t in (q, k, v)),
+                                                 block_indices.contiguous(), block_size, scale)
+    return out, lse, *_no_kl(q_proxy)
+
+
+def _no_kl(q_proxy) -> tuple[torch.Tensor, torch.Tensor]:
+    """lse_proxy and kl_rows of a forward without the KL pass: zeros (kl_loss's forward value is then 0)."""
+    B, S, Hp, _ = q_proxy.shape
+    zeros = torch.zeros((2, B, Hp, S), dtype=torch.float32, device=q_proxy.device)
+    return zeros[0], zeros[1]
+
+
+def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None):
+    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    return sparse_fwd.msa_kl_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k)), lse, block_indices.contiguous(),
+                                  block_size, scale)
 
 
 def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
@@ -223,24 +242,38 @@ def _warmup_fits(q_proxy, q) -> bool:
     return _dense_main(q) or _warmup_entries(q_proxy) * (q.shape[2] // q_proxy.shape[2]) < _INT32_LIMIT
 
 
-def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None):
+def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, *, kl=True):
     assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
     if not _warmup_fits(q_proxy, q):
-        return reference_impl("warmup_forward")(q_proxy, k_proxy, q, k, v, scale, cu_seqlens)
+        return reference_impl("warmup_forward")(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, kl=kl)
     if not _dense_main(q):
-        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
+        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale, kl=kl)
     q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
     try:
         out, lse = dense_main.dense_forward(q, k, v, scale)
     except RuntimeError as e:
         _cudnn_refused(q, e)
-        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
+        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale, kl=kl)
+    return (out, lse, *(_dense_warmup_kl(q_proxy, k_proxy, q, k, lse, scale) if kl else _no_kl(q_proxy)))
+
+
+def _dense_warmup_kl(q_proxy, k_proxy, q, k, lse, scale):
+    """(lse_proxy, kl_rows) of warmup over a dense main attention's lse: the dense KL kernels where built, else the
+    sparse KL pass with every causal block selected."""
     if _warmup_tuning(q).dense_proxy and warmup_kl.usable(q_proxy, q) is None:
-        lse_proxy, kl_rows = warmup_kl.warmup_kl_cuda(q_proxy, k_proxy, q, k, lse, scale)
-    else:
-        lse_proxy, kl_rows = sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse,
-                                                    AllCausalBlocks(q_proxy, WARMUP_BLOCK), WARMUP_BLOCK, scale)
-    return out, lse, lse_proxy, kl_rows
+        return warmup_kl.warmup_kl_cuda(q_proxy, k_proxy, q, k, lse, scale)
+    return sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse, AllCausalBlocks(q_proxy, WARMUP_BLOCK), WARMUP_BLOCK,
+                                  scale)
+
+
+def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None):
+    """warmup_forward's KL pass alone, on the route its forward took (the same kernels, so the same lse_proxy)."""
+    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    if not _warmup_fits(q_proxy, q):
+        return reference_impl("warmup_kl")(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens)
+    if not _dense_main(q):
+        return _msa_kl(q_proxy, k_proxy, q, k, v, lse, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
+    return _dense_warmup_kl(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k)), lse, scale)
 
 
 def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None):
@@ -340,8 +373,14 @@ def _block_sparse_backward(q, k, v, out, lse, block_indices, block_size, scale, 
     return block_sparse.block_sparse_backward_cuda(q, k, v, out, lse, block_indices, block_size, scale, grad_out)
 
 
+def _as_forward(supports, op: str):
+    """The KL pass alone runs where its forward runs (the forward's variants include the KL pass's)."""
+    return lambda problem: supports(Problem(op, problem.device, problem.dtype, problem.config))
+
+
 _SUPPORTS = {"select_blocks": _select_supports, "msa_forward": _msa_supports, "msa_backward": _msa_supports,
-             "warmup_forward": _warmup_supports, "warmup_backward": _warmup_supports,
+             "msa_kl": _as_forward(_msa_supports, "msa_forward"), "warmup_forward": _warmup_supports,
+             "warmup_backward": _warmup_supports, "warmup_kl": _as_forward(_warmup_supports, "warmup_forward"),
              "block_sparse_forward": _block_sparse_supports, "block_sparse_backward": _block_sparse_supports}
 
 
@@ -358,8 +397,8 @@ def _supports(problem: Problem) -> str | None:
 KERNELS = Backend(
     name="kernels", device_type="cuda", supports=_supports,
     ops={"select_blocks": _select_blocks, "msa_forward": _msa_forward, "msa_backward": _msa_backward,
-         "warmup_forward": _warmup_forward, "warmup_backward": _warmup_backward,
-         "block_sparse_forward": _block_sparse_forward, "block_sparse_backward": _block_sparse_backward},
+         "msa_kl": _msa_kl, "warmup_forward": _warmup_forward, "warmup_backward": _warmup_backward,
+         "warmup_kl": _warmup_kl, "block_sparse_forward": _block_sparse_forward, "block_sparse_backward": _block_sparse_backward},
 )
 
 

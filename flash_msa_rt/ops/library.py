@@ -12,6 +12,11 @@ Autograd: the differentiable outputs are `out` (to q, k, v) and `kl_rows` (to q_
 detached); lse and lse_proxy are saved for the backward and marked non-differentiable. Gradients that do not arrive
 are passed to the backward op as None instead of materialised zeros. A backward runs under the tuning overrides
 its forward ran under (flash_msa_rt.tuning.override): autograd runs it on its own threads.
+
+KL value modes (kl_value of the public API): with kl=False the forwards skip the KL pass and return zeros for
+lse_proxy and kl_rows; their backward runs the KL pass (msa_kl, warmup_kl: the same kernels on the same lse, so the
+same lse_proxy and gradients) where the proxy's gradient or the caller's kl_metric needs it, and writes the KL value
+(mean of kl_rows, as flash_msa_rt.api forms kl_loss) into kl_metric on the device.
 """
 
 from __future__ import annotations
@@ -67,6 +72,11 @@ def _stats(q: Tensor, out: Tensor, *stats: Tensor):
     return (out.contiguous(), *(s.to(dt).contiguous() for s in stats))
 
 
+def _stats_only(q: Tensor, *stats: Tensor):
+    """_stats without an out."""
+    return tuple(s.to(stat_dtype(q.dtype)).contiguous() for s in stats)
+
+
 def _impl(op: str, like: Tensor, config: dict):
     return dispatch.implementation(op, like.device, like.dtype, **config)
 
@@ -96,12 +106,13 @@ def _(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, cu_seq
 @torch.library.custom_op(f"{NAMESPACE}::msa_forward", mutates_args=())
 def msa_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor,
                 block_size: int, scale: float, cu_seqlens: Optional[Tensor] = None,
-                cu_seqlens_k: Optional[Tensor] = None,
-                seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None, kl: bool = True,
+                kl_metric: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out (B, S, H, D) q.dtype, lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)); statistics float32
-    (float64 for float64 inputs). S counts the queries (q's dim 1)."""
+    (float64 for float64 inputs). S counts the queries (q's dim 1). kl=False: lse_proxy and kl_rows are zeros and
+    the backward forms them (writing the KL value into kl_metric, which the forward does not touch)."""
     impl = _impl("msa_forward", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k))
-    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens,
+    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, kl=kl,
                            **_key_offsets("msa_forward", cu_seqlens, cu_seqlens_k, seqused_k)))
 
 
@@ -115,8 +126,39 @@ def _msa_outputs_fake(q_proxy, q):
 
 @msa_forward.register_fake
 def _(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
-      seqused_k=None):
+      seqused_k=None, kl=True, kl_metric=None):
     return _msa_outputs_fake(q_proxy, q)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::msa_kl", mutates_args=())
+def msa_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, block_indices: Tensor,
+           block_size: int, scale: float, cu_seqlens: Optional[Tensor] = None,
+           cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(lse_proxy, kl_rows) of msa_forward given its lse: the KL pass alone (kl=False's backward)."""
+    impl = _impl("msa_kl", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k))
+    return _stats_only(q, *impl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens,
+                                **_key_offsets("msa_kl", cu_seqlens, cu_seqlens_k, seqused_k)))
+
+
+def _kl_fake(q_proxy, q):
+    return _msa_outputs_fake(q_proxy, q)[2:]
+
+
+@msa_kl.register_fake
+def _(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
+      seqused_k=None):
+    return _kl_fake(q_proxy, q)
+
+
+def _deferred_kl(ctx, kl_pass, grad_kl_rows, lse_proxy):
+    """lse_proxy for the backward: the forward's, or (kl=False) the KL pass's, which also writes the KL value into
+    the caller's kl_metric. Runs the pass only where the proxy gradient or kl_metric needs it."""
+    if ctx.kl or (grad_kl_rows is None and ctx.kl_metric is None):
+        return lse_proxy
+    lse_proxy, kl_rows = kl_pass()
+    if ctx.kl_metric is not None:
+        ctx.kl_metric.copy_(kl_rows.sum() / max(kl_rows.numel(), 1))  # flash_msa_rt.api's kl_loss
+    return lse_proxy
 
 
 @torch.library.custom_op(f"{NAMESPACE}::msa_backward", mutates_args=())
@@ -143,11 +185,14 @@ def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size,
 
 
 def _msa_setup_context(ctx, inputs, output):
-    q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k = inputs
+    (q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl,
+     kl_metric) = inputs
     out, lse, lse_proxy, _ = output
     ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens, cu_seqlens_k,
                           seqused_k)
     ctx.block_size, ctx.scale, ctx.tuning = block_size, scale, tuning.current()
+    # kl_metric is written, not read: held as is, outside save_for_backward's version check.
+    ctx.kl, ctx.kl_metric = kl, kl_metric
     ctx.mark_non_differentiable(lse, lse_proxy)
     ctx.set_materialize_grads(False)
 
@@ -155,12 +200,15 @@ def _msa_setup_context(ctx, inputs, output):
 def _msa_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
     q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens, cu_seqlens_k, seqused_k = \
         ctx.saved_tensors
-    if grad_out is None and grad_kl_rows is None:
-        return (None,) * 11
     with tuning.applied(ctx.tuning):
+        lse_proxy = _deferred_kl(ctx, lambda: msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, ctx.block_size,
+                                                     ctx.scale, cu_seqlens, cu_seqlens_k, seqused_k),
+                                 grad_kl_rows, lse_proxy)
+        if grad_out is None and grad_kl_rows is None:
+            return (None,) * 13
         grads = msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, ctx.block_size,
                              ctx.scale, grad_out, grad_kl_rows, cu_seqlens, cu_seqlens_k, seqused_k)
-    return (*_arrived(grads, grad_out, grad_kl_rows), None, None, None, None, None, None)
+    return (*_arrived(grads, grad_out, grad_kl_rows),) + (None,) * 8
 
 
 def _arrived(grads, grad_out, grad_kl_rows):
@@ -182,16 +230,33 @@ msa_forward.register_autograd(_msa_backward_rule, setup_context=_msa_setup_conte
 @torch.library.custom_op(f"{NAMESPACE}::warmup_forward", mutates_args=())
 def warmup_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float,
                    cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-                   seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """msa_forward's outputs with every causal key allowed (no selection)."""
+                   seqused_k: Optional[Tensor] = None, kl: bool = True,
+                   kl_metric: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """msa_forward's outputs with every causal key allowed (no selection); kl and kl_metric as msa_forward's."""
     impl = _impl("warmup_forward", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k))
     keys = _key_offsets("warmup_forward", cu_seqlens, cu_seqlens_k, seqused_k)
-    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, **keys))
+    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, kl=kl, **keys))
 
 
 @warmup_forward.register_fake
-def _(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
+def _(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, kl=True,
+      kl_metric=None):
     return _msa_outputs_fake(q_proxy, q)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::warmup_kl", mutates_args=())
+def warmup_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, scale: float,
+              cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+              seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(lse_proxy, kl_rows) of warmup_forward given its lse: the KL pass alone (kl=False's backward)."""
+    impl = _impl("warmup_kl", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k))
+    keys = _key_offsets("warmup_kl", cu_seqlens, cu_seqlens_k, seqused_k)
+    return _stats_only(q, *impl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens, **keys))
+
+
+@warmup_kl.register_fake
+def _(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
+    return _kl_fake(q_proxy, q)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::warmup_backward", mutates_args=())
@@ -214,22 +279,26 @@ def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, 
 
 
 def _warmup_setup_context(ctx, inputs, output):
-    q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k, seqused_k = inputs
+    q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl, kl_metric = inputs
     out, lse, lse_proxy, _ = output
     ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k)
     ctx.scale, ctx.tuning = scale, tuning.current()
+    ctx.kl, ctx.kl_metric = kl, kl_metric  # as _msa_setup_context
     ctx.mark_non_differentiable(lse, lse_proxy)
     ctx.set_materialize_grads(False)
 
 
 def _warmup_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
     q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k = ctx.saved_tensors
-    if grad_out is None and grad_kl_rows is None:
-        return (None,) * 9
     with tuning.applied(ctx.tuning):
+        lse_proxy = _deferred_kl(ctx, lambda: warmup_kl(q_proxy, k_proxy, q, k, v, lse, ctx.scale, cu_seqlens,
+                                                        cu_seqlens_k, seqused_k),
+                                 grad_kl_rows, lse_proxy)
+        if grad_out is None and grad_kl_rows is None:
+            return (None,) * 11
         grads = warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, ctx.scale, grad_out, grad_kl_rows,
                                 cu_seqlens, cu_seqlens_k, seqused_k)
-    return (*_arrived(grads, grad_out, grad_kl_rows), None, None, None, None)
+    return (*_arrived(grads, grad_out, grad_kl_rows),) + (None,) * 6
 
 
 warmup_forward.register_autograd(_warmup_backward_rule, setup_context=_warmup_setup_context)

@@ -168,6 +168,18 @@ def check_kl_metric(fn: str, kl_metric, device: torch.device) -> None:
         raise ValueError(f"{fn}: kl_metric receives the KL value in place and must not require grad")
 
 
+KL_VALUES = ("exact", "deferred", "none")
+
+
+def check_kl_value(fn: str, kl_value, kl_metric) -> str:
+    if not isinstance(kl_value, str) or kl_value not in KL_VALUES:
+        raise ValueError(f"{fn}: kl_value={kl_value!r} is not supported; expected one of {', '.join(KL_VALUES)}")
+    if kl_value == "none" and kl_metric is not None:
+        raise ValueError(f"{fn}: kl_value='none' computes no KL value, so kl_metric must be None (got a tensor); pass "
+                         f"kl_value='deferred' to receive the value in kl_metric during the backward")
+    return kl_value
+
+
 def check_cu_seqlens(fn: str, cu_seqlens, device: torch.device, name: str = "cu_seqlens") -> None:
     """Type, dtype, shape and device of cu_seqlens (or cu_seqlens_k: `name`); its values are checked by
     check_cu_seqlens_values."""

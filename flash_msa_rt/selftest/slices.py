@@ -45,13 +45,15 @@ def _kl_weights(p: Problem, device) -> torch.Tensor:
 
 def _proxied(ops, fwd: str, bwd: str, ref_fwd, ref_bwd, sel_args: tuple, p: Problem, device,
              repeat_deterministic: bool = False) -> list[tolerances.Comparison]:
-    """msa or warmup: forward (out, kl_rows), then the backward on the forward's own out / lse / lse_proxy."""
+    """msa or warmup: forward (out, kl_rows), then the backward on the forward's own out / lse / lse_proxy; the KL
+    pass alone (kl_value "deferred"'s backward) on the forward's lse gives the same kl_rows."""
     x, dout, _ = _inputs(p, device, seed=12)
     ins = list(x.values())
     kl_grad = _kl_weights(p, device)
     out, lse, lse_p, kl_rows = ops[fwd](*ins, *sel_args, _SCALE, None)
     # what the torch.library op saves for its backward (flash_msa_rt.ops.library._stats)
     out, lse, lse_p = out.contiguous(), lse.float().contiguous(), lse_p.float().contiguous()
+    kl_alone = ops[fwd.replace("forward", "kl")](*ins[:4], ins[4], lse, *sel_args, _SCALE, None)[1]
     if repeat_deterministic:
         with _deterministic():
             grads = ops[bwd](*ins, out, lse, lse_p, *sel_args, _SCALE, dout, kl_grad, None)
@@ -67,7 +69,8 @@ def _proxied(ops, fwd: str, bwd: str, ref_fwd, ref_bwd, sel_args: tuple, p: Prob
 
     want, base = ref(torch.float64), ref(torch.float32)
     comps = [tolerances.check("out", out.reshape(dout.shape), want[0], base[0]),
-             tolerances.check("kl_loss", kl_rows.float().mean(), want[1], base[1])]
+             tolerances.check("kl_loss", kl_rows.float().mean(), want[1], base[1]),
+             tolerances.check("kl_loss (KL pass alone)", kl_alone.float().mean(), want[1], base[1])]
     comps += [tolerances.check(f"d{n}", g, w, b) for n, g, w, b in zip(x, grads, want[2], base[2])]
     if repeat_deterministic:
         same = all(torch.equal(a, b) for a, b in zip(grads, again))

@@ -1,0 +1,66 @@
+"""kl_value on the kernels (H200): "deferred" and "none" forwards skip the KL pass, the backward runs it (msa_kl,
+warmup_kl) on the same lse with the same kernels, so the deferred value equals the exact one (target: within 1e-3
+relative; the same launches make it bitwise) and the gradients are bitwise equal across the three modes in
+deterministic mode (sparse MSA: its deterministic kernels; warmup: its backward declines deterministic mode and runs
+the reference, still bitwise across modes). tests/test_kl_value.py holds the same contract on the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_msa_rt as F
+from flash_msa_rt.selftest import on_kernels, resolved_backends
+
+pytestmark = pytest.mark.gpu
+
+B, S, H, Hk, Hp, Hpk, D = 1, 4100, 16, 4, 4, 1, 128  # G = 4, odd S: a partial last block
+TOP_K = 1024
+
+
+def _inputs(seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(B, h, S, D, device="cuda", generator=g).to(torch.bfloat16) for h in (Hp, Hpk, H, Hk, Hk)]
+
+
+def _step(fn, ins, kl_value, metric, dout):
+    leaves = [t.clone().requires_grad_() for t in ins]
+    with resolved_backends() as seen:
+        out, kl = fn(*leaves, TOP_K, kl_metric=metric, kl_value=kl_value)
+        forward_kl = kl.detach().clone()
+        ((out.float() * dout).sum() + 0.3 * kl).backward()
+    torch.cuda.synchronize()
+    return forward_kl, [t.grad for t in leaves], seen
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("entry", ["flash_msa_func", "flash_msa_warmup_func"])
+def test_deferred_value_and_gradients_match_exact_on_the_kernels(entry, deterministic):
+    fn = getattr(F, entry)
+    ins = _inputs(0)
+    dout = torch.randn(B, S, H * D, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        exact_metric = torch.zeros((), device="cuda")
+        exact_kl, exact_grads, seen = _step(fn, ins, "exact", exact_metric, dout)
+        deferred_metric = torch.zeros((), device="cuda")
+        deferred_kl, deferred_grads, seen_d = _step(fn, ins, "deferred", deferred_metric, dout)
+        none_kl, none_grads, _ = _step(fn, ins, "none", None, dout)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    forward_op = "msa_forward" if entry == "flash_msa_func" else "warmup_forward"
+    kl_op = forward_op.replace("forward", "kl")
+    assert on_kernels(seen, (forward_op,)) is None, seen
+    assert on_kernels(seen_d, (forward_op, kl_op)) is None, seen_d
+    assert deferred_kl == 0 and none_kl == 0
+    rel = abs(float(deferred_metric) - float(exact_kl)) / abs(float(exact_kl))
+    print(f"\n{entry} deterministic={deterministic}: exact KL {float(exact_kl):.6f}, deferred "
+          f"{float(deferred_metric):.6f} (relative difference {rel:.2e}; target <= 1e-3)")
+    assert float(exact_kl) > 0 and rel <= 1e-3
+    for name, e, d, n in zip(("q_proxy", "k_proxy", "q", "k", "v"), exact_grads, deferred_grads, none_grads):
+        if deterministic:
+            assert torch.equal(e, d) and torch.equal(e, n), f"{entry} d{name}: modes differ in deterministic mode"
+        else:  # fp32 atomics: equal up to their summation order
+            for other in (d, n):
+                torch.testing.assert_close(other.float(), e.float(), rtol=2e-2, atol=2e-2 * e.float().abs().max())
