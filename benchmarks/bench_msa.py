@@ -358,16 +358,16 @@ class Case:
         self.dout = randn(B, S, H, D)
         self.kl_coef = torch.tensor(0.1, device="cuda")
         self.kl_grad = torch.full((), 0.1 / (B * Hp * S), device="cuda")  # d(0.1 * mean kl_rows) / d kl_rows
-        msa_cfg = library._msa_config(self.qp, self.q, self.k, BLOCK, None)
+        msa_cfg = library._msa_config(self.qp, self.q, self.k, BLOCK, None, None)
         self.backends = {
             "select_blocks": backend_of("select_blocks", self.qp, {"proxy_head_dim": DP, "block_size": BLOCK,
                                                                    "top_k_blocks": self.K, "varlen": False}),
             "msa_forward": backend_of("msa_forward", self.q, msa_cfg),
             "msa_backward": backend_of("msa_backward", self.q, msa_cfg),
             "warmup_forward": backend_of("warmup_forward", self.q, library._msa_config(self.qp, self.q, self.k,
-                                                                                        None, None)),
+                                                                                        None, None, None)),
             "warmup_backward": backend_of("warmup_backward", self.q, library._msa_config(self.qp, self.q, self.k,
-                                                                                          None, None)),
+                                                                                          None, None, None)),
         }
         self.block_indices = None
 

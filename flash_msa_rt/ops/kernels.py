@@ -146,8 +146,7 @@ def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu
 def _no_kl(q_proxy) -> tuple[torch.Tensor, torch.Tensor]:
     """lse_proxy and kl_rows of a forward without the KL pass: zeros (kl_loss's forward value is then 0)."""
     B, S, Hp, _ = q_proxy.shape
-    zeros = torch.zeros((2, B, Hp, S), dtype=torch.float32, device=q_proxy.device)
-    return zeros[0], zeros[1]
+    return tuple(torch.zeros((B, Hp, S), dtype=torch.float32, device=q_proxy.device) for _ in range(2))
 
 
 def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None):

@@ -72,6 +72,12 @@ def _stats(q: Tensor, out: Tensor, *stats: Tensor):
     return (out.contiguous(), *(s.to(dt).contiguous() for s in stats))
 
 
+def _kl_flag(kl: bool) -> dict:
+    """kl=False for a forward without the KL pass; nothing otherwise (a backend's forward takes kl only where a
+    kl_value mode other than "exact" asks for it)."""
+    return {} if kl else {"kl": False}
+
+
 def _stats_only(q: Tensor, *stats: Tensor):
     """_stats without an out."""
     return tuple(s.to(stat_dtype(q.dtype)).contiguous() for s in stats)
@@ -112,7 +118,7 @@ def msa_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tenso
     (float64 for float64 inputs). S counts the queries (q's dim 1). kl=False: lse_proxy and kl_rows are zeros and
     the backward forms them (writing the KL value into kl_metric, which the forward does not touch)."""
     impl = _impl("msa_forward", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k))
-    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, kl=kl,
+    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, **_kl_flag(kl),
                            **_key_offsets("msa_forward", cu_seqlens, cu_seqlens_k, seqused_k)))
 
 
@@ -235,7 +241,7 @@ def warmup_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Te
     """msa_forward's outputs with every causal key allowed (no selection); kl and kl_metric as msa_forward's."""
     impl = _impl("warmup_forward", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k))
     keys = _key_offsets("warmup_forward", cu_seqlens, cu_seqlens_k, seqused_k)
-    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, kl=kl, **keys))
+    return _stats(q, *impl(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, **_kl_flag(kl), **keys))
 
 
 @warmup_forward.register_fake
