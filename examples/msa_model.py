@@ -186,9 +186,11 @@ def dense_attend(q_proxy, k_proxy, q, k, v):
     return out.transpose(1, 2).reshape(B, S, H * D), q.new_zeros((), dtype=torch.float32)
 
 
-def msa_attend(mode: str, top_k: int, block_size: int) -> AttendFn:
+def msa_attend(mode: str, top_k: int, block_size: int, kl_value: str = "exact",
+               kl_metrics: list | None = None) -> AttendFn:
     """MSA through the public flash_msa_rt API: mode "warmup" (dense main attention, proxy trained by KL over
-    the causal prefix) or "sparse" (main attention over the proxy's top-k blocks)."""
+    the causal prefix) or "sparse" (main attention over the proxy's top-k blocks). kl_value as the API's; with
+    kl_metrics (a list) each call appends the 0-dim tensor its KL value lands in ("deferred": after the backward)."""
     import flash_msa_rt
 
     if mode not in ("warmup", "sparse"):
@@ -198,6 +200,10 @@ def msa_attend(mode: str, top_k: int, block_size: int) -> AttendFn:
     def attend(q_proxy, k_proxy, q, k, v):
         # The API's default layout is (B, heads, S, D); the transposes are free views.
         qp, kp, qt, kt, vt = (t.transpose(1, 2) for t in (q_proxy, k_proxy, q, k, v))
-        return fn(qp, kp, qt, kt, vt, top_k, block_size=block_size)
+        metric = None
+        if kl_metrics is not None:
+            metric = torch.zeros((), dtype=torch.float32, device=q.device)
+            kl_metrics.append(metric)
+        return fn(qp, kp, qt, kt, vt, top_k, block_size=block_size, kl_value=kl_value, kl_metric=metric)
 
     return attend

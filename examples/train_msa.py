@@ -57,6 +57,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     kl_coef: float = 1.0
+    # "deferred": the forward skips the KL pass and the backward writes the KL value into each layer's metric
+    # (logged as "kl"); "exact": kl_loss carries it from the forward. The gradients are the same.
+    kl_value: str = "deferred"
     seed: int = 0
     max_corpus_bytes: int | None = None
     # MSA
@@ -94,6 +97,8 @@ class TrainConfig:
             raise ValueError(f"top_k = {self.top_k} must be a positive multiple of block_size = {self.block_size}")
         if self.warmup_steps < 0 or self.steps < 1:
             raise ValueError(f"steps = {self.steps} must be >= 1 and warmup_steps = {self.warmup_steps} >= 0")
+        if self.kl_value not in ("exact", "deferred"):
+            raise ValueError(f"kl_value = {self.kl_value!r}; supported: 'exact', 'deferred' (the run logs the KL)")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype = {self.dtype!r}; supported: 'float32', 'bfloat16'")
         bad = [r for r in self.runs if r not in RUNS]
@@ -288,9 +293,10 @@ class Trainer:
             return "dense"
         return "warmup" if step < self.cfg.warmup_steps else "sparse"
 
-    def attend_fn(self, mode: str):
+    def attend_fn(self, mode: str, kl_metrics: list | None = None):
         cfg = self.cfg
-        inner = dense_attend if mode == "dense" else msa_attend(mode, cfg.top_k, cfg.block_size)
+        inner = dense_attend if mode == "dense" else msa_attend(mode, cfg.top_k, cfg.block_size, cfg.kl_value,
+                                                                kl_metrics)
 
         def attend(*tensors):
             # Attention runs outside autocast: it receives the bf16 (or fp32) tensors exactly as produced.
@@ -357,7 +363,8 @@ class Trainer:
             bar = tqdm(total=cfg.steps, initial=start, desc=run, unit="step", dynamic_ncols=True)
         for step in range(start, cfg.steps):
             mode = self.mode(run, step)
-            attend = self.attend_fn(mode)
+            kl_metrics = []  # one per layer: the KL value, written by the forward ("exact") or backward ("deferred")
+            attend = self.attend_fn(mode, kl_metrics)
             lr = lr_at(cfg, step)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -376,7 +383,11 @@ class Trainer:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
-            lm_v, kl_v, loss_v = lm.item(), kl.item(), loss.item()  # .item() syncs: the timing is complete
+            # The model's kl is the mean over layers; in "deferred" mode its value is 0 and the layers' metrics hold
+            # the KL after the backward. .item() syncs: the timing is complete.
+            lm_v = lm.item()
+            kl_v = torch.stack(kl_metrics).mean().item() if kl_metrics else kl.item()
+            loss_v = lm_v + cfg.kl_coef * kl_v if mode != "dense" else lm_v
             dt = time.perf_counter() - t0
             model.set_capture(False)
 
@@ -395,7 +406,7 @@ class Trainer:
             done = step + 1
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 metrics["val"]["step"].append(done)
-                metrics["val"]["val_loss"].append(self.evaluate(model, attend))
+                metrics["val"]["val_loss"].append(self.evaluate(model, self.attend_fn(mode)))  # no KL value asked
             if done % cfg.ckpt_every == 0 or done == cfg.steps:
                 self.save(run, done, model, opt, metrics, finished)
             if bar is not None:
@@ -459,6 +470,11 @@ def format_summary(metrics: dict) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "-" * len(lines[0]))
+    kl_value = metrics.get("config", {}).get("kl_value")
+    if kl_value:
+        lines.append(f"proxy KL: kl_value={kl_value!r} ("
+                     + ("written by the backward into kl_metric; the forward skips the KL pass" if kl_value == "deferred"
+                        else "kl_loss holds it after the forward") + "; the gradients are the same in both modes)")
     runs = metrics["runs"]
     if "msa" in runs and "dense" in runs:
         a, b = runs["msa"]["summary"], runs["dense"]["summary"]

@@ -129,3 +129,14 @@ def test_resume_reproduces_the_uninterrupted_losses(full, tmp_path):
             assert b["history"][key] == a["history"][key], (name, key)
         assert b["val"] == a["val"], name
         assert b["recall"]["recall"] == a["recall"]["recall"], name
+
+
+def test_exact_and_deferred_kl_train_the_same_model(full, tmp_path):
+    """The default kl_value "deferred" logs the KL the backward wrote; "exact" takes it from the forward. The
+    gradients are the same, so the two runs are the same run: every logged loss and KL equal."""
+    _, deferred = full
+    assert deferred["config"]["kl_value"] == "deferred"
+    exact = _run(tmp_path, "--runs", "msa", "--kl-value", "exact")
+    assert exact["config"]["kl_value"] == "exact"
+    for key in ("lm_loss", "kl", "loss"):
+        assert exact["runs"]["msa"]["history"][key] == deferred["runs"]["msa"]["history"][key], key

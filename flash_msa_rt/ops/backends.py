@@ -37,6 +37,11 @@ class Backend:
     accepts a problem, on dispatch's resolution only (not per call): None admits it, a reason declines it like
     supports does, except that the guard has told the user itself (flash_msa_rt.guard: the first-use check of
     cubins never run on this arch's hardware).
+
+    ops maps names of OPS to implementations with flash_msa_rt.ops.library's signatures. msa_forward and
+    warmup_forward are also called with kl=False (kl_value "deferred" / "none": lse_proxy and kl_rows returned as
+    zeros, the backward then calls msa_kl / warmup_kl, which dispatch resolves like any op); without kl they run
+    the KL pass as before.
     """
 
     name: str
