@@ -16,7 +16,7 @@ def _problem(op="msa_backward", dtype=torch.bfloat16, **over):
 
 
 @pytest.mark.parametrize("over, words", [
-    ({"varlen": True}, "cu_seqlens"),
+    ({"varlen": True, "separate_keys": True}, "cu_seqlens_k"),
     ({"group": 3}, "G 3"),
     ({"head_dim": 64}, "D 64"),
     ({"block_size": 64}, "block_size 64"),
@@ -286,3 +286,31 @@ def test_dense_warmup_kernels_need_their_variant(monkeypatch, tmp_path):
         assert warmup_kl._built("warmup_bwd_proxy", "bf16", 128, 4, "", 1) == why  # cached for device 1
     finally:
         warmup_kl._built.cache_clear()
+
+
+def test_packed_sequences_run_one_sequence_at_a_time(monkeypatch):
+    """cu_seqlens on the kernel backend: each non-empty sequence is one fixed-length call on views of the pack (its
+    tokens only; a full-sized per-row kl_grad sliced, a broadcast one passed as is), the results concatenated along
+    the tokens; an all-empty pack goes to the reference. Checked with the fixed-length op replaced by a recorder."""
+    from flash_msa_rt.ops import packed
+
+    seen = []
+
+    def fixed(qp, kp, q, k, v, out, lse, lse_p, sel, bs, scale, grad_out, kl_grad, cu_seqlens=None):
+        assert cu_seqlens is None
+        seen.append((q.shape[1], sel.shape[2], lse.shape[2], None if kl_grad is None else tuple(kl_grad.shape)))
+        return tuple(torch.full_like(t, float(q.shape[1])) for t in (qp, kp, q, k, v))
+
+    run = packed.per_sequence("msa_backward", fixed, lambda *a: "reference")
+    total, Hp, H = 10, 2, 4
+    t = lambda h: torch.zeros(1, total, h, 8)  # noqa: E731
+    args = [t(Hp), t(1), t(H), t(2), t(2), t(H), torch.zeros(1, H, total), torch.zeros(1, Hp, total),
+            torch.zeros(1, Hp, total, 3, dtype=torch.int32), 128, 0.1, t(H), torch.ones(1, Hp, total)]
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    grads = run(*args, cu)
+    assert seen == [(3, 3, 3, (1, Hp, 3)), (7, 7, 7, (1, Hp, 7))]
+    assert [g.shape[1] for g in grads] == [total] * 5 and grads[2][0, :3].eq(3).all() and grads[2][0, 3:].eq(7).all()
+    seen.clear()
+    run(*args[:-1], torch.ones(()), cu)  # a broadcast kl_grad reaches every sequence whole
+    assert [s[3] for s in seen] == [(), ()]
+    assert run(*args, torch.tensor([0, 0], dtype=torch.int32)) == "reference"

@@ -5,10 +5,11 @@ Today: selection (flash_msa_rt.ops.select), the MSA sparse forward (flash_msa_rt
 (flash_msa_rt.ops.block_sparse), and warmup mode: its dense main attention on cuDNN (flash_msa_rt.ops.dense_main,
 torch's own operators) and its proxy KL pass and proxy backward on the dense warmup kernels
 (flash_msa_rt.ops.warmup_kl) where they are built, else on the sparse kernels with every causal block selected
-(and everything on the sparse kernels where this torch lacks the cuDNN operators). The varlen forms register
-here as their kernels land; until then they run on the reference and dispatch says so once (flash_msa_rt.ops.dispatch
-registers this backend; this module does not import dispatch). What is built is read from the manifest. A problem
-a kernel cannot run (dtype, head dim, block size, K, G, varlen, deterministic mode where no deterministic kernels exist
+(and everything on the sparse kernels where this torch lacks the cuDNN operators). Packed sequences (cu_seqlens)
+run on the same kernels one sequence at a time (flash_msa_rt.ops.packed); separate key offsets (cu_seqlens_k,
+seqused_k) run on the reference, and dispatch says so once (flash_msa_rt.ops.dispatch registers this backend;
+this module does not import dispatch). What is built is read from the manifest. A problem a kernel cannot run
+(dtype, head dim, block size, K, G, separate key offsets, deterministic mode where no deterministic kernels exist
 (sm100a, warmup's and block-sparse attention's backward), or a variant not built for this GPU) is declined with
 the reason, which dispatch shows with the build command; a declined call is never an error.
 """
@@ -21,13 +22,15 @@ import torch
 
 from flash_msa_rt import loader
 from flash_msa_rt.errors import FlashMsaError
-from flash_msa_rt.ops import block_sparse, dense_main, select, sparse_bwd, sparse_fwd, warmup_kl
+from flash_msa_rt.ops import block_sparse, dense_main, packed, select, sparse_bwd, sparse_fwd, warmup_kl
 from flash_msa_rt.ops.backends import Backend, Problem, reference_impl
 from flash_msa_rt.ops.device import arch_of
 from flash_msa_rt.tuning import select as tuning_select
 from flash_msa_rt.tuning import warmup as tuning_warmup
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+_SEPARATE_KEYS = ("separate key offsets (cu_seqlens_k, seqused_k): the kernels take packed sequences one at a time "
+                  "with their queries and keys alike, not yet a query chunk against a longer key prefix")
 
 
 def _built(problem: Problem, variants: list[tuple[str, dict]]) -> str | None:
@@ -43,8 +46,8 @@ def _built(problem: Problem, variants: list[tuple[str, dict]]) -> str | None:
 
 def _select_supports(problem: Problem) -> str | None:
     c = problem.config
-    if c.get("varlen"):
-        return "the selection kernel does not take cu_seqlens yet"
+    if c.get("separate_keys"):
+        return _SEPARATE_KEYS
     if problem.dtype not in _DTYPE_NAMES:
         return f"dtype {problem.dtype} (selection kernel: bfloat16, float16)"
     dp, bs, k = c.get("proxy_head_dim"), c.get("block_size"), c.get("top_k_blocks")
@@ -72,8 +75,8 @@ def _msa_supports(problem: Problem) -> str | None:
     why = sparse_bwd.deterministic_refusal(_arch(problem)) if deterministic else None
     if why:
         return _decline_deterministic(why)
-    if c.get("varlen"):
-        return "the sparse attention kernels do not take cu_seqlens yet"
+    if c.get("separate_keys"):
+        return _SEPARATE_KEYS
     if problem.dtype not in _DTYPE_NAMES:
         return f"dtype {problem.dtype} (sparse forward kernel: bfloat16, float16)"
     d, dp, bs, g, kv_group = (c.get(n) for n in ("head_dim", "proxy_head_dim", "block_size", "group", "kv_group"))
@@ -132,7 +135,7 @@ def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens
 
 
 def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, *, kl=True):
-    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if kl:
         return sparse_fwd.msa_forward_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v)),
                                            block_indices.contiguous(), block_size, scale)
@@ -150,14 +153,14 @@ def _no_kl(q_proxy) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None):
-    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     return sparse_fwd.msa_kl_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k)), lse, block_indices.contiguous(),
                                   block_size, scale)
 
 
 def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
                   kl_grad, cu_seqlens=None):
-    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     q_proxy, k_proxy, q, k, v, out = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v, out))
     grad_out = _tma_ready(grad_out) if grad_out is not None else None
     return sparse_bwd.msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices.contiguous(),
@@ -242,7 +245,7 @@ def _warmup_fits(q_proxy, q) -> bool:
 
 
 def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, *, kl=True):
-    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if not _warmup_fits(q_proxy, q):
         return reference_impl("warmup_forward")(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, kl=kl)
     if not _dense_main(q):
@@ -267,7 +270,7 @@ def _dense_warmup_kl(q_proxy, k_proxy, q, k, lse, scale):
 
 def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None):
     """warmup_forward's KL pass alone, on the route its forward took (the same kernels, so the same lse_proxy)."""
-    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if not _warmup_fits(q_proxy, q):
         return reference_impl("warmup_kl")(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens)
     if not _dense_main(q):
@@ -276,7 +279,7 @@ def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None):
 
 
 def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None):
-    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if not _warmup_fits(q_proxy, q):
         return reference_impl("warmup_backward")(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
                                                  grad_out, kl_grad, cu_seqlens)
@@ -321,8 +324,6 @@ def _block_sparse_supports(problem: Problem) -> str | None:
     c = problem.config
     if problem.op == "block_sparse_backward" and c.get("deterministic"):
         return _decline_deterministic("the block-sparse backward kernel adds with fp32 atomics")
-    if c.get("varlen"):
-        return "the block-sparse kernels do not take cu_seqlens yet"
     if problem.dtype not in _DTYPE_NAMES:
         return f"dtype {problem.dtype} (block-sparse kernels: bfloat16, float16)"
     d, bs, H, Hi = (c.get(n) for n in ("head_dim", "block_size", "heads", "index_heads"))
@@ -353,7 +354,7 @@ def _out_of_range(block_indices, S: int, block_size: int):
 
 
 def _block_sparse_forward(q, k, v, block_indices, block_size, scale, cu_seqlens=None):
-    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     S = q.shape[1]
     _check_index_range(block_indices, S, block_size, "block_sparse_attention")
     q, k, v = (_tma_ready(t) for t in (q, k, v))
@@ -366,7 +367,7 @@ def _block_sparse_forward(q, k, v, block_indices, block_size, scale, cu_seqlens=
 
 
 def _block_sparse_backward(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens=None):
-    assert cu_seqlens is None, "dispatch routes varlen calls to the reference"
+    assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     q, k, v, out = (_tma_ready(t) for t in (q, k, v, out))
     grad_out = _tma_ready(grad_out) if grad_out is not None else None
     return block_sparse.block_sparse_backward_cuda(q, k, v, out, lse, block_indices, block_size, scale, grad_out)
@@ -395,9 +396,11 @@ def _supports(problem: Problem) -> str | None:
 
 KERNELS = Backend(
     name="kernels", device_type="cuda", supports=_supports,
-    ops={"select_blocks": _select_blocks, "msa_forward": _msa_forward, "msa_backward": _msa_backward,
-         "msa_kl": _msa_kl, "warmup_forward": _warmup_forward, "warmup_backward": _warmup_backward,
-         "warmup_kl": _warmup_kl, "block_sparse_forward": _block_sparse_forward, "block_sparse_backward": _block_sparse_backward},
+    ops={op: packed.per_sequence(op, fn, reference_impl(op)) for op, fn in (
+        ("select_blocks", _select_blocks), ("msa_forward", _msa_forward), ("msa_backward", _msa_backward),
+        ("msa_kl", _msa_kl), ("warmup_forward", _warmup_forward), ("warmup_backward", _warmup_backward),
+        ("warmup_kl", _warmup_kl), ("block_sparse_forward", _block_sparse_forward),
+        ("block_sparse_backward", _block_sparse_backward))},
 )
 
 

@@ -47,7 +47,7 @@ def _msa_config(q_proxy: Tensor, q: Tensor, k: Tensor, block_size: int | None, c
     # Separate key offsets are a varlen call: a backend that declines varlen declines them too.
     return {"head_dim": q.shape[-1], "proxy_head_dim": q_proxy.shape[-1], "block_size": block_size,
             "group": q.shape[2] // q_proxy.shape[2], "kv_group": q.shape[2] // k.shape[2],
-            "varlen": cu_seqlens is not None or cu_seqlens_k is not None}
+            "varlen": cu_seqlens is not None or cu_seqlens_k is not None, "separate_keys": cu_seqlens_k is not None}
 
 
 def _key_offsets(op: str, cu_seqlens, cu_seqlens_k, seqused_k) -> dict:
@@ -95,7 +95,7 @@ def select_blocks(q_proxy: Tensor, k_proxy: Tensor, top_k_blocks: int, block_siz
                   seqused_k: Optional[Tensor] = None) -> Tensor:
     """int32 (B, Hp, S, K) selected key blocks per (b, p, i), -1 for empty slots. Not differentiable."""
     config = {"proxy_head_dim": q_proxy.shape[-1], "block_size": block_size, "top_k_blocks": top_k_blocks,
-              "varlen": cu_seqlens is not None or cu_seqlens_k is not None}
+              "varlen": cu_seqlens is not None or cu_seqlens_k is not None, "separate_keys": cu_seqlens_k is not None}
     impl = _impl("select_blocks", q_proxy, config)
     return _fresh(impl(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens,
                        **_key_offsets("select_blocks", cu_seqlens, cu_seqlens_k, seqused_k)).to(torch.int32))

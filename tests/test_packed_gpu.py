@@ -1,0 +1,129 @@
+"""Packed sequences (cu_seqlens) on the kernels (H200): one sequence at a time (flash_msa_rt.ops.packed) through the
+torch.library ops, against the float64 reference run per sequence (flash_msa_rt.reference.varlen) under
+flash_msa_rt.tolerances: empty sequences, a length-1 sequence, sequences shorter than a block, exactly a block, and
+partial last blocks in one pack; G 1 and 4; bf16 and fp16; deterministic mode; 200 short documents; a pack of one
+sequence equals the fixed-length call bitwise; selection, MSA, warmup and block-sparse attention through the public
+API run on the kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_msa_rt as F
+from flash_msa_rt import reference, tolerances
+from flash_msa_rt.ops import library
+from flash_msa_rt.selftest import on_kernels, resolved_backends
+
+pytestmark = pytest.mark.gpu
+
+D, BS = 128, 128
+LENGTHS = [0, 1, 100, 128, 300, 0, 700]  # empty, one token, < a block, a block, partial last blocks
+NAMES = ("q_proxy", "k_proxy", "q", "k", "v")
+
+
+def _pack(lengths, H, Hk, Hp, Hpk, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(lengths)
+    ins = {n: torch.randn(1, total, h, D, device="cuda", generator=g).to(dtype)
+           for n, h in zip(NAMES, (Hp, Hpk, H, Hk, Hk))}
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    dout = torch.randn(1, total, H, D, device="cuda", generator=g).to(dtype)
+    kl_grad = torch.rand(1, Hp, total, device="cuda", generator=g) + 0.5
+    return ins, cu, dout, kl_grad
+
+
+def _msa_on(ins, sel, cu, dout, kl_grad, scale):
+    leaves = {n: t.detach().requires_grad_() for n, t in ins.items()}
+    out, lse, lse_p, kl_rows = library.msa_forward(*leaves.values(), sel, BS, scale, cu)
+    grads = torch.autograd.grad((out.float() * dout.float()).sum() + (kl_rows * kl_grad).sum(), list(leaves.values()))
+    return {"out": out, "lse": lse, "lse_proxy": lse_p, "kl_rows": kl_rows,
+            **{f"d{n}": g for n, g in zip(ins, grads)}}
+
+
+def _msa_reference(ins, sel, cu, dout, kl_grad, scale, dt):
+    x = [t.to(dt) for t in ins.values()]
+    o, lse, lse_p, kl = reference.msa_forward_varlen(*x, sel, cu_seqlens=cu, block_size=BS, scale=scale)
+    g = reference.msa_backward_varlen(*x, o, lse, lse_p, sel, BS, scale, grad_out=dout.to(dt), cu_seqlens=cu,
+                                      kl_grad=kl_grad.to(dt))
+    return {"out": o, "lse": lse, "lse_proxy": lse_p, "kl_rows": kl, **{f"d{n}": t for n, t in zip(ins, g)}}
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("H, Hk, Hp, Hpk", [(4, 4, 4, 1), (8, 2, 2, 1)], ids=["G1", "G4"])
+def test_packed_msa_matches_the_reference_per_sequence(H, Hk, Hp, Hpk, dtype, deterministic):
+    ins, cu, dout, kl_grad = _pack(LENGTHS, H, Hk, Hp, Hpk, dtype, seed=H + Hp)
+    scale = D ** -0.5
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        with resolved_backends() as seen:
+            sel = library.select_blocks(ins["q_proxy"], ins["k_proxy"], 3, BS, scale, cu)
+            got = _msa_on(ins, sel, cu, dout, kl_grad, scale)
+            again = _msa_on(ins, sel, cu, dout, kl_grad, scale) if deterministic else None
+        torch.cuda.synchronize()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert on_kernels(seen, ("select_blocks", "msa_forward", "msa_backward")) is None, seen
+    want, base = (_msa_reference(ins, sel, cu, dout, kl_grad, scale, dt) for dt in (torch.float64, torch.float32))
+    bad = []
+    for name, g in got.items():
+        stat = torch.float32 if name in ("lse", "lse_proxy", "kl_rows") else None
+        c = tolerances.check(name, g, want[name], base[name], result_dtype=stat)
+        if not c.ok:
+            bad.append(str(c))
+    assert not bad, bad
+    if deterministic:
+        assert all(torch.equal(a, b) for a, b in zip(got.values(), again.values())), "not bitwise repeatable"
+    # the selection is each sequence's own: its local block present, nothing past it
+    bounds = cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b > a:
+            local = (torch.arange(b - a, device="cuda") // BS).view(1, 1, -1, 1)
+            s = sel[:, :, a:b].long()
+            assert ((s == local).any(-1)).all() and not ((s > local) & (s >= 0)).any()
+
+
+def test_one_sequence_is_the_fixed_length_call_bitwise():
+    ins, cu, dout, kl_grad = _pack([1000], 8, 2, 2, 1, torch.bfloat16, seed=5)
+    scale = D ** -0.5
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        sel = library.select_blocks(ins["q_proxy"], ins["k_proxy"], 3, BS, scale, None)
+        assert torch.equal(sel, library.select_blocks(ins["q_proxy"], ins["k_proxy"], 3, BS, scale, cu))
+        packed, fixed = (_msa_on(ins, sel, c, dout, kl_grad, scale) for c in (cu, None))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name in packed:
+        assert torch.equal(packed[name], fixed[name]), name
+
+
+def test_public_varlen_entry_points_run_on_the_kernels():
+    """200 short documents (one empty, one of 513 tokens) through flash_msa_varlen_func and its warmup form, forward
+    and backward, on the kernels; and block-sparse attention on the same pack against the reference."""
+    lengths = [int(n) for n in torch.randint(1, 90, (200,), generator=torch.Generator().manual_seed(0))]
+    lengths[17] = 0
+    lengths[50] = 513
+    ins, cu, dout, _ = _pack(lengths, 8, 2, 2, 1, torch.bfloat16, seed=7)
+    flat = {n: t[0].detach().requires_grad_() for n, t in ins.items()}
+    with resolved_backends() as seen:
+        out, kl = F.flash_msa_varlen_func(*flat.values(), cu, max(lengths), 256)
+        (out.float() * dout[0].float()).sum().add(kl).backward()
+        w_out, w_kl = F.flash_msa_warmup_varlen_func(*flat.values(), cu, max(lengths), 256)
+        (w_out.float() * dout[0].float()).sum().add(w_kl).backward()
+        idx = library.select_blocks(ins["k"], ins["k"], 2, BS, D ** -0.5, cu)  # valid (1, Hk, total, 2) indices
+        b_out, b_lse = library.block_sparse_forward(ins["q"], ins["k"], ins["v"], idx, BS, 0.1, cu)
+    torch.cuda.synchronize()
+    ops = ("select_blocks", "msa_forward", "msa_backward", "warmup_forward", "warmup_backward",
+           "block_sparse_forward")
+    assert on_kernels(seen, ops) is None, seen
+    assert torch.isfinite(kl) and torch.isfinite(w_kl) and kl > 0 and w_kl > 0
+    for name, t in flat.items():
+        assert t.grad is not None and torch.isfinite(t.grad).all(), name
+    x64 = [ins[n].double() for n in ("q", "k", "v")]
+    x32 = [ins[n].float() for n in ("q", "k", "v")]
+    want = reference.block_sparse_forward_varlen(*x64, idx, cu_seqlens=cu, block_size=BS, scale=0.1)
+    base = reference.block_sparse_forward_varlen(*x32, idx, cu_seqlens=cu, block_size=BS, scale=0.1)
+    tolerances.assert_ok(tolerances.check("block_sparse out", b_out, want[0], base[0]))
+    tolerances.assert_ok(tolerances.check("block_sparse lse", b_lse, want[1], base[1], result_dtype=torch.float32))
