@@ -78,6 +78,7 @@ class Case:
 
     def fixed(self, L: int) -> dict:
         import flash_msa_rt as F
+        import flash_msa_rt.ops.library  # noqa: F401 - registers torch.ops.flash_msa
 
         B = TOKENS // L
         x = [t.detach().view(B, L, *t.shape[1:]).requires_grad_() for t in self.flat]

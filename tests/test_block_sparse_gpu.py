@@ -49,7 +49,7 @@ def _ran_on_kernels(q, k, Hi, op="block_sparse_forward"):
     if op == "block_sparse_backward":
         config["deterministic"] = torch.are_deterministic_algorithms_enabled()
     impl = dispatch.implementation(op, q.device, q.dtype, **config)
-    return impl is getattr(kernels, "_" + op)
+    return impl is kernels.KERNELS.ops[op]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

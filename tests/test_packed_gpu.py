@@ -127,3 +127,19 @@ def test_public_varlen_entry_points_run_on_the_kernels():
     base = reference.block_sparse_forward_varlen(*x32, idx, cu_seqlens=cu, block_size=BS, scale=0.1)
     tolerances.assert_ok(tolerances.check("block_sparse out", b_out, want[0], base[0]))
     tolerances.assert_ok(tolerances.check("block_sparse lse", b_lse, want[1], base[1], result_dtype=torch.float32))
+
+
+def test_a_one_token_document_keeps_warmup_on_cudnn():
+    """cuDNN refuses s_q = s_kv = 1: a packed document of one token runs on the sparse kernels for that call, and
+    the device is not marked as refusing cuDNN (the next pack's long documents still use it)."""
+    import warnings
+
+    from flash_msa_rt.ops import kernels
+
+    ins, cu, dout, _ = _pack([1, 300], 8, 2, 2, 1, torch.bfloat16, seed=9)
+    flat = [t[0].detach().requires_grad_() for t in ins.values()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "cuDNN attention failed" would raise
+        out, kl = F.flash_msa_warmup_varlen_func(*flat, cu, 300, 256)
+        (out.float() * dout[0].float()).sum().add(kl).backward()
+    assert not kernels._cudnn_failed and kernels._dense_main(ins["q"])

@@ -149,7 +149,7 @@ def test_public_api_routes_selection_to_the_kernel():
 
     impl = dispatch.implementation("select_blocks", torch.device("cuda"), torch.bfloat16, proxy_head_dim=128,
                                    block_size=128, top_k_blocks=16, varlen=False)
-    assert impl is kernels._select_blocks
+    assert impl is kernels.KERNELS.ops["select_blocks"]
     q, k = make_inputs(2, 1500, 4, 2, 128, torch.bfloat16, seed=21)
     got = flash_msa_rt.select_blocks(q.transpose(1, 2), k.transpose(1, 2), top_k=16 * 128, scale=0.1)
     assert torch.equal(got, select_blocks_cuda(q, k, 16, 128, 0.1))
