@@ -309,8 +309,39 @@ def test_packed_sequences_run_one_sequence_at_a_time(monkeypatch):
     cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
     grads = run(*args, cu)
     assert seen == [(3, 3, 3, (1, Hp, 3)), (7, 7, 7, (1, Hp, 7))]
+    seen.clear()  # consecutive equal lengths: one batch (B = 2 rows of 4 tokens, then 1 of 2), views of the pack
+    batched = run(*args, torch.tensor([0, 4, 8, 10], dtype=torch.int32))
+    assert seen == [(4, 4, 4, (2, Hp, 4)), (2, 2, 2, (1, Hp, 2))]
+    assert [g.shape for g in batched] == [a.shape for a in args[:5]] and batched[2][0, :8].eq(4).all()
     assert [g.shape[1] for g in grads] == [total] * 5 and grads[2][0, :3].eq(3).all() and grads[2][0, 3:].eq(7).all()
     seen.clear()
     run(*args[:-1], torch.ones(()), cu)  # a broadcast kl_grad reaches every sequence whole
     assert [s[3] for s in seen] == [(), ()]
     assert run(*args, torch.tensor([0, 0], dtype=torch.int32)) == "reference"
+
+
+def test_packed_runs_compute_the_varlen_contract():
+    """packed.per_sequence around the fixed-length reference ops equals the varlen reference on a pack of runs of
+    equal lengths, a lone sequence, an empty one and a partial block (float64, CPU): the batching of runs and the
+    slicing of per-row tensors compute the contract, not only the right calls."""
+    from flash_msa_rt import reference
+    from flash_msa_rt.ops import packed
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [130, 130, 130, 0, 57, 200, 200]
+    total, Hp, H, D, BS = sum(lengths), 2, 4, 8, 64
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    x = [torch.randn(1, total, h, D, generator=g, dtype=torch.float64) for h in (Hp, 1, H, 2, 2)]
+    sel = reference.select_blocks_varlen(x[0], x[1], cu, 2, BS, 0.3)
+    fixed_fwd = lambda *a: reference.msa_forward(*a[:8])  # noqa: E731 - drops cu_seqlens=None
+    got = packed.per_sequence("msa_forward", fixed_fwd, None)(*x, sel, BS, 0.3, cu)
+    want = reference.msa_forward_varlen(*x, sel, cu_seqlens=cu, block_size=BS, scale=0.3)
+    for name, a, b in zip(("out", "lse", "lse_proxy", "kl_rows"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+    dout = torch.randn(1, total, H, D, generator=g, dtype=torch.float64)
+    kl_grad = torch.rand(1, Hp, total, generator=g, dtype=torch.float64)
+    fixed_bwd = lambda *a: reference.msa_backward(*a[:13])  # noqa: E731
+    got = packed.per_sequence("msa_backward", fixed_bwd, None)(*x, *want[:3], sel, BS, 0.3, dout, kl_grad, cu)
+    want = reference.msa_backward_varlen(*x, *want[:3], sel, BS, 0.3, grad_out=dout, cu_seqlens=cu, kl_grad=kl_grad)
+    for name, a, b in zip(("dq_proxy", "dk_proxy", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)

@@ -59,7 +59,7 @@ def test_warmup_main_attention_runs_on_cudnn():
     from flash_msa_rt.ops import dense_main, dispatch, kernels
 
     assert dense_main.available() is None, dense_main.available()
-    assert kernels._dense_main(torch.empty(1, device="cuda"))
+    assert kernels._dense_main(torch.empty(1, 2, device="cuda"))  # (B, S): S > 1
     for op in ("warmup_forward", "warmup_backward"):
         assert _impl(op, 4, 4) is not dispatch.reference_impl(op), op
 

@@ -1,10 +1,11 @@
-"""Packed sequences (cu_seqlens) on the fixed-length kernels: each sequence of the pack is one B = 1 call on views of
-the packed tensors, and the outputs are concatenated along the tokens.
+"""Packed sequences (cu_seqlens) on the fixed-length kernels: each run of consecutive sequences of one length is one
+fixed-length call (B = the run's count) on views of the packed tensors, and the outputs are concatenated along the
+tokens.
 
 Every sequence is independent (msa-semantics.md, varlen): its own causal mask, block grid from its start, selection
-and KL rows, so running them one by one is the contract itself. The cost: reading cu_seqlens on the host (one
+and KL rows, so running them apart is the contract itself. The cost: reading cu_seqlens on the host (one
 synchronisation per op call, which the varlen entry points' validation already makes) and one set of launches per
-non-empty sequence, so a pack of many short documents is host-bound. Kernels that take the offsets themselves
+run of equal lengths, so a pack of many short documents of different lengths is host-bound. Kernels that take the offsets themselves
 (issue 34) replace this. Separate key offsets (cu_seqlens_k, seqused_k) are declined before this runs.
 """
 
@@ -47,10 +48,42 @@ def sequence_spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
+def equal_runs(spans: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(start, length, count): consecutive sequences of one length, which are a fixed-length batch of `count` rows
+    on views of the pack (16 x 8K as 16 calls of B = 1 measured 1.13-1.40x the batch's time on the H200, (a)-(c),
+    benchmarks/results/packed.json; as one call they are the batch)."""
+    runs: list[list[int]] = []
+    for a, b in spans:
+        if runs and runs[-1][0] + runs[-1][1] * runs[-1][2] == a and runs[-1][1] == b - a:
+            runs[-1][2] += 1
+        else:
+            runs.append([a, b - a, 1])
+    return [tuple(r) for r in runs]
+
+
+def _rows(t: torch.Tensor, dim: int, a: int, length: int, count: int) -> torch.Tensor:
+    """The count x length tokens from a along `dim` (1 or 2) of a B = 1 tensor as a batch of `count` rows."""
+    x = t.narrow(dim, a, length * count)
+    if count == 1:
+        return x
+    if dim == 1:
+        return x.reshape(count, length, *x.shape[2:])
+    return x.reshape(x.shape[1], count, length, *x.shape[3:]).transpose(0, 1).contiguous()
+
+
+def _unrows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """_rows' inverse on a result: (count, ...) rows back to one B = 1 stretch of tokens along `dim`."""
+    if t.shape[0] == 1:
+        return t
+    if dim == 1:
+        return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
+    return t.transpose(0, 1).reshape(1, t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:])
+
+
 def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
-    """impl (fixed length) made to take the op's cu_seqlens: without it impl runs as is; with it, once per
-    non-empty sequence on views, the results concatenated. A pack without tokens runs `fallback` (the reference:
-    nothing to launch)."""
+    """impl (fixed length) made to take the op's cu_seqlens: without it impl runs as is; with it, once per run of
+    consecutive equal-length sequences (a batch on views of the pack), the results concatenated. A pack without
+    tokens runs `fallback` (the reference: nothing to launch)."""
     spec = SPECS[op]
 
     def run(*args, **kwargs):
@@ -66,18 +99,21 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
             args[spec.cu] = cu
             return fallback(*args, **kwargs)
         parts = []
-        for a, b in spans:
+        for a, length, count in equal_runs(spans):
             piece = list(args)
             for i, dim in spec.tokens.items():
                 if piece[i] is not None:
-                    piece[i] = piece[i].narrow(dim, a, b - a)
+                    piece[i] = _rows(piece[i], dim, a, length, count)
             for i in spec.per_row:
                 t = piece[i]
                 if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[2] == total and total > 1:
-                    piece[i] = t.narrow(2, a, b - a)
-            parts.append(impl(*piece, **kwargs))
-        single = not isinstance(parts[0], (tuple, list))
-        if single:
+                    piece[i] = _rows(t, 2, a, length, count)
+            result = impl(*piece, **kwargs)
+            if isinstance(result, (tuple, list)):
+                parts.append(tuple(_unrows(r, dim) for r, dim in zip(result, spec.outs)))
+            else:
+                parts.append(_unrows(result, spec.outs[0]))
+        if not isinstance(parts[0], tuple):
             return torch.cat(parts, dim=spec.outs[0])
         return tuple(torch.cat([p[n] for p in parts], dim=dim) for n, dim in enumerate(spec.outs))
 
