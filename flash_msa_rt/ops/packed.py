@@ -113,6 +113,8 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
                 parts.append(tuple(_unrows(r, dim) for r, dim in zip(result, spec.outs)))
             else:
                 parts.append(_unrows(result, spec.outs[0]))
+        if len(parts) == 1:  # one run covers the pack: its results are the pack's (no copy)
+            return parts[0]
         if not isinstance(parts[0], tuple):
             return torch.cat(parts, dim=spec.outs[0])
         return tuple(torch.cat([p[n] for p in parts], dim=dim) for n, dim in enumerate(spec.outs))
