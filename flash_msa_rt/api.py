@@ -101,7 +101,8 @@ def flash_msa_warmup_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seql
                        top_k, scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k, kl_value)
 
 
-def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *, layout="bhsd", return_lse=False):
+def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *, layout="bhsd", return_lse=False,
+                           cu_seqlens=None):
     """Causal attention of each query over the key blocks listed for it (NSA / FSA selected attention).
 
     q (B, H, S, D), k and v (B, Hk, S, D) ("bhsd"; (B, S, heads, D) for "bshd"); block_indices int32
@@ -114,6 +115,10 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
     {1, 2, 4, 8, 16}; anything else runs on the reference and says why once). Checking the index range reads one
     flag on the host (a synchronisation); under CUDA graph capture that read is skipped and an out-of-range index
     makes the output NaN instead of raising.
+
+    cu_seqlens: optional int32 (num_seqs + 1,) offsets of packed sequences along S of a batch of one row (B = 1;
+    0, ..., S, non-decreasing): each sequence is causal within itself and an index j of one of its queries names
+    block j of that sequence (its keys start + j * block_size onward). Validating it synchronises the host.
     """
     fn = "block_sparse_attention"
     _v.check_layout(fn, layout)
@@ -138,7 +143,13 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
     block_size = _v.check_block_size(fn, block_size)
     _v.check_block_indices(fn, block_indices, B, S, H, q.device)
     scale = _v.resolve_scale(fn, scale, D)
-    out, lse = _ops.block_sparse_forward(q, k, v, block_indices, block_size, scale)
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"{fn}: cu_seqlens packs sequences along S of a batch of one row, but q has batch {B}; "
+                             f"put the sequences one after another in a (1, total, ...) tensor")
+        _v.check_cu_seqlens(fn, cu_seqlens, q.device)
+        _v.check_cu_seqlens_values(fn, cu_seqlens, S)
+    out, lse = _ops.block_sparse_forward(q, k, v, block_indices, block_size, scale, cu_seqlens)
     out = _layout.from_bshd(out, layout)
     return (out, lse) if return_lse else out
 

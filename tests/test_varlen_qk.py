@@ -390,3 +390,32 @@ def test_ops_reject_key_offsets_without_query_offsets():
         torch.ops.flash_msa.warmup_forward(*(a.detach() for a in t), SCALE, None, cu_k)
     with pytest.raises(ValueError, match="seqused_k needs cu_seqlens_k"):
         torch.ops.flash_msa.warmup_forward(*(a.detach() for a in t), SCALE, offsets([3, 5]), None, used)
+
+
+def test_block_sparse_attention_takes_packed_sequences():
+    """block_sparse_attention(cu_seqlens=...) equals the varlen reference: indices count blocks within each
+    sequence; an index past its own sequence's blocks raises; B must be 1."""
+    import flash_msa_rt as F
+    from flash_msa_rt import reference
+
+    g = torch.Generator().manual_seed(4)
+    lengths = [70, 0, 150, 150]
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = (torch.randn(1, total, h, 16, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    idx = torch.zeros(1, 2, total, 2, dtype=torch.int32)
+    idx[:, :, 70 + 64:, 1] = 1  # a second block only where the sequence has one (block 64 of 150 tokens)
+    idx[:, :, 220 + 64:, 1] = 1
+    idx[:, :, :70, 1] = -1
+    out, lse = F.block_sparse_attention(q, k, v, idx, 64, 0.3, layout="bshd", return_lse=True, cu_seqlens=cu)
+    want = reference.block_sparse_forward_varlen(q, k, v, idx, cu_seqlens=cu, block_size=64, scale=0.3)
+    torch.testing.assert_close(out, want[0])
+    torch.testing.assert_close(lse, want[1])
+    bad = idx.clone()
+    bad[:, :, 5, 1] = 1  # block 1 of the 70-token first sequence is fine (70 > 64) ...
+    bad[:, :, 75, 1] = 3  # ... block 3 of a 150-token sequence is not
+    with pytest.raises(ValueError, match="block_indices"):
+        F.block_sparse_attention(q, k, v, bad, 64, 0.3, layout="bshd", cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens packs sequences along S of a batch of one row"):
+        F.block_sparse_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
+                                 idx.expand(2, -1, -1, -1), 64, 0.3, layout="bshd", cu_seqlens=cu)
