@@ -72,8 +72,14 @@ class Rotary(nn.Module):
             self._cache = (seq_len, device, freqs.cos(), freqs.sin())
         return self._cache[2][:seq_len], self._cache[3][:seq_len]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S, heads, dim)
-        cos, sin = self._tables(x.shape[1], x.device)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, S, heads, dim); positions (S,) int64: each token's position in its sequence (default 0..S-1; a
+        context-parallel rank holds tokens from several places of the sequence)."""
+        if positions is None:
+            cos, sin = self._tables(x.shape[1], x.device)
+        else:
+            cos, sin = self._tables(int(positions.max()) + 1 if positions.numel() else 0, x.device)
+            cos, sin = cos[positions], sin[positions]
         cos, sin = cos[None, :, None, :], sin[None, :, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
@@ -95,17 +101,17 @@ class Attention(nn.Module):
         # Set by the trainer to a list to receive (q_proxy, k_proxy, q, k) of batch row 0 for the recall metric.
         self.capture: list | None = None
 
-    def forward(self, x: torch.Tensor, attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, attend: AttendFn, positions: torch.Tensor | None = None):
         c = self.cfg
         B, S, _ = x.shape
-        q = self.rope(self.wq(x).view(B, S, c.heads, c.head_dim))
-        k = self.rope(self.wk(x).view(B, S, c.kv_heads, c.head_dim))
+        q = self.rope(self.wq(x).view(B, S, c.heads, c.head_dim), positions)
+        k = self.rope(self.wk(x).view(B, S, c.kv_heads, c.head_dim), positions)
         v = self.wv(x).view(B, S, c.kv_heads, c.head_dim)
         # The proxy reads a detached residual stream: the KL loss then trains the proxy projections and nothing
         # else (flash_msa_func already keeps the KL gradient away from q, k, v; this keeps it out of x too).
         xp = x.detach()
-        q_proxy = self.rope_proxy(self.wq_proxy(xp).view(B, S, c.proxy_heads, c.proxy_dim))
-        k_proxy = self.rope_proxy(self.wk_proxy(xp).view(B, S, c.proxy_kv_heads, c.proxy_dim))
+        q_proxy = self.rope_proxy(self.wq_proxy(xp).view(B, S, c.proxy_heads, c.proxy_dim), positions)
+        k_proxy = self.rope_proxy(self.wk_proxy(xp).view(B, S, c.proxy_kv_heads, c.proxy_dim), positions)
         if self.capture is not None:
             self.capture.append(tuple(t[:1].detach() for t in (q_proxy, k_proxy, q, k)))
         out, kl = attend(q_proxy, k_proxy, q, k, v)
@@ -121,8 +127,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=False), nn.GELU(),
                                  nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=False))
 
-    def forward(self, x: torch.Tensor, attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
-        a, kl = self.attn(self.norm1(x), attend)
+    def forward(self, x: torch.Tensor, attend: AttendFn, positions: torch.Tensor | None = None):
+        a, kl = self.attn(self.norm1(x), attend, positions)
         x = x + a
         return x + self.mlp(self.norm2(x)), kl
 
@@ -144,12 +150,13 @@ class ByteLM(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "mlp.2.weight")) else 0.02
                 nn.init.normal_(p, std=std)
 
-    def forward(self, tokens: torch.Tensor, attend: AttendFn) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits (B, S, vocab) and the mean over layers of the proxy KL loss."""
+    def forward(self, tokens: torch.Tensor, attend: AttendFn,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits (B, S, vocab) and the mean over layers of the proxy KL loss; positions as Rotary's."""
         x = self.embed(tokens)
         kls = []
         for block in self.blocks:
-            x, kl = block(x, attend)
+            x, kl = block(x, attend, positions)
             kls.append(kl)
         return self.head(self.norm(x)), torch.stack(kls).mean()
 

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -133,6 +133,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="checkpoint to continue from; its config is used (only --out and --no-plot may change)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallelism over N processes (launch with torchrun --nproc-per-node N; gloo on CPU, "
+                        "NCCL on GPUs): the MSA run only, each sequence sharded (examples/train_cp.py)")
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "runs":
@@ -518,6 +521,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"device {cfg.device!r} asked for, but torch sees no CUDA device (try --preset cpu)")
 
     corpus = load_corpus(max_bytes=cfg.max_corpus_bytes)
+    if args.cp > 1:
+        return _main_cp(args, argv, cfg, corpus, out)
     trainer = Trainer(cfg, corpus, out, progress=not args.no_progress)
     metrics = {
         **git_state(),
@@ -561,6 +566,36 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_summary(metrics))
     print(f"wrote {out / 'metrics.json'}" + ("" if args.no_plot else f" and {out / 'metrics.png'}"))
     return metrics
+
+
+def _main_cp(args, argv, cfg, corpus, out: Path) -> dict:
+    """--cp N under torchrun: the MSA run with each sequence sharded over N processes; rank 0 writes
+    cp_metrics.json (the history, the same fields as metrics.json's) and prints the losses."""
+    import torch.distributed as dist
+
+    from train_cp import train_cp
+
+    if args.resume is not None:
+        raise SystemExit("--cp: resuming is not supported; start the run again")
+    cuda = torch.device(cfg.device).type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")  # torchrun's environment: RANK, WORLD_SIZE, MASTER_*
+    try:
+        if dist.get_world_size() != args.cp:
+            raise SystemExit(f"--cp {args.cp} but the process group has {dist.get_world_size()} processes; launch "
+                             f"with torchrun --nproc-per-node {args.cp}")
+        if cuda:
+            cfg = replace(cfg, device=f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+            torch.cuda.set_device(torch.device(cfg.device))
+        history = train_cp(Trainer(cfg, corpus, out, progress=False))
+        result = {**git_state(), "command": shlex.join(["torchrun", f"--nproc-per-node={args.cp}",
+                                                         "examples/train_msa.py", *argv]),
+                  "cp": args.cp, "scheme": "zigzag", "config": asdict(cfg), "history": history}
+        if dist.get_rank() == 0:
+            (out / "cp_metrics.json").write_text(json.dumps(result, indent=1) + "\n")
+            print(f"wrote {out / 'cp_metrics.json'} (kl_value={cfg.kl_value!r}, {args.cp} ranks)")
+        return result
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
