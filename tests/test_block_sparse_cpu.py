@@ -99,7 +99,6 @@ def _problem(op="block_sparse_forward", dtype=torch.bfloat16, **over):
 
 @pytest.mark.parametrize("op", ["block_sparse_forward", "block_sparse_backward"])
 @pytest.mark.parametrize("over, words", [
-    ({"varlen": True}, "cu_seqlens"),
     ({"head_dim": 64}, "D 64"),
     ({"block_size": 64}, "block_size 64"),
     ({"heads": 48, "index_heads": 1, "kv_group": 48}, "G = H / lcm(Hi, Hk) = 48 / lcm(1, 1) = 48"),
@@ -109,6 +108,13 @@ def test_block_sparse_kernels_decline_with_a_reason(op, over, words, catalogue_a
     catalogue_artifacts("sm90a")  # what is built: the default sm90a build's manifest
     reason = kernels._block_sparse_supports(_problem(op, **over))
     assert reason is not None and words in reason, reason
+
+
+@pytest.mark.parametrize("op", ["block_sparse_forward", "block_sparse_backward"])
+def test_packed_block_sparse_runs_on_the_kernels(op, catalogue_artifacts):
+    """cu_seqlens: the kernels take packs one run of equal lengths at a time (flash_msa_rt.ops.packed)."""
+    catalogue_artifacts("sm90a")
+    assert kernels._block_sparse_supports(_problem(op, varlen=True)) is None
 
 
 def test_float32_and_deterministic_backward_are_declined():
