@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
-def _cp_attend(mode: str, cfg, group, kl_metrics: list):
+def _cp_attend(mode: str, cfg, kl_value: str, group, kl_metrics: list):
     from flash_msa_rt.distributed import flash_msa_cp_func, flash_msa_warmup_cp_func
 
     fn = flash_msa_warmup_cp_func if mode == "warmup" else flash_msa_cp_func
@@ -29,7 +29,7 @@ def _cp_attend(mode: str, cfg, group, kl_metrics: list):
         kl_metrics.append(metric)
         with torch.autocast(q.device.type, enabled=False):
             return fn(q_proxy, k_proxy, q, k, v, cfg.top_k, group=group, layout="bshd", block_size=cfg.block_size,
-                      kl_value=cfg.kl_value, kl_metric=metric, seqlen=cfg.seq_len)
+                      kl_value=kl_value, kl_metric=metric, seqlen=cfg.seq_len)
     return attend
 
 
@@ -54,7 +54,7 @@ def train_cp(trainer, group=None) -> dict:
         kl_metrics: list = []
         t0 = time.perf_counter()
         with trainer.autocast:
-            logits, kl = model(x, _cp_attend(mode, cfg, group, kl_metrics), positions)
+            logits, kl = model(x, _cp_attend(mode, cfg, trainer.kl_value, group, kl_metrics), positions)
         lm_share = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum") / (
             cfg.batch_size * cfg.seq_len)
         loss = lm_share + cfg.kl_coef * kl

@@ -132,12 +132,13 @@ def test_resume_reproduces_the_uninterrupted_losses(full, tmp_path):
 
 
 def test_exact_and_deferred_kl_train_the_same_model(full, tmp_path):
-    """The default kl_value "deferred" logs the KL the backward wrote; "exact" takes it from the forward. The
-    gradients are the same, so the two runs are the same run: every logged loss and KL equal."""
-    _, deferred = full
-    assert deferred["config"]["kl_value"] == "deferred"
-    exact = _run(tmp_path, "--runs", "msa", "--kl-value", "exact")
-    assert exact["config"]["kl_value"] == "exact"
+    """kl_value "deferred" logs the KL the backward wrote; "exact" takes it from the forward (the default "auto"
+    picks it on the CPU reference, where the KL pass alone is the whole forward again). The gradients are the same,
+    so the two runs are the same run: every logged loss and KL equal."""
+    _, exact = full
+    assert exact["config"]["kl_value"] == "auto" and exact["kl_value"] == "exact"
+    deferred = _run(tmp_path, "--runs", "msa", "--kl-value", "deferred")
+    assert deferred["kl_value"] == "deferred"
     for key in ("lm_loss", "kl", "loss"):
         assert exact["runs"]["msa"]["history"][key] == deferred["runs"]["msa"]["history"][key], key
 
@@ -158,7 +159,7 @@ def test_context_parallel_run_matches_the_single_process_run(full, tmp_path):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     cp = json.loads((tmp_path / "cp_metrics.json").read_text())
-    assert cp["cp"] == 2 and cp["config"]["kl_value"] == "deferred"
+    assert cp["cp"] == 2 and cp["kl_value"] == "exact"  # "auto" on the CPU reference
     want = single["runs"]["msa"]["history"]
     assert cp["history"]["mode"] == want["mode"]
     for key in ("lm_loss", "kl"):
