@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from benchmarks.bench_msa import BLOCK, CONFIGS, D, DP, TOP_K, nnz_main  # noqa: E402
-from benchmarks.common import commit  # noqa: E402
+from benchmarks.common import commit, cuda_time_ms  # noqa: E402
 
 TOKENS = 128 * 1024
 EQUAL = (8192, 32768, 65536)
@@ -46,21 +45,6 @@ def mix_lengths(seed: int = 0, lo: int = 512, hi: int = 65536, total: int = TOKE
     return [n for n in out if n > 0]
 
 
-def _time_ms(fn, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 class Case:
     def __init__(self, cfg: str, args):
         self.cfg, self.args = cfg, args
@@ -74,7 +58,7 @@ class Case:
         self.kl_coef = torch.tensor(0.1, device="cuda")
 
     def time(self, fn):
-        return _time_ms(fn, self.args.warmup, self.args.reps)
+        return cuda_time_ms(fn, self.args.warmup, self.args.reps)
 
     def fixed(self, L: int) -> dict:
         import flash_msa_rt as F
