@@ -86,7 +86,7 @@ def flash_msa_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top
     sequence s reads the L_k = seqused_k[s] keys from cu_seqlens_k[s] on, so key ranges may overlap: one rank's
     two zigzag chunks of a sequence are two query sequences over one gathered key tensor, without a copy
     (docs/msa-semantics.md); key gradients sum over every sequence that reads a key. Separate key lengths run on
-    the reference (the kernels do not take packed sequences yet). kl_value as flash_msa_func's.
+    the reference (the kernels take a sequence's queries and keys alike). kl_value as flash_msa_func's.
     """
     return _msa_varlen("flash_msa_varlen_func", True, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k,
                        scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k, kl_value)
