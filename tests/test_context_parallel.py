@@ -70,6 +70,11 @@ def _rank(rank, world, port, results, backend="gloo"):
         assert kl == 0
         ((out * shard_sequence(dout, seq_dim=1)).sum() + COEF * kl).backward()
         mine["deferred"] = deferred.cpu()
+        try:  # one token over N >= 2 ranks: some rank would hold nothing; every rank says so, none hangs
+            flash_msa_cp_func(*(shard_sequence(t[:, :, :1], seq_dim=2) for t in ins), TOP_K, seqlen=1)
+            mine["too_short"] = "no error"
+        except ValueError as e:
+            mine["too_short"] = str(e)
         results[rank] = mine
     finally:
         dist.destroy_process_group()
@@ -112,6 +117,8 @@ def _check_against_single_process(world, backend="gloo"):
             got = _unshard([results[r][n][3][i] for r in range(world)], world, scheme, 2)
             torch.testing.assert_close(got, want_grads[i], **tol, msg=lambda m: f"{what}: d{name}: {m}")
             assert want_grads[i].abs().sum() > 0
+    for r in range(world):
+        assert "seqlen 1 is too short for" in results[r]["too_short"], results[r]["too_short"]
     exact_kl = _single(True, torch.float64)[1]
     for r in range(world):
         torch.testing.assert_close(results[r]["deferred"], exact_kl.float(), rtol=1e-6, atol=0,

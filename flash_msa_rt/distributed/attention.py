@@ -83,6 +83,12 @@ def _cp(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layo
                              f"shards must cover the same tokens")
     S = seqlen_of(fn, L, group, world, seqlen)
     spans = [shard_spans(S, world, r, scheme) for r in range(world)]
+    empty = [r for r, sp in enumerate(spans) if sum(b - a for a, b in sp) == 0]
+    if empty:  # every rank sees the same S and raises here, before any collective of the call
+        chunks = 2 * world if scheme == "zigzag" else world
+        raise ValueError(f"{fn}: seqlen {S} is too short for {world} ranks with scheme={scheme!r}: ranks {empty} would "
+                         f"hold no tokens; the sequence needs at least {chunks} tokens ({scheme} cuts it into "
+                         f"{chunks} chunks)")
     mine = spans[rank]
     if L != sum(b - a for a, b in mine):
         raise ValueError(f"{fn}: this rank's shards hold {L} tokens, but a {scheme} split of seqlen {S} over {world} "
