@@ -195,6 +195,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kl-values", type=_csv(str, ("exact", "deferred", "none")), default=["exact"],
                    help="kl_value modes of the public ops (rows of a mode other than exact are named op/mode; "
                         "deferred passes a kl_metric)")
+    p.add_argument("--select-precisions", type=_csv(str, ("bf16", "fp8")), default=["bf16"],
+                   help="select_precision of the selection and the public sparse op (rows of fp8 are named op/fp8, "
+                        "or op/<kl_value>+fp8)")
     p.add_argument("--tokens", type=int, default=TOKENS, help="tokens per step: B = max(1, tokens // S)")
     p.add_argument("--skewed", action="store_true",
                    help="also time msa_forward/msa_backward on a skewed selection (block 0 + nearest blocks)")
@@ -362,6 +365,9 @@ class Case:
         self.backends = {
             "select_blocks": backend_of("select_blocks", self.qp, {"proxy_head_dim": DP, "block_size": BLOCK,
                                                                    "top_k_blocks": self.K, "varlen": False}),
+            "select_blocks/fp8": backend_of("select_blocks", self.qp, {
+                "proxy_head_dim": DP, "block_size": BLOCK, "top_k_blocks": self.K, "varlen": False,
+                "select_precision": "fp8"}),
             "msa_forward": backend_of("msa_forward", self.q, msa_cfg),
             "msa_backward": backend_of("msa_backward", self.q, msa_cfg),
             "warmup_forward": backend_of("warmup_forward", self.q, library._msa_config(self.qp, self.q, self.k,
@@ -440,8 +446,8 @@ class Case:
         ops = torch.ops.flash_msa
         qp, kp, q, k, v = self.qp, self.kp, self.q, self.k, self.v
 
-        def select():
-            return ops.select_blocks(qp, kp, self.K, BLOCK, self.scale, None)
+        def select(precision="bf16"):
+            return ops.select_blocks(qp, kp, self.K, BLOCK, self.scale, None, None, None, precision)
 
         with torch.no_grad():
             row = self.measure("select_blocks", select, ops_used=("select_blocks",),
@@ -452,6 +458,12 @@ class Case:
                     self._finish(dict(self.base(op, selection), backend=None, formula=FORMULAS[op]),
                                  status=f"skipped: needs select_blocks ({row['status']})")
                 return
+            for precision in self.args.select_precisions:
+                if precision != "bf16":
+                    self.measure(f"select_blocks/{precision}", lambda: select(precision),
+                                 ops_used=(f"select_blocks/{precision}",),
+                                 flops=selection_flops(self.B, self.S, self.Hp), selection="proxy top-K",
+                                 extra=dict(select_precision=precision))
             self.block_indices = select()
         nnz = nnz_main(self.block_indices, self.H)
         nnz_p = nnz_per_index_head(self.block_indices)
@@ -461,20 +473,22 @@ class Case:
         dout = self.dout.view(self.B, self.S, self.H * D)
         info = dict(nnz=nnz, nnz_fraction_of_dense=nnz / dense_nnz(self.B, self.H, self.S), layout="bshd")
 
-        for kl_value in self.args.kl_values:
+        for precision, kl_value in [(p, m) for p in self.args.select_precisions for m in self.args.kl_values]:
             metric = torch.zeros((), device="cuda") if kl_value == "deferred" else None
 
             def whole_fwd():
                 return flash_msa_func(qp_g, kp_g, q_g, k_g, v_g, top_k=TOP_K, layout="bshd", kl_value=kl_value,
-                                      kl_metric=metric)
+                                      kl_metric=metric, select_precision=precision)
 
             def whole_fwd_bwd():
                 out, kl_loss = whole_fwd()
                 return torch.autograd.grad((out, kl_loss), (qp_g, kp_g, q_g, k_g, v_g), (dout, self.kl_coef))
 
-            used = ("select_blocks", "msa_forward", "msa_backward")
-            name = "" if kl_value == "exact" else f"/{kl_value}"
-            extra = dict(info, kl_value=kl_value)
+            used = ("select_blocks" if precision == "bf16" else f"select_blocks/{precision}", "msa_forward",
+                    "msa_backward")
+            mode = "+".join(m for m in (kl_value, precision) if m not in ("exact", "bf16"))
+            name = f"/{mode}" if mode else ""
+            extra = dict(info, kl_value=kl_value, select_precision=precision)
             self.measure(f"msa_func.fwd{name}", whole_fwd, ops_used=used[:2], flops=main_forward_flops(nnz),
                          selection="proxy top-K", extra=extra)
             self.measure(f"msa_func.fwd+bwd{name}", whole_fwd_bwd, ops_used=used, flops=whole_fwd_bwd_flops(nnz),
@@ -657,10 +671,10 @@ def print_table(rows, comps):
         print(f"{c['config']:>3} {c['B']:>3} {c['S']:>6} {cells} {xd:>8} {mem:>17} {mhz:>14}")
     modes = sorted({r["op"].split("/")[1] for r in rows if "/" in r["op"]})
     for mode in modes:  # --kl-values: the public ops in the other modes, beside exact's
-        print(f"\nkl_value={mode} (ms/TFLOPS; exact's in the table above):")
+        print(f"\n{mode} (kl_value / select_precision; ms/TFLOPS; exact bf16's in the table above):")
         for c in comps:
             cells = []
-            for op in ("msa_func.fwd", "msa_func.fwd+bwd", "warmup_func.fwd", "warmup_func.fwd+bwd"):
+            for op in ("select_blocks", "msa_func.fwd", "msa_func.fwd+bwd", "warmup_func.fwd", "warmup_func.fwd+bwd"):
                 r = next((r for r in rows if (r["config"], r["B"], r["S"], r["op"]) ==
                           (c["config"], c["B"], c["S"], f"{op}/{mode}")), None)
                 cells.append(f"{op} {_fmt_ms(r)}")

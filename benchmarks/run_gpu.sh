@@ -3,10 +3,11 @@
 # set (python -m build_tools build --arch sm90a --set all, on the CPU machine: the GPU tests and sanitizers also
 # run the opt-in alternates, through flash_msa_rt.tuning.override). This script builds nothing:
 #   FLASH_MSA_COMMIT=<the hash, written out here: git on the GPU machine holds an older HEAD> \
-#     bash benchmarks/run_gpu.sh [tests|bench|core|producer|all]
+#     bash benchmarks/run_gpu.sh [tests|bench|core|producer|long|all]
 # tests: environment, every GPU test, compute-sanitizer on every kernel family (~220 s); bench: the benchmarks;
 # core: only the whole-op benchmarks against cuDNN (B * S = 128K tokens, and B = 1 in (a)), which fit one
-# 10-minute device call (~160 s); producer: the warp-specialised main backward's checks, on and off (~150 s).
+# 10-minute device call (~160 s); producer: the warp-specialised main backward's checks, on and off (~150 s);
+# long: bf16 against fp8 selection, at 128K tokens per step and at B = 1 up to 1M tokens.
 # Logs, JUnit XML and JSON go to $OUT (default benchmarks/logs/<UTC time>/, which git ignores; copy the JSON the
 # README cites into benchmarks/results/). Each pytest run records the commit and its command, every test id with
 # its outcome (-rA in the log, JUnit XML beside it) and prints a summary. FLASH_MSA_REQUIRE_GPU=1: a GPU test that
@@ -81,6 +82,9 @@ from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
 q = torch.randn(2, 333, 2, 128, device='cuda').to(torch.bfloat16)
 flash_msa_rt.proxy_block_scores(q, q[:, :, :1])
 select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1)
+if device_arch(0) == 'sm90a':  # fp8 selection (e4m3 variants, wgmma), 64 and 16 slots
+    select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1, 'fp8')
+    select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1, 'fp8')
 sel = select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
 from flash_msa_rt.ops.sparse_plan import chunk_plans  # the plan kernels at K = 20 (64 slots) and 3 (16 slots)
 chunk_plans(select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1), 128, 4, 1, 128, ((32, 64), (64, 32)), 'size')
@@ -152,6 +156,16 @@ if [[ $mode == core ]]; then
     --skewed --out "$out/msa.json" 2>&1 | tee "$out/bench_msa.log" || status=1
   python3 benchmarks/bench_msa.py --configs a --seqlens 8192,16384,32768,65536 --ops sparse,dense --batch1 \
     --out "$out/msa_batch1.json" 2>&1 | tee "$out/bench_msa_batch1.log" || status=1
+fi
+
+if [[ $mode == long ]]; then
+  # Selection precision (issue 10): bf16 and fp8 selection and the whole op at 128K tokens per step in (a) and (b),
+  # then (b) at B = 1 from 256K to 1M tokens (deferred KL; dense attention is not run there: ~58 s a call at 1M).
+  python3 benchmarks/bench_msa.py --configs a,b --seqlens 8192,16384,32768,65536,131072 --ops sparse,dense \
+    --select-precisions bf16,fp8 --kl-values deferred --out "$out/msa_fp8.json" 2>&1 | tee "$out/bench_msa_fp8.log"
+  python3 benchmarks/bench_msa.py --configs b --batch1 --seqlens 262144,524288,1048576 --ops sparse \
+    --select-precisions bf16,fp8 --kl-values deferred --warmup 1 --reps 3 --out "$out/msa_long.json" 2>&1 \
+    | tee "$out/bench_msa_long.log"
 fi
 
 if [[ $mode == bench || $mode == all ]]; then

@@ -25,7 +25,7 @@ _MSA_NAMES = ("q_proxy", "k_proxy", "q", "k", "v")
 
 
 def flash_msa_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, document_list=None, *, cu_seqlens=None,
-                   kl_metric=None, layout="bhsd", block_size=128, kl_value="exact"):
+                   kl_metric=None, layout="bhsd", block_size=128, kl_value="exact", select_precision="bf16"):
     """MiniMax Sparse Attention: proxy top-K block selection, sparse causal attention and the proxy KL loss.
 
     q_proxy (B, Hp, S, Dp), k_proxy (B, Hpk, S, Dp), q (B, H, S, D), k and v (B, Hk, S, D) for layout="bhsd";
@@ -45,13 +45,17 @@ def flash_msa_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, document_list=N
     forward skips the KL pass, kl_loss's value is 0 (its gradient unchanged) and the backward writes the exact KL
     into kl_metric, on the device; with no backward (no_grad, inputs without grad) a given kl_metric makes the call
     "exact". "none": no KL value at all (kl_metric must be None). Gradients are the same in every mode.
+    select_precision: "bf16" (default): blocks are ranked by the proxy scores in the inputs' precision. "fp8":
+    ranked by scores of q_proxy (per token) and k_proxy (per key block) quantised to float8 e4m3 with power-of-two
+    scales, accumulated in float32 (about twice the selection rate on Hopper; docs/msa-semantics.md, "FP8
+    selection"). Only the ranking changes: the KL, its gradients and the main attention use the unquantised inputs.
 
     Returns (out (B, S, H * D) in q's dtype, kl_loss): kl_loss is a 0-dim float32 tensor (float64 for float64
     inputs) holding the true KL, mean over (b, p, i) of KL(tau || pi); its gradient reaches q_proxy and k_proxy
     only, scaled by whatever multiplies it in the loss (read on the device: no host synchronisation).
     """
     return _msa("flash_msa_func", True, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_seqlens,
-                kl_metric, layout, block_size, kl_value)
+                kl_metric, layout, block_size, kl_value, select_precision)
 
 
 def flash_msa_warmup_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, document_list=None, *, cu_seqlens=None,
@@ -69,7 +73,8 @@ flash_msa_func_warmup = flash_msa_warmup_func  # the published alias
 
 
 def flash_msa_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale=None, *, block_size=128,
-                          kl_metric=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_k=None, kl_value="exact"):
+                          kl_metric=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_k=None, kl_value="exact",
+                          select_precision="bf16"):
     """flash_msa_func over packed sequences, FlashAttention varlen style.
 
     q_proxy (total, Hp, Dp), k_proxy (total, Hpk, Dp), q (total, H, D), k and v (total, Hk, D); cu_seqlens int32
@@ -86,10 +91,11 @@ def flash_msa_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top
     sequence s reads the L_k = seqused_k[s] keys from cu_seqlens_k[s] on, so key ranges may overlap: one rank's
     two zigzag chunks of a sequence are two query sequences over one gathered key tensor, without a copy
     (docs/msa-semantics.md); key gradients sum over every sequence that reads a key. Separate key lengths run on
-    the reference (the kernels take a sequence's queries and keys alike). kl_value as flash_msa_func's.
+    the reference (the kernels take a sequence's queries and keys alike). kl_value and select_precision as
+    flash_msa_func's (fp8 key blocks restart at each sequence's key start).
     """
     return _msa_varlen("flash_msa_varlen_func", True, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k,
-                       scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k, kl_value)
+                       scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k, kl_value, select_precision)
 
 
 def flash_msa_warmup_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale=None, *,
@@ -154,13 +160,15 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
     return (out, lse) if return_lse else out
 
 
-def select_blocks(q_proxy, k_proxy, top_k, scale=None, *, layout="bhsd", block_size=128):
+def select_blocks(q_proxy, k_proxy, top_k, scale=None, *, layout="bhsd", block_size=128, select_precision="bf16"):
     """The blocks MSA selects: int32 (B, Hp, S, K), K = top_k // block_size, ascending per row with -1 last.
 
     q_proxy (B, Hp, S, Dp), k_proxy (B, Hpk, S, Dp) ("bhsd"; "bshd" as flash_msa_func). scale defaults to
     Dp ** -0.5; the selection does not depend on it (top-K of scaled scores) except through rounding. No gradient.
+    select_precision as flash_msa_func's.
     """
     fn = "select_blocks"
+    select_precision = _v.check_select_precision(fn, select_precision)
     _v.check_layout(fn, layout)
     for name, t in (("q_proxy", q_proxy), ("k_proxy", k_proxy)):
         _v.check_tensor(fn, name, t, 4, _v.LAYOUTS[layout])
@@ -171,7 +179,8 @@ def select_blocks(q_proxy, k_proxy, top_k, scale=None, *, layout="bhsd", block_s
     block_size = _v.check_block_size(fn, block_size)
     K = _v.check_top_k(fn, top_k, block_size)
     scale = _v.resolve_scale(fn, scale, q_proxy.shape[-1])
-    return _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), K, block_size, scale)
+    return _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, None, None, None,
+                              select_precision)
 
 
 # --- shared bodies -------------------------------------------------------------------------------------------------
@@ -196,8 +205,9 @@ def _check_five(fn, tensors, ndim, dims_text):
 
 
 def _msa(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_seqlens, kl_metric, layout,
-         block_size, kl_value):
+         block_size, kl_value, select_precision="bf16"):
     kl_value = _v.check_kl_value(fn, kl_value, kl_metric)
+    select_precision = _v.check_select_precision(fn, select_precision)
     _v.check_layout(fn, layout)
     _check_five(fn, (q_proxy, k_proxy, q, k, v), 4, _v.LAYOUTS[layout])
     q_proxy, k_proxy, q, k, v = (_layout.to_bshd(t, layout) for t in (q_proxy, k_proxy, q, k, v))
@@ -218,13 +228,15 @@ def _msa(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_
         _v.check_cu_seqlens_values(fn, cu_seqlens, dims.B * dims.S, row_len=dims.S)
     if cu_seqlens is not None:  # batch rows become consecutive packed sequences of one row
         q_proxy, k_proxy, q, k, v = (_layout.flatten_batch(t) for t in (q_proxy, k_proxy, q, k, v))
-    out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value)
+    out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value,
+                        select_precision=select_precision)
     return out.reshape(dims.B, dims.S, dims.H * dims.D), kl_loss
 
 
 def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale, block_size, kl_metric,
-                cu_seqlens_k=None, max_seqlen_k=None, seqused_k=None, kl_value="exact"):
+                cu_seqlens_k=None, max_seqlen_k=None, seqused_k=None, kl_value="exact", select_precision="bf16"):
     kl_value = _v.check_kl_value(fn, kl_value, kl_metric)
+    select_precision = _v.check_select_precision(fn, select_precision)
     separate = cu_seqlens_k is not None
     if not separate:
         for name, value in (("max_seqlen_k", max_seqlen_k), ("seqused_k", seqused_k)):
@@ -251,7 +263,7 @@ def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, t
         _v.check_max_seqlen(fn, max_seqlen_k, longest_k, name="max_seqlen_k",
                             offsets="cu_seqlens_k / seqused_k" if seqused_k is not None else "cu_seqlens_k")
     out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value,
-                        cu_seqlens_k, seqused_k)
+                        cu_seqlens_k, seqused_k, select_precision)
     return out[0], kl_loss
 
 
@@ -265,7 +277,7 @@ def _kl_in_forward(kl_value: str, kl_metric, tensors) -> bool:
 
 
 def _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value,
-         cu_seqlens_k=None, seqused_k=None):
+         cu_seqlens_k=None, seqused_k=None, select_precision="bf16"):
     """The ops on (B, S, heads, D) views; kl_loss = mean of kl_rows, formed here so its upstream gradient reaches the
     backward as a device tensor (no host read of the loss coefficient). Without the KL pass in the forward, kl_rows
     are zeros (kl_loss's value 0, its gradient unchanged) and the backward writes kl_metric."""
@@ -273,7 +285,7 @@ def _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl
     deferred_metric = None if kl else kl_metric
     if sparse:
         block_indices = _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, cu_seqlens,
-                                           cu_seqlens_k, seqused_k)
+                                           cu_seqlens_k, seqused_k, select_precision)
         out, _, _, kl_rows = _ops.msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale,
                                               cu_seqlens, cu_seqlens_k, seqused_k, kl, deferred_metric)
     else:

@@ -40,6 +40,7 @@ DTYPES: dict[str, tuple[int, int]] = {
     "f32": (4, 7),
     "f64": (8, 8),
     "bf16": (2, 9),
+    "e4m3": (1, 0),  # float8 e4m3: TMA moves it as bytes (UINT8)
 }
 
 # Scalar params: name -> (bytes, struct format character).

@@ -25,7 +25,8 @@ DESCRIPTOR_CACHE_SIZE = 512  # encoded TMA descriptors kept per plan
 TMA_MAX_DIM, TMA_MAX_STRIDE = 2**32, 2**40
 
 _TORCH_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64", "int32": "i32",
-                      "int64": "i64", "uint8": "u8", "int16": "i16"}
+                      "int64": "i64", "uint8": "u8", "int16": "i16",
+                      "float8_e4m3fn": "e4m3"}
 
 
 def dtype_name(torch_dtype) -> str:

@@ -27,7 +27,7 @@ from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 from flash_msa_rt.manifest import TensorParam
 from kernels_src.spec import GPU_ARCH_OPTION, Compiled
 
-_FAKE_ELEMENTS = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "f32": cutlass.Float32, "i32": cutlass.Int32,
+_FAKE_ELEMENTS = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "e4m3": cutlass.Float8E4M3FN, "f32": cutlass.Float32, "i32": cutlass.Int32,
                   "i64": cutlass.Int64, "u8": cutlass.Uint8}
 _FAKE_SCALARS = {"f32": lambda: cutlass.Float32(1.0), "i32": lambda: cutlass.Int32(1), "i64": lambda: cutlass.Int64(1)}
 
@@ -105,7 +105,7 @@ def ptxas_performance_warnings(log: str) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-_TMA_FORMAT = {"bf16": "BF16", "f16": "F16"}
+_TMA_FORMAT = {"bf16": "BF16", "f16": "F16", "e4m3": "U8"}  # fp8: TMA moves bytes
 _SWIZZLE_128B = "S<3,4,3>"  # 128B swizzle in CuTeDSL's byte-address spelling
 
 

@@ -9,7 +9,8 @@ import math
 import cutlass
 
 # The config's dtype name -> the CuTeDSL element type of q, k, v and the outputs.
-DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16}
+# "e4m3": float8 e4m3 (fp8 selection's quantised proxy operands, kernels_src/select/NOTES.md).
+DTYPES = {"bf16": cutlass.BFloat16, "f16": cutlass.Float16, "e4m3": cutlass.Float8E4M3FN}
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)

@@ -51,8 +51,8 @@ def test_serialised_wgmma_fails_the_build():
         """Block j + 1's products issued in step j and waited for in step j + 1 (no refill: compile only)."""
 
         @cute.jit
-        def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, heap,
-                        worst_score):
+        def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, k_scale, b, pk,
+                        heap, worst_score):
             cute.arch.mbarrier_wait(t.k_full, 0)
             for h in cutlass.range_constexpr(2):
                 self.issue_half(t, 0, h)
@@ -67,9 +67,10 @@ def test_serialised_wgmma_fails_the_build():
             warpgroup.wait_group(0)
 
     config = Config(mma="wgmma")
-    shipped = compile_kernel(ProxySelectWG(config), config, "sm90a", fake_args(params(config), "block_indices"))
+    args = fake_args(params(config), "block_indices", ("k_scale",))
+    shipped = compile_kernel(ProxySelectWG(config), config, "sm90a", args)
     assert shipped.ptxas_warnings == ()
-    compiled = compile_kernel(AcrossSteps(config), config, "sm90a", fake_args(params(config), "block_indices"))
+    compiled = compile_kernel(AcrossSteps(config), config, "sm90a", args)
     assert any(w.startswith("C7514: Potential Performance Loss") for w in compiled.ptxas_warnings), \
         compiled.ptxas_warnings
     spec = next(s for s in variants(("sm90a",)) if s.name == config.variant_name("sm90a"))

@@ -21,7 +21,7 @@ _NAMES = ("q_proxy", "k_proxy", "q", "k", "v")
 
 
 def flash_msa_cp_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, *, group=None, scheme="zigzag", layout="bhsd",
-                      kl_value="exact", kl_metric=None, block_size=128, seqlen=None):
+                      kl_value="exact", kl_metric=None, block_size=128, seqlen=None, select_precision="bf16"):
     """flash_msa_func over this rank's shards of one batch of sequences (context parallelism).
 
     The five tensors are this rank's shards (shard_sequence's order: its chunks concatenated along the sequence
@@ -35,10 +35,12 @@ def flash_msa_cp_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, *, group=Non
     (loss coefficient x kl_loss) is the single-process gradient: sum the ranks' parameter gradients (a context-
     parallel group's gradient all-reduce does) and the proxy trains exactly as without sharding. kl_value and
     kl_metric as flash_msa_func's ("deferred": the backward writes the whole sequence's KL into kl_metric on every
-    rank).
+    rank). select_precision as flash_msa_func's: fp8 key blocks lie on the full sequence's block grid, and the one
+    block a rank's key prefix cuts short is never a candidate of that rank's queries (their own block or a later
+    one), so the selection is the single-process one.
     """
     return _cp("flash_msa_cp_func", True, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layout, kl_value,
-               kl_metric, block_size, seqlen)
+               kl_metric, block_size, seqlen, select_precision)
 
 
 def flash_msa_warmup_cp_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, *, group=None, scheme="zigzag",
@@ -65,8 +67,9 @@ class _AfterBackward(torch.autograd.Function):
 
 
 def _cp(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layout, kl_value, kl_metric, block_size,
-        seqlen):
+        seqlen, select_precision="bf16"):
     check_scheme(fn, scheme)
+    select_precision = _v.check_select_precision(fn, select_precision)
     _v.check_layout(fn, layout)
     kl_value = _v.check_kl_value(fn, kl_value, kl_metric)
     group, world, rank = group_of(fn, group)
@@ -123,11 +126,12 @@ def _cp(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layo
     cu_k = torch.tensor([row * S for row in range(B) for _ in mine] + [B * S], dtype=torch.int32, device=device)
     used_k = torch.tensor(ends, dtype=torch.int32, device=device)
     varlen = api.flash_msa_varlen_func if sparse else api.flash_msa_warmup_varlen_func
+    selection = {"select_precision": select_precision} if sparse else {}
     flat = lambda t: t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])  # noqa: E731 - (B, S, h, d) -> (B S, h, d)
     out, kl_local = varlen(flat(qp), flat(kp_full), flat(qq), flat(k_full), flat(v_full), cu_q, max(q_lens, default=0),
                            top_k, scale, block_size=block_size, cu_seqlens_k=cu_k, max_seqlen_k=max(S, 1),
                            seqused_k=used_k, kl_value="none" if kl_value == "none" else kl_value,
-                           kl_metric=local_metric)
+                           kl_metric=local_metric, **selection)
     # kl_local = (sum of this rank's KL rows) / (Hp B L): its share of the whole mean is L / S of it.
     part = kl_local * (L / S) if S else kl_local * 0.0
     total = part.detach().clone()

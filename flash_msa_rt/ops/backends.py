@@ -90,11 +90,12 @@ def _ref():
 # The varlen references take cu_seqlens at another position than these ops: pass it by keyword. key_offsets:
 # cu_seqlens_k / seqused_k (separate key offsets, flash_msa_rt.reference.varlen), passed only where given.
 
-def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, **key_offsets):
+def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, *, precision="bf16",
+                   **key_offsets):
     if cu_seqlens is None:
-        return _ref().select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale)
+        return _ref().select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, precision)
     return _ref().select_blocks_varlen(q_proxy, k_proxy, cu_seqlens=cu_seqlens, top_k_blocks=top_k_blocks,
-                                       block_size=block_size, scale=scale, **key_offsets)
+                                       block_size=block_size, scale=scale, precision=precision, **key_offsets)
 
 
 def _without_kl(outputs, kl: bool):

@@ -25,7 +25,6 @@ from flash_msa_rt.errors import FlashMsaError
 from flash_msa_rt.ops import block_sparse, dense_main, packed, select, sparse_bwd, sparse_fwd, warmup_kl
 from flash_msa_rt.ops.backends import Backend, Problem, reference_impl
 from flash_msa_rt.ops.device import arch_of
-from flash_msa_rt.tuning import select as tuning_select
 from flash_msa_rt.tuning import warmup as tuning_warmup
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -51,14 +50,15 @@ def _select_supports(problem: Problem) -> str | None:
     if problem.dtype not in _DTYPE_NAMES:
         return f"dtype {problem.dtype} (selection kernel: bfloat16, float16)"
     dp, bs, k = c.get("proxy_head_dim"), c.get("block_size"), c.get("top_k_blocks")
-    arch, dt = _arch(problem), _DTYPE_NAMES[problem.dtype]
+    arch, dt = _arch(problem), select.variant_dtype(_DTYPE_NAMES[problem.dtype], c.get("select_precision", "bf16"))
     dims = loader.built_values("select", "head_dim", arch, dtype=dt)
     sizes = loader.built_values("select", "block_size", arch, dtype=dt)
     max_k = select.max_k_for(k, arch)
     if dp not in dims or bs not in sizes or max_k is None:
         return (f"proxy head dim {dp}, block_size {bs}, K {k} (selection kernel built for {arch}, {dt}: head dim "
                 f"in {dims}, block_size {sizes}, K <= {max(loader.built_values('select', 'max_k', arch), default=0)})")
-    return _built(problem, [("select", select.kernel_config(dt, dp, bs, max_k, tuning_select.choose(arch).mma))])
+    mma = select.mma_for(arch, c.get("select_precision", "bf16"))
+    return _built(problem, [("select", select.kernel_config(dt, dp, bs, max_k, mma))])
 
 
 _DETERMINISTIC_REASON = (
@@ -128,10 +128,12 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
-def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None):
+def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, *, precision="bf16"):
     if -(-q_proxy.shape[1] // block_size) >= select.MAX_BLOCKS:  # int16 block slots: beyond 4M tokens
-        return reference_impl("select_blocks")(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens)
-    return select.select_blocks_cuda(_tma_ready(q_proxy), _tma_ready(k_proxy), top_k_blocks, block_size, scale)
+        return reference_impl("select_blocks")(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens,
+                                               precision=precision)
+    return select.select_blocks_cuda(_tma_ready(q_proxy), _tma_ready(k_proxy), top_k_blocks, block_size, scale,
+                                     precision)
 
 
 def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, *, kl=True):

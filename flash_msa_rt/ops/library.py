@@ -92,17 +92,22 @@ def _impl(op: str, like: Tensor, config: dict):
 @torch.library.custom_op(f"{NAMESPACE}::select_blocks", mutates_args=())
 def select_blocks(q_proxy: Tensor, k_proxy: Tensor, top_k_blocks: int, block_size: int, scale: float,
                   cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-                  seqused_k: Optional[Tensor] = None) -> Tensor:
-    """int32 (B, Hp, S, K) selected key blocks per (b, p, i), -1 for empty slots. Not differentiable."""
+                  seqused_k: Optional[Tensor] = None, precision: str = "bf16") -> Tensor:
+    """int32 (B, Hp, S, K) selected key blocks per (b, p, i), -1 for empty slots. Not differentiable. precision
+    "fp8": scores from the e4m3-quantised proxy pair (flash_msa_rt.reference.fp8)."""
     config = {"proxy_head_dim": q_proxy.shape[-1], "block_size": block_size, "top_k_blocks": top_k_blocks,
-              "varlen": cu_seqlens is not None or cu_seqlens_k is not None, "separate_keys": cu_seqlens_k is not None}
+              "varlen": cu_seqlens is not None or cu_seqlens_k is not None, "separate_keys": cu_seqlens_k is not None,
+              "select_precision": precision}
     impl = _impl("select_blocks", q_proxy, config)
-    return _fresh(impl(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens,
+    # An implementation takes precision only where it is fp8 (as forwards take kl only where it is off).
+    fp8 = {"precision": precision} if precision != "bf16" else {}
+    return _fresh(impl(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens, **fp8,
                        **_key_offsets("select_blocks", cu_seqlens, cu_seqlens_k, seqused_k)).to(torch.int32))
 
 
 @select_blocks.register_fake
-def _(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
+def _(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None,
+      precision="bf16"):
     B, S, Hp, _ = q_proxy.shape
     return q_proxy.new_empty((B, Hp, S, top_k_blocks), dtype=torch.int32)
 

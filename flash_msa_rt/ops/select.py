@@ -12,10 +12,16 @@ import torch
 from flash_msa_rt import loader
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops.device import arch_of
+from flash_msa_rt.reference import fp8
 from flash_msa_rt.tuning import select as tuning_select
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 MAX_BLOCKS = 1 << 15  # slot block indices are int16 in shared memory
+
+
+def variant_dtype(input_dtype: str, precision: str) -> str:
+    """The variant's operand dtype: the inputs' own, or e4m3 for fp8 selection (of bf16 and f16 inputs alike)."""
+    return "e4m3" if precision == "fp8" else input_dtype
 
 
 def kernel_config(dtype: str, head_dim: int, block_size: int, max_k: int, mma: str) -> dict:
@@ -30,13 +36,19 @@ def max_k_for(top_k_blocks: int, arch: str) -> int | None:
     return next((m for m in loader.built_values("select", "max_k", arch) if top_k_blocks <= m), None)
 
 
+def mma_for(arch: str, precision: str) -> str:
+    """The tuning policy's MMA; fp8 variants exist on wgmma only (kernels_src/select)."""
+    return "wgmma" if precision == "fp8" else tuning_select.choose(arch).mma
+
+
 def select_blocks_cuda(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: int, block_size: int,
-                       scale: float) -> torch.Tensor:
+                       scale: float, precision: str = "bf16") -> torch.Tensor:
     """block_indices (B, Hp, S, K) int32 from q_proxy (B, S, Hp, Dp), k_proxy (B, S, Hpk, Dp) on a CUDA device.
 
     The caller has validated shapes, dtypes and devices; the head dim must have unit stride and the other
     strides be 16-byte multiples (TMA), which slices of a fused projection and transposed (B, H, S, D) views
-    satisfy. No host synchronisation.
+    satisfy. No host synchronisation. precision "fp8": the pair is first quantised to e4m3 (reference.fp8, a few
+    torch ops on the GPU) and the e4m3 variant scales each key block's scores by its k_scale.
     """
     B, S, Hp, Dp = q_proxy.shape
     Hpk = k_proxy.shape[2]
@@ -44,8 +56,13 @@ def select_blocks_cuda(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_block
     if out.numel() == 0:
         return out
     arch = arch_of(q_proxy.device)
-    config = kernel_config(DTYPES[q_proxy.dtype], Dp, block_size, max_k_for(top_k_blocks, arch),
-                           tuning_select.choose(arch).mma)
+    config = kernel_config(variant_dtype(DTYPES[q_proxy.dtype], precision), Dp, block_size,
+                           max_k_for(top_k_blocks, arch), mma_for(arch, precision))
     kernel = get_kernel("select", config, q_proxy.device)
-    kernel(q_proxy=q_proxy, k_proxy=k_proxy, block_indices=out, scale=float(scale), group=Hp // Hpk)
+    if precision == "fp8":
+        q8, _ = fp8.quantize_rows(q_proxy)  # the row scales change no ranking within a row: the kernel skips them
+        k8, k_scale = fp8.quantize_key_blocks(k_proxy, block_size)
+        kernel(q_proxy=q8, k_proxy=k8, block_indices=out, k_scale=k_scale, scale=float(scale), group=Hp // Hpk)
+    else:
+        kernel(q_proxy=q_proxy, k_proxy=k_proxy, block_indices=out, scale=float(scale), group=Hp // Hpk)
     return out

@@ -169,6 +169,14 @@ def check_kl_metric(fn: str, kl_metric, device: torch.device) -> None:
 
 
 KL_VALUES = ("exact", "deferred", "none")
+SELECT_PRECISIONS = ("bf16", "fp8")
+
+
+def check_select_precision(fn: str, select_precision) -> str:
+    if not isinstance(select_precision, str) or select_precision not in SELECT_PRECISIONS:
+        raise ValueError(f"{fn}: select_precision={select_precision!r} is not supported; expected one of "
+                         f"{', '.join(SELECT_PRECISIONS)}")
+    return select_precision
 
 
 def check_kl_value(fn: str, kl_value, kl_metric) -> str:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from flash_msa_rt.reference import attention, checks
+from flash_msa_rt.reference import attention, checks, fp8
 from flash_msa_rt.reference.block_scores import block_scores_of_rows
 from flash_msa_rt.reference.numerics import _ieee_fp32_matmul, compute_dtype
 
 _FN = "select_blocks"
+PRECISIONS = ("bf16", "fp8")
 
 
 def select_blocks(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: int, block_size: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, precision: str = "bf16") -> torch.Tensor:
     """Selected key blocks, int32 (B, Hp, S, K) with K = top_k_blocks.
 
     Row i of proxy head p holds its local block blk(i) plus the K - 1 earlier blocks j < blk(i) with the largest
@@ -24,7 +25,12 @@ def select_blocks(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: in
     Proxy head p reads key head p // (Hp / Hpk). Scores are
     float32 (float64 for float64 inputs); query rows are processed in chunks, each scoring only its causal
     prefix, and ranked per chunk, so neither (B, Hp, S, S) nor (B, Hp, S, NB) is materialised at once.
+
+    precision "fp8": the scores are those of flash_msa_rt.reference.fp8 (q_proxy per row and k_proxy per key block
+    in e4m3 with power-of-two scales, products and sums in float32), ranked by the same rule.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"{_FN}: precision {precision!r} is not supported; supported: {', '.join(PRECISIONS)}")
     B, S = q_proxy.shape[:2] if isinstance(q_proxy, torch.Tensor) else (0, 0)
     S_k = k_proxy.shape[1] if isinstance(k_proxy, torch.Tensor) and k_proxy.dim() == 4 else S
     checks.proxy_dims(_FN, q_proxy, k_proxy, B, S, None, S_k if S_k >= S else S)
@@ -36,6 +42,12 @@ def select_blocks(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: in
     _, _, Hp, Dp = q_proxy.shape
     Hpk = k_proxy.shape[2]
     dt = compute_dtype(q_proxy, k_proxy)
+    q_scale = k_scale = None
+    if precision == "fp8":
+        (q_proxy, q_scale), (k_proxy, k_scale) = fp8.quantize_rows(q_proxy), fp8.quantize_key_blocks(k_proxy, Bs)
+        q_scale = q_scale.permute(0, 2, 1).unsqueeze(-1)  # (B, Hp, S, 1)
+        k_scale = k_scale.permute(0, 2, 1).repeat_interleave(Hp // Hpk, dim=1).unsqueeze(2)  # (B, Hp, 1, NB)
+        dt = torch.promote_types(dt, torch.float32)
     # (B, Hpk, G, S, Dp) and (B, Hpk, 1, Dp, S): proxy head p = pk * G + g reads key head pk by broadcasting.
     q = q_proxy.to(dt).permute(0, 2, 1, 3).reshape(B, Hpk, Hp // Hpk, S, Dp)
     kt = k_proxy.to(dt).permute(0, 2, 3, 1).unsqueeze(2)
@@ -44,6 +56,8 @@ def select_blocks(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: in
     with _ieee_fp32_matmul():
         for i0, i1 in attention.row_chunks(S, B * Hp * S_k):
             scores = block_scores_of_rows(q, kt, i0, i1, Bs, scale, S_k - S)  # (B, Hp, rows, nb)
+            if precision == "fp8":  # powers of two: exact products, after the scale (the kernel's order)
+                scores = scores * k_scale[..., :scores.shape[-1]] * q_scale[:, :, i0:i1]
             selected[:, :, i0:i1] = _top_blocks(scores, S_k - S + i0, S_k - S + i1, K, Bs)
     return selected
 

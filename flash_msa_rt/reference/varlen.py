@@ -30,10 +30,11 @@ from flash_msa_rt.reference.warmup import warmup_backward, warmup_forward
 
 
 def select_blocks_varlen(q_proxy, k_proxy, cu_seqlens, top_k_blocks, block_size, scale, *, cu_seqlens_k=None,
-                         seqused_k=None):
+                         seqused_k=None, precision="bf16"):
     """select_blocks per sequence -> int32 (1, Hp, total_q, K), block indices relative to each sequence's keys.
 
-    Order: (q_proxy, k_proxy, cu_seqlens, top_k_blocks, block_size, scale, *, cu_seqlens_k, seqused_k).
+    Order: (q_proxy, k_proxy, cu_seqlens, top_k_blocks, block_size, scale, *, cu_seqlens_k, seqused_k, precision).
+    fp8 precision quantises each sequence's keys by its own key blocks (the block grid restarts per sequence).
     """
     fn = "select_blocks_varlen"
     seqs = _sequences(fn, cu_seqlens, [q_proxy], [k_proxy], cu_seqlens_k, seqused_k)
@@ -42,7 +43,7 @@ def select_blocks_varlen(q_proxy, k_proxy, cu_seqlens, top_k_blocks, block_size,
     checks.scale(fn, scale)
     out = torch.full((1, q_proxy.shape[2], q_proxy.shape[1], K), -1, dtype=torch.int32, device=q_proxy.device)
     for (a, b), (ka, kb) in seqs:
-        out[:, :, a:b] = select_blocks(q_proxy[:, a:b], k_proxy[:, ka:kb], K, block_size, scale)
+        out[:, :, a:b] = select_blocks(q_proxy[:, a:b], k_proxy[:, ka:kb], K, block_size, scale, precision)
     return out
 
 

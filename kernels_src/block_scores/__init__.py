@@ -24,11 +24,14 @@ HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64, 128)
 TILE_MS = (128,)
 
-# TMA with 128-byte swizzle moves at most 128 bytes of the innermost dim per box row: 64 bf16 elements.
+# TMA with 128-byte swizzle moves at most 128 bytes of the innermost dim per box row: 64 bf16 elements, 128 fp8.
 SWIZZLE_BYTES = 128
-SWIZZLE_ELEMS = 64
+ELEM_BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}
 
-_ELEM_BYTES = {"bf16": 2}
+
+def swizzle_elems(dtype: str) -> int:
+    """Elements of one 128-byte swizzled box row: the TMA box's innermost extent."""
+    return SWIZZLE_BYTES // ELEM_BYTES[dtype]
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class Config:
 
         Mirrors the SharedStorage struct of the kernel; compile() checks the two agree.
         """
-        e = _ELEM_BYTES[self.dtype]
+        e = ELEM_BYTES[self.dtype]
         barriers = _align((1 + self.stages) * 8, 1024)
         s_q = _align(self.tile_m * self.head_dim * e, 1024)
         s_k = _align(self.stages * self.block_size * self.head_dim * e, 1024)
@@ -100,15 +103,15 @@ def proxy_operands(config) -> dict:
     c = config
     dp = c.head_dim
     # The descriptor CuTeDSL builds for a (1, rows, 1, Dp) box over (B, S, H, Dp): its TMA basis is
-    # (64, rows, 1, 1):(1@3, 1@1, 1@0, 1@2), i.e. dims Dp, S, B, H innermost first, 64-wide Dp boxes (128B swizzle),
-    # Dp / 64 copies per tile. compile() reads the basis back from the atom and checks it equals this.
+    # (64, rows, 1, 1):(1@3, 1@1, 1@0, 1@2), i.e. dims Dp, S, B, H innermost first, 128-byte-wide Dp boxes (128B
+    # swizzle: 64 bf16 or 128 fp8 elements), Dp / box copies per tile. compile() reads the basis back from the atom and checks it equals this.
     return {
         "q_proxy": TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", dp), ("i64", "i64", "i64", 1), align=16),
         "k_proxy": TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", dp), ("i64", "i64", "i64", 1), align=16),
-        "tma_q": TmaParam("tma_q", "q_proxy", dims=(3, 1, 0, 2), box=(SWIZZLE_ELEMS, c.tile_m, 1, 1),
+        "tma_q": TmaParam("tma_q", "q_proxy", dims=(3, 1, 0, 2), box=(swizzle_elems(c.dtype), c.tile_m, 1, 1),
                           swizzle=SWIZZLE_BYTES),
         "tma_q_coord": TmaCoordParam("tma_q_coord", "q_proxy", dynamic_modes=3),  # (B, S, Hp) in tensor mode order
-        "tma_k": TmaParam("tma_k", "k_proxy", dims=(3, 1, 0, 2), box=(SWIZZLE_ELEMS, c.block_size, 1, 1),
+        "tma_k": TmaParam("tma_k", "k_proxy", dims=(3, 1, 0, 2), box=(swizzle_elems(c.dtype), c.block_size, 1, 1),
                           swizzle=SWIZZLE_BYTES),
         "tma_k_coord": TmaCoordParam("tma_k_coord", "k_proxy", dynamic_modes=3),  # (B, S, Hpk)
     }

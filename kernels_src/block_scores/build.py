@@ -9,20 +9,23 @@ from kernels_src.compile import check_traced, compile_kernel, fake_tensor
 from kernels_src.spec import Compiled
 
 
-def fake_args(declared: tuple, output: str):
-    """Fake q_proxy, k_proxy and the output tensor (by its declared name) built from the declared tensor params,
-    then the scalars and a stream, so the compile sees exactly the runtime's ABI.
+def fake_args(declared: tuple, output: str, extra: tuple[str, ...] = ()):
+    """Fake q_proxy, k_proxy, the output tensor (by its declared name) and the extra tensors named (None where
+    the declaration has none: the kernel's optional tensor arguments) built from the declared tensor params, then
+    the scalars and a stream, so the compile sees exactly the runtime's ABI.
 
     Strides are plain i64: the kernel never does address math with the q/k strides (TMA does), and
     cuTensorMapEncodeTiled itself rejects strides that are not 16-byte multiples.
     """
     decl = {p.name: p for p in declared}
-    tensors = (fake_tensor(decl[name]) for name in ("q_proxy", "k_proxy", output))
+    tensors = [fake_tensor(decl[name]) for name in ("q_proxy", "k_proxy", output)]
+    tensors += [fake_tensor(decl[name]) if name in decl else None for name in extra]
     return (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), make_fake_stream())
 
 
-def compile_score_tiles(kernel, config, arch: str, declared: tuple, output: str) -> Compiled:
-    compiled = compile_kernel(kernel, config, arch, fake_args(declared, output))
+def compile_score_tiles(kernel, config, arch: str, declared: tuple, output: str,
+                        extra: tuple[str, ...] = ()) -> Compiled:
+    compiled = compile_kernel(kernel, config, arch, fake_args(declared, output, extra))
     check_traced(config, kernel.traced, declared)
     return compiled
 

@@ -25,7 +25,8 @@ from kernels_src.tiles import acc_rows_cols, tile_storage
 
 @dataclasses.dataclass
 class ScoreTiles:
-    """Trace-time handles of one CTA's score pipeline (smem barriers, TMA partitions, MMA operands, acc)."""
+    """Trace-time handles of one CTA's score pipeline (smem barriers, TMA partitions, MMA operands, acc). The
+    ldmatrix fields are the mma.sync kernels'; the wgmma kernels leave them None."""
 
     q_full: object
     k_full: object
@@ -37,17 +38,17 @@ class ScoreTiles:
     t_k_s: object
     q_bytes: int
     k_bytes: int
-    copy_q: object
-    t_sq: object
-    t_rq: object
-    t_rq_view: object
-    copy_k: object
-    t_sk: object
-    t_rk: object
-    t_rk_view: object
-    acc: object
-    acc_mn: object
-    coord_mn: object
+    copy_q: object = None
+    t_sq: object = None
+    t_rq: object = None
+    t_rq_view: object = None
+    copy_k: object = None
+    t_sk: object = None
+    t_rk: object = None
+    t_rk_view: object = None
+    acc: object = None
+    acc_mn: object = None
+    coord_mn: object = None
 
 
 class ProxyBlockScores:
@@ -104,14 +105,17 @@ class ProxyBlockScores:
         self.traced["tma_q"] = str(tma_atom_q._trait.value.type)
         self.traced["tma_k"] = str(tma_atom_k._trait.value.type)
 
-        # Warps tile M only: each warp owns tile_m / warps rows against all Bs keys of a block, so a row's maxima
-        # need just a quad shuffle. N = 16 per step lets one ldmatrix.x4 feed two n8 MMAs.
-        tiled_mma = cute.make_tiled_mma(
+        return s_q_layout, s_k_layout, tma_atom_q, tma_q, tma_atom_k, tma_k, self.score_mma()
+
+    def score_mma(self):
+        """The score tiles' tiled MMA. Warps tile M only: each warp owns tile_m / warps rows against all Bs keys
+        of a block, so a row's maxima need just a quad shuffle. N = 16 per step lets one ldmatrix.x4 feed two n8
+        MMAs."""
+        return cute.make_tiled_mma(
             warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)),
             (self.threads // 32, 1, 1),
             permutation_mnk=(self.threads // 32 * 16, 16, 16),
         )
-        return s_q_layout, s_k_layout, tma_atom_q, tma_q, tma_atom_k, tma_k, tiled_mma
 
     @cute.jit
     def __call__(
@@ -200,13 +204,34 @@ class ProxyBlockScores:
 
     def score_tiles(self, storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, tiled_mma,
                     tidx, b, m_block, p, pk) -> "ScoreTiles":
-        """Trace-time setup: smem views, TMA partitions of this CTA's Q tile and all K blocks of (b, pk), the
-        ldmatrix copies feeding the MMAs, and the (tile_m, Bs) fp32 accumulator with its coordinates."""
-        s_q_tma = storage.s_q.get_tensor(self._as_bshd(s_q_layout).outer, swizzle=s_q_layout.inner)
-        s_k_tma = storage.s_k.get_tensor(self._as_bshd(s_k_layout).outer, swizzle=s_k_layout.inner)
+        """Trace-time setup: tma_tiles' handles, the ldmatrix copies feeding the MMAs, and the (tile_m, Bs) fp32
+        accumulator with its coordinates."""
+        t = self.tma_tiles(storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, b, m_block, p, pk)
         s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)  # (tile_m, Dp)
         s_k = storage.s_k.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)  # (Bs, Dp, stages)
 
+        # Shared -> register copies for the MMA operands (ldmatrix from the swizzled tiles).
+        thr_mma = tiled_mma.get_slice(tidx)
+        t.t_rq = thr_mma.make_fragment_A(thr_mma.partition_A(s_q))
+        t.t_rk = thr_mma.make_fragment_B(thr_mma.partition_B(s_k[None, None, 0]))
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        t.copy_q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
+        t.copy_k = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
+        t.t_sq, t.t_rq_view = t.copy_q.partition_S(s_q), t.copy_q.retile(t.t_rq)
+        t.t_sk, t.t_rk_view = t.copy_k.partition_S(s_k), t.copy_k.retile(t.t_rk)
+
+        t.acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
+        t.acc_mn = acc_rows_cols(t.acc)
+        # (row, key) coordinates inside one (tile_m, Bs) score tile, in the accumulator's layout.
+        t.coord_mn = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
+        return t
+
+    def tma_tiles(self, storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, b, m_block, p,
+                  pk) -> "ScoreTiles":
+        """The MMA-independent handles: smem barriers and the TMA partitions of this CTA's Q tile and all K blocks
+        of (b, pk)."""
+        s_q_tma = storage.s_q.get_tensor(self._as_bshd(s_q_layout).outer, swizzle=s_q_layout.inner)
+        s_k_tma = storage.s_k.get_tensor(self._as_bshd(s_k_layout).outer, swizzle=s_k_layout.inner)
         g_q = cute.local_tile(tma_q, (1, self.tile_m, 1, self.head_dim), (b, m_block, p, 0))
         t_q_s, t_q_g = cpasync.tma_partition(
             tma_atom_q, 0, cute.make_layout(1), cute.group_modes(s_q_tma, 0, 4), cute.group_modes(g_q, 0, 4)
@@ -215,16 +240,6 @@ class ProxyBlockScores:
         t_k_s, t_k_g = cpasync.tma_partition(
             tma_atom_k, 0, cute.make_layout(1), cute.group_modes(s_k_tma, 0, 4), cute.group_modes(g_k, 0, 4)
         )
-
-        # Shared -> register copies for the MMA operands (ldmatrix from the swizzled tiles).
-        thr_mma = tiled_mma.get_slice(tidx)
-        t_rq = thr_mma.make_fragment_A(thr_mma.partition_A(s_q))
-        t_rk = thr_mma.make_fragment_B(thr_mma.partition_B(s_k[None, None, 0]))
-        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        copy_q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
-        copy_k = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
-
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
         return ScoreTiles(
             q_full=storage.q_full.data_ptr(),
             k_full=storage.k_full.data_ptr(),
@@ -232,12 +247,6 @@ class ProxyBlockScores:
             tma_atom_k=tma_atom_k, t_k_g=t_k_g, t_k_s=t_k_s,
             q_bytes=self.tile_m * self.head_dim * self.dtype.width // 8,  # what one full tile's copies deliver
             k_bytes=self.block_size * self.head_dim * self.dtype.width // 8,
-            copy_q=copy_q, t_sq=copy_q.partition_S(s_q), t_rq=t_rq, t_rq_view=copy_q.retile(t_rq),
-            copy_k=copy_k, t_sk=copy_k.partition_S(s_k), t_rk=t_rk, t_rk_view=copy_k.retile(t_rk),
-            acc=acc,
-            acc_mn=acc_rows_cols(acc),
-            # (row, key) coordinates inside one (tile_m, Bs) score tile, in the accumulator's layout.
-            coord_mn=acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size)))),
         )
 
     @cute.jit

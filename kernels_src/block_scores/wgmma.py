@@ -36,12 +36,16 @@ class WarpgroupScores:
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, _K, _K, cutlass.Float32, (1, 1, 1),
                                                  (WARPGROUP_ROWS, self.block_size))
 
+    def score_mma(self):
+        """None: the products are issued by _wg_mma, made where they are issued (a TiledMma carried into the kernel
+        would carry its per-step accumulate flag as kernel parameters)."""
+        return None
+
     def score_tiles(self, storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, tiled_mma,
                     tidx, b, m_block, p, pk):
-        """The mma.sync kernel's handles (TMA partitions, barriers) with the accumulator, its coordinates and the
-        operand tiles of the warpgroup MMA. Its ldmatrix fragments are made but never used (no code)."""
-        t = super().score_tiles(storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, tiled_mma,
-                                tidx, b, m_block, p, pk)
+        """The mma.sync kernel's TMA handles (partitions, barriers) with the accumulator, its coordinates and the
+        operand tiles of the warpgroup MMA."""
+        t = self.tma_tiles(storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, b, m_block, p, pk)
         thr = self._wg_mma().get_slice(tidx)
         shape = (self.tile_m, self.block_size)
         t.acc = cute.make_rmem_tensor(thr.partition_shape_C(shape), cutlass.Float32)

@@ -15,18 +15,18 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
-from kernels_src.block_scores import proxy_operands
+from kernels_src.block_scores import ELEM_BYTES, proxy_operands
 from kernels_src.spec import BuildSpec, family_spec, mma_set, refusal, smem_refusal, verdict
 
 OP = "select"
 
-DTYPES = ("bf16", "f16")
+# "e4m3": fp8 selection (select_precision="fp8"): q_proxy and k_proxy quantised to float8 e4m3 with power-of-two
+# scales (flash_msa_rt.reference.fp8), on wgmma only; k_scale holds each key block's scale.
+DTYPES = ("bf16", "f16", "e4m3")
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64, 128)
 MAX_KS = (16, 32, 64)  # slots kept per row (K <= max_k at run time); 16 covers top_k = 2048 at Bs = 128
 MAX_BLOCKS = 1 << 15  # slot block indices are int16 in shared memory: S < 32768 * Bs
-
-_ELEM_BYTES = {"bf16": 2, "f16": 2}
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Config:
     def smem_bytes(self) -> int:
         """mbarriers and the per-row slots (fp32 score + int16 block, slot-major so a warp's rows hit distinct
         banks), then sQ and the staged sK, each 1024-aligned. Mirrors the kernel's SharedStorage."""
-        e = _ELEM_BYTES[self.dtype]
+        e = ELEM_BYTES[self.dtype]
         head = (1 + self.stages) * 8
         head = _align(head, 4) + self.max_k * self.tile_m * 4
         head = _align(head, 2) + self.max_k * self.tile_m * 2
@@ -68,12 +68,16 @@ MMAS = ("sync", "wgmma")
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     """The default set: bf16 and f16, Dp 128, Bs 128, max_k 16 (top_k <= 2048) and 64 (top_k <= 8192), on both
-    MMAs (can_implement keeps wgmma to sm90a)."""
+    MMAs (can_implement keeps wgmma to sm90a); fp8 (e4m3) on wgmma. An explicit dtypes choice of bf16 or f16
+    brings the fp8 variants along: fp8 selection runs on bf16 and f16 inputs alike."""
     dts = tuple(dtypes) if dtypes else DTYPES
+    if dtypes and "e4m3" not in dts:
+        dts += ("e4m3",)
     dps = tuple(head_dims) if head_dims else (128,)
     bss = tuple(block_sizes) if block_sizes else (128,)
     return [Config(dtype=dt, head_dim=dp, block_size=bs, max_k=k, mma=m)
-            for dt in dts for dp in dps for bs in bss for k in (16, 64) for m in MMAS]
+            for dt in dts for dp in dps for bs in bss for k in (16, 64) for m in MMAS
+            if not (dt == "e4m3" and m != "wgmma")]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
@@ -84,17 +88,25 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
                             "threads": "each thread owns one query row"})
     if reason is None and c.mma == "wgmma" and arch != "sm90a":
         reason = f"mma 'wgmma' is Hopper's warpgroup MMA: sm90a only, not {arch}"
+    if reason is None and c.dtype == "e4m3" and c.mma != "wgmma":
+        reason = f"dtype 'e4m3' (fp8 selection) runs on mma 'wgmma' only, not {c.mma!r}"
     return verdict(reason or smem_refusal(c.smem_bytes(), arch))
 
 
 def params(config: Config) -> tuple:
     """The kernel param ABI, in PTX .param order. K is block_indices.shape[3]; the op checks K <= max_k and the
     kernel clamps to it as well. q_proxy, k_proxy and their descriptors are block_scores' (compile() checks
-    CuTeDSL's descriptor basis against them)."""
+    CuTeDSL's descriptor basis against them). fp8 (e4m3) variants also take k_scale (B, NB, Hpk): the power-of-two
+    scale of each key block of k_proxy (NB = ceil(S / Bs)), by which a block's scores are multiplied."""
     o = proxy_operands(config)
     block_indices = TensorParam("block_indices", "i32", ("B", "Hp", "S", "K"), ("i64", "i64", "i64", 1), align=4)
-    return (o["q_proxy"], o["k_proxy"], block_indices, ScalarParam("scale", "f32"), ScalarParam("group", "i32"),
-            o["tma_q"], o["tma_q_coord"], o["tma_k"], o["tma_k_coord"])
+    k_scale = (TensorParam("k_scale", "f32", ("B", "NB", "Hpk"), ("i64", "i64", 1), align=4),) if is_fp8(config) else ()
+    return (o["q_proxy"], o["k_proxy"], block_indices, *k_scale, ScalarParam("scale", "f32"),
+            ScalarParam("group", "i32"), o["tma_q"], o["tma_q_coord"], o["tma_k"], o["tma_k_coord"])
+
+
+def is_fp8(config: Config) -> bool:
+    return config.dtype == "e4m3"
 
 
 def build_set(config: Config, arch: str) -> str:

@@ -10,4 +10,4 @@ def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_to
         from kernels_src.select.wgmma import ProxySelectWG as Kernel
     else:
         from kernels_src.select.kernel import ProxySelect as Kernel
-    return compile_score_tiles(Kernel(config), config, arch, params(config), "block_indices")
+    return compile_score_tiles(Kernel(config), config, arch, params(config), "block_indices", extra=("k_scale",))

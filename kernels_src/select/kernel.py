@@ -16,6 +16,7 @@ written last, after the kept blocks in ascending order, then -1 for empty slots.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
@@ -49,6 +50,7 @@ class ProxySelect(ProxyBlockScores):
         q_proxy: cute.Tensor,  # (B, S, Hp, Dp)
         k_proxy: cute.Tensor,  # (B, S, Hpk, Dp)
         block_indices: cute.Tensor,  # (B, Hp, S, K) int32
+        k_scale: Optional[cute.Tensor],  # (B, NB, Hpk) f32, fp8 variants only: each key block's scale
         scale: cutlass.Float32,
         group: cutlass.Int32,  # Hp // Hpk
         stream: cuda.CUstream,
@@ -69,7 +71,7 @@ class ProxySelect(ProxyBlockScores):
         self.traced["smem_bytes"] = smem_bytes
 
         self.kernel(
-            q_proxy, k_proxy, block_indices, scale, group,
+            q_proxy, k_proxy, block_indices, k_scale, scale, group,
             tma_atom_q, tma_q, tma_atom_k, tma_k,
             s_q_layout, s_k_layout, tiled_mma, SharedStorage,
         ).launch(
@@ -85,6 +87,7 @@ class ProxySelect(ProxyBlockScores):
         q_proxy: cute.Tensor,
         k_proxy: cute.Tensor,
         block_indices: cute.Tensor,
+        k_scale: Optional[cute.Tensor],
         scale: cutlass.Float32,
         group: cutlass.Int32,
         tma_atom_q: cute.CopyAtom,
@@ -136,17 +139,39 @@ class ProxySelect(ProxyBlockScores):
         heap = RowHeap(slot_score=slot_score, slot_block=slot_block, row=row, n_slots=n_slots,
                        local_block=local_block)
         self.start_loads(t, tidx, warp_idx, n_blocks)
-        self.scan_blocks(t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, heap, worst_score)
+        self.scan_blocks(t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, k_scale, b, p // group,
+                         heap, worst_score)
 
         if i < seqlen:
             self.write_selection(block_indices, slot_block, b, p, i, row, local_block, n_slots, top_k)
 
     @cute.jit
-    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, heap, worst_score):
+    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, k_scale, b, pk,
+                    heap, worst_score):
         """Every key block the tile's rows can see, in ascending order, offered to the owned row's heap."""
         for j in cutlass.range(n_blocks, unroll=1):
             score = self.owned_block_max(t, tiled_mma, warp_idx, j, n_blocks, m0, first_masked, quad_lane)
-            worst_score = self.offer(heap, score * scale, j, worst_score)  # scale first: the reference's ties
+            worst_score = self.offer(heap, self.scaled(score, scale, self.key_block_scale(k_scale, b, j, pk)), j,
+                                     worst_score)
+
+    @cute.jit
+    def key_block_scale(self, k_scale: Optional[cute.Tensor], b, j, pk):
+        """fp8 variants: key block j's scale k_scale[b, j, pk]; None otherwise."""
+        kb = None
+        if cutlass.const_expr(k_scale is not None):
+            kb = k_scale[b, j, pk]
+        return kb
+
+    @cute.jit
+    def scaled(self, score, scale, kb):
+        """A block's score as the reference ranks it: scale first (the reference's ties), then, in fp8 variants,
+        the key block's scale kb. kb is a power of two (flash_msa_rt.reference.fp8), so the product is exact and
+        ranks as the reference's scale * s_q(i) * s_k(j) * <q8, k8> (s_q(i), a power of two common to the row,
+        changes no comparison within it, so the kernel never reads it)."""
+        out = score * scale
+        if cutlass.const_expr(kb is not None):
+            out = out * kb
+        return out
 
     @cute.jit
     def offer(self, heap, score, j, worst_score):

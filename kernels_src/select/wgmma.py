@@ -69,12 +69,14 @@ class ProxySelectWG(WarpgroupScores, ProxySelect):
         return maxes
 
     @cute.jit
-    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, heap, worst_score):
+    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, k_scale, b, pk,
+                    heap, worst_score):
         """Per block j: both halves issued; block j - 1's score offered to the heap while they run; half 0
         reduced while half 1 runs; then half 1. Every product is waited for in the step that issued it: ptxas
         serialises wgmma whose group is still pending across the loop's back edge (C7514)."""
         score = -cutlass.Float32.inf  # block j - 1's score of the owned row (none before block 0)
         for j in cutlass.range(n_blocks, unroll=1):
+            kb = self.key_block_scale(k_scale, b, j, pk)  # loaded ahead of the products it scales
             stage = j % self.stages
             cute.arch.mbarrier_wait(t.k_full + stage, (j // self.stages) % 2)
             for h in cutlass.range_constexpr(_HALVES):
@@ -94,5 +96,5 @@ class ProxySelectWG(WarpgroupScores, ProxySelect):
             score = -cutlass.Float32.inf
             for r in cutlass.range_constexpr(len(maxes)):
                 if quad_lane == r:
-                    score = maxes[r] * scale  # scale first: the reference's ties
+                    score = self.scaled(maxes[r], scale, kb)
         self.offer(heap, score, n_blocks - 1, worst_score)
