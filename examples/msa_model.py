@@ -194,15 +194,17 @@ def dense_attend(q_proxy, k_proxy, q, k, v):
 
 
 def msa_attend(mode: str, top_k: int, block_size: int, kl_value: str = "exact",
-               kl_metrics: list | None = None) -> AttendFn:
+               kl_metrics: list | None = None, select_precision: str = "bf16") -> AttendFn:
     """MSA through the public flash_msa_rt API: mode "warmup" (dense main attention, proxy trained by KL over
     the causal prefix) or "sparse" (main attention over the proxy's top-k blocks). kl_value as the API's; with
-    kl_metrics (a list) each call appends the 0-dim tensor its KL value lands in ("deferred": after the backward)."""
+    kl_metrics (a list) each call appends the 0-dim tensor its KL value lands in ("deferred": after the backward).
+    select_precision: the sparse mode's (warmup selects nothing)."""
     import flash_msa_rt
 
     if mode not in ("warmup", "sparse"):
         raise ValueError(f"msa_attend: mode must be 'warmup' or 'sparse', got {mode!r}")
     fn = flash_msa_rt.flash_msa_warmup_func if mode == "warmup" else flash_msa_rt.flash_msa_func
+    selection = {"select_precision": select_precision} if mode == "sparse" else {}
 
     def attend(q_proxy, k_proxy, q, k, v):
         # The API's default layout is (B, heads, S, D); the transposes are free views.
@@ -211,6 +213,7 @@ def msa_attend(mode: str, top_k: int, block_size: int, kl_value: str = "exact",
         if kl_metrics is not None:
             metric = torch.zeros((), dtype=torch.float32, device=q.device)
             kl_metrics.append(metric)
-        return fn(qp, kp, qt, kt, vt, top_k, block_size=block_size, kl_value=kl_value, kl_metric=metric)
+        return fn(qp, kp, qt, kt, vt, top_k, block_size=block_size, kl_value=kl_value, kl_metric=metric,
+                  **selection)
 
     return attend

@@ -42,6 +42,9 @@ from msa_metrics import proxy_recall  # noqa: E402
 from msa_model import ByteLM, ModelConfig, dense_attend, msa_attend  # noqa: E402
 
 RUNS = ("msa", "dense")
+# proxy_recall's means over the layers: the run's own recall and coverage, and both selection precisions' recall
+# with their set agreement on the same proxy
+RECALL_KEYS = ("recall", "coverage", "recall_bf16", "recall_fp8", "agreement")
 
 
 @dataclass
@@ -61,6 +64,9 @@ class TrainConfig:
     # (logged as "kl"); "exact": kl_loss carries it from the forward; "auto": resolved_kl_value. The gradients are
     # the same in both modes.
     kl_value: str = "auto"
+    # The sparse steps' selection scores: "bf16" (the inputs' precision) or "fp8" (e4m3 proxy scores, docs/msa-
+    # semantics.md "Selection precision"); recall is measured for both either way (recall_bf16, recall_fp8).
+    select_precision: str = "bf16"
     seed: int = 0
     max_corpus_bytes: int | None = None
     # MSA
@@ -101,6 +107,8 @@ class TrainConfig:
         if self.kl_value not in ("auto", "exact", "deferred"):
             raise ValueError(f"kl_value = {self.kl_value!r}; supported: 'auto', 'exact', 'deferred' (the run logs the "
                              f"KL)")
+        if self.select_precision not in ("bf16", "fp8"):
+            raise ValueError(f"select_precision = {self.select_precision!r}; supported: 'bf16', 'fp8'")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype = {self.dtype!r}; supported: 'float32', 'bfloat16'")
         bad = [r for r in self.runs if r not in RUNS]
@@ -311,7 +319,7 @@ class Trainer:
     def attend_fn(self, mode: str, kl_metrics: list | None = None):
         cfg = self.cfg
         inner = dense_attend if mode == "dense" else msa_attend(mode, cfg.top_k, cfg.block_size, self.kl_value,
-                                                                kl_metrics)
+                                                                kl_metrics, cfg.select_precision)
 
         def attend(*tensors):
             # Attention runs outside autocast: it receives the bf16 (or fp32) tensors exactly as produced.
@@ -342,8 +350,9 @@ class Trainer:
             (qp, kp, q, k), = captured
             gen = step_generator(self.cfg, 2, step * 1000 + layer)
             per_layer.append(proxy_recall(qp, kp, q, k, top_k=cfg.top_k, block_size=cfg.block_size,
-                                          num_queries=cfg.recall_queries, generator=gen))
-        mean = {key: sum(r[key] for r in per_layer) / len(per_layer) for key in ("recall", "coverage")}
+                                          num_queries=cfg.recall_queries, generator=gen,
+                                          select_precision=cfg.select_precision))
+        mean = {key: sum(r[key] for r in per_layer) / len(per_layer) for key in RECALL_KEYS}
         return {**mean, "per_layer": [r["recall"] for r in per_layer]}
 
     def save(self, run: str, step: int, model, opt, metrics: dict, finished: dict) -> Path:
@@ -415,8 +424,8 @@ class Trainer:
             h["lr"].append(lr)
             if want_recall:
                 r = self.measure_recall(sinks, step)
-                for key in ("recall", "coverage", "per_layer"):
-                    metrics["recall"][key].append(r[key])
+                for key in (*RECALL_KEYS, "per_layer"):
+                    metrics["recall"].setdefault(key, []).append(r[key])
                 metrics["recall"]["step"].append(step)
             done = step + 1
             if done % cfg.eval_every == 0 or done == cfg.steps:
@@ -468,6 +477,8 @@ def summarize(run: str, m: dict) -> dict:
         s["final_kl"] = kls[-1] if kls else None
         s["final_recall"] = m["recall"]["recall"][-1] if m["recall"]["recall"] else None
         s["final_coverage"] = m["recall"]["coverage"][-1] if m["recall"]["coverage"] else None
+        for key in ("recall_bf16", "recall_fp8", "agreement"):  # both selection precisions on the final proxy
+            s[f"final_{key}"] = m["recall"][key][-1] if m["recall"].get(key) else None
     return s
 
 
@@ -500,6 +511,11 @@ def format_summary(metrics: dict) -> str:
             parts.append(f"throughput MSA / dense = {a['tokens_per_s'] / b['tokens_per_s']:.2f}x")
         lines.append("; ".join(parts))
     cfg = metrics["config"]
+    s = runs.get("msa", {}).get("summary", {})
+    if s.get("final_recall_bf16") is not None:
+        lines.append(f"selection: select_precision={cfg.get('select_precision', 'bf16')!r}; on the final proxy recall "
+                     f"bf16 {s['final_recall_bf16']:.4f}, fp8 {s['final_recall_fp8']:.4f}, same set on "
+                     f"{s['final_agreement']:.1%} of (proxy head, query) rows")
     if metrics.get("msa_backend_note"):
         lines.append(metrics["msa_backend_note"])
     lines.append(f"{metrics['device']}, MSA backend: {metrics['msa_backend']}; S = {cfg['seq_len']}, "
