@@ -7,8 +7,10 @@
   4. the accumulators cast to the input dtypes.
 With both gradients on wgmma, steps 2 and 3 run per chunk of proxy heads: sparse_bwd also writes each plan entry's
 tau (the mean of its G heads' P, which it has anyway), and the proxy kernel reads it ("tau" heads) instead of
-recomputing the G main score tiles; a chunk's tau rows fit the choice's tau_budget (tuning.sparse_bwd). Otherwise the proxy kernel recomputes tau
-(resident or stepped heads; proxy_backward_cuda, which warmup mode also runs on its own).
+recomputing the G main score tiles; a chunk's tau rows fit the choice's tau_budget (tuning.sparse_bwd), and its
+accumulators, which cover its heads only, are cast (step 4) when the chunks that add into them are done
+(_ChunkGradients: the fp32 held at once is a chunk's, not every gradient's). Otherwise the proxy kernel recomputes
+tau (resident or stepped heads; proxy_backward_cuda, which warmup mode also runs on its own).
 Internal layout (B, S, heads, D). Atomics make the summation order vary run to run (not bitwise deterministic);
 under torch.use_deterministic_algorithms(True) the tau path runs its deterministic variants instead, which store
 partial rows that sparse_bwd_sums adds up in a fixed order (missing gradients then count as zeros).
@@ -145,12 +147,10 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
         grad_out = grad_out if grad_out is not None else torch.zeros_like(out)
         kl_grad = kl_grad if kl_grad is not None else torch.zeros((B, Hp, S), dtype=f32, device=dev)
         return _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size,
-                                  scale, grad_out, kl_grad, None, None, None, deterministic=True)
+                                  scale, grad_out, kl_grad, deterministic=True)
     if grad_out is not None and kl_grad is not None and t.tau_path:
-        flat, (dqp_acc, dkp_acc, dq_acc, dk_acc, dv_acc) = accumulators((q_proxy, k_proxy, q, k, v))
-        _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
-                           grad_out, kl_grad, dq_acc, dk_acc, dv_acc, dqp_acc, dkp_acc)
-        return tuple(cast_accumulators(flat, (q_proxy, k_proxy, q, k, v)))
+        return _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size,
+                                  scale, grad_out, kl_grad)
     flat, (dq_acc, dk_acc, dv_acc) = accumulators((q, k, v))
     plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, t.tiles_per_item)
     if grad_out is not None:
@@ -203,20 +203,96 @@ def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: in
     return sparse_fwd.heads_per_chunk(B * S * K * (per_entry or 2 * block_size), Hp, Hk, Hpk, budget)
 
 
+def accumulator_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, G: int, D: int, Dp: int, budget: int) -> int:
+    """Proxy heads per backward chunk on the atomic tau path whose fp32 query-gradient accumulators (per head and
+    query: dq's G rows of D, dq_proxy's row of Dp) fit budget bytes (accumulator_budget): sparse_fwd.heads_per_chunk.
+    The chunk's KV and proxy-key heads' accumulators (dk, dv, dk_proxy) follow from its heads (_ChunkGradients)."""
+    return sparse_fwd.heads_per_chunk(4 * B * S * (G * D + Dp), Hp, Hk, Hpk, budget)
+
+
 chunk_heads = sparse_fwd.chunk_heads
 
 
+class _ChunkGradients:
+    """The tau path's gradients, summed in fp32 accumulators that exist for a run of head chunks only.
+
+    A gradient's accumulator covers the heads that the current chunk adds into (dq: its main heads, dq_proxy: its
+    proxy heads, dk and dv: its KV heads, dk_proxy: its proxy-key heads). Consecutive chunks on the same heads
+    (proxy heads sharing a KV head) form a run that shares one accumulator; when the run's last chunk is enqueued,
+    the accumulator is cast into those heads of the gradient and dropped, so the backward holds one run's fp32, not
+    every gradient's (at (b) 1M: 4 GiB instead of 28.5, docs/memory.md). Each fp32 row starts at zero and receives
+    the same additions from the same launches, in the same stream order, as a whole-tensor accumulator's row, and
+    the cast rounds it alike: the gradients are those of whole accumulators (bitwise where the additions have a
+    fixed order: the deterministic kernels).
+
+    Accumulators whose runs start and end at the same chunks share one buffer (one fill launch, as `accumulators`);
+    a gradient whose one run covers all its heads (a single chunk: small problems, host-bound) is the cast of its
+    accumulator itself, with no copy into a preallocated output.
+    """
+
+    def __init__(self, chunks: list, like: dict[str, tuple[torch.Tensor, str]]):
+        """chunks: sparse_fwd.head_chunks in launch order; like: gradient name -> (the tensor it is the gradient
+        of, its HeadChunk part: "main", "proxy", "kv" or "proxy_key"), heads along dim 2."""
+        self.like = like
+        self.runs: dict[str, list[list]] = {}  # name -> [first chunk, last chunk, heads] per run
+        for name, (_, part) in like.items():
+            runs: list[list] = []
+            for n, hc in enumerate(chunks):
+                heads = getattr(hc, part)
+                if runs and runs[-1][2] == heads:
+                    runs[-1][1] = n
+                else:
+                    runs.append([n, n, heads])
+            self.runs[name] = runs
+        self.acc: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def _run_at(self, name: str, n: int) -> list:
+        return next(r for r in self.runs[name] if r[0] <= n <= r[1])
+
+    def begin(self, n: int) -> dict[str, torch.Tensor]:
+        """The accumulators chunk n adds into (name -> fp32 (B, S, heads, D)), zeroed where their run starts at n."""
+        starting: dict[int, list[str]] = {}  # the run's last chunk -> the gradients whose run starts at n
+        for name in self.like:
+            first, last, _ = self._run_at(name, n)
+            if first == n:
+                starting.setdefault(last, []).append(name)
+        for names in starting.values():
+            parts = tuple(self._heads(name, self._run_at(name, n)[2]) for name in names)
+            _, views = accumulators(parts)
+            self.acc.update(zip(names, views))
+        return dict(self.acc)
+
+    def end(self, n: int) -> None:
+        """After chunk n's launches: the accumulators whose run ends at n cast into their gradients and dropped."""
+        for name, (t, _) in self.like.items():
+            _, last, heads = self._run_at(name, n)
+            if last != n:
+                continue
+            acc = self.acc.pop(name)
+            if acc.shape == t.shape:
+                self.grads[name] = acc.to(t.dtype)
+                continue
+            if name not in self.grads:
+                self.grads[name] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            self._heads(name, heads, self.grads[name]).copy_(acc)
+
+    def _heads(self, name: str, heads: slice, t: torch.Tensor | None = None) -> torch.Tensor:
+        t = self.like[name][0] if t is None else t
+        return t[:, :, heads]
+
+
 def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
-                       grad_out, kl_grad, dq_acc, dk_acc, dv_acc, dqp_acc=None, dkp_acc=None,
-                       deterministic: bool = False):
-    """Both backward kernels per chunk of proxy heads (and of queries, where one head's tau rows exceed the
-    budget), tau passed from the main kernel to the proxy kernel: adds into the caller's zeroed fp32 accumulators
-    (`accumulators`) and returns None. A chunk is the same problem on head-sliced views (strided; the kernels take
-    any strides), with its own plan; chunks meet in dk_acc / dv_acc (KV heads shared across chunks) through
-    atomics, as items do.
-    deterministic: the accumulators are allocated here (pass None); the kernels store dq / dq_p partial rows, which
-    each chunk sums in slot order (the slot_sum kernel), and add dk / dv / dk_p in item order (turns); chunks follow
-    each other on the stream; returns (dq_proxy, dk_proxy, dq, dk, dv)."""
+                       grad_out, kl_grad, deterministic: bool = False):
+    """(dq_proxy, dk_proxy, dq, dk, dv): both backward kernels per chunk of proxy heads (and of queries, where one
+    head's tau rows exceed the budget), tau passed from the main kernel to the proxy kernel. A chunk is the same
+    problem on head-sliced views (strided; the kernels take any strides), with its own plan; its fp32 accumulators
+    cover its heads only and are cast into the gradients when the chunks that add into them are done
+    (_ChunkGradients); chunks on one KV or proxy-key head meet in its accumulator through atomics, as items do.
+    Atomic path: the chunks' heads also fit accumulator_budget (accumulator_heads).
+    deterministic: the kernels store dq / dq_p partial rows, which each chunk sums in slot order (the slot_sum
+    kernel) straight into dq and dq_proxy, and add dk / dv / dk_p in item order (turns); chunks follow each other
+    on the stream."""
     B, S, H, D = q.shape
     Hp, Hk, Hpk, K = q_proxy.shape[2], k.shape[2], k_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
@@ -233,31 +309,37 @@ def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, 
     budget = t.deterministic_budget if det else t.tau_budget
     per_entry = entry_bytes(block_size, G, D, det)
     c = tau_heads(B, S, Hp, Hk, Hpk, K, block_size, budget, per_entry)
+    if not det:  # the deterministic path sums dq in the output itself: no query-gradient accumulators
+        c = min(c, accumulator_heads(B, S, Hp, Hk, Hpk, G, D, q_proxy.shape[3], t.accumulator_budget))
     chunk = tau_chunk(B, S, c, K, block_size, budget, per_entry)
     rows = B * c * min(chunk, S) * K
     proxy_tiles = per_group_tiles(128, 1)  # the "tau" kernel's tiles hold 64 queries of one head
     # Every chunk's main plan and its recut into the proxy kernel's tiles from one sort (sparse_plan.chunk_plans;
-    # before the tau rows exist, so the sort's temporaries do not add to the peak). The main plan's sorted lists
-    # are the proxy plan's: entry e's tau row is row e for both.
+    # before the tau rows and the accumulators exist, so the sort's temporaries do not add to the peak). The main
+    # plan's sorted lists are the proxy plan's: entry e's tau row is row e for both.
     cuts = ((TILE_M // G, t.tiles_per_item), (TILE_M, proxy_tiles))
     # the deterministic kernels' turns need list order
     plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, "list" if det else t.item_order, arch=arch)
     tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
+    chunks = sparse_fwd.head_chunks(Hp, Hk, Hpk, G, c)
+    like = {"dk_proxy": (k_proxy, "proxy_key"), "dk": (k, "kv"), "dv": (v, "kv")}
     if det:
         sums = _DeterministicSums(q_proxy, q, rows, block_size)
-        dk_acc, dv_acc = (torch.zeros(k.shape, dtype=f32, device=dev) for _ in range(2))
-        dkp_acc = torch.zeros(k_proxy.shape, dtype=f32, device=dev)
-    for hc in sparse_fwd.head_chunks(Hp, Hk, Hpk, G, c):
+    else:
+        like = {"dq_proxy": (q_proxy, "proxy"), **like, "dq": (q, "main")}
+    grads = _ChunkGradients(chunks, like)
+    for n, hc in enumerate(chunks):
+        acc = grads.begin(n)
         main_args = dict(q=hc.view(q, 2, "main"), k=hc.view(k, 2, "kv"), v=hc.view(v, 2, "kv"),
                          dout=hc.view(grad_out, 2, "main"), lse=hc.view(lse, 1, "main"),
-                         delta=hc.view(delta, 1, "main"), dk_acc=hc.view(dk_acc, 2, "kv"),
-                         dv_acc=hc.view(dv_acc, 2, "kv"), scale=float(scale), hp=c, hp_per_hk=hc.per_kv)
+                         delta=hc.view(delta, 1, "main"), dk_acc=acc["dk"], dv_acc=acc["dv"], scale=float(scale),
+                         hp=c, hp_per_hk=hc.per_kv)
         proxy_args = dict(q_proxy=hc.view(q_proxy, 2, "proxy"), k_proxy=hc.view(k_proxy, 2, "proxy_key"),
                           lse_proxy=hc.view(lse_proxy, 1, "proxy"), kl_grad=hc.view(grad, 1, "proxy"),
-                          dkp_acc=hc.view(dkp_acc, 2, "proxy_key"), scale=float(scale), hp_per_hpk=hc.per_pk)
+                          dkp_acc=acc["dk_proxy"], scale=float(scale), hp_per_hpk=hc.per_pk)
         if not det:
-            main_args.update(dq_acc=hc.view(dq_acc, 2, "main"))
-            proxy_args.update(dqp_acc=hc.view(dqp_acc, 2, "proxy"))
+            main_args.update(dq_acc=acc["dq"])
+            proxy_args.update(dqp_acc=acc["dq_proxy"])
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
             plan, proxy_plan = plans[(hc.p0, s0)]
@@ -270,9 +352,12 @@ def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, 
             proxy(tau=tau_rows, entry_query=proxy_plan.entry_query, items=proxy_plan.items, **proxy_args)
             if det:
                 sums.sum_chunk(plan, sel, s0, s1, hc.main, hc.proxy)
+        del acc, main_args, proxy_args  # the run accumulators that end here are grads' only references
+        grads.end(n)
+    g = grads.grads
     if det:
-        return sums.dqp, dkp_acc.to(k_proxy.dtype), sums.dq, dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-    return None
+        return sums.dqp, g["dk_proxy"], sums.dq, g["dk"], g["dv"]
+    return g["dq_proxy"], g["dk_proxy"], g["dq"], g["dk"], g["dv"]
 
 
 class _DeterministicSums:

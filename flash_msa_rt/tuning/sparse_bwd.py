@@ -28,6 +28,7 @@ class SparseBwdTuning:
     proxy_tiles_per_item: int  # proxy kernel: tiles of 64 queries x G heads per work item
     item_order: str  # chunk_plans' order of the items (the deterministic kernels always take "list")
     tau_budget: int  # bytes of tau rows per chunk of the tau path
+    accumulator_budget: int  # bytes of fp32 query-gradient accumulators (dq, dq_proxy) per chunk of the tau path
     deterministic_budget: int  # bytes of tau and partial dq rows per chunk of the deterministic tau path
     plan_entries: int  # (b, p, i, slot) entries per plan of the proxy backward alone (warmup's all-causal selection)
 
@@ -75,6 +76,11 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseBwdTuning:
         item_order=o.get("item_order", "query" if G >= 16 else "list"),
         # 1 GiB floor and cap: at (a) B = 1, S = 64K 4 chunks took 12.3-13.0 ms, 1 chunk 11.0.
         tau_budget=o.get("tau_budget", max(1 << 30, min(1 << 30, p.dq_bytes // 2))),
+        # The fp32 accumulators live for their head chunk only (sparse_bwd._ChunkGradients), so this bounds the
+        # backward's fp32 whatever S. 4 GiB binds after tau_budget at top_k 2048 in (a), (b) and (c) (per head and
+        # query 2.5 / 2.5 / 8.5 KB of accumulators against 4 KB of tau rows): the chunks, and so the host work
+        # measured for tau_budget, are unchanged; at (b) 1M the backward then holds 4 GiB of fp32, not 28.5.
+        accumulator_budget=o.get("accumulator_budget", 4 << 30),
         # Twice the dq accumulator in [2, 4] GiB: each chunk costs ~2 ms of host work; at 1 GiB (a) B = 1, S = 32K
         # ran 8 chunks, host-bound at 4.5x the GPU time.
         deterministic_budget=o.get("deterministic_budget", max(1 << 31, min(1 << 32, 2 * p.dq_bytes))),

@@ -72,8 +72,10 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseFwdTuning:
         # Longest items first against list order: forward (a) / (b) / (c) 64K 18.12 -> 17.30, 32.52 -> 32.23,
         # 61.48 -> 60.31 ms.
         item_order=o.get("item_order", "size"),
-        # At least 2 GiB (at (a) B = 1, S = 64K: 4 chunks 9.9-10.4 ms, 1 chunk 8.4-8.5), or the dq accumulator
-        # the backward holds anyway: (b) 64K B = 2 66.9 ms in 18 chunks of 1 GiB, 56.9 in 5 of 4 GiB.
+        # At least 2 GiB (at (a) B = 1, S = 64K: 4 chunks 9.9-10.4 ms, 1 chunk 8.4-8.5), or dq_bytes = 4 B S H D:
+        # (b) 64K B = 2 66.9 ms in 18 chunks of 1 GiB, 56.9 in 5 of 4 GiB. The backward adds at least dq_bytes
+        # anyway (dq in the input dtype and the upstream dO, 2 B S H D each), so the forward's peak stays under
+        # the op's: (b) 1M, forward 48.4 GiB, backward 51.3 (docs/memory.md).
         partials_budget=o.get("partials_budget", max(2 << 30, p.dq_bytes)),
         kl_partials_budget=o.get("kl_partials_budget", 1 << 30),  # warmup's KL pass alone: its partials are small
     )
