@@ -17,8 +17,6 @@ autograd's division and expansion produce, broadcast by every body) instead of a
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
-
 from flash_msa_rt import tuning
 from flash_msa_rt.ops import library
 
@@ -53,6 +51,26 @@ def _device_modes_only() -> bool:
 
     return all(isinstance(torch._C._get_function_stack_at(i), DeviceContext)
                for i in range(torch._C._len_torch_function_stack()))
+
+
+_DOUBLE_BACKWARD = (b"flash_msa: the MSA ops' backward has no derivative of its own (a double backward is not "
+                    b"supported)")
+
+
+def _first_order(gradients, *args):
+    """gradients(*args), and under create_graph (grad mode on in a backward) made to raise if differentiated, as the
+    custom ops' backward does (it has no autograd formula); torch's once_differentiable would instead drop the second
+    order silently where the upstream gradient does not require grad."""
+    if not torch.is_grad_enabled():
+        return gradients(*args)
+    with torch.no_grad():
+        grads = gradients(*args)
+    present = [g.detach().requires_grad_() for g in grads if g is not None]
+    if not present:
+        return grads
+    raised = torch._C._functions.DelayedError(_DOUBLE_BACKWARD, len(present))(*present)
+    raised = iter(raised if isinstance(raised, tuple) else (raised,))
+    return tuple(None if g is None else next(raised) for g in grads)
 
 
 def _kl_mean(kl_rows: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -91,15 +109,15 @@ class _Msa(torch.autograd.Function):
         return out, kl_loss
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out, grad_kl_loss):
         grad_kl_rows = None if grad_kl_loss is None else grad_kl_loss / ctx.kl_count
         if ctx.sparse:
-            grads = library.under_forward_tuning(ctx, library.msa_gradients, ctx, grad_out, grad_kl_rows,
-                                                 library.msa_kl_body, library.msa_backward_body)
+            gradients, kl_pass, backward = library.msa_gradients, library.msa_kl_body, library.msa_backward_body
         else:
-            grads = library.under_forward_tuning(ctx, library.warmup_gradients, ctx, grad_out, grad_kl_rows,
-                                                 library.warmup_kl_body, library.warmup_backward_body)
+            gradients, kl_pass, backward = (library.warmup_gradients, library.warmup_kl_body,
+                                            library.warmup_backward_body)
+        grads = _first_order(library.under_forward_tuning, ctx, gradients, ctx, grad_out, grad_kl_rows, kl_pass,
+                             backward)
         return (*grads,) + (None,) * 9
 
 
@@ -123,10 +141,9 @@ class _BlockSparse(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        grads = library.under_forward_tuning(ctx, library.block_sparse_gradients, ctx, grad_out,
-                                             library.block_sparse_backward_body)
+        grads = _first_order(library.under_forward_tuning, ctx, library.block_sparse_gradients, ctx, grad_out,
+                             library.block_sparse_backward_body)
         return (*grads,) + (None,) * 4
 
 
