@@ -165,6 +165,12 @@ def forward_chunks(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, G: int, D
     return c, equal_chunk(S, block_size, B * c * K * per_entry, budget)
 
 
+def rows(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    """t[start:stop] along dim; t itself where that is all of it: a host-bound problem is one chunk, and every view
+    is one more torch op of host time (benchmarks/host_api_cpu.py counts them)."""
+    return t if start == 0 and stop == t.shape[dim] else t.narrow(dim, start, stop - start)
+
+
 def equal_chunk(S: int, block_size: int, per_query: int, budget: int) -> int:
     """Queries per chunk, whole blocks, when a query costs per_query bytes: at most budget (plus CHUNK_SLACK) per
     chunk, and the chunks as equal as whole blocks allow."""
@@ -228,19 +234,19 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
                            hp_per_hpk=hc.per_pk)
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
-            sel = block_indices[:, hc.proxy, s0:s1]  # a strided view: both merges take any strides
+            sel = rows(hc.view(block_indices, 1, "proxy"), 2, s0, s1)  # strided views: both merges take any strides
             plan, *kl_plan = plans[(hc.p0, s0)]
-            o_part, lse_part = o_buf[:plan.E], lse_buf[:plan.E]
+            o_part, lse_part = rows(o_buf, 0, 0, plan.E), rows(lse_buf, 0, 0, plan.E)
             fwd(q=q_c, k=k_c, v=v_c, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=c,
                 hp_per_hk=hc.per_kv, **_plan_args(plan))
-            combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out[:, s0:s1, hc.main],
-                    lse=lse_c[:, :, s0:s1], query_offset=s0)
+            combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=rows(hc.view(out, 2, "main"), 1, s0, s1),
+                    lse=rows(lse_c, 2, s0, s1), query_offset=s0)
             if not proxy:
                 continue
-            kl_part = kl_buf[:kl_plan[0].E]
+            kl_part = rows(kl_buf, 0, 0, kl_plan[0].E)
             kl(lse=lse_c, kl_part=kl_part, **kl_args, **_plan_args(kl_plan[0]))
-            combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=lse_proxy[:, hc.proxy, s0:s1],
-                       kl_rows=kl_rows[:, hc.proxy, s0:s1], query_offset=s0)
+            combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=rows(hc.view(lse_proxy, 1, "proxy"), 2, s0, s1),
+                       kl_rows=rows(hc.view(kl_rows, 1, "proxy"), 2, s0, s1), query_offset=s0)
     return out, lse, lse_proxy, kl_rows
 
 
