@@ -165,3 +165,49 @@ def test_a_double_backward_raises_on_both_paths(path, monkeypatch):
     assert g.requires_grad
     with pytest.raises(RuntimeError, match="no autograd formula|no derivative of its own"):
         g.sum().backward()
+
+
+def test_the_kl_pass_alone_plans_every_chunk_at_once(monkeypatch, tuned):
+    """kl_value "deferred" runs the KL pass alone in the backward (sparse_fwd.msa_kl_cuda on the selection tensor):
+    its chunks' plans come from one chunk_plans (the plan kernels on CUDA tensors), not a torch sort per chunk; with
+    the kernels replaced by their emulated contract in three query chunks, lse_proxy and kl_rows are the reference
+    forward's (float64)."""
+    from flash_msa_rt import reference
+    from flash_msa_rt.ops import sparse_fwd
+    from flash_msa_rt.ops.sparse_plan import combine_kl_lse, kl_groups
+    from tests.sparse_emulate import emulate_kl
+
+    gen = torch.Generator().manual_seed(33)
+    Bk, Sk, Hk_, Hpk_, Dk, block = 2, 300, 2, 1, 16, 128
+    qp, kp, q, k, v = (torch.randn(Bk, Sk, h, Dk, generator=gen, dtype=torch.float64)
+                       for h in (Hp, Hpk_, 2 * Hp, Hk_, Hk_))
+    scale = Dk ** -0.5
+    sel = reference.select_blocks(qp, kp, 2, block, scale)
+    _, lse, want_lsep, want_kl = reference.msa_forward(qp, kp, q, k, v, sel, block, scale)
+
+    chunk_plans, planned = sparse_fwd.chunk_plans, []
+
+    def recorded(*args, **kwargs):
+        planned.append(chunk_plans(*args, **kwargs))
+        return planned[-1]
+
+    def plan_of(entry_query):
+        return next(p for plans in planned for (p,) in plans.values() if p.entry_query is entry_query)
+
+    def emulated_kernel(op, config, device):
+        def launch(lse, kl_part, q, k, q_proxy, k_proxy, scale, entry_query, **_):
+            kl_part.copy_(emulate_kl(plan_of(entry_query), q, k, q_proxy, k_proxy, lse, scale))
+
+        def merge(block_indices, kl_part, lse_proxy, kl_rows, query_offset):  # the merge kernel's torch statement
+            plan = next(p for plans in planned for (p,) in plans.values() if p.query_offset == query_offset)
+            lse_proxy[:], kl_rows[:] = combine_kl_lse(plan, block_indices, kl_part)
+        return launch if op == "sparse_kl" else merge
+
+    monkeypatch.setattr(sparse_fwd, "chunk_plans", recorded)
+    monkeypatch.setattr(sparse_fwd, "sparse_plan", lambda *a, **kw: pytest.fail("a torch sort per chunk"))
+    monkeypatch.setattr(sparse_fwd, "get_kernel", emulated_kernel)
+    tuned(sparse_fwd={"kl_partials_budget": Bk * Hp * 2 * 4 * 3 * kl_groups(block) * block})  # 128-query chunks
+    lsep, kl = sparse_fwd.msa_kl_cuda(qp, kp, q, k, lse, sel, block, scale)
+    assert len(planned) == 1 and sorted(planned[0]) == [(0, 0), (0, 128), (0, 256)]
+    torch.testing.assert_close(lsep, want_lsep.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kl, want_kl.float(), rtol=1e-5, atol=1e-6)

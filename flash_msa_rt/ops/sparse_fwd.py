@@ -253,11 +253,11 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
 def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan):
     """The KL pass over queries [s0, s0 + sel.shape[2]) on kl_plan (the KL pass's tiles) given the final main lse:
     writes lse_proxy and kl_rows (B, Hp, S) there."""
-    kl_part = kl_buf[:kl_plan.E]
+    kl_part = rows(kl_buf, 0, 0, kl_plan.E)
     kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
     s1 = s0 + sel.shape[2]
-    combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=lse_proxy[:, :, s0:s1], kl_rows=kl_rows[:, :, s0:s1],
-               query_offset=s0)
+    combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=rows(lse_proxy, 2, s0, s1),
+               kl_rows=rows(kl_rows, 2, s0, s1), query_offset=s0)
 
 
 def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, arch: str | None = None):
@@ -268,7 +268,8 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, a
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
     dev = q.device
-    t = choice(arch or arch_of(dev), G, D, block_size, B, S, H)
+    arch = arch or arch_of(dev)
+    t = choice(arch, G, D, block_size, B, S, H)
     kl_cfg = kl_config(DTYPES[q.dtype], D, block_size, G, t)
     kl = get_kernel("sparse_kl", kl_cfg, dev)
     combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
@@ -281,9 +282,19 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, a
     chunk = max(block_size, t.kl_partials_budget // per_query // block_size * block_size)
     kl_buf = torch.empty((B * Hp * min(chunk, S) * K, 3 * groups), dtype=torch.float32, device=dev)
     lse = lse.contiguous()
+    # A selection tensor (kl_value "deferred": the backward's KL pass): every chunk's plan from one chunk_plans, on the
+    # plan kernels as the forward's (a sparse_plan per chunk is the torch sort, ~35 torch ops). Warmup's
+    # AllCausalBlocks makes its rows per chunk instead (the whole selection is O(S^2 / Bs)).
+    plans = None
+    if isinstance(block_indices, torch.Tensor):
+        plans = chunk_plans(block_indices, block_size, G, Hp, chunk, ((KL_TILE, t.kl_tiles_per_item),), t.item_order,
+                            arch=arch)
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
-        sel = block_indices[:, :, s0:s1].contiguous()
-        kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, t.kl_tiles_per_item, query_offset=s0)
+        if plans is not None:
+            sel, (kl_plan,) = rows(block_indices, 2, s0, s1), plans[(0, s0)]
+        else:
+            sel = block_indices[:, :, s0:s1].contiguous()
+            kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, t.kl_tiles_per_item, query_offset=s0)
         _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan)
     return lse_proxy, kl_rows
