@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import dataclasses
 import pstats
 import statistics
 import sys
@@ -41,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flash_msa_rt import api, flash_msa_func, loader  # noqa: E402
+from flash_msa_rt import api, loader  # noqa: E402
 from flash_msa_rt.ops import dispatch, kernels, library, select, sparse_bwd, sparse_fwd, sparse_plan  # noqa: E402
 from flash_msa_rt.ops.backends import Backend, register_backend, unregister_backend  # noqa: E402
 
@@ -273,12 +272,9 @@ def top_level_ops(prof) -> tuple[Counter, Counter]:
 def measure(setup: str, path: str, S: int, kl_value: str, rounds: int, steps: int, profile: bool) -> dict:
     layers = Layers("api / autograd")
     patches = _Patches()
-    if path == "custom_op":
-        if eager is None:
-            pass  # the custom ops are the only path
-        else:
-            patches.set(eager, "usable", lambda *tensors: False)
-    elif eager is None:
+    if path == "custom_op" and eager is not None:  # (a tree without the eager path runs the custom ops only)
+        patches.set(eager, "usable", lambda *tensors: False)
+    elif path == "eager" and eager is None:
         raise SystemExit("--paths eager: this tree has no flash_msa_rt.ops.eager")
     _wrap_op_layer(layers, patches)
     env = empty_bodies if setup == "api" else runtime_without_launches
