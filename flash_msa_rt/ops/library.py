@@ -69,7 +69,7 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """t in dtype; t itself when it has it (Tensor.to would still cost a dispatch, ~2 us of host time each)."""
+    """t in dtype; t itself when it has it (Tensor.to would still dispatch a torch op: host time per call)."""
     return t if t.dtype == dtype else t.to(dtype)
 
 
