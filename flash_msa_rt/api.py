@@ -7,13 +7,16 @@
 Inputs are (B, heads, S, D) ("bhsd", the default) or (B, S, heads, D) (layout="bshd"); the runtime works in
 (B, S, heads, D) and takes the other layout as a free transposed view. Semantics: docs/msa-semantics.md.
 The fixed-length path never synchronises the host with the device; the varlen paths (cu_seqlens, document_list,
-the *_varlen_func entry points) read the offsets once on the host to validate them.
+the *_varlen_func entry points) read the offsets once on the host to validate them. Eager calls run the op bodies
+from one autograd.Function (flash_msa_rt.ops.eager: the host time of a small step); under torch.compile, export,
+fake tensors or any tracing they run as the torch.library custom ops (flash_msa_rt.ops.library).
 """
 
 from __future__ import annotations
 
 import torch
 
+from flash_msa_rt.ops import eager as _eager
 from flash_msa_rt.ops import layout as _layout
 from flash_msa_rt.ops import library as _ops
 from flash_msa_rt.ops import validation as _v
@@ -155,7 +158,10 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
                              f"put the sequences one after another in a (1, total, ...) tensor")
         _v.check_cu_seqlens(fn, cu_seqlens, q.device)
         _v.check_cu_seqlens_values(fn, cu_seqlens, S)
-    out, lse = _ops.block_sparse_forward(q, k, v, block_indices, block_size, scale, cu_seqlens)
+    if _eager.usable(q, k, v, block_indices, cu_seqlens):
+        out, lse = _eager.block_sparse(q, k, v, block_indices, block_size, scale, cu_seqlens)
+    else:
+        out, lse = _ops.block_sparse_forward(q, k, v, block_indices, block_size, scale, cu_seqlens)
     out = _layout.from_bshd(out, layout)
     return (out, lse) if return_lse else out
 
@@ -179,6 +185,9 @@ def select_blocks(q_proxy, k_proxy, top_k, scale=None, *, layout="bhsd", block_s
     block_size = _v.check_block_size(fn, block_size)
     K = _v.check_top_k(fn, top_k, block_size)
     scale = _v.resolve_scale(fn, scale, q_proxy.shape[-1])
+    if _eager.usable(q_proxy, k_proxy):  # the body itself: no gradient to record
+        return _ops.select_blocks_body(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, None, None, None,
+                                       select_precision)
     return _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, None, None, None,
                               select_precision)
 
@@ -282,6 +291,9 @@ def _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl
     backward as a device tensor (no host read of the loss coefficient). Without the KL pass in the forward, kl_rows
     are zeros (kl_loss's value 0, its gradient unchanged) and the backward writes kl_metric."""
     kl = _kl_in_forward(kl_value, kl_metric, (q_proxy, k_proxy, q, k, v))
+    if _eager.usable(q_proxy, k_proxy, q, k, v, kl_metric, cu_seqlens, cu_seqlens_k, seqused_k):
+        return _eager.msa(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, cu_seqlens_k,
+                          seqused_k, kl, kl_metric, select_precision)
     deferred_metric = None if kl else kl_metric
     if sparse:
         block_indices = _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, cu_seqlens,

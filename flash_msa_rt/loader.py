@@ -110,10 +110,19 @@ def _version_text(v: int) -> str:
 
 
 def current_stream(device_index: int) -> int:
-    """torch's current stream on the device, as the CUstream handle the driver takes."""
-    import torch
+    """torch's current stream on the device, as the CUstream handle the driver takes: torch's raw getter (the one
+    Triton's launchers call) where this torch has it; torch.cuda.current_stream makes a Stream object per call, and
+    this runs once per launch."""
+    global _raw_stream
+    if _raw_stream is None:
+        import torch
 
-    return torch.cuda.current_stream(device_index).cuda_stream
+        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda index: torch.cuda.current_stream(index).cuda_stream)
+    return _raw_stream(device_index)
+
+
+_raw_stream = None
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from flash_msa_rt import tuning
 # Ops that only make views or read metadata (no device work, no kernel launch).
 VIEWS = {"aten.slice", "aten.select", "aten.alias", "aten.view", "aten.as_strided", "aten.expand", "aten.unsqueeze",
          "aten._unsafe_view", "aten.t", "aten.permute", "aten.transpose", "prim.device", "aten.detach",
-         "aten.lift_fresh", "aten.split", "aten.unbind"}
+         "aten.lift_fresh", "aten.split", "aten.split_with_sizes", "aten.unbind"}
 
 
 class _Count(TorchDispatchMode):

@@ -6,7 +6,9 @@ and warmup also take cu_seqlens_k and seqused_k (separate key offsets: then cu_s
 and q, and cu_seqlens_k the keys, k_proxy, k and v; semantics in flash_msa_rt.reference.varlen). The real
 implementations come from flash_msa_rt.ops.dispatch (a kernel backend where one is registered, else the
 reference). Custom ops make the calls opaque to torch.compile (fullgraph works) and give one registration for
-autograd, fake tensors and export.
+autograd, fake tensors and export. Each op's body is a plain function (select_blocks_body, msa_forward_body, ...)
+that the eager fast path (flash_msa_rt.ops.eager) calls without the custom-op machinery, and the gradients of the
+forwards (msa_gradients, warmup_gradients) are one function for both paths.
 
 Autograd: the differentiable outputs are `out` (to q, k, v) and `kl_rows` (to q_proxy, k_proxy only: tau is
 detached); lse and lse_proxy are saved for the backward and marked non-differentiable. Gradients that do not arrive
@@ -66,10 +68,15 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t in dtype; t itself when it has it (Tensor.to would still dispatch a torch op: host time per call)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _stats(q: Tensor, out: Tensor, *stats: Tensor):
     """out and the statistics as fresh contiguous tensors, statistics in stat_dtype (the fake impls' promise)."""
     dt = stat_dtype(q.dtype)
-    return (out.contiguous(), *(s.to(dt).contiguous() for s in stats))
+    return (out.contiguous(), *(_as(s, dt).contiguous() for s in stats))
 
 
 def _kl_flag(kl: bool) -> dict:
@@ -80,7 +87,8 @@ def _kl_flag(kl: bool) -> dict:
 
 def _stats_only(q: Tensor, *stats: Tensor):
     """_stats without an out."""
-    return tuple(s.to(stat_dtype(q.dtype)).contiguous() for s in stats)
+    dt = stat_dtype(q.dtype)
+    return tuple(_as(s, dt).contiguous() for s in stats)
 
 
 def _impl(op: str, like: Tensor, config: dict):
@@ -89,20 +97,27 @@ def _impl(op: str, like: Tensor, config: dict):
 
 # --- selection ---------------------------------------------------------------------------------------------------
 
-@torch.library.custom_op(f"{NAMESPACE}::select_blocks", mutates_args=())
-def select_blocks(q_proxy: Tensor, k_proxy: Tensor, top_k_blocks: int, block_size: int, scale: float,
-                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-                  seqused_k: Optional[Tensor] = None, precision: str = "bf16") -> Tensor:
-    """int32 (B, Hp, S, K) selected key blocks per (b, p, i), -1 for empty slots. Not differentiable. precision
-    "fp8": scores from the e4m3-quantised proxy pair (flash_msa_rt.reference.fp8)."""
+def select_blocks_body(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
+                       seqused_k=None, precision="bf16"):
+    """select_blocks' body (the custom op's and the eager path's)."""
     config = {"proxy_head_dim": q_proxy.shape[-1], "block_size": block_size, "top_k_blocks": top_k_blocks,
               "varlen": cu_seqlens is not None or cu_seqlens_k is not None, "separate_keys": cu_seqlens_k is not None,
               "select_precision": precision}
     impl = _impl("select_blocks", q_proxy, config)
     # An implementation takes precision only where it is fp8 (as forwards take kl only where it is off).
     fp8 = {"precision": precision} if precision != "bf16" else {}
-    return _fresh(impl(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens, **fp8,
-                       **_key_offsets("select_blocks", cu_seqlens, cu_seqlens_k, seqused_k)).to(torch.int32))
+    return _fresh(_as(impl(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens, **fp8,
+                           **_key_offsets("select_blocks", cu_seqlens, cu_seqlens_k, seqused_k)), torch.int32))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::select_blocks", mutates_args=())
+def select_blocks(q_proxy: Tensor, k_proxy: Tensor, top_k_blocks: int, block_size: int, scale: float,
+                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                  seqused_k: Optional[Tensor] = None, precision: str = "bf16") -> Tensor:
+    """int32 (B, Hp, S, K) selected key blocks per (b, p, i), -1 for empty slots. Not differentiable. precision
+    "fp8": scores from the e4m3-quantised proxy pair (flash_msa_rt.reference.fp8)."""
+    return select_blocks_body(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k,
+                              precision)
 
 
 @select_blocks.register_fake
@@ -122,6 +137,13 @@ def msa_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tenso
     """(out (B, S, H, D) q.dtype, lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)); statistics float32
     (float64 for float64 inputs). S counts the queries (q's dim 1). kl=False: lse_proxy and kl_rows are zeros and
     the backward forms them (writing the KL value into kl_metric, which the forward does not touch)."""
+    return msa_forward_body(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, cu_seqlens_k,
+                            seqused_k, kl)
+
+
+def msa_forward_body(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
+                     seqused_k=None, kl=True):
+    """msa_forward's body (the custom op's and the eager path's)."""
     impl = _impl("msa_forward", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k))
     return _stats(q, *impl(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, **_kl_flag(kl),
                            **_key_offsets("msa_forward", cu_seqlens, cu_seqlens_k, seqused_k)))
@@ -146,6 +168,13 @@ def msa_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, ls
            block_size: int, scale: float, cu_seqlens: Optional[Tensor] = None,
            cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(lse_proxy, kl_rows) of msa_forward given its lse: the KL pass alone (kl=False's backward)."""
+    return msa_kl_body(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens, cu_seqlens_k,
+                       seqused_k)
+
+
+def msa_kl_body(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
+                seqused_k=None):
+    """msa_kl's body (the custom op's and the eager path's)."""
     impl = _impl("msa_kl", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k))
     return _stats_only(q, *impl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens,
                                 **_key_offsets("msa_kl", cu_seqlens, cu_seqlens_k, seqused_k)))
@@ -179,6 +208,13 @@ def msa_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tens
                  cu_seqlens_k: Optional[Tensor] = None,
                  seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq_proxy, dk_proxy, dq, dk, dv). kl_grad is d(loss)/d(kl_rows), broadcastable to (B, Hp, S), or None."""
+    return msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
+                             grad_out, kl_grad, cu_seqlens, cu_seqlens_k, seqused_k)
+
+
+def msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
+                      kl_grad, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
+    """msa_backward's body (the custom op's and the eager path's)."""
     # The kernels' backward sums with fp32 atomics; under torch.use_deterministic_algorithms(True) dispatch
     # must be able to decline it, so the flag belongs to the problem.
     config = dict(_msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k),
@@ -208,18 +244,33 @@ def _msa_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _msa_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
+def under_forward_tuning(ctx, gradients, *args):
+    """gradients(*args) under the tuning overrides the forward ran under (ctx.tuning): autograd runs a CUDA backward
+    on its own threads. Entering them only where they differ spares the common case a context switch."""
+    if ctx.tuning == tuning.current():
+        return gradients(*args)
+    with tuning.applied(ctx.tuning):
+        return gradients(*args)
+
+
+def msa_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
+    """(dq_proxy, dk_proxy, dq, dk, dv) of an MSA forward whose ctx holds _msa_setup_context's saved tensors and
+    attributes, None for a gradient that does not arrive; kl_pass and backward: msa_kl and msa_backward, the custom
+    ops (their autograd rule) or their bodies (the eager path)."""
     q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens, cu_seqlens_k, seqused_k = \
         ctx.saved_tensors
-    with tuning.applied(ctx.tuning):
-        lse_proxy = _deferred_kl(ctx, lambda: msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, ctx.block_size,
-                                                     ctx.scale, cu_seqlens, cu_seqlens_k, seqused_k),
-                                 grad_kl_rows, lse_proxy)
-        if grad_out is None and grad_kl_rows is None:
-            return (None,) * 13
-        grads = msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, ctx.block_size,
-                             ctx.scale, grad_out, grad_kl_rows, cu_seqlens, cu_seqlens_k, seqused_k)
-    return (*_arrived(grads, grad_out, grad_kl_rows),) + (None,) * 8
+    lse_proxy = _deferred_kl(ctx, lambda: kl_pass(q_proxy, k_proxy, q, k, v, lse, block_indices, ctx.block_size,
+                                                  ctx.scale, cu_seqlens, cu_seqlens_k, seqused_k),
+                             grad_kl_rows, lse_proxy)
+    if grad_out is None and grad_kl_rows is None:
+        return (None,) * 5
+    grads = backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, ctx.block_size, ctx.scale,
+                     grad_out, grad_kl_rows, cu_seqlens, cu_seqlens_k, seqused_k)
+    return _arrived(grads, grad_out, grad_kl_rows)
+
+
+def _msa_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
+    return under_forward_tuning(ctx, msa_gradients, ctx, grad_out, grad_kl_rows, msa_kl, msa_backward) + (None,) * 8
 
 
 def _arrived(grads, grad_out, grad_kl_rows):
@@ -244,6 +295,12 @@ def warmup_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Te
                    seqused_k: Optional[Tensor] = None, kl: bool = True,
                    kl_metric: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """msa_forward's outputs with every causal key allowed (no selection); kl and kl_metric as msa_forward's."""
+    return warmup_forward_body(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl)
+
+
+def warmup_forward_body(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None,
+                        kl=True):
+    """warmup_forward's body (the custom op's and the eager path's)."""
     impl = _impl("warmup_forward", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k))
     keys = _key_offsets("warmup_forward", cu_seqlens, cu_seqlens_k, seqused_k)
     return _stats(q, *impl(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, **_kl_flag(kl), **keys))
@@ -260,6 +317,11 @@ def warmup_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor,
               cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
               seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(lse_proxy, kl_rows) of warmup_forward given its lse: the KL pass alone (kl=False's backward)."""
+    return warmup_kl_body(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens, cu_seqlens_k, seqused_k)
+
+
+def warmup_kl_body(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
+    """warmup_kl's body (the custom op's and the eager path's)."""
     impl = _impl("warmup_kl", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k))
     keys = _key_offsets("warmup_kl", cu_seqlens, cu_seqlens_k, seqused_k)
     return _stats_only(q, *impl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens, **keys))
@@ -276,6 +338,13 @@ def warmup_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: T
                     cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                     seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq_proxy, dk_proxy, dq, dk, dv) of warmup_forward."""
+    return warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
+                                cu_seqlens_k, seqused_k)
+
+
+def warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None,
+                         cu_seqlens_k=None, seqused_k=None):
+    """warmup_backward's body (the custom op's and the eager path's)."""
     config = dict(_msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k),
                   deterministic=torch.are_deterministic_algorithms_enabled())  # as msa_backward
     impl = _impl("warmup_backward", q, config)
@@ -299,17 +368,23 @@ def _warmup_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _warmup_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
+def warmup_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
+    """msa_gradients of a warmup forward (_warmup_setup_context's ctx): kl_pass and backward are warmup_kl and
+    warmup_backward, the custom ops or their bodies."""
     q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k = ctx.saved_tensors
-    with tuning.applied(ctx.tuning):
-        lse_proxy = _deferred_kl(ctx, lambda: warmup_kl(q_proxy, k_proxy, q, k, v, lse, ctx.scale, cu_seqlens,
-                                                        cu_seqlens_k, seqused_k),
-                                 grad_kl_rows, lse_proxy)
-        if grad_out is None and grad_kl_rows is None:
-            return (None,) * 11
-        grads = warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, ctx.scale, grad_out, grad_kl_rows,
-                                cu_seqlens, cu_seqlens_k, seqused_k)
-    return (*_arrived(grads, grad_out, grad_kl_rows),) + (None,) * 6
+    lse_proxy = _deferred_kl(ctx, lambda: kl_pass(q_proxy, k_proxy, q, k, v, lse, ctx.scale, cu_seqlens, cu_seqlens_k,
+                                                  seqused_k),
+                             grad_kl_rows, lse_proxy)
+    if grad_out is None and grad_kl_rows is None:
+        return (None,) * 5
+    grads = backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, ctx.scale, grad_out, grad_kl_rows, cu_seqlens,
+                     cu_seqlens_k, seqused_k)
+    return _arrived(grads, grad_out, grad_kl_rows)
+
+
+def _warmup_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
+    return under_forward_tuning(ctx, warmup_gradients, ctx, grad_out, grad_kl_rows, warmup_kl,
+                                warmup_backward) + (None,) * 6
 
 
 warmup_forward.register_autograd(_warmup_backward_rule, setup_context=_warmup_setup_context)
@@ -328,6 +403,11 @@ def block_sparse_forward(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor,
                          cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out (B, S, H, D) q.dtype, lse (B, H, S) float32 (float64 for float64 inputs)) over the causal tokens of each
     row's listed blocks."""
+    return block_sparse_forward_body(q, k, v, block_indices, block_size, scale, cu_seqlens)
+
+
+def block_sparse_forward_body(q, k, v, block_indices, block_size, scale, cu_seqlens=None):
+    """block_sparse_forward's body (the custom op's and the eager path's)."""
     config = _block_sparse_config(q, k, block_indices, block_size, cu_seqlens)
     return _stats(q, *_impl("block_sparse_forward", q, config)(q, k, v, block_indices, block_size, scale, cu_seqlens))
 
@@ -343,6 +423,11 @@ def block_sparse_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
                           block_size: int, scale: float, grad_out: Tensor,
                           cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of block_sparse_forward."""
+    return block_sparse_backward_body(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens)
+
+
+def block_sparse_backward_body(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens=None):
+    """block_sparse_backward's body (the custom op's and the eager path's)."""
     config = dict(_block_sparse_config(q, k, block_indices, block_size, cu_seqlens),
                   deterministic=torch.are_deterministic_algorithms_enabled())  # as msa_backward
     impl = _impl("block_sparse_backward", q, config)
@@ -363,14 +448,17 @@ def _block_sparse_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _block_sparse_backward_rule(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, block_indices, cu_seqlens = ctx.saved_tensors
+def block_sparse_gradients(ctx, grad_out, backward):
+    """(dq, dk, dv) of a block-sparse forward (_block_sparse_setup_context's ctx), None without grad_out; backward:
+    block_sparse_backward, the custom op or its body."""
     if grad_out is None:
-        return (None,) * 7
-    with tuning.applied(ctx.tuning):
-        grads = block_sparse_backward(q, k, v, out, lse, block_indices, ctx.block_size, ctx.scale, grad_out,
-                                      cu_seqlens)
-    return (*grads, None, None, None, None)
+        return (None,) * 3
+    q, k, v, out, lse, block_indices, cu_seqlens = ctx.saved_tensors
+    return tuple(backward(q, k, v, out, lse, block_indices, ctx.block_size, ctx.scale, grad_out, cu_seqlens))
+
+
+def _block_sparse_backward_rule(ctx, grad_out, grad_lse):
+    return under_forward_tuning(ctx, block_sparse_gradients, ctx, grad_out, block_sparse_backward) + (None,) * 4
 
 
 block_sparse_forward.register_autograd(_block_sparse_backward_rule, setup_context=_block_sparse_setup_context)

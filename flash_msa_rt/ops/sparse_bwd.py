@@ -178,7 +178,17 @@ def _slots(like: tuple) -> list[int]:
 
 
 def _views(flat: torch.Tensor, like: tuple) -> list:
-    return [part[:t.numel()].view(t.shape) for part, t in zip(flat.split(_slots(like)), like)]
+    """Contiguous views of flat shaped like `like`, one per slot: one as_strided each (a split, a slice and a view
+    would be three torch ops of host time)."""
+    views, offset = [], 0
+    for t, slot in zip(like, _slots(like)):
+        strides, n = [], 1
+        for size in reversed(t.shape):
+            strides.append(n)
+            n *= max(size, 1)
+        views.append(flat.as_strided(t.shape, strides[::-1], offset))
+        offset += slot
+    return views
 
 
 def accumulators(like: tuple) -> tuple[torch.Tensor, list]:
@@ -304,7 +314,9 @@ def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, 
     proxy = get_kernel("sparse_bwd_proxy", proxy_config(dt, D, block_size, G, t, True, det), dev)
     delta = torch.empty((B, H, S), dtype=f32, device=dev)
     get_kernel("bwd_delta", delta_config(dt, D), dev)(dout=grad_out, out=out, delta=delta)
-    grad = torch.broadcast_to(kl_grad.to(device=dev, dtype=f32), (B, Hp, S)).contiguous()
+    if kl_grad.dtype != f32 or kl_grad.device != dev:  # a no-op .to still costs a torch op
+        kl_grad = kl_grad.to(device=dev, dtype=f32)
+    grad = torch.broadcast_to(kl_grad, (B, Hp, S)).contiguous()
     lse, lse_proxy = lse.contiguous(), lse_proxy.contiguous()
     budget = t.deterministic_budget if det else t.tau_budget
     per_entry = entry_bytes(block_size, G, D, det)
@@ -343,7 +355,7 @@ def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, 
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
             plan, proxy_plan = plans[(hc.p0, s0)]
-            tau_rows = tau[:plan.E]
+            tau_rows = sparse_fwd.rows(tau, 0, 0, plan.E)
             if det:
                 sel = block_indices if hc.every and s1 - s0 == S else block_indices[:, hc.proxy, s0:s1].contiguous()
                 main_args.update(sums.main_args(plan, c, hc.per_kv))

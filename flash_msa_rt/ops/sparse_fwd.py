@@ -165,6 +165,12 @@ def forward_chunks(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, G: int, D
     return c, equal_chunk(S, block_size, B * c * K * per_entry, budget)
 
 
+def rows(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    """t[start:stop] along dim; t itself where that is all of it: a host-bound problem is one chunk, and every view
+    is one more torch op of host time (benchmarks/host_api_cpu.py counts them)."""
+    return t if start == 0 and stop == t.shape[dim] else t.narrow(dim, start, stop - start)
+
+
 def equal_chunk(S: int, block_size: int, per_query: int, budget: int) -> int:
     """Queries per chunk, whole blocks, when a query costs per_query bytes: at most budget (plus CHUNK_SLACK) per
     chunk, and the chunks as equal as whole blocks allow."""
@@ -228,30 +234,30 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
                            hp_per_hpk=hc.per_pk)
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
-            sel = block_indices[:, hc.proxy, s0:s1]  # a strided view: both merges take any strides
+            sel = rows(hc.view(block_indices, 1, "proxy"), 2, s0, s1)  # strided views: both merges take any strides
             plan, *kl_plan = plans[(hc.p0, s0)]
-            o_part, lse_part = o_buf[:plan.E], lse_buf[:plan.E]
+            o_part, lse_part = rows(o_buf, 0, 0, plan.E), rows(lse_buf, 0, 0, plan.E)
             fwd(q=q_c, k=k_c, v=v_c, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=c,
                 hp_per_hk=hc.per_kv, **_plan_args(plan))
-            combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=out[:, s0:s1, hc.main],
-                    lse=lse_c[:, :, s0:s1], query_offset=s0)
+            combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=rows(hc.view(out, 2, "main"), 1, s0, s1),
+                    lse=rows(lse_c, 2, s0, s1), query_offset=s0)
             if not proxy:
                 continue
-            kl_part = kl_buf[:kl_plan[0].E]
+            kl_part = rows(kl_buf, 0, 0, kl_plan[0].E)
             kl(lse=lse_c, kl_part=kl_part, **kl_args, **_plan_args(kl_plan[0]))
-            combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=lse_proxy[:, hc.proxy, s0:s1],
-                       kl_rows=kl_rows[:, hc.proxy, s0:s1], query_offset=s0)
+            combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=rows(hc.view(lse_proxy, 1, "proxy"), 2, s0, s1),
+                       kl_rows=rows(hc.view(kl_rows, 1, "proxy"), 2, s0, s1), query_offset=s0)
     return out, lse, lse_proxy, kl_rows
 
 
 def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan):
     """The KL pass over queries [s0, s0 + sel.shape[2]) on kl_plan (the KL pass's tiles) given the final main lse:
     writes lse_proxy and kl_rows (B, Hp, S) there."""
-    kl_part = kl_buf[:kl_plan.E]
+    kl_part = rows(kl_buf, 0, 0, kl_plan.E)
     kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
     s1 = s0 + sel.shape[2]
-    combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=lse_proxy[:, :, s0:s1], kl_rows=kl_rows[:, :, s0:s1],
-               query_offset=s0)
+    combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=rows(lse_proxy, 2, s0, s1),
+               kl_rows=rows(kl_rows, 2, s0, s1), query_offset=s0)
 
 
 def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, arch: str | None = None):
@@ -262,7 +268,8 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, a
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
     dev = q.device
-    t = choice(arch or arch_of(dev), G, D, block_size, B, S, H)
+    arch = arch or arch_of(dev)
+    t = choice(arch, G, D, block_size, B, S, H)
     kl_cfg = kl_config(DTYPES[q.dtype], D, block_size, G, t)
     kl = get_kernel("sparse_kl", kl_cfg, dev)
     combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
@@ -275,9 +282,19 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, a
     chunk = max(block_size, t.kl_partials_budget // per_query // block_size * block_size)
     kl_buf = torch.empty((B * Hp * min(chunk, S) * K, 3 * groups), dtype=torch.float32, device=dev)
     lse = lse.contiguous()
+    # A selection tensor (kl_value "deferred": the backward's KL pass): every chunk's plan from one chunk_plans, on the
+    # plan kernels as the forward's (a sparse_plan per chunk is the torch sort, ~35 torch ops). Warmup's
+    # AllCausalBlocks makes its rows per chunk instead (the whole selection is O(S^2 / Bs)).
+    plans = None
+    if isinstance(block_indices, torch.Tensor):
+        plans = chunk_plans(block_indices, block_size, G, Hp, chunk, ((KL_TILE, t.kl_tiles_per_item),), t.item_order,
+                            arch=arch)
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
-        sel = block_indices[:, :, s0:s1].contiguous()
-        kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, t.kl_tiles_per_item, query_offset=s0)
+        if plans is not None:
+            sel, (kl_plan,) = rows(block_indices, 2, s0, s1), plans[(0, s0)]
+        else:
+            sel = block_indices[:, :, s0:s1].contiguous()
+            kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, t.kl_tiles_per_item, query_offset=s0)
         _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan)
     return lse_proxy, kl_rows

@@ -332,14 +332,19 @@ def _chunk_plan_dict(entry_query, entry_dest, starts, cut, off_t, q_lo, q_hi, NB
     if item_order == "query":
         items = _by_query(items, entry_query, off_t, tuning_plan.choose("").query_bin)
 
+    # Every plan's views from one split per field (each view is a torch op of host time, and small problems are
+    # host-bound): entries per chunk, items per (cut, chunk) (the even pieces: its W rows, then padding to W_max).
+    n_ch, W_max = len(E), items.shape[2]
+    queries, dests = (entry_query.split(E), entry_dest.split(E)) if n_ch > 1 else ((entry_query,), (entry_dest,))
+    item_rows = items.reshape(-1, 4).split([w for cut in W for n in range(n_ch) for w in (cut[n], W_max - cut[n])])
+    counts, chunk_starts = item_count.reshape(-1).split(1), starts.unbind(0)
     plans = {}
-    for n in range(len(E)):
-        e0 = sum(E[:n])
+    for n in range(n_ch):
         p0, s0 = (n // n_q) * c, q_lo[n]
-        chunk_bounds = starts[n, :L[n] + 1]
+        chunk_bounds = chunk_starts[n] if L[n] + 1 == starts.shape[1] else chunk_starts[n][:L[n] + 1]
         plans[(p0, s0)] = tuple(
-            SparsePlan(entry_query=entry_query[e0:e0 + E[n]], entry_dest=entry_dest[e0:e0 + E[n]],
-                       items=items[m, n, :W[m][n]], item_count=item_count[m, n:n + 1], list_bounds=chunk_bounds,
+            SparsePlan(entry_query=queries[n], entry_dest=dests[n], items=item_rows[2 * (m * n_ch + n)],
+                       item_count=counts[m * n_ch + n], list_bounds=chunk_bounds,
                        E=E[n], W=W[m][n], K=K, Hp=c, S=q_hi[n] - s0, B=B, NB=NB[n], block_size=Bs, group=group,
                        tile_queries=tq, tiles_per_item=T, query_offset=s0)
             for m, (tq, T) in enumerate(cuts))

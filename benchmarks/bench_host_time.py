@@ -1,0 +1,253 @@
+"""Host time of an eager flash_msa_func forward + backward on an idle device (issue 35, item 5: <= 0.5 ms at
+configuration (a), B = 1, S = 8K).
+
+Per kl_value mode and op path, the median over --reps steps of the CPU wall clock of issuing one step, the device
+synchronised before it (so nothing waits on the device and the host's own time is measured): forward (flash_msa_func)
+and backward (torch.autograd.grad with an upstream gradient and a KL coefficient) apart and together. Beside it:
+  - the step's device time (CUDA events around one step, median) and steps back to back (the slower of the two);
+  - the same work below the public API (select_blocks_cuda, msa_forward_cuda, msa_backward_cuda: no checks, no
+    autograd), the runtime's own share;
+  - per step: top-level torch ops of the forward and of the backward (profiler, CPU), kernel launches and
+    packed-params misses (a miss packs params and may encode TMA descriptors: tens of us).
+Paths: "eager" (the default path of an eager call, flash_msa_rt.ops.eager) and "custom_op" (the torch.library ops
+that torch.compile sees, forced for the comparison by declaring the eager path unusable: a patch of this script's
+own, restored after).
+
+    FLASH_MSA_ARTIFACT_DIR=artifacts PYTHONPATH=. python benchmarks/bench_host_time.py --out $OUT/host_time.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONFIGS = {"a": dict(H=16, Hk=2, Hp=4, Hpk=1)}  # docs/kernel-notes.md
+D = 128
+BLOCK = 128
+TOP_K = 2048
+TARGET_MS = 0.5
+
+
+def make_problem(cfg: str, B: int, S: int, seed: int = 0) -> dict:
+    c = CONFIGS[cfg]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(heads):
+        return torch.randn(B, S, heads, D, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    leaves = tuple(randn(h).requires_grad_() for h in (c["Hp"], c["Hpk"], c["H"], c["Hk"], c["Hk"]))
+    dout = torch.randn(B, S, c["H"] * D, device="cuda", dtype=torch.bfloat16, generator=g)
+    return dict(leaves=leaves, dout=dout, coef=torch.tensor(0.1, device="cuda"), scale=D ** -0.5, **c)
+
+
+def api_step(x: dict, kl_value: str):
+    """(forward, backward) of one public-API step; kl_value "deferred" writes the KL value into a device kl_metric."""
+    from flash_msa_rt import flash_msa_func
+
+    metric = torch.zeros((), device="cuda") if kl_value == "deferred" else None
+
+    def forward():
+        return flash_msa_func(*x["leaves"], top_k=TOP_K, layout="bshd", kl_value=kl_value, kl_metric=metric)
+
+    def backward(out, kl):
+        return torch.autograd.grad((out, kl), x["leaves"], (x["dout"], x["coef"]))
+
+    return forward, backward
+
+
+def kernels_step(x: dict):
+    """The same work below the public API: selection, forward (with the KL pass), backward."""
+    from flash_msa_rt.ops.select import select_blocks_cuda
+    from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
+    from flash_msa_rt.ops.sparse_fwd import msa_forward_cuda
+
+    d = [t.detach() for t in x["leaves"]]
+    B, S = d[2].shape[:2]
+    go = x["dout"].view(d[2].shape)
+    klg = torch.full((), 0.1 / (x["Hp"] * B * S), device="cuda")
+    K = TOP_K // BLOCK
+
+    def step():
+        sel = select_blocks_cuda(d[0], d[1], K, BLOCK, x["scale"])
+        out, lse, lse_p, _ = msa_forward_cuda(*d, sel, BLOCK, x["scale"])
+        return msa_backward_cuda(*d, out, lse, lse_p, sel, BLOCK, x["scale"], go, klg)
+
+    return step
+
+
+@contextlib.contextmanager
+def op_path(path: str):
+    """path "custom_op": the eager fast path declared unusable (every call takes the torch.library ops)."""
+    from flash_msa_rt.ops import eager
+
+    usable = eager.usable
+    if path == "custom_op":
+        eager.usable = lambda *tensors: False
+    try:
+        yield
+    finally:
+        eager.usable = usable
+
+
+def host_times(forward, backward, reps: int, warmup: int) -> dict:
+    """Median host ms of forward, backward and both, each step starting on an idle device."""
+    for _ in range(warmup):
+        backward(*forward())
+    torch.cuda.synchronize()
+    fwd, bwd, both = [], [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = forward()
+        t1 = time.perf_counter()
+        backward(*out)
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        fwd.append(t1 - t0)
+        bwd.append(t2 - t1)
+        both.append(t2 - t0)
+        del out
+    ms = lambda v: 1e3 * statistics.median(v)  # noqa: E731
+    return dict(host_fwd_ms=ms(fwd), host_bwd_ms=ms(bwd), host_fwd_bwd_ms=ms(both),
+                host_fwd_bwd_min_ms=1e3 * min(both))
+
+
+def device_and_back_to_back(step, reps: int) -> dict:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        step()
+    torch.cuda.synchronize()
+    return dict(device_ms=statistics.median(times), back_to_back_ms=1e3 * (time.perf_counter() - t0) / reps)
+
+
+def counts(forward, backward) -> dict:
+    """Top-level torch ops of one forward and one backward (profiler, CPU), and kernel launches and packed-params
+    misses of one step (counters wrapped around the loader's driver call and its cache-miss path)."""
+    from benchmarks.host_api_cpu import top_level_ops
+    from flash_msa_rt import driver, loader
+
+    result = {}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = forward()
+    kinds, _ = top_level_ops(prof)
+    result["torch_ops_fwd"] = dict(kinds, total=sum(kinds.values()))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        backward(*out)
+    kinds, _ = top_level_ops(prof)
+    result["torch_ops_bwd"] = dict(kinds, total=sum(kinds.values()))
+    del out
+    torch.cuda.synchronize()
+
+    launches, misses = Counter(), Counter()
+    launch, prepare = driver.launch, loader.Kernel._prepare
+
+    def counted_launch(cfg, func, address):
+        launches["all"] += 1
+        return launch(cfg, func, address)
+
+    def counted_prepare(self, key, args):
+        misses[self.entry.op] += 1
+        return prepare(self, key, args)
+
+    driver.launch, loader.Kernel._prepare = counted_launch, counted_prepare
+    try:
+        steps = 5
+        for _ in range(steps):
+            backward(*forward())
+        torch.cuda.synchronize()
+    finally:
+        driver.launch, loader.Kernel._prepare = launch, prepare
+    result["launches_per_step"] = launches["all"] / steps
+    result["packed_misses_per_step"] = {op: n / steps for op, n in misses.items()}
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON results path")
+    p.add_argument("--config", default="a", choices=sorted(CONFIGS))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seqlens", default="8192")
+    p.add_argument("--kl-values", default="deferred,exact")
+    p.add_argument("--paths", default="eager,custom_op")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=10)
+    args = p.parse_args(argv)
+
+    results = dict(benchmark="host_time", target_ms=TARGET_MS, argv=sys.argv[1:], settings=vars(args),
+                   method="host: CPU wall clock of issuing one step (flash_msa_func, then torch.autograd.grad) after "
+                          "torch.cuda.synchronize(), median of --reps after --warmup; device: CUDA events around one "
+                          "step, median; back_to_back: wall clock per step of --reps steps in a row",
+                   torch=torch.__version__, python=platform.python_version(), rows=[], errors=[])
+    try:
+        from benchmarks.common import commit
+
+        results["commit"] = commit()
+        results["device"] = torch.cuda.get_device_name()
+    except Exception as e:  # the measurement matters more than its label
+        results["errors"].append(f"environment: {e!r}")
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        out_path.write_text(json.dumps(results, indent=1) + "\n")
+
+    for S in (int(s) for s in args.seqlens.split(",")):
+        x = make_problem(args.config, args.batch, S)
+        try:
+            step = kernels_step(x)
+            row = dict(config=args.config, B=args.batch, S=S, level="kernels (below the API)",
+                       **host_times(lambda: (), step, args.reps, args.warmup))
+            row.update(device_and_back_to_back(step, args.reps))
+            results["rows"].append(row)
+            print(row, flush=True)
+        except Exception:
+            results["errors"].append(f"S={S} kernels: {traceback.format_exc()}")
+            print(results["errors"][-1], flush=True)
+        save()
+        for kl_value in args.kl_values.split(","):
+            for path in args.paths.split(","):
+                try:
+                    forward, backward = api_step(x, kl_value)
+                    with op_path(path):
+                        row = dict(config=args.config, B=args.batch, S=S, level="flash_msa_func", kl_value=kl_value,
+                                   path=path, **host_times(forward, backward, args.reps, args.warmup))
+                        row.update(device_and_back_to_back(lambda: backward(*forward()), args.reps))
+                        row.update(counts(forward, backward))
+                    row["meets_target"] = row["host_fwd_bwd_ms"] <= TARGET_MS
+                    results["rows"].append(row)
+                    print(row, flush=True)
+                except Exception:
+                    results["errors"].append(f"S={S} {kl_value} {path}: {traceback.format_exc()}")
+                    print(results["errors"][-1], flush=True)
+                save()
+        del x
+        torch.cuda.empty_cache()
+    save()
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
