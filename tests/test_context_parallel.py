@@ -26,13 +26,13 @@ def _full_inputs(dtype):
     return ins, dout
 
 
-def _single(sparse, dtype):
+def _single(sparse, dtype, **kwargs):
     import flash_msa_rt as F
 
     ins, dout = _full_inputs(dtype)
     leaves = [t.clone().requires_grad_() for t in ins]
     fn = F.flash_msa_func if sparse else F.flash_msa_warmup_func
-    out, kl = fn(*leaves, TOP_K)
+    out, kl = fn(*leaves, TOP_K, **kwargs)
     ((out * dout).sum() + COEF * kl).backward()
     return out.detach(), kl.detach(), [t.grad for t in leaves]
 
@@ -70,6 +70,11 @@ def _rank(rank, world, port, results, backend="gloo"):
         assert kl == 0
         ((out * shard_sequence(dout, seq_dim=1)).sum() + COEF * kl).backward()
         mine["deferred"] = deferred.cpu()
+        ins, dout = _full_inputs(torch.float32)  # fp8 selection: the fp8 key blocks lie on the full sequence's grid
+        local = [shard_sequence(t.to(device), seq_dim=2).requires_grad_() for t in ins]
+        out, kl = flash_msa_cp_func(*local, TOP_K, select_precision="fp8")
+        ((out * shard_sequence(dout.to(device), seq_dim=1)).sum() + COEF * kl).backward()
+        mine["fp8"] = (out.detach().cpu(), kl.detach().cpu(), [t.grad.cpu() for t in local])
         try:  # one token over N >= 2 ranks: some rank would hold nothing; every rank says so, none hangs
             flash_msa_cp_func(*(shard_sequence(t[:, :, :1], seq_dim=2) for t in ins), TOP_K, seqlen=1)
             mine["too_short"] = "no error"
@@ -119,6 +124,16 @@ def _check_against_single_process(world, backend="gloo"):
             assert want_grads[i].abs().sum() > 0
     for r in range(world):
         assert "seqlen 1 is too short for" in results[r]["too_short"], results[r]["too_short"]
+    want_out, want_kl, want_grads = _single(True, torch.float32, select_precision="fp8")
+    assert not torch.allclose(want_out, _single(True, torch.float32)[0]), "fp8 selects other blocks on these inputs"
+    tol = dict(rtol=2e-4, atol=2e-5)
+    out = _unshard([results[r]["fp8"][0] for r in range(world)], world, "zigzag", 1)
+    torch.testing.assert_close(out, want_out, **tol, msg=lambda m: f"{world} ranks, fp8 selection: out: {m}")
+    for r in range(world):
+        torch.testing.assert_close(results[r]["fp8"][1], want_kl, **tol)
+    for i, name in enumerate(("q_proxy", "k_proxy", "q", "k", "v")):
+        got = _unshard([results[r]["fp8"][2][i] for r in range(world)], world, "zigzag", 2)
+        torch.testing.assert_close(got, want_grads[i], **tol, msg=lambda m: f"{world} ranks, fp8: d{name}: {m}")
     exact_kl = _single(True, torch.float64)[1]
     for r in range(world):
         torch.testing.assert_close(results[r]["deferred"], exact_kl.float(), rtol=1e-6, atol=0,

@@ -16,5 +16,6 @@ class Problem:
 
     @property
     def dq_bytes(self) -> int:
-        """Bytes of the backward's fp32 dq accumulator, 4 B S H D: the memory a training step holds anyway."""
+        """4 B S H D: the bytes of an fp32 dq over every head, the scale the budgets are measured against (the
+        backward itself now holds fp32 accumulators for one run of proxy heads at a time: docs/memory.md)."""
         return 4 * self.batch * self.seqlen * self.heads * self.head_dim
