@@ -15,8 +15,10 @@ Plot: python benchmarks/bench_packed.py --plot benchmarks/results/packed.json   
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
+import random
 import sys
 import time
 from pathlib import Path
@@ -28,11 +30,21 @@ import torch  # noqa: E402
 
 from benchmarks.bench_msa import BLOCK, CONFIGS, D, DP, TOP_K, nnz_main  # noqa: E402
 from benchmarks.common import commit, cuda_time_ms  # noqa: E402
+from flash_msa_rt.ops import packed  # noqa: E402
 
 TOKENS = 128 * 1024
 EQUAL = (8192, 32768, 65536)
 FIXED = (8192, 16384, 32768, 65536)  # the mix is compared with the fixed length nearest its token-weighted mean
 FORMULA = "effective TFLOPS = 3.5 * 4 * D * nnz / time (nnz: the causal keys of each row's selected blocks, per head)"
+
+
+def short_mix(seed: int = 0, total: int = TOKENS) -> list[int]:
+    """One 65536-token document, then documents of log-uniform length in [128, 1024] until `total` tokens."""
+    g = random.Random(seed)
+    lengths = [65536]
+    while sum(lengths) < total:
+        lengths.append(min(int(round(math.exp(g.uniform(math.log(128), math.log(1024))))), total - sum(lengths)))
+    return lengths
 
 
 def mix_lengths(seed: int = 0, lo: int = 512, hi: int = 65536, total: int = TOKENS) -> list[int]:
@@ -161,6 +173,16 @@ def run(args) -> dict:
         print(f"{cfg} mix of {len(lengths)} documents (token-weighted mean {weighted:.0f}): packed "
               f"{p['fwd_bwd_ms']:.2f} ms, {p['tflops']:.0f} TFLOPS = {rows[-1]['tflops_fraction_of_fixed']:.0%} of "
               f"the fixed batch at {ref['L']} ({ref['tflops']:.0f}; target >= 85%); dense per doc {d['fwd_bwd_ms']:.1f} ms "
+              f"({rows[-1]['x_dense']:.2f}x)", flush=True)
+        # (iii) issue 34's load-balance case: one 64K document beside hundreds of short ones of different lengths,
+        # which packed.batches pads into a few calls (the calls are counted beside the time).
+        lengths = short_mix(args.seed)
+        p, d = case.packed(lengths), case.dense(lengths)
+        calls = len(packed.batches(packed.sequence_spans(torch.tensor([0, *itertools.accumulate(lengths)])), True))
+        rows.append(dict(config=cfg, kind="short", pack=f"65536 + {len(lengths) - 1} documents of 128..1024",
+                         packed=p, dense=d, calls_per_op=calls, x_dense=d["fwd_bwd_ms"] / p["fwd_bwd_ms"]))
+        print(f"{cfg} one 64K document + {len(lengths) - 1} short ones: packed {p['fwd_ms']:.2f}/{p['fwd_bwd_ms']:.2f} ms "
+              f"in {calls} calls per op, {p['tflops']:.0f} TFLOPS; dense per doc {d['fwd_bwd_ms']:.1f} ms "
               f"({rows[-1]['x_dense']:.2f}x)", flush=True)
     return dict(benchmark="packed sequences against the fixed batch and dense attention", commit=commit(),
                 device=torch.cuda.get_device_name(), torch=torch.__version__, tokens_per_step=TOKENS,

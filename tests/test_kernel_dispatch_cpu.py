@@ -288,36 +288,70 @@ def test_dense_warmup_kernels_need_their_variant(monkeypatch, tmp_path):
         warmup_kl._built.cache_clear()
 
 
-def test_packed_sequences_run_one_sequence_at_a_time(monkeypatch):
-    """cu_seqlens on the kernel backend: each non-empty sequence is one fixed-length call on views of the pack (its
-    tokens only; a full-sized per-row kl_grad sliced, a broadcast one passed as is), the results concatenated along
-    the tokens; an all-empty pack goes to the reference. Checked with the fixed-length op replaced by a recorder."""
+def test_packed_sequences_run_as_runs_of_views():
+    """cu_seqlens on the kernel backend, an op that takes runs only (warmup's): each run of consecutive equal-length
+    sequences is one fixed-length call on views of the pack (its tokens only; a full-sized per-row kl_grad sliced, a
+    broadcast one passed as is), the results concatenated along the tokens; an all-empty pack goes to the reference.
+    Checked with the fixed-length op replaced by a recorder."""
+    from flash_msa_rt.ops import packed
+
+    seen = []
+
+    def fixed(qp, kp, q, k, v, out, lse, lse_p, scale, grad_out, kl_grad, cu_seqlens=None):
+        assert cu_seqlens is None
+        seen.append((q.shape[1], lse.shape[2], None if kl_grad is None else tuple(kl_grad.shape)))
+        return tuple(torch.full_like(t, float(q.shape[1])) for t in (qp, kp, q, k, v))
+
+    run = packed.per_sequence("warmup_backward", fixed, lambda *a: "reference")
+    total, Hp, H = 10, 2, 4
+    t = lambda h: torch.zeros(1, total, h, 8)  # noqa: E731
+    args = [t(Hp), t(1), t(H), t(2), t(2), t(H), torch.zeros(1, H, total), torch.zeros(1, Hp, total), 0.1, t(H),
+            torch.ones(1, Hp, total)]
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    grads = run(*args, cu)
+    assert seen == [(3, 3, (1, Hp, 3)), (7, 7, (1, Hp, 7))]
+    seen.clear()  # consecutive equal lengths: one batch (B = 2 rows of 4 tokens, then 1 of 2), views of the pack
+    batched = run(*args, torch.tensor([0, 4, 8, 10], dtype=torch.int32))
+    assert seen == [(4, 4, (2, Hp, 4)), (2, 2, (1, Hp, 2))]
+    assert [g.shape for g in batched] == [a.shape for a in args[:5]] and batched[2][0, :8].eq(4).all()
+    assert [g.shape[1] for g in grads] == [total] * 5 and grads[2][0, :3].eq(3).all() and grads[2][0, 3:].eq(7).all()
+    seen.clear()
+    run(*args[:-1], torch.ones(()), cu)  # a broadcast kl_grad reaches every sequence whole
+    assert [s[2] for s in seen] == [(), ()]
+    assert run(*args, torch.tensor([0, 0], dtype=torch.int32)) == "reference"
+
+
+def test_packed_sparse_ops_pad_different_lengths_into_one_call():
+    """The sparse ops: sequences of different lengths that round up to the same number of 128-token tiles share
+    one call, each padded to that length (zeros, block indices -1, kl_grad 0), and only their own rows come back,
+    at their places; a run that has its padded length to itself stays a run of views."""
     from flash_msa_rt.ops import packed
 
     seen = []
 
     def fixed(qp, kp, q, k, v, out, lse, lse_p, sel, bs, scale, grad_out, kl_grad, cu_seqlens=None):
-        assert cu_seqlens is None
-        seen.append((q.shape[1], sel.shape[2], lse.shape[2], None if kl_grad is None else tuple(kl_grad.shape)))
-        return tuple(torch.full_like(t, float(q.shape[1])) for t in (qp, kp, q, k, v))
+        seen.append((tuple(q.shape[:2]), sel.clone(), grad_out.clone(), kl_grad.clone()))
+        return qp, kp, q * 2, k, v  # row for row: where a row comes back is visible
 
-    run = packed.per_sequence("msa_backward", fixed, lambda *a: "reference")
-    total, Hp, H = 10, 2, 4
-    t = lambda h: torch.zeros(1, total, h, 8)  # noqa: E731
-    args = [t(Hp), t(1), t(H), t(2), t(2), t(H), torch.zeros(1, H, total), torch.zeros(1, Hp, total),
-            torch.zeros(1, Hp, total, 3, dtype=torch.int32), 128, 0.1, t(H), torch.ones(1, Hp, total)]
-    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    run = packed.per_sequence("msa_backward", fixed, None)
+    lengths = [3, 7, 3, 300]  # 3, 7 and 3 share a 128-row call; 300 runs alone on views
+    total, Hp, H = sum(lengths), 2, 4
+    g = torch.Generator().manual_seed(0)
+    t = lambda h: torch.randn(1, total, h, 8, generator=g)  # noqa: E731
+    q = t(H)
+    args = [t(Hp), t(1), q, t(2), t(2), t(H), torch.zeros(1, H, total), torch.zeros(1, Hp, total),
+            torch.zeros(1, Hp, total, 3, dtype=torch.int32), 128, 0.1, torch.ones(1, total, H, 8),
+            torch.ones(1, Hp, total)]
+    cu = torch.tensor([0, 3, 10, 13, 313], dtype=torch.int32)
     grads = run(*args, cu)
-    assert seen == [(3, 3, 3, (1, Hp, 3)), (7, 7, 7, (1, Hp, 7))]
-    seen.clear()  # consecutive equal lengths: one batch (B = 2 rows of 4 tokens, then 1 of 2), views of the pack
-    batched = run(*args, torch.tensor([0, 4, 8, 10], dtype=torch.int32))
-    assert seen == [(4, 4, 4, (2, Hp, 4)), (2, 2, 2, (1, Hp, 2))]
-    assert [g.shape for g in batched] == [a.shape for a in args[:5]] and batched[2][0, :8].eq(4).all()
-    assert [g.shape[1] for g in grads] == [total] * 5 and grads[2][0, :3].eq(3).all() and grads[2][0, 3:].eq(7).all()
-    seen.clear()
-    run(*args[:-1], torch.ones(()), cu)  # a broadcast kl_grad reaches every sequence whole
-    assert [s[3] for s in seen] == [(), ()]
-    assert run(*args, torch.tensor([0, 0], dtype=torch.int32)) == "reference"
+    assert [s[0] for s in seen] == [(3, 128), (1, 300)]
+    _, sel, dout, kl_grad = seen[0]
+    for row, n in enumerate((3, 7, 3)):
+        assert sel[row, :, :n].eq(0).all() and sel[row, :, n:].eq(-1).all()
+        assert dout[row, :n].eq(1).all() and dout[row, n:].eq(0).all()
+        assert kl_grad[row, :, :n].eq(1).all() and kl_grad[row, :, n:].eq(0).all()
+    torch.testing.assert_close(grads[2], q * 2, rtol=0, atol=0)
+    assert packed.batches([(0, 3), (3, 10)], paddable=False) == [packed.Batch(0, 3, 1), packed.Batch(3, 7, 1)]
 
 
 def test_packed_runs_compute_the_varlen_contract():
@@ -345,3 +379,37 @@ def test_packed_runs_compute_the_varlen_contract():
     want = reference.msa_backward_varlen(*x, *want[:3], sel, BS, 0.3, grad_out=dout, cu_seqlens=cu, kl_grad=kl_grad)
     for name, a, b in zip(("dq_proxy", "dk_proxy", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_padded_buckets_compute_the_varlen_contract_for_every_sparse_op(precision):
+    """Selection (bf16 and fp8: padding zeros change no key block's scale), the KL pass alone and block-sparse
+    attention forward and backward through packed.per_sequence around the fixed-length reference, on a pack whose
+    sequences of different lengths share padded calls, against the varlen reference (float64, CPU)."""
+    from flash_msa_rt.ops import packed
+    from flash_msa_rt.ops.backends import reference_impl
+
+    g = torch.Generator().manual_seed(5)
+    lengths = [130, 200, 1, 0, 57, 64, 250, 130]  # 130, 200 and 250 pad to 256; 1, 57 and 64 to 128
+    total, Hp, H, D, BS = sum(lengths), 2, 4, 8, 64
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    assert all(b.members for b in packed.batches(packed.sequence_spans(cu), paddable=True))
+    x = [torch.randn(1, total, h, D, generator=g, dtype=torch.float64) for h in (Hp, 1, H, 2, 2)]
+
+    def both(op, *args):
+        ref = reference_impl(op)
+        return packed.per_sequence(op, ref, None)(*args, cu), ref(*args, cu)
+
+    kw = {"precision": precision} if precision != "bf16" else {}
+    sel = reference_impl("select_blocks")(x[0], x[1], 3, BS, 0.3, cu, **kw)
+    got = packed.per_sequence("select_blocks", reference_impl("select_blocks"), None)(x[0], x[1], 3, BS, 0.3, cu, **kw)
+    assert torch.equal(got, sel)
+    lse = reference_impl("msa_forward")(*x, sel, BS, 0.3, cu)[1]
+    for a, b in zip(*both("msa_kl", *x, lse, sel, BS, 0.3)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    idx = sel.repeat_interleave(H // Hp, dim=1)
+    (out, lse_b), want = both("block_sparse_forward", *x[2:], idx, BS, 0.3)
+    torch.testing.assert_close(out, want[0], rtol=1e-12, atol=1e-12)
+    dout = torch.randn(1, total, H, D, generator=g, dtype=torch.float64)
+    for a, b in zip(*both("block_sparse_backward", *x[2:], out, lse_b, idx, BS, 0.3, dout)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

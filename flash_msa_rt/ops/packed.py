@@ -1,12 +1,19 @@
 """Packed sequences (cu_seqlens) on the fixed-length kernels: each run of consecutive sequences of one length is one
 fixed-length call (B = the run's count) on views of the packed tensors, and the outputs are concatenated along the
-tokens.
+tokens. For the sparse ops (selection, MSA, block-sparse), sequences of different lengths that round up to the
+same number of 128-token blocks also share one call: each is copied into a row of that padded length, zeros after
+its end (block indices -1), and only its own rows of the results are kept.
 
 Every sequence is independent (msa-semantics.md, varlen): its own causal mask, block grid from its start, selection
-and KL rows, so running them apart is the contract itself. The cost: reading cu_seqlens on the host (one
-synchronisation per op call, which the varlen entry points' validation already makes) and one set of launches per
-run of equal lengths, so a pack of many short documents of different lengths is host-bound. Kernels that take the offsets themselves
-(issue 34) replace this. Separate key offsets (cu_seqlens_k, seqused_k) are declined before this runs.
+and KL rows, so running them apart is the contract itself. Padding keeps it: a sequence's queries never see the
+keys after its end (causal), its last block is its own local block whatever the padding holds (so no score of a
+padded key is ever compared, in fp8 selection neither: zeros change no block's max |x|), and in the backward the
+padded rows have no selected block, a zero upstream gradient and a zero KL gradient, so they add nothing to any
+key. The cost: reading cu_seqlens on the host (one synchronisation per op call, which the varlen entry points'
+validation already makes), one set of launches per run or padded bucket, and the copies into and out of a padded
+bucket. Kernels that take the offsets themselves (issue 34) replace this. Separate key offsets (cu_seqlens_k,
+seqused_k) are declined before this runs. Warmup's ops take runs only: cuDNN's dense backward would read the padded
+rows' lse.
 """
 
 from __future__ import annotations
@@ -27,19 +34,61 @@ class PackedOp:
     tokens: dict
     outs: tuple
     per_row: tuple = ()
+    paddable: bool = False  # sequences of different lengths may share a padded call (the module's docstring)
 
 
 SPECS = {
-    "select_blocks": PackedOp(5, {0: 1, 1: 1}, (2,)),
-    "msa_forward": PackedOp(8, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2}, (1, 2, 2, 2)),
-    "msa_backward": PackedOp(13, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 2, 7: 2, 8: 2, 11: 1}, (1,) * 5, (12,)),
-    "msa_kl": PackedOp(9, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2}, (2, 2)),
+    "select_blocks": PackedOp(5, {0: 1, 1: 1}, (2,), paddable=True),
+    "msa_forward": PackedOp(8, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2}, (1, 2, 2, 2), paddable=True),
+    "msa_backward": PackedOp(13, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 2, 7: 2, 8: 2, 11: 1}, (1,) * 5, (12,),
+                             paddable=True),
+    "msa_kl": PackedOp(9, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2}, (2, 2), paddable=True),
     "warmup_forward": PackedOp(6, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1}, (1, 2, 2, 2)),
     "warmup_backward": PackedOp(11, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 2, 7: 2, 9: 1}, (1,) * 5, (10,)),
     "warmup_kl": PackedOp(7, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2}, (2, 2)),
-    "block_sparse_forward": PackedOp(6, {0: 1, 1: 1, 2: 1, 3: 2}, (1, 2)),
-    "block_sparse_backward": PackedOp(9, {0: 1, 1: 1, 2: 1, 3: 1, 4: 2, 5: 2, 8: 1}, (1, 1, 1)),
+    "block_sparse_forward": PackedOp(6, {0: 1, 1: 1, 2: 1, 3: 2}, (1, 2), paddable=True),
+    "block_sparse_backward": PackedOp(9, {0: 1, 1: 1, 2: 1, 3: 1, 4: 2, 5: 2, 8: 1}, (1, 1, 1), paddable=True),
 }
+
+# Padded lengths are multiples of the kernels' 128-row query tiles, whose cost does not depend on how many of their
+# rows are real; not yet measured on a GPU (benchmarks/bench_packed.py's "short" case will).
+PAD_UNIT = 128
+
+
+def padded_length(length: int) -> int:
+    """The row length a sequence takes in a padded bucket: its length rounded up to PAD_UNIT, so the padding costs
+    no query tile (a sequence's last tile is partial either way) and less than one key block."""
+    return -(-length // PAD_UNIT) * PAD_UNIT
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One fixed-length call: `count` consecutive sequences of `length` tokens from `start` (views of the pack), or,
+    where `members` is given, those (start, end) sequences padded to `length` (copies)."""
+
+    start: int
+    length: int
+    count: int
+    members: tuple = ()
+
+
+def batches(spans: list[tuple[int, int]], paddable: bool) -> list[Batch]:
+    """The calls a pack takes: its runs of equal lengths (equal_runs); for a paddable op, the runs whose lengths
+    round up to one padded_length together as one padded batch wherever there are several such runs."""
+    runs = [Batch(a, length, count) for a, length, count in equal_runs(spans)]
+    if not paddable:
+        return runs
+    buckets: dict[int, list[Batch]] = {}
+    for r in runs:
+        buckets.setdefault(padded_length(r.length), []).append(r)
+    out = []
+    for length, group in buckets.items():
+        if len(group) == 1:
+            out.extend(group)
+        else:
+            members = tuple((r.start + n * r.length, r.start + (n + 1) * r.length) for r in group for n in range(r.count))
+            out.append(Batch(group[0].start, length, len(members), members))
+    return sorted(out, key=lambda b: b.start)
 
 
 def sequence_spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
@@ -80,10 +129,68 @@ def _unrows(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.transpose(0, 1).reshape(1, t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:])
 
 
+class _Padded:
+    """A padded batch's copies: its members' tokens gathered into rows of batch.length (zeros after each end, -1 in
+    integer tensors: no selected block), and its results' real rows put back at their places in the pack."""
+
+    def __init__(self, batch: Batch, device: torch.device):
+        starts = torch.tensor([a for a, _ in batch.members])
+        lengths = torch.tensor([b - a for a, b in batch.members])
+        pos = torch.arange(batch.length)
+        valid = pos[None, :] < lengths[:, None]  # (count, length)
+        index = torch.where(valid, starts[:, None] + pos[None, :], 0).flatten()  # padding reads token 0, then masked
+        self.count, self.length = batch.count, batch.length
+        self.valid = valid.to(device)
+        self.index = index.to(device)
+        self.keep = valid.flatten().nonzero().squeeze(1).to(device)  # real rows among the padded ones
+        self.dest = index[valid.flatten()].to(device)  # their tokens in the pack
+
+    def rows(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """(count, length, ...) for dim 1, (count, heads, length, ...) for dim 2, from a B = 1 packed tensor."""
+        if dim == 1:
+            x = t[0].index_select(0, self.index).view(self.count, self.length, *t.shape[2:])
+            mask = self.valid.view(self.count, self.length, *([1] * (t.dim() - 2)))
+        else:
+            x = t[0].index_select(1, self.index).view(t.shape[1], self.count, self.length, *t.shape[3:])
+            x = x.transpose(0, 1)
+            mask = self.valid.view(self.count, 1, self.length, *([1] * (t.dim() - 3)))
+        fill = torch.full((), 0 if t.is_floating_point() else -1, dtype=t.dtype, device=t.device)
+        return torch.where(mask, x, fill).contiguous()
+
+    def put(self, full: torch.Tensor, r: torch.Tensor, dim: int) -> None:
+        """The real rows of a result r (rows' layout) into their tokens of the B = 1 tensor full."""
+        if dim == 1:
+            full[0].index_copy_(0, self.dest, r.reshape(self.count * self.length, *r.shape[2:])[self.keep])
+        else:
+            flat = r.transpose(0, 1).reshape(r.shape[1], self.count * self.length, *r.shape[3:])
+            full[0].index_copy_(1, self.dest, flat.index_select(1, self.keep))
+
+
+def _assemble(parts, outs, total: int):
+    """The pack's results from each batch's: concatenated where every batch is a run of views (in token order),
+    else placed token by token."""
+    if all(take is None for _, take, _ in parts):
+        if len(parts) == 1:  # one run covers the pack: its results are the pack's (no copy)
+            return tuple(_unrows(r, dim) for r, dim in zip(parts[0][2], outs))
+        return tuple(torch.cat([_unrows(res[n], dim) for _, _, res in parts], dim=dim) for n, dim in enumerate(outs))
+    fulls = []
+    for n, dim in enumerate(outs):
+        r = parts[0][2][n]
+        shape = (1, total, *r.shape[2:]) if dim == 1 else (1, r.shape[1], total, *r.shape[3:])
+        full = r.new_empty(shape)
+        for batch, take, res in parts:
+            if take is None:
+                full.narrow(dim, batch.start, batch.count * batch.length).copy_(_unrows(res[n], dim))
+            else:
+                take.put(full, res[n], dim)
+        fulls.append(full)
+    return tuple(fulls)
+
+
 def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
-    """impl (fixed length) made to take the op's cu_seqlens: without it impl runs as is; with it, once per run of
-    consecutive equal-length sequences (a batch on views of the pack), the results concatenated. A pack without
-    tokens runs `fallback` (the reference: nothing to launch)."""
+    """impl (fixed length) made to take the op's cu_seqlens: without it impl runs as is; with it, once per batch
+    (batches(): runs of consecutive equal-length sequences on views of the pack, and for the sparse ops padded
+    buckets), the results put together. A pack without tokens runs `fallback` (the reference: nothing to launch)."""
     spec = SPECS[op]
 
     def run(*args, **kwargs):
@@ -98,25 +205,25 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
         if not spans:
             args[spec.cu] = cu
             return fallback(*args, **kwargs)
-        parts = []
-        for a, length, count in equal_runs(spans):
+        parts, single = [], False
+        for batch in batches(spans, spec.paddable):
+            take = _Padded(batch, args[0].device) if batch.members else None
+
+            def rows(t, dim, take=take, batch=batch):
+                return take.rows(t, dim) if take else _rows(t, dim, batch.start, batch.length, batch.count)
+
             piece = list(args)
             for i, dim in spec.tokens.items():
                 if piece[i] is not None:
-                    piece[i] = _rows(piece[i], dim, a, length, count)
+                    piece[i] = rows(piece[i], dim)
             for i in spec.per_row:
                 t = piece[i]
                 if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[2] == total and total > 1:
-                    piece[i] = _rows(t, 2, a, length, count)
+                    piece[i] = rows(t, 2)
             result = impl(*piece, **kwargs)
-            if isinstance(result, (tuple, list)):
-                parts.append(tuple(_unrows(r, dim) for r, dim in zip(result, spec.outs)))
-            else:
-                parts.append(_unrows(result, spec.outs[0]))
-        if len(parts) == 1:  # one run covers the pack: its results are the pack's (no copy)
-            return parts[0]
-        if not isinstance(parts[0], tuple):
-            return torch.cat(parts, dim=spec.outs[0])
-        return tuple(torch.cat([p[n] for p in parts], dim=dim) for n, dim in enumerate(spec.outs))
+            single = not isinstance(result, (tuple, list))
+            parts.append((batch, take, (result,) if single else tuple(result)))
+        out = _assemble(parts, spec.outs, total)
+        return out[0] if single else out
 
     return run
