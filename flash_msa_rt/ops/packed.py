@@ -9,8 +9,8 @@ and KL rows, so running them apart is the contract itself. Padding keeps it: a s
 keys after its end (causal), its last block is its own local block whatever the padding holds (so no score of a
 padded key is ever compared, in fp8 selection neither: zeros change no block's max |x|), and in the backward the
 padded rows have no selected block, a zero upstream gradient and a zero KL gradient, so they add nothing to any
-key. The cost: reading cu_seqlens on the host (one synchronisation per op call, which the varlen entry points'
-validation already makes), one set of launches per run or padded bucket, and the copies into and out of a padded
+key. The cost: reading cu_seqlens on the host (one synchronisation per offsets tensor, which the varlen entry points'
+validation already makes and the ops reuse: flash_msa_rt.ops.offsets), one set of launches per run or padded bucket, and the copies into and out of a padded
 bucket. Kernels that take the offsets themselves (issue 34) replace this. Separate key offsets (cu_seqlens_k,
 seqused_k) are declined before this runs. Warmup's ops take runs only: cuDNN's dense backward would read the padded
 rows' lse.
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from flash_msa_rt.ops.offsets import host_offsets
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,8 @@ def batches(spans: list[tuple[int, int]], paddable: bool) -> list[Batch]:
 
 
 def sequence_spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) of every non-empty sequence (a host read of the offsets)."""
-    bounds = cu_seqlens.tolist()
+    """[start, end) of every non-empty sequence (a host read of the offsets, once per offsets tensor: offsets.py)."""
+    bounds = host_offsets(cu_seqlens)
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flash_msa_rt.ops.offsets import host_offsets
+
 # float64 runs on the reference only (a kernel backend declines it); it is what tests and gradcheck use.
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 LAYOUTS = {"bhsd": "(batch, heads, seqlen, head_dim)", "bshd": "(batch, seqlen, heads, head_dim)"}
@@ -206,9 +208,10 @@ def check_cu_seqlens_values(fn: str, cu_seqlens: torch.Tensor, total: int, row_l
                             name: str = "cu_seqlens") -> int:
     """Offsets start at 0, end at total, never decrease and (row_len given) contain every multiple of row_len.
 
-    Reads cu_seqlens on the host: one synchronisation, on the varlen path only. Returns the longest sequence.
+    Reads cu_seqlens on the host: one synchronisation, on the varlen path only, which the packed ops' own reads of
+    the same tensor then reuse (flash_msa_rt.ops.offsets). Returns the longest sequence.
     """
-    offs = cu_seqlens.tolist()
+    offs = host_offsets(cu_seqlens)
     if offs[0] != 0 or offs[-1] != total:
         raise ValueError(f"{fn}: {name} must start at 0 and end at the {total} tokens, got "
                          f"{_short(offs)}")
@@ -273,7 +276,7 @@ def check_key_offsets(fn: str, cu_seqlens: torch.Tensor, cu_seqlens_k, seqused_k
                                  f"supported: 0 <= seqused_k[s] and cu_seqlens_k[s] + seqused_k[s] <= the {total_k} "
                                  f"key tokens")
         ends = [a + n for a, n in zip(starts, used)]
-    q_offs = cu_seqlens.tolist()
+    q_offs = host_offsets(cu_seqlens)
     for s, (qa, qb, ka, kb) in enumerate(zip(q_offs[:-1], q_offs[1:], starts, ends)):
         if qb - qa > kb - ka:
             raise ValueError(f"{fn}: sequence {s} has L_q={qb - qa} queries (cu_seqlens) but L_k={kb - ka} keys "
