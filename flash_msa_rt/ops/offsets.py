@@ -5,8 +5,9 @@ offsets to validate them (flash_msa_rt.api) and again in every op that runs on t
 (flash_msa_rt.ops.packed: selection, forward, KL pass, backward), in every layer: with one offsets tensor shared
 by the layers, that was about five synchronisations per layer and step. Here a device tensor's values are kept
 beside the tensor object and its version counter, so the first read of a step pays and the others do not; an
-in-place change of the tensor (any torch write bumps its version) makes the next read fetch them again. Host
-tensors are read every time (cheap, and numpy can write them without a version bump).
+in-place change of the tensor (any torch write bumps its version) makes the next read fetch them again; a write
+that bypasses torch (a raw pointer, a DLPack consumer) is not seen, so offsets changed that way need a new tensor.
+Host tensors are read every time (cheap, and numpy can write them without a version bump).
 """
 
 from __future__ import annotations
