@@ -23,25 +23,30 @@ from flash_msa_rt import tuning
 from flash_msa_rt.ops import library
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_DispatchKey = torch._C.DispatchKey
 # Dispatch keys in the thread's include set while something traces below autograd: a Python dispatch mode (fake
-# tensors, make_fx, FunctionalTensorMode), pre-dispatch tracing (export), C++ functionalization.
-_TRACING_KEYS = (_DispatchKey.Python, _DispatchKey.PreDispatch, _DispatchKey.Functionalize)
+# tensors, make_fx, FunctionalTensorMode), pre-dispatch tracing (export), C++ functionalization. Read by name: a
+# torch without one of them cannot be in that state.
+_TRACING_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in ("Python", "PreDispatch", "Functionalize")
+                      if hasattr(torch._C.DispatchKey, name))
 
 
 def usable(*tensors) -> bool:
     """Whether a call on these tensors (None allowed) may take the eager path: not under torch.compile, no dispatch
     mode, pre-dispatch tracing, functionalization, functorch transform, JIT trace or torch-function mode (other than
     a default-device context) active, and plain tensors only (no FakeTensor, FunctionalTensor, DTensor or other
-    subclass). Otherwise the custom ops run, which every one of those handles."""
+    subclass). Otherwise the custom ops run, which every one of those handles. The state is read through torch's
+    private bindings; a torch that lacks one of them takes the custom ops (always correct, only slower)."""
     if torch.compiler.is_compiling():  # first: dynamo folds it and never traces the rest
         return False
-    if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active() \
-            or torch._C._is_tracing():
-        return False
-    if any(torch._C._dispatch_tls_is_dispatch_key_included(key) for key in _TRACING_KEYS):
-        return False
-    if torch._C._is_torch_function_mode_enabled() and not _device_modes_only():
+    try:
+        if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active() \
+                or torch._C._is_tracing():
+            return False
+        if any(torch._C._dispatch_tls_is_dispatch_key_included(key) for key in _TRACING_KEYS):
+            return False
+        if torch._C._is_torch_function_mode_enabled() and not _device_modes_only():
+            return False
+    except (AttributeError, ImportError):
         return False
     return all(t is None or type(t) in _PLAIN for t in tensors)
 
