@@ -51,6 +51,29 @@ def flash_msa_warmup_cp_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, *, gr
                kl_value, kl_metric, block_size, seqlen)
 
 
+def rank_attention(sparse, q_proxy, k_proxy_full, q, k_full, v_full, spans, top_k, scale=None, *, block_size=128,
+                   kl_value="exact", kl_metric=None, select_precision="bf16"):
+    """One rank's compute, no communication: its query shards (B, L, heads, D) in shard order, covering `spans`
+    (its [start, end) chunks of each row), against the gathered keys (B, S, heads, D). Each chunk of each row is a
+    query sequence whose keys are its row's first `end` tokens (bottom-right causal: the chunk's queries are the
+    last of them), one varlen call with separate key offsets, so no key is copied per chunk. Returns
+    (out (B L, H, D), kl_loss over this rank's rows). flash_msa_cp_func calls it between the gather and the KL
+    all-reduce; tests run it per rank on one device."""
+    B, S = k_full.shape[0], k_full.shape[1]
+    device = q.device
+    ends = [b for _ in range(B) for _, b in spans]
+    q_lens = [b - a for _ in range(B) for a, b in spans]
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([row * S for row in range(B) for _ in spans] + [B * S], dtype=torch.int32, device=device)
+    used_k = torch.tensor(ends, dtype=torch.int32, device=device)
+    varlen = api.flash_msa_varlen_func if sparse else api.flash_msa_warmup_varlen_func
+    selection = {"select_precision": select_precision} if sparse else {}
+    flat = lambda t: t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])  # noqa: E731 - (B, S, h, d) -> (B S, h, d)
+    return varlen(flat(q_proxy), flat(k_proxy_full), flat(q), flat(k_full), flat(v_full), cu_q,
+                  max(q_lens, default=0), top_k, scale, block_size=block_size, cu_seqlens_k=cu_k,
+                  max_seqlen_k=max(S, 1), seqused_k=used_k, kl_value=kl_value, kl_metric=kl_metric, **selection)
+
+
 class _AfterBackward(torch.autograd.Function):
     """Identity on x; its backward runs once the ops x feeds have run theirs, and then calls `then()` (the deferred
     KL value's all-reduce: every rank reaches it in the same order, as their graphs are the same)."""
@@ -117,21 +140,9 @@ def _cp(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layo
         kl_value = "exact"  # no backward will run: the forward takes the value (msa-semantics.md)
 
     kp_full, k_full, v_full = (gather_sequence(t, group, spans, S) for t in (kp, kk, vv))
-    # This rank's chunks of each batch row are the query sequences; a sequence's keys are its row's first `end`
-    # gathered tokens (bottom-right causal: the chunk's queries are the last of them).
-    ends = [b for _ in range(B) for _, b in mine]
-    q_lens = [b - a for _ in range(B) for a, b in mine]
-    device = qq.device
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([row * S for row in range(B) for _ in mine] + [B * S], dtype=torch.int32, device=device)
-    used_k = torch.tensor(ends, dtype=torch.int32, device=device)
-    varlen = api.flash_msa_varlen_func if sparse else api.flash_msa_warmup_varlen_func
-    selection = {"select_precision": select_precision} if sparse else {}
-    flat = lambda t: t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])  # noqa: E731 - (B, S, h, d) -> (B S, h, d)
-    out, kl_local = varlen(flat(qp), flat(kp_full), flat(qq), flat(k_full), flat(v_full), cu_q, max(q_lens, default=0),
-                           top_k, scale, block_size=block_size, cu_seqlens_k=cu_k, max_seqlen_k=max(S, 1),
-                           seqused_k=used_k, kl_value="none" if kl_value == "none" else kl_value,
-                           kl_metric=local_metric, **selection)
+    out, kl_local = rank_attention(sparse, qp, kp_full, qq, k_full, v_full, mine, top_k, scale,
+                                   block_size=block_size, kl_value=kl_value, kl_metric=local_metric,
+                                   select_precision=select_precision)
     # kl_local = (sum of this rank's KL rows) / (Hp B L): its share of the whole mean is L / S of it.
     part = kl_local * (L / S) if S else kl_local * 0.0
     total = part.detach().clone()

@@ -1,0 +1,68 @@
+"""Context parallelism's per-rank compute without communication (flash_msa_rt.distributed.attention.rank_attention):
+each of N simulated ranks runs its zigzag query shards against the whole sequence's keys on one device, and the
+ranks' outputs put back in sequence order, their query gradients, and their key gradients summed over the ranks
+(what the gather's backward does) must equal the full single-process op. On CPU here; on the GPU (one H200 stands
+in for the ranks) the same check runs as a gpu test, on whatever backend the varlen call with separate key offsets
+takes there."""
+
+import pytest
+import torch
+
+import flash_msa_rt as F
+from flash_msa_rt.distributed import shard_spans
+from flash_msa_rt.distributed.attention import rank_attention
+
+B, S, H, Hk, Hp, Hpk, D, TOP_K, WORLD = 1, 777, 4, 2, 2, 1, 32, 256, 4
+
+
+def _inputs(device, dtype):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(B, S, h, D, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+            for h in (Hp, Hpk, H, Hk, Hk)]
+
+
+def _rows(x, spans):
+    return torch.cat([x[:, a:b] for a, b in spans], dim=1)
+
+
+def _check(device, dtype, sparse, precision, tol):
+    full = [t.detach().requires_grad_() for t in _inputs(device, dtype)]
+    fn = F.flash_msa_func if sparse else F.flash_msa_warmup_func
+    kwargs = {"select_precision": precision} if sparse else {}
+    out, kl = fn(*full, TOP_K, layout="bshd", **kwargs)
+    g = torch.Generator().manual_seed(2)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    ((out.float() * dout.float()).sum() + kl).backward()
+
+    key_grads = [torch.zeros_like(t, dtype=torch.float64) for t in full[1:2] + full[3:]]
+    for r in range(WORLD):
+        spans = shard_spans(S, WORLD, r, "zigzag")
+        L = sum(b - a for a, b in spans)
+        qp, q = (_rows(t.detach(), spans).requires_grad_() for t in (full[0], full[2]))
+        kp, k, v = (t.detach().requires_grad_() for t in (full[1], full[3], full[4]))
+        o, kl_r = rank_attention(sparse, qp, kp, q, k, v, spans, TOP_K, block_size=128, **kwargs)
+        torch.testing.assert_close(o.reshape(B, L, -1), _rows(out.detach(), spans), **tol)
+        # this rank's share of the whole mean: its rows' KL weighted by L / S
+        ((o.float() * _rows(dout, spans).reshape(o.shape).float()).sum() + kl_r * (L / S)).backward()
+        torch.testing.assert_close(qp.grad, _rows(full[0].grad, spans), **tol)
+        torch.testing.assert_close(q.grad, _rows(full[2].grad, spans), **tol)
+        for acc, t in zip(key_grads, (kp, k, v)):
+            acc += t.grad.double()
+    for acc, want in zip(key_grads, (full[1].grad, full[3].grad, full[4].grad)):
+        torch.testing.assert_close(acc.to(want.dtype), want, **tol)
+
+
+@pytest.mark.parametrize("sparse,precision", [(True, "bf16"), (True, "fp8"), (False, "bf16")],
+                         ids=["msa", "msa-fp8", "warmup"])
+def test_simulated_ranks_equal_the_full_op(sparse, precision):
+    _check("cpu", torch.float64, sparse, precision, dict(rtol=1e-9, atol=1e-10))
+
+
+@pytest.mark.gpu
+@pytest.mark.allow_reference  # separate key offsets run on the reference until the sparse kernels take a query offset
+@pytest.mark.parametrize("sparse,precision", [(True, "bf16"), (True, "fp8"), (False, "bf16")],
+                         ids=["msa", "msa-fp8", "warmup"])
+def test_simulated_ranks_on_one_gpu_equal_the_full_op(sparse, precision):
+    """float32 on the GPU: the full op and the ranks take one backend, so no near tie can select different blocks
+    on the two sides (bf16 joins when the per-rank call runs on the kernels as the full op does)."""
+    _check("cuda", torch.float32, sparse, precision, dict(rtol=1e-4, atol=1e-5))
