@@ -7,7 +7,9 @@
 Inputs are (B, heads, S, D) ("bhsd", the default) or (B, S, heads, D) (layout="bshd"); the runtime works in
 (B, S, heads, D) and takes the other layout as a free transposed view. Semantics: docs/msa-semantics.md.
 The fixed-length path never synchronises the host with the device; the varlen paths (cu_seqlens, document_list,
-the *_varlen_func entry points) read the offsets once on the host to validate them. Eager calls run the op bodies
+the *_varlen_func entry points) read the offsets once on the host to validate them, except under CUDA graph
+capture, where the ops plan the pack on the device from max_seqlen (seqlen for flash_msa_func) and the checks run
+there too, bad offsets making the outputs NaN. Eager calls run the op bodies
 from one autograd.Function (flash_msa_rt.ops.eager: the host time of a small step); under torch.compile, export,
 fake tensors or any tracing they run as the torch.library custom ops (flash_msa_rt.ops.library).
 """
@@ -19,6 +21,7 @@ import torch
 from flash_msa_rt.ops import eager as _eager
 from flash_msa_rt.ops import layout as _layout
 from flash_msa_rt.ops import library as _ops
+from flash_msa_rt.ops import offsets as _offsets
 from flash_msa_rt.ops import validation as _v
 
 __all__ = ["flash_msa_func", "flash_msa_warmup_func", "flash_msa_func_warmup", "flash_msa_varlen_func",
@@ -157,6 +160,10 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
             raise ValueError(f"{fn}: cu_seqlens packs sequences along S of a batch of one row, but q has batch {B}; "
                              f"put the sequences one after another in a (1, total, ...) tensor")
         _v.check_cu_seqlens(fn, cu_seqlens, q.device)
+        if _offsets.capturing(cu_seqlens):
+            raise NotImplementedError(f"{fn}: cu_seqlens under CUDA graph capture is not supported: its packs read "
+                                      f"the offsets on the host; capture flash_msa_varlen_func, or run this call "
+                                      f"outside the graph")
         _v.check_cu_seqlens_values(fn, cu_seqlens, S)
     if _eager.usable(q, k, v, block_indices, cu_seqlens):
         out, lse = _eager.block_sparse(q, k, v, block_indices, block_size, scale, cu_seqlens)
@@ -230,16 +237,44 @@ def _msa(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_
     if document_list is not None and cu_seqlens is not None:
         raise ValueError(f"{fn}: pass document_list or cu_seqlens, not both")
     if document_list is not None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError(f"{fn}: document_list under CUDA graph capture is not supported: turning it "
+                                      f"into offsets reads the number of documents on the host; pass cu_seqlens "
+                                      f"(or use flash_msa_varlen_func) in a captured step")
         _v.check_document_list(fn, document_list, dims.B, dims.S, device)
         cu_seqlens = _layout.cu_seqlens_from_document_list(document_list)
-    elif cu_seqlens is not None:
+    invalid = None
+    if cu_seqlens is not None:
         _v.check_cu_seqlens(fn, cu_seqlens, device)
-        _v.check_cu_seqlens_values(fn, cu_seqlens, dims.B * dims.S, row_len=dims.S)
-    if cu_seqlens is not None:  # batch rows become consecutive packed sequences of one row
+        if _offsets.capturing(cu_seqlens):  # each sequence lies within a row: seqlen bounds it
+            invalid = _captured_offsets(fn, cu_seqlens, dims.B * dims.S, dims.S, False, row_len=dims.S)
+        else:
+            _v.check_cu_seqlens_values(fn, cu_seqlens, dims.B * dims.S, row_len=dims.S)
+        # batch rows become consecutive packed sequences of one row
         q_proxy, k_proxy, q, k, v = (_layout.flatten_batch(t) for t in (q_proxy, k_proxy, q, k, v))
     out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value,
                         select_precision=select_precision)
-    return out.reshape(dims.B, dims.S, dims.H * dims.D), kl_loss
+    out = out.reshape(dims.B, dims.S, dims.H * dims.D)
+    return (out, kl_loss) if invalid is None else (_poisoned(out, invalid), _poisoned(kl_loss, invalid))
+
+
+def _captured_offsets(fn, cu_seqlens, total, max_seqlen, separate, row_len=None):
+    """Offsets under CUDA graph capture, where nothing is read on the host and a replay may bring new values: the
+    ops plan the pack on the device from max_seqlen (flash_msa_rt.ops.packed, _DevicePadded), and the checks the
+    host makes otherwise run on the device. Returns their 0-dim bool verdict."""
+    if separate:
+        raise NotImplementedError(f"{fn}: cu_seqlens_k under CUDA graph capture is not supported: separate key "
+                                  f"offsets run on the reference, which reads them on the host; capture without "
+                                  f"cu_seqlens_k, or run this call outside the graph")
+    _v.check_max_seqlen(fn, max_seqlen, 0)
+    _offsets.declare_max_seqlen(cu_seqlens, max_seqlen)
+    return _offsets.invalid_on_device(cu_seqlens, total, max_seqlen, row_len)
+
+
+def _poisoned(t, invalid):
+    """t, NaN everywhere where the captured offsets broke the contract (the check that raises outside capture);
+    an addition, so gradients pass through unchanged."""
+    return t + torch.where(invalid, float("nan"), 0.0).to(t.dtype)
 
 
 def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale, block_size, kl_metric,
@@ -265,6 +300,11 @@ def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, t
     scale = _v.resolve_scale(fn, scale, dims.D)
     _v.check_kl_metric(fn, kl_metric, q.device)
     _v.check_cu_seqlens(fn, cu_seqlens, q.device)
+    if _offsets.capturing(cu_seqlens):  # no host read: checked on the device, the outputs NaN if the check fails
+        invalid = _captured_offsets(fn, cu_seqlens, dims.S, max_seqlen, separate)
+        out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value,
+                            select_precision=select_precision)
+        return _poisoned(out[0], invalid), _poisoned(kl_loss, invalid)
     longest = _v.check_cu_seqlens_values(fn, cu_seqlens, dims.S)
     _v.check_max_seqlen(fn, max_seqlen, longest)
     if separate:

@@ -413,3 +413,95 @@ def test_padded_buckets_compute_the_varlen_contract_for_every_sparse_op(precisio
     dout = torch.randn(1, total, H, D, generator=g, dtype=torch.float64)
     for a, b in zip(*both("block_sparse_backward", *x[2:], out, lse_b, idx, BS, 0.3, dout)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _captured(monkeypatch):
+    """What the packed ops see under CUDA graph capture, on the CPU: no host read of the offsets allowed."""
+    from flash_msa_rt.ops import offsets, packed
+
+    monkeypatch.setattr(packed, "capturing", lambda cu: True)
+    monkeypatch.setattr(offsets, "capturing", lambda cu: True)
+    monkeypatch.setattr(offsets, "host_offsets", lambda cu: pytest.fail("offsets read on the host under capture"))
+    monkeypatch.setattr(packed, "host_offsets", lambda cu: pytest.fail("offsets read on the host under capture"))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_captured_packs_plan_on_the_device_and_compute_the_varlen_contract(monkeypatch, precision):
+    """Under capture every op pads each sequence to the declared max_seqlen (rounded to 128) on the device, with no
+    host read of cu_seqlens: selection (bf16, fp8), MSA forward, the KL pass, backward, warmup (lse padded with
+    +inf) and block-sparse attention equal the varlen reference (float64, CPU), empty and one-token sequences and
+    partial blocks included."""
+    from flash_msa_rt import reference
+    from flash_msa_rt.ops import offsets, packed
+    from flash_msa_rt.ops.backends import reference_impl
+
+    g = torch.Generator().manual_seed(11)
+    lengths = [130, 0, 1, 57, 250, 128]
+    total, Hp, H, D, BS = sum(lengths), 2, 4, 8, 64
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    x = [torch.randn(1, total, h, D, generator=g, dtype=torch.float64) for h in (Hp, 1, H, 2, 2)]
+    kw = {"precision": precision} if precision != "bf16" else {}
+    sel = reference_impl("select_blocks")(x[0], x[1], 3, BS, 0.3, cu, **kw)
+    fwd = reference.msa_forward_varlen(*x, sel, cu_seqlens=cu, block_size=BS, scale=0.3)
+    big = [t * 40 for t in x]  # warmup at scores where exp(s) overflows: a padded lse must not be 0
+    wfwd = reference_impl("warmup_forward")(*big, 0.3, cu)
+    dout = torch.randn(1, total, H, D, generator=g, dtype=torch.float64)
+    kl_grad = torch.rand(1, Hp, total, generator=g, dtype=torch.float64)
+    cases = {"select_blocks": (x[0], x[1], 3, BS, 0.3), "msa_forward": (*x, sel, BS, 0.3),
+             "msa_kl": (*x, fwd[1], sel, BS, 0.3),
+             "msa_backward": (*x, *fwd[:3], sel, BS, 0.3, dout, kl_grad), "warmup_forward": (*big, 0.3),
+             "warmup_kl": (*big, wfwd[1], 0.3), "warmup_backward": (*big, *wfwd[:3], 0.3, dout, kl_grad),
+             "block_sparse_forward": (*x[2:], sel.repeat_interleave(H // Hp, dim=1), BS, 0.3)}
+    want = {op: reference_impl(op)(*args, cu, **(kw if op == "select_blocks" else {})) for op, args in cases.items()}
+    offsets.declare_max_seqlen(cu, 250)
+    _captured(monkeypatch)
+    for op, args in cases.items():
+        got = packed.per_sequence(op, reference_impl(op), None)(*args, cu, **(kw if op == "select_blocks" else {}))
+        for a, b in zip(*(((r,) if isinstance(r, torch.Tensor) else r) for r in (got, want[op]))):
+            assert a.shape == b.shape, op
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, equal_nan=True, msg=op)  # scores ~ 1e3
+
+
+def test_captured_packs_need_a_declared_bound(monkeypatch):
+    from flash_msa_rt.ops import packed
+    from flash_msa_rt.ops.backends import reference_impl
+
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    x = torch.randn(1, 10, 2, 8)
+    _captured(monkeypatch)
+    with pytest.raises(RuntimeError, match="max_seqlen"):
+        packed.per_sequence("select_blocks", reference_impl("select_blocks"), None)(x, x[:, :, :1], 1, 64, 0.3, cu)
+
+
+def test_offsets_are_checked_on_the_device():
+    """The device twin of validation.check_cu_seqlens_values and check_max_seqlen: each broken rule flags."""
+    from flash_msa_rt.ops.offsets import invalid_on_device
+
+    t = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    assert not invalid_on_device(t(0, 3, 3, 10), 10, 7)
+    assert invalid_on_device(t(0, 3, 10), 10, 6)  # a sequence longer than max_seqlen
+    assert invalid_on_device(t(1, 3, 10), 10, 9) and invalid_on_device(t(0, 3, 9), 10, 9)  # start, end
+    assert invalid_on_device(t(0, 5, 3, 10), 10, 9)  # decreasing
+    assert not invalid_on_device(t(0, 2, 5, 10), 10, 5, row_len=5)
+    assert invalid_on_device(t(0, 2, 6, 10), 10, 5, row_len=5)  # a batch-row boundary missing
+
+
+def test_captured_varlen_call_makes_bad_offsets_nan_instead_of_reading_them(monkeypatch):
+    """flash_msa_varlen_func under capture: no host validation; offsets the host check would refuse (a sequence
+    longer than max_seqlen) make out and kl_loss NaN, and valid ones give the eager call's values."""
+    import flash_msa_rt as F
+    from flash_msa_rt.ops import offsets
+
+    g = torch.Generator().manual_seed(2)
+    total = 300
+    x = [torch.randn(total, h, 8, generator=g, dtype=torch.float64) for h in (2, 1, 4, 2, 2)]
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    want = F.flash_msa_varlen_func(*x, cu, 200, 128, block_size=64)
+    monkeypatch.setattr(offsets, "capturing", lambda c: True)
+    got = F.flash_msa_varlen_func(*x, cu, 200, 128, block_size=64)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    out, kl = F.flash_msa_varlen_func(*x, cu, 150, 128, block_size=64)  # 200 > max_seqlen: raises when eager
+    assert out.isnan().all() and kl.isnan()
+    with pytest.raises(NotImplementedError, match="cu_seqlens_k"):
+        F.flash_msa_varlen_func(*x, cu, 200, 128, block_size=64, cu_seqlens_k=cu, max_seqlen_k=200)

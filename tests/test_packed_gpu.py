@@ -143,3 +143,65 @@ def test_a_one_token_document_keeps_warmup_on_cudnn():
         out, kl = F.flash_msa_warmup_varlen_func(*flat, cu, 300, 256)
         (out.float() * dout[0].float()).sum().add(kl).backward()
     assert not kernels._cudnn_failed and kernels._dense_main(ins["q"])
+
+
+def _varlen_step(fn, leaves, cu, max_seqlen, dout, top_k):
+    out, kl = fn(*leaves, cu, max_seqlen, top_k)
+    grads = torch.autograd.grad((out.float() * dout).sum() + kl, leaves)
+    return (out, kl, *grads)
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["msa", "warmup"])
+def test_a_packed_step_captures_in_a_cuda_graph_and_replays_new_offsets(sparse):
+    """A packed forward + backward through the varlen entry point issues no host read of cu_seqlens under capture
+    (the pack is planned on the device from max_seqlen): captured once, replayed with other lengths of the same
+    count and new inputs, it matches the float64 reference on those; offsets with a sequence longer than
+    max_seqlen (which raise when eager) make every output NaN on replay. Warmup's inputs are scaled so that a
+    padded row's exp(score) would overflow fp32 unless its lse is padded with +inf."""
+    fn = F.flash_msa_varlen_func if sparse else F.flash_msa_warmup_varlen_func
+    H, Hk, Hp, Hpk, dtype, max_seqlen, top_k = 8, 2, 2, 1, torch.bfloat16, 700, 384
+    first, second = [300, 0, 1, 700, 128], [128, 700, 0, 300, 1]
+    total = sum(first)
+    amp = 1.0 if sparse else 6.0
+
+    def inputs(lengths, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        xs = [(torch.randn(total, h, D, device="cuda", generator=g) * amp).to(dtype) for h in (Hp, Hpk, H, Hk, Hk)]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        return xs, cu, torch.randn(total, H * D, device="cuda", generator=g).view(total, H, D)
+
+    xs, cu, dout = inputs(first, 1)
+    leaves = [x.clone().requires_grad_() for x in xs]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _varlen_step(fn, leaves, cu, max_seqlen, dout, top_k)  # loads every kernel outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = _varlen_step(fn, leaves, cu, max_seqlen, dout, top_k)
+    xs2, cu2, dout2 = inputs(second, 2)
+    with torch.no_grad():
+        for leaf, x in zip(leaves, xs2):
+            leaf.copy_(x)
+    cu.copy_(cu2)
+    dout.copy_(dout2)
+    graph.replay()
+    torch.cuda.synchronize()
+
+    def reference_step(dt):
+        ref = [x.cpu().to(dt).requires_grad_() for x in xs2]
+        return _varlen_step(fn, ref, cu2.cpu(), max_seqlen, dout2.cpu().to(dt), top_k)
+
+    want, base = reference_step(torch.float64), reference_step(torch.float32)
+    bad = []
+    for name, g, w, b in zip(("out", "kl_loss", *(f"d{n}" for n in NAMES)), static, want, base):
+        c = tolerances.check(name, g.cpu().reshape(w.shape), w, b,
+                             result_dtype=torch.float32 if name == "kl_loss" else dtype)
+        if not c.ok:
+            bad.append(str(c))
+    assert not bad, bad
+    cu.copy_(torch.tensor([0, total, total, total, total, total], dtype=torch.int32))  # total > max_seqlen
+    graph.replay()
+    torch.cuda.synchronize()
+    assert static[0].isnan().all() and static[1].isnan()

@@ -46,3 +46,38 @@ def host_offsets(cu: torch.Tensor) -> tuple[int, ...]:
     if version is not None:
         _HOST[key] = (weakref.ref(cu, lambda _, key=key: _HOST.pop(key, None)), version, values)
     return values
+
+
+# Under CUDA graph capture nothing may be read on the host, and a replay may see new offsets in the same tensor, so
+# the packed ops plan on the device from a length bound the caller gives (max_seqlen), kept here beside the tensor
+# as its host values are above: the ops' signatures carry offsets, not bounds.
+_BOUND: dict[int, tuple] = {}  # id(tensor) -> (weakref to it, the longest sequence the caller allows)
+
+
+def declare_max_seqlen(cu: torch.Tensor, max_seqlen: int) -> None:
+    """The caller's bound on cu's sequence lengths (flash_msa_varlen_func's max_seqlen) for the ops it runs."""
+    key = id(cu)
+    _BOUND[key] = (weakref.ref(cu, lambda _, key=key: _BOUND.pop(key, None)), int(max_seqlen))
+
+
+def declared_max_seqlen(cu: torch.Tensor) -> int | None:
+    kept = _BOUND.get(id(cu))
+    return kept[1] if kept is not None and kept[0]() is cu else None
+
+
+def capturing(cu: torch.Tensor) -> bool:
+    """Whether the ops on cu must not read it on the host: a CUDA graph is being captured on the current stream."""
+    return cu.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def invalid_on_device(cu: torch.Tensor, total: int, max_seqlen: int, row_len: int | None = None) -> torch.Tensor:
+    """0-dim bool on the device, no host read: cu breaks what validation.check_cu_seqlens_values and
+    check_max_seqlen check on the host (starts at 0, ends at total, never decreases, no sequence longer than
+    max_seqlen, every multiple of row_len present)."""
+    c = cu.long()
+    lengths = c[1:] - c[:-1]
+    bad = (c[0] != 0) | (c[-1] != total) | (lengths < 0).any() | (lengths > max_seqlen).any()
+    if row_len is not None:
+        rows = torch.arange(0, total + 1, row_len, device=cu.device)
+        bad = bad | ~torch.isin(rows, c).all()
+    return bad

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from flash_msa_rt.ops.offsets import host_offsets
+from flash_msa_rt.ops.offsets import capturing, declared_max_seqlen, host_offsets
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class PackedOp:
     outs: tuple
     per_row: tuple = ()
     paddable: bool = False  # sequences of different lengths may share a padded call (the module's docstring)
+    # lse arguments, padded with +inf rather than 0: a padded row's probabilities are then exactly 0, so a dense
+    # backward (warmup's cuDNN one) adds nothing from it to any key (with lse 0, exp(s) could overflow and
+    # inf * 0 = NaN would reach the real keys' gradients).
+    inf_pad: tuple = ()
 
 
 SPECS = {
@@ -46,8 +50,9 @@ SPECS = {
                              paddable=True),
     "msa_kl": PackedOp(9, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2}, (2, 2), paddable=True),
     "warmup_forward": PackedOp(6, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1}, (1, 2, 2, 2)),
-    "warmup_backward": PackedOp(11, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 2, 7: 2, 9: 1}, (1,) * 5, (10,)),
-    "warmup_kl": PackedOp(7, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2}, (2, 2)),
+    "warmup_backward": PackedOp(11, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 2, 7: 2, 9: 1}, (1,) * 5, (10,),
+                                inf_pad=(6, 7)),
+    "warmup_kl": PackedOp(7, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2}, (2, 2), inf_pad=(5,)),
     "block_sparse_forward": PackedOp(6, {0: 1, 1: 1, 2: 1, 3: 2}, (1, 2), paddable=True),
     "block_sparse_backward": PackedOp(9, {0: 1, 1: 1, 2: 1, 3: 1, 4: 2, 5: 2, 8: 1}, (1, 1, 1), paddable=True),
 }
@@ -147,8 +152,9 @@ class _Padded:
         self.keep = valid.flatten().nonzero().squeeze(1).to(device)  # real rows among the padded ones
         self.dest = index[valid.flatten()].to(device)  # their tokens in the pack
 
-    def rows(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """(count, length, ...) for dim 1, (count, heads, length, ...) for dim 2, from a B = 1 packed tensor."""
+    def rows(self, t: torch.Tensor, dim: int, fill: float | None = None) -> torch.Tensor:
+        """(count, length, ...) for dim 1, (count, heads, length, ...) for dim 2, from a B = 1 packed tensor; the
+        padding holds `fill`, by default 0 (-1 in integer tensors)."""
         if dim == 1:
             x = t[0].index_select(0, self.index).view(self.count, self.length, *t.shape[2:])
             mask = self.valid.view(self.count, self.length, *([1] * (t.dim() - 2)))
@@ -156,8 +162,9 @@ class _Padded:
             x = t[0].index_select(1, self.index).view(t.shape[1], self.count, self.length, *t.shape[3:])
             x = x.transpose(0, 1)
             mask = self.valid.view(self.count, 1, self.length, *([1] * (t.dim() - 3)))
-        fill = torch.full((), 0 if t.is_floating_point() else -1, dtype=t.dtype, device=t.device)
-        return torch.where(mask, x, fill).contiguous()
+        if fill is None:
+            fill = 0 if t.is_floating_point() else -1
+        return torch.where(mask, x, torch.full((), fill, dtype=t.dtype, device=t.device)).contiguous()
 
     def put(self, full: torch.Tensor, r: torch.Tensor, dim: int) -> None:
         """The real rows of a result r (rows' layout) into their tokens of the B = 1 tensor full."""
@@ -166,6 +173,58 @@ class _Padded:
         else:
             flat = r.transpose(0, 1).reshape(r.shape[1], self.count * self.length, *r.shape[3:])
             full[0].index_copy_(1, self.dest, flat.index_select(1, self.keep))
+
+
+class _DevicePadded(_Padded):
+    """Every sequence of the pack padded to one length, planned from the offsets on the device: no host read, so
+    a packed step captures in a CUDA graph and replays with new offsets of the same count. The length is the
+    caller's max_seqlen rounded up to PAD_UNIT (offsets.declare_max_seqlen), so a pack costs num_seqs full-length
+    rows: equal lengths pay only the copies; one long sequence among many short ones pays for padding every short
+    one to its length (the eager path's buckets do not, but they read the offsets). Offsets that break the
+    contract are clamped into range here (no access outside the tensors) and the API makes the call's outputs NaN
+    (offsets.invalid_on_device)."""
+
+    def __init__(self, cu: torch.Tensor, total: int, length: int):
+        n = cu.shape[0] - 1
+        c = cu.long()
+        starts = c[:-1].clamp(0, total)
+        pos = torch.arange(length, device=cu.device)
+        self.count, self.length = n, length
+        self.valid = pos[None, :] < (c[1:] - c[:-1])[:, None]
+        self.index = torch.where(self.valid, (starts[:, None] + pos[None, :]).clamp(max=total - 1), 0).flatten()
+        token = torch.arange(total, device=cu.device)
+        seq = (torch.searchsorted(c, token, right=True) - 1).clamp(0, n - 1)  # an empty sequence owns no token
+        self.inverse = (seq * length + token - c[seq]).clamp(0, n * length - 1)
+
+    def back(self, r: torch.Tensor, dim: int) -> torch.Tensor:
+        """A result in rows' layout as the B = 1 pack: every token's row gathered (no scatter: deterministic)."""
+        if dim == 1:
+            return r.reshape(1, self.count * self.length, *r.shape[2:]).index_select(1, self.inverse)
+        flat = r.transpose(0, 1).reshape(1, r.shape[1], self.count * self.length, *r.shape[3:])
+        return flat.index_select(2, self.inverse)
+
+
+def _on_device_plan(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu: torch.Tensor, total: int):
+    """The op on the pack as one padded batch planned on the device (_DevicePadded)."""
+    bound = declared_max_seqlen(cu)
+    if bound is None:
+        raise RuntimeError("flash_msa: packed sequences under CUDA graph capture need the longest sequence's bound: "
+                           "call flash_msa_varlen_func / flash_msa_warmup_varlen_func (max_seqlen), or "
+                           "flash_msa_func with cu_seqlens (bound: seqlen); block_sparse_attention and "
+                           "document_list read the offsets on the host and cannot be captured")
+    plan = _DevicePadded(cu, total, padded_length(max(bound, 1)))
+    piece = list(args)
+    for i, dim in spec.tokens.items():
+        if piece[i] is not None:
+            piece[i] = plan.rows(piece[i], dim, float("inf") if i in spec.inf_pad else None)
+    for i in spec.per_row:
+        t = piece[i]
+        if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[2] == total and total > 1:
+            piece[i] = plan.rows(t, 2)
+    result = impl(*piece, **kwargs)
+    if not isinstance(result, (tuple, list)):
+        return plan.back(result, spec.outs[0])
+    return tuple(plan.back(r, dim) for r, dim in zip(result, spec.outs))
 
 
 def _assemble(parts, outs, total: int):
@@ -203,6 +262,9 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
         if cu is None:
             return impl(*args, **kwargs)
         total = args[0].shape[1]
+        if capturing(cu) and total:
+            args[spec.cu] = None
+            return _on_device_plan(spec, impl, args, kwargs, cu, total)
         spans = sequence_spans(cu)
         if not spans:
             args[spec.cu] = cu
@@ -211,13 +273,13 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
         for batch in batches(spans, spec.paddable):
             take = _Padded(batch, args[0].device) if batch.members else None
 
-            def rows(t, dim, take=take, batch=batch):
-                return take.rows(t, dim) if take else _rows(t, dim, batch.start, batch.length, batch.count)
+            def rows(t, dim, fill=None, take=take, batch=batch):
+                return take.rows(t, dim, fill) if take else _rows(t, dim, batch.start, batch.length, batch.count)
 
             piece = list(args)
             for i, dim in spec.tokens.items():
                 if piece[i] is not None:
-                    piece[i] = rows(piece[i], dim)
+                    piece[i] = rows(piece[i], dim, float("inf") if i in spec.inf_pad else None)
             for i in spec.per_row:
                 t = piece[i]
                 if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[2] == total and total > 1:
