@@ -1,5 +1,6 @@
 """fp8 selection's parts on the GPU: the quantisation pass (q_proxy per row, k_proxy per key block) and the e4m3
-selection kernel alone, beside the bf16 kernel, at 128K tokens per step in (a) and (b) and at B = 1 up to `--long`.
+selection kernel alone (one key block per loop step, and the opt-in two-block "pairs" build), beside the bf16
+kernel, at 128K tokens per step in (a) and (b) and at B = 1 up to `--long`.
 
 Selection FLOPs = 2 * Dp * Hp * B * S * (S + 1) / 2 (msa-semantics.md). The quantisation's floor: q_proxy read
 twice (min/max, then the multiply) and written once as e4m3, k_proxy likewise, at 4 TB/s. Also times the
@@ -30,9 +31,9 @@ def direct_store(x: torch.Tensor) -> torch.Tensor:
     return torch.mul(x, (1.0 / scale).unsqueeze(-1), out=out)
 
 
-def kernel_alone(q8, k8, k_scale, out, K):
+def kernel_alone(q8, k8, k_scale, out, K, schedule="block"):
     Hp, Hpk = q8.shape[2], k8.shape[2]
-    config = select.kernel_config("e4m3", 128, 128, select.max_k_for(K, "sm90a"), "wgmma")
+    config = select.kernel_config("e4m3", 128, 128, select.max_k_for(K, "sm90a"), "wgmma", schedule)
     kernel = get_kernel("select", config, q8.device)
     return lambda: kernel(q_proxy=q8, k_proxy=k8, block_indices=out, k_scale=k_scale, scale=0.09, group=Hp // Hpk)
 
@@ -50,10 +51,11 @@ def row(cfg, B, S, Hp, Hpk, K=16):
              quantize_q_direct_store_ms=cuda_time_ms(lambda: direct_store(q), **reps),
              quantize_k_ms=cuda_time_ms(lambda: fp8.quantize_key_blocks(k, 128), **reps),
              kernel_fp8_ms=cuda_time_ms(kernel_alone(q8, k8, k_scale, out, K), **reps),
+             kernel_fp8_pairs_ms=cuda_time_ms(kernel_alone(q8, k8, k_scale, out, K, "pairs"), **reps),
              select_fp8_ms=cuda_time_ms(lambda: select.select_blocks_cuda(q, k, K, 128, 0.09, "fp8"), **reps),
              select_bf16_ms=cuda_time_ms(lambda: select.select_blocks_cuda(q, k, K, 128, 0.09), **reps))
     r["quantize_floor_ms"] = (3 * q.numel() + 3 * k.numel()) * 2 / (PEAK_TBPS * 1e12) * 1e3
-    for name in ("kernel_fp8", "select_fp8", "select_bf16"):
+    for name in ("kernel_fp8", "kernel_fp8_pairs", "select_fp8", "select_bf16"):
         r[f"{name}_tflops"] = flops / r[f"{name}_ms"] / 1e9
     r["quantize_share_of_select_fp8"] = (r["quantize_q_ms"] + r["quantize_k_ms"]) / r["select_fp8_ms"]
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)

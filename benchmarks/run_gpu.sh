@@ -83,8 +83,10 @@ q = torch.randn(2, 333, 2, 128, device='cuda').to(torch.bfloat16)
 flash_msa_rt.proxy_block_scores(q, q[:, :, :1])
 select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1)
 if device_arch(0) == 'sm90a':  # fp8 selection (e4m3 variants, wgmma), 64 and 16 slots
-    select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1, 'fp8')
-    select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1, 'fp8')
+    for schedule in ('block', 'pairs'):  # pairs: two key blocks per loop step (opt-in build)
+        with tuning.override(select={'schedule': schedule}):
+            select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1, 'fp8')
+            select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1, 'fp8')
 sel = select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
 from flash_msa_rt.ops.sparse_plan import chunk_plans  # the plan kernels at K = 20 (64 slots) and 3 (16 slots)
 chunk_plans(select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1), 128, 4, 1, 128, ((32, 64), (64, 32)), 'size')

@@ -16,17 +16,32 @@ from tests.test_select_gpu import SHAPES, check_selection, make_inputs
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("schedule", ["block", "pairs"])  # pairs: the opt-in build of two key blocks per step
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_Hp{}_Hpk{}_D{}_K{}".format(*s))
-def test_fp8_selection_matches_contract(shape, dtype):
+def test_fp8_selection_matches_contract(shape, dtype, schedule, tuned):
     from flash_msa_rt.ops.select import select_blocks_cuda
 
+    tuned(select={"schedule": schedule})
     B, S, Hp, Hpk, Dp, K = shape
     q, k = make_inputs(B, S, Hp, Hpk, Dp, dtype, seed=hash(shape) % 1000 + 1)
     scale = Dp ** -0.5
     sel = select_blocks_cuda(q, k, K, 128, scale, "fp8")
     qd, kd = dequantized(q, k, 128)
     check_selection(sel, qd, kd, K, 128, scale)
+
+
+def test_fp8_schedules_select_alike(tuned):
+    """The pairs schedule against the one-block loop on the same inputs (odd and even block counts, K = 8 and 40):
+    the same products and the same comparisons, so the same selection, bit for bit."""
+    from flash_msa_rt.ops.select import select_blocks_cuda
+
+    cases = [(S, K, make_inputs(2, S, 4, 2, 128, torch.bfloat16, seed=S)) for S in (4096 + 77, 4096 + 200)
+             for K in (8, 40)]  # 33 and 34 key blocks; 16 and 64 slots
+    want = [select_blocks_cuda(q, k, K, 128, 0.09, "fp8") for S, K, (q, k) in cases]
+    tuned(select={"schedule": "pairs"})
+    for (S, K, (q, k)), w in zip(cases, want):
+        assert torch.equal(select_blocks_cuda(q, k, K, 128, 0.09, "fp8"), w), (S, K)
 
 
 def test_fp8_selection_equals_the_reference_and_differs_from_bf16():
@@ -45,10 +60,12 @@ def test_fp8_selection_equals_the_reference_and_differs_from_bf16():
     assert not torch.equal(fp8_sel, select_blocks_cuda(q, k, 8, 128, 0.09))
 
 
-def test_large_logits_and_outlier_tokens():
+@pytest.mark.parametrize("schedule", ["block", "pairs"])
+def test_large_logits_and_outlier_tokens(schedule, tuned):
     """std ~30 logits and one key per block 100x larger: per-block scales keep the block maxima ranked."""
     from flash_msa_rt.ops.select import select_blocks_cuda
 
+    tuned(select={"schedule": schedule})
     q, k = make_inputs(1, 16384 - 3, 2, 1, 128, torch.bfloat16, seed=9, std=30 ** 0.5)
     k = k.clone()
     k[:, ::128] *= 100

@@ -24,10 +24,18 @@ def variant_dtype(input_dtype: str, precision: str) -> str:
     return "e4m3" if precision == "fp8" else input_dtype
 
 
-def kernel_config(dtype: str, head_dim: int, block_size: int, max_k: int, mma: str) -> dict:
-    """The variant launched for a problem; mma: the tuning policy's (tuning.select)."""
+PAIRS_STAGES = 4  # kernels_src.select's: the pair in use and the next one in flight
+
+
+def kernel_config(dtype: str, head_dim: int, block_size: int, max_k: int, mma: str, schedule: str = "block") -> dict:
+    """The variant launched for a problem; mma and schedule: the tuning policy's (tuning.select)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "max_k": max_k, "tile_m": 128,
-            "threads": 128, "stages": 2, "mma": mma}
+            "threads": 128, "stages": PAIRS_STAGES if schedule == "pairs" else 2, "mma": mma, "schedule": schedule}
+
+
+def schedule_for(arch: str, precision: str) -> str:
+    """The tuning policy's loop schedule; only fp8 variants are built with "pairs"."""
+    return tuning_select.choose(arch).schedule if precision == "fp8" else "block"
 
 
 def max_k_for(top_k_blocks: int, arch: str) -> int | None:
@@ -57,7 +65,7 @@ def select_blocks_cuda(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_block
         return out
     arch = arch_of(q_proxy.device)
     config = kernel_config(variant_dtype(DTYPES[q_proxy.dtype], precision), Dp, block_size,
-                           max_k_for(top_k_blocks, arch), mma_for(arch, precision))
+                           max_k_for(top_k_blocks, arch), mma_for(arch, precision), schedule_for(arch, precision))
     kernel = get_kernel("select", config, q_proxy.device)
     if precision == "fp8":
         q8, _ = fp8.quantize_rows(q_proxy)  # the row scales change no ranking within a row: the kernel skips them

@@ -13,6 +13,7 @@ from flash_msa_rt.tuning.problem import Problem
 @dataclass(frozen=True)
 class SelectTuning:
     mma: str  # the score tiles' MMA: "sync" | "wgmma"
+    schedule: str = "block"  # fp8 selection's loop: "block" | "pairs" (two key blocks per step; opt-in build)
 
 
 register("select", SelectTuning)
@@ -25,4 +26,7 @@ def choose(arch: str, problem: Problem = Problem()) -> SelectTuning:
 @functools.lru_cache(maxsize=64)
 def _choose(arch: str, overrides: Overrides) -> SelectTuning:
     o = overrides.fields("select")
-    return SelectTuning(mma=o.get("mma", default_mma(arch)))  # default_mma: select 20.07 -> 15.82 ms on wgmma
+    # "block": fp8 selection measured 972-1,038 TFLOP/s with it (benchmarks/results/fp8_select.json, 44e5293);
+    # "pairs" has not run on a GPU yet (an opt-in build: kernels_src/select/NOTES.md, "Levers left").
+    return SelectTuning(mma=o.get("mma", default_mma(arch)),  # default_mma: select 20.07 -> 15.82 ms on wgmma
+                        schedule=o.get("schedule", "block"))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
 from kernels_src.block_scores import ELEM_BYTES, proxy_operands
-from kernels_src.spec import BuildSpec, family_spec, mma_set, refusal, smem_refusal, verdict
+from kernels_src.spec import OPT_IN, BuildSpec, family_spec, mma_set, refusal, smem_refusal, verdict
 
 OP = "select"
 
@@ -43,6 +43,9 @@ class Config:
     # the score tiles' MMA: "sync" (mma.sync, sm90a and sm100a) or "wgmma" (one warpgroup's m64 x Bs products
     # on shared-memory descriptors, sm90a only: kernels_src/select/wgmma.py)
     mma: str = "sync"
+    # "block": one key block per loop step; "pairs" (e4m3 on wgmma, 4 stages): two per step, block j + 1's
+    # products issued while block j's second half is reduced (kernels_src/select/wgmma.py, ProxySelectWGPairs)
+    schedule: str = "block"
 
     def variant_name(self, arch: str) -> str:
         return variant_name(OP, dataclasses.asdict(self), arch)
@@ -64,6 +67,8 @@ def _align(x: int, a: int) -> int:
 
 
 MMAS = ("sync", "wgmma")
+SCHEDULES = ("block", "pairs")
+PAIRS_STAGES = 4  # the pair in use and the next pair in flight
 
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
@@ -75,21 +80,25 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
         dts += ("e4m3",)
     dps = tuple(head_dims) if head_dims else (128,)
     bss = tuple(block_sizes) if block_sizes else (128,)
-    return [Config(dtype=dt, head_dim=dp, block_size=bs, max_k=k, mma=m)
+    base = [Config(dtype=dt, head_dim=dp, block_size=bs, max_k=k, mma=m)
             for dt in dts for dp in dps for bs in bss for k in (16, 64) for m in MMAS
             if not (dt == "e4m3" and m != "wgmma")]
+    return base + [dataclasses.replace(c, schedule="pairs", stages=PAIRS_STAGES) for c in base if c.dtype == "e4m3"]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
     reason = refusal(c, arch, dtype=DTYPES, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, max_k=MAX_KS, tile_m=(128,),
-                     threads=(128,), stages=(2, 3), mma=MMAS,
+                     threads=(128,), stages=(2, 3, PAIRS_STAGES), mma=MMAS, schedule=SCHEDULES,
                      notes={"head_dim": "Dp", "block_size": "Bs", "tile_m": "each thread owns one query row",
                             "threads": "each thread owns one query row"})
     if reason is None and c.mma == "wgmma" and arch != "sm90a":
         reason = f"mma 'wgmma' is Hopper's warpgroup MMA: sm90a only, not {arch}"
     if reason is None and c.dtype == "e4m3" and c.mma != "wgmma":
         reason = f"dtype 'e4m3' (fp8 selection) runs on mma 'wgmma' only, not {c.mma!r}"
+    if reason is None and c.schedule == "pairs" and (c.dtype, c.mma, c.stages) != ("e4m3", "wgmma", PAIRS_STAGES):
+        reason = (f"schedule 'pairs' is built for dtype 'e4m3' on mma 'wgmma' with {PAIRS_STAGES} stages, not "
+                  f"{c.dtype!r} / {c.mma!r} / {c.stages}")
     return verdict(reason or smem_refusal(c.smem_bytes(), arch))
 
 
@@ -110,7 +119,10 @@ def is_fp8(config: Config) -> bool:
 
 
 def build_set(config: Config, arch: str) -> str:
-    """max_k 16 and 64 are the default paths' (the smallest that holds top_k runs); the MMA decides the rest."""
+    """max_k 16 and 64 are the default paths' (the smallest that holds top_k runs); the MMA decides the rest. The
+    pairs schedule is opt-in until it has run on the GPU (tuning.select's schedule)."""
+    if config.schedule == "pairs":
+        return OPT_IN
     return mma_set(config.mma, arch)
 
 

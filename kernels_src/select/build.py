@@ -6,7 +6,9 @@ from kernels_src.spec import Compiled
 
 
 def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    if config.mma == "wgmma":
+    if config.schedule == "pairs":
+        from kernels_src.select.wgmma import ProxySelectWGPairs as Kernel
+    elif config.mma == "wgmma":
         from kernels_src.select.wgmma import ProxySelectWG as Kernel
     else:
         from kernels_src.select.kernel import ProxySelect as Kernel

@@ -98,3 +98,86 @@ class ProxySelectWG(WarpgroupScores, ProxySelect):
                 if quad_lane == r:
                     score = self.scaled(maxes[r], scale, kb)
         self.offer(heap, score, n_blocks - 1, worst_score)
+
+
+class ProxySelectWGPairs(ProxySelectWG):
+    """Two key blocks per loop step (fp8 selection: its products take half of bf16's time, so the reductions the
+    one-block step leaves outside them weigh twice as much). Block j + 1's half 0 is issued once block j's half 0
+    is reduced (its accumulator is free), and its half 1 once block j's half 1 is: so block j's second reduction and
+    its heap offer run under block j + 1's products, and per two blocks only the last half's reduction is left
+    outside them. Every group is still waited for in the step that issued it (C7514). Blocks j and j + 1 are in
+    two of the four K stages while the next pair's are loading; both stages are refilled at the end of the step.
+    An odd last block takes the one-block step."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        if self.stages < 4 or self.stages % 2:
+            raise ValueError(f"{type(self).__name__}: stages {self.stages}; an even number >= 4 (two pairs)")
+
+    @cute.jit
+    def owned(self, maxes, quad_lane, scale, kb):
+        """The owned row's scaled score of one block from its quad's row maxima."""
+        score = -cutlass.Float32.inf
+        for r in cutlass.range_constexpr(len(maxes)):
+            if quad_lane == r:
+                score = self.scaled(maxes[r], scale, kb)
+        return score
+
+    @cute.jit
+    def refill(self, t, warp_idx, j, n_blocks):
+        """Warp 0 loads block j + stages into block j's stage (every warp is past its reads of it)."""
+        if warp_idx == 0:
+            if j + self.stages < n_blocks:
+                self.load_k_block(t.tma_atom_k, t.t_k_g, t.t_k_s, t.k_full, t.k_bytes, j + self.stages,
+                                  j % self.stages)
+
+    @cute.jit
+    def wait_k(self, t, j):
+        cute.arch.mbarrier_wait(t.k_full + j % self.stages, (j // self.stages) % 2)
+
+    @cute.jit
+    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, k_scale, b, pk,
+                    heap, worst_score):
+        score = -cutlass.Float32.inf  # the previous block's score of the owned row (none before block 0)
+        for jp in cutlass.range(n_blocks // 2, unroll=1):
+            j = 2 * jp
+            kb0 = self.key_block_scale(k_scale, b, j, pk)  # loaded ahead of the products they scale
+            kb1 = self.key_block_scale(k_scale, b, j + 1, pk)
+            self.wait_k(t, j)
+            for h in cutlass.range_constexpr(_HALVES):
+                self.issue_half(t, j, h)
+            if j > 0:
+                worst_score = self.offer(heap, score, j - 1, worst_score)
+
+            warpgroup.wait_group(1)  # block j, half 0
+            maxes = self.half_row_maxes(t, 0, j, m0, first_masked)
+            self.wait_k(t, j + 1)
+            self.issue_half(t, j + 1, 0)
+            warpgroup.wait_group(1)  # block j, half 1 (block j + 1's half 0 still running)
+            maxes += self.half_row_maxes(t, 1, j, m0, first_masked)
+            self.issue_half(t, j + 1, 1)
+            worst_score = self.offer(heap, self.owned(maxes, quad_lane, scale, kb0), j, worst_score)
+
+            warpgroup.wait_group(1)  # block j + 1, half 0
+            maxes1 = self.half_row_maxes(t, 0, j + 1, m0, first_masked)
+            warpgroup.wait_group(0)
+            cute.arch.sync_threads()  # every warp is past its reads of blocks j and j + 1: refill both stages
+            self.refill(t, warp_idx, j, n_blocks)
+            self.refill(t, warp_idx, j + 1, n_blocks)
+            maxes1 += self.half_row_maxes(t, 1, j + 1, m0, first_masked)
+            score = self.owned(maxes1, quad_lane, scale, kb1)
+
+        if n_blocks % 2 == 1:  # the odd last block, one-block step
+            j = n_blocks - 1
+            kb = self.key_block_scale(k_scale, b, j, pk)
+            self.wait_k(t, j)
+            for h in cutlass.range_constexpr(_HALVES):
+                self.issue_half(t, j, h)
+            if j > 0:
+                worst_score = self.offer(heap, score, j - 1, worst_score)
+            warpgroup.wait_group(1)
+            maxes = self.half_row_maxes(t, 0, j, m0, first_masked)
+            warpgroup.wait_group(0)
+            maxes += self.half_row_maxes(t, 1, j, m0, first_masked)
+            score = self.owned(maxes, quad_lane, scale, kb)
+        self.offer(heap, score, n_blocks - 1, worst_score)
