@@ -45,6 +45,45 @@ def _like(*tensors: Tensor):
     return tuple(t.new_empty(t.shape) for t in tensors)
 
 
+def _layout_of(t: Tensor) -> tuple:
+    """The strides torch.empty_like(t) gives, on the dims longer than 1 (a size-1 dim's stride is arbitrary): t's
+    own where t is dense and non-overlapping (the (B, S, heads, D) view of a (B, heads, S, D) input), else
+    contiguous ones."""
+    long = [(st, n) for st, n in zip(t.stride(), t.shape) if n != 1]
+    expected = 1
+    for st, n in sorted(long):
+        if st != expected:
+            return _contiguous_strides(t.shape)
+        expected *= n
+    return tuple(st for st, _ in long)
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        if n != 1:
+            strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _grads_like(inputs: tuple, grads) -> tuple:
+    """Each gradient laid out as torch.empty_like(its input) would be. Autograd copies a leaf's gradient into the
+    leaf's layout when the two differ (+8 GiB for q at (b) 1M with (B, H, S, D) leaves, docs/memory.md); the kernels
+    write theirs in that layout already, so this copies only what another backend returned otherwise."""
+    out = []
+    for x, g in zip(inputs, grads):
+        if g.shape != x.shape or tuple(st for st, n in zip(g.stride(), g.shape) if n != 1) != _layout_of(x):
+            g = torch.empty_like(x, dtype=g.dtype).copy_(g)
+        out.append(g)
+    return tuple(out)
+
+
+def _fake_grads(*tensors: Tensor):
+    """Fake gradients: torch.empty_like of each input (the real ones' layout: _grads_like)."""
+    return tuple(torch.empty_like(t) for t in tensors)
+
+
 def _msa_config(q_proxy: Tensor, q: Tensor, k: Tensor, block_size: int | None, cu_seqlens, cu_seqlens_k) -> dict:
     # Separate key offsets are a varlen call: a backend that declines varlen declines them too.
     return {"head_dim": q.shape[-1], "proxy_head_dim": q_proxy.shape[-1], "block_size": block_size,
@@ -220,15 +259,15 @@ def msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
     config = dict(_msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k),
                   deterministic=torch.are_deterministic_algorithms_enabled())
     impl = _impl("msa_backward", q, config)
-    return _fresh(*impl(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                        kl_grad, cu_seqlens, **_key_offsets("msa_backward", cu_seqlens, cu_seqlens_k,
-                                                            seqused_k)))
+    return _grads_like((q_proxy, k_proxy, q, k, v), impl(
+        q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out, kl_grad,
+        cu_seqlens, **_key_offsets("msa_backward", cu_seqlens, cu_seqlens_k, seqused_k)))
 
 
 @msa_backward.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out, kl_grad,
       cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
-    return _like(q_proxy, k_proxy, q, k, v)
+    return _fake_grads(q_proxy, k_proxy, q, k, v)
 
 
 def _msa_setup_context(ctx, inputs, output):
@@ -348,14 +387,15 @@ def warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, 
     config = dict(_msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k),
                   deterministic=torch.are_deterministic_algorithms_enabled())  # as msa_backward
     impl = _impl("warmup_backward", q, config)
-    return _fresh(*impl(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
-                        **_key_offsets("warmup_backward", cu_seqlens, cu_seqlens_k, seqused_k)))
+    return _grads_like((q_proxy, k_proxy, q, k, v), impl(
+        q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
+        **_key_offsets("warmup_backward", cu_seqlens, cu_seqlens_k, seqused_k)))
 
 
 @warmup_backward.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None, cu_seqlens_k=None,
       seqused_k=None):
-    return _like(q_proxy, k_proxy, q, k, v)
+    return _fake_grads(q_proxy, k_proxy, q, k, v)
 
 
 def _warmup_setup_context(ctx, inputs, output):
@@ -431,12 +471,12 @@ def block_sparse_backward_body(q, k, v, out, lse, block_indices, block_size, sca
     config = dict(_block_sparse_config(q, k, block_indices, block_size, cu_seqlens),
                   deterministic=torch.are_deterministic_algorithms_enabled())  # as msa_backward
     impl = _impl("block_sparse_backward", q, config)
-    return _fresh(*impl(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens))
+    return _grads_like((q, k, v), impl(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens))
 
 
 @block_sparse_backward.register_fake
 def _(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens=None):
-    return _like(q, k, v)
+    return _fake_grads(q, k, v)
 
 
 def _block_sparse_setup_context(ctx, inputs, output):

@@ -23,6 +23,7 @@ import torch
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops import sparse_bwd_sums, sparse_fwd
 from flash_msa_rt.ops.device import arch_of
+from flash_msa_rt.ops.layout import cast_like
 from flash_msa_rt.ops.sparse_plan import chunk_plans, list_kernel_configs, recut, sparse_plan
 from flash_msa_rt.tuning import sparse_bwd as tuning_bwd
 from flash_msa_rt.tuning.problem import Problem
@@ -201,7 +202,7 @@ def accumulators(like: tuple) -> tuple[torch.Tensor, list]:
 def cast_accumulators(flat: torch.Tensor, like: tuple) -> list:
     """The accumulators of `accumulators(like)`, each cast to its tensor's dtype into a tensor of its own: a custom
     op's outputs may not share a storage (torch.library checks), so one cast of the flat buffer would not do."""
-    return [view.to(t.dtype) for view, t in zip(_views(flat, like), like)]
+    return [cast_like(view, t) for view, t in zip(_views(flat, like), like)]
 
 
 def tau_heads(B: int, S: int, Hp: int, Hk: int, Hpk: int, K: int, block_size: int, budget: int,
@@ -281,10 +282,10 @@ class _ChunkGradients:
                 continue
             acc = self.acc.pop(name)
             if acc.shape == t.shape:
-                self.grads[name] = acc.to(t.dtype)
+                self.grads[name] = cast_like(acc, t)
                 continue
             if name not in self.grads:
-                self.grads[name] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                self.grads[name] = torch.empty_like(t)
             self._heads(name, heads, self.grads[name]).copy_(acc)
 
     def _heads(self, name: str, heads: slice, t: torch.Tensor | None = None) -> torch.Tensor:
@@ -383,8 +384,8 @@ class _DeterministicSums:
         G, dt = H // Hp, sparse_fwd.DTYPES[q.dtype]
         self.dq_part = torch.empty((rows, G, D), dtype=f32, device=dev)
         self.dqp_part = torch.empty((rows, 1, D), dtype=f32, device=dev)
-        self.dq = torch.empty((B, S, H, D), dtype=q.dtype, device=dev)
-        self.dqp = torch.empty(q_proxy.shape, dtype=q_proxy.dtype, device=dev)
+        self.dq = torch.empty_like(q)  # the inputs' layouts: cast_like
+        self.dqp = torch.empty_like(q_proxy)
         self.sum_dq = get_kernel("slot_sum", slot_sum_config(dt, D, block_size, G), dev)
         self.sum_dqp = get_kernel("slot_sum", slot_sum_config(dt, q_proxy.shape[3], block_size, 1), dev)
 
@@ -436,4 +437,4 @@ def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, b
         kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, entry_query=plan.entry_query, items=plan.items, lse=lse,
                lse_proxy=lse_proxy, kl_grad=grad, dqp_acc=dqp_acc, dkp_acc=dkp_acc, scale=float(scale),
                hp_per_hk=Hp // Hk, hp_per_hpk=Hp // Hpk)
-    return dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype)
+    return cast_like(dqp_acc, q_proxy), cast_like(dkp_acc, k_proxy)

@@ -18,6 +18,7 @@ import torch
 from flash_msa_rt.errors import FlashMsaError
 from flash_msa_rt.loader import built_values, get_kernel
 from flash_msa_rt.ops.device import arch_of
+from flash_msa_rt.ops.layout import cast_like
 from flash_msa_rt.tuning import warmup as tuning_warmup
 from flash_msa_rt.tuning.warmup import KL_SCHEDULE_THREADS, WarmupTuning
 
@@ -114,4 +115,4 @@ def warmup_proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, scale, kl
             kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, lse=lse, lse_proxy=lse_proxy, kl_grad=grad,
                    dqp_acc=dqp_acc, dkp_acc=dkp_acc, scale=float(scale), hp_per_hk=Hp // k.shape[2],
                    hp_per_hpk=Hp // k_proxy.shape[2], group_heads=G, head0=head0)
-    return dqp_acc.to(q_proxy.dtype), dkp_acc.to(k_proxy.dtype)
+    return cast_like(dqp_acc, q_proxy), cast_like(dkp_acc, k_proxy)
