@@ -11,7 +11,9 @@ padded key is ever compared, in fp8 selection neither: zeros change no block's m
 padded rows have no selected block, a zero upstream gradient and a zero KL gradient, so they add nothing to any
 key. The cost: reading cu_seqlens on the host (one synchronisation per offsets tensor, which the varlen entry points'
 validation already makes and the ops reuse: flash_msa_rt.ops.offsets), one set of launches per run or padded bucket, and the copies into and out of a padded
-bucket. Kernels that take the offsets themselves (issue 34) replace this. Separate key offsets (cu_seqlens_k,
+bucket. Under CUDA graph capture none of this can read the offsets: there every op takes the whole pack as one
+batch padded to the caller's max_seqlen, planned on the device (_DevicePadded). Kernels that take the offsets
+themselves would replace both. Separate key offsets (cu_seqlens_k,
 seqused_k) are declined before this runs. Warmup's ops take runs only: cuDNN's dense backward would read the padded
 rows' lse.
 """
