@@ -57,8 +57,10 @@ def _select_supports(problem: Problem) -> str | None:
     if dp not in dims or bs not in sizes or max_k is None:
         return (f"proxy head dim {dp}, block_size {bs}, K {k} (selection kernel built for {arch}, {dt}: head dim "
                 f"in {dims}, block_size {sizes}, K <= {max(loader.built_values('select', 'max_k', arch), default=0)})")
-    mma = select.mma_for(arch, c.get("select_precision", "bf16"))
-    return _built(problem, [("select", select.kernel_config(dt, dp, bs, max_k, mma))])
+    precision = c.get("select_precision", "bf16")
+    mma = select.mma_for(arch, precision)
+    quantize = select.quantize_variants(_DTYPE_NAMES[problem.dtype], dp, bs, arch, precision)
+    return _built(problem, [("select", select.kernel_config(dt, dp, bs, max_k, mma)), *quantize])
 
 
 _DETERMINISTIC_REASON = (
