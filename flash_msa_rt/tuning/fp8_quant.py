@@ -24,7 +24,8 @@ def choose(arch: str, problem: Problem = Problem()) -> Fp8QuantTuning:
 @functools.lru_cache(maxsize=64)
 def _choose(arch: str, overrides: Overrides) -> Fp8QuantTuning:
     o = overrides.fields("fp8_quant")
-    # kernel on sm90a, NOT YET MEASURED on a GPU: predicted ~0.13 ms at (b) S = 128K, B = 1 (floor 0.114 ms at
-    # 4 TB/s) against ~1.4 ms of torch ops (~0.9 TB/s, 7.4% of fp8 selection; kernels_src/fp8_quant/NOTES.md). fp8 selection runs on sm90a
-    # only (its select variants are wgmma's), so elsewhere the torch ops stay (the kernels are opt-in there).
+    # kernel on sm90a, NOT YET MEASURED on a GPU (tests/test_quant_fp8_gpu.py, benchmarks/bench_fp8_quant.py):
+    # predicted ~0.13 ms at (b) S = 128K, B = 1 (floor 0.114 ms at 4 TB/s) against ~1.4 ms of torch ops (~0.9 TB/s,
+    # 7.4% of fp8 selection; kernels_src/fp8_quant/NOTES.md). fp8 selection runs on sm90a only (its select
+    # variants are wgmma's): elsewhere the torch ops stay, and the kernels are opt-in builds.
     return Fp8QuantTuning(quantize=o.get("quantize", "kernel" if arch == "sm90a" else "torch"))

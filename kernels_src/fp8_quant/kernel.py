@@ -171,7 +171,7 @@ class QuantizeKeyBlocks(_Quantize):
         _, S, H, _ = x.shape
         warps = self.threads // 32
         passes = self.block_size // self.rows
-        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         s_warp = storage.s_warp.get_tensor(cute.make_layout(warps))
         j = jh // H
         h = jh % H
@@ -183,7 +183,9 @@ class QuantizeKeyBlocks(_Quantize):
             i = first + p * self.rows
             if i < S:
                 self._load(x, b, i, h, sub, xf[p, None])
-        amax = abs_max_bits(xf)
+        amax = cutlass.Int32(0)
+        for p in cutlass.range_constexpr(passes):
+            amax = cutlass.max(amax, abs_max_bits(xf[p, None]))
         for off in (16, 8, 4, 2, 1):
             amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, offset=off))
         if tidx % 32 == 0:
