@@ -103,14 +103,15 @@ def test_launcher_refuses_what_the_kernel_cannot_read():
 
 @pytest.mark.parametrize("arch", ["sm90a", "sm100a"])
 @pytest.mark.parametrize("block_size", [1, 128])
-def test_generated_code_keeps_the_reference_arithmetic(arch, block_size):
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_generated_code_keeps_the_reference_arithmetic(arch, block_size, dtype):
     """fp32 products without .ftz (a subnormal input or product must not flush: a row of bf16 subnormals has scale
     2**-126 and nonzero e4m3 bytes), one cvt.rn.satfinite to e4m3 per pair, 16-byte loads and 8-byte stores, no
     local memory."""
     pytest.importorskip("cutlass", reason="the build-stage tests need nvidia-cutlass-dsl (pip install '.[test]')")
     from kernels_src.fp8_quant.build import compile
 
-    ptx = compile(fp8_quant.Config(block_size=block_size), arch).ptx
+    ptx = compile(fp8_quant.Config(dtype=dtype, block_size=block_size), arch).ptx
     assert "ftz" not in ptx
     muls = re.findall(r"\bmul(?:\.rn)?\.f32\b", ptx)
     cvts = re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)
