@@ -122,14 +122,18 @@ class QuantizeRows(_Quantize):
         B, S, H, _ = x.shape
         sub = tidx % self.lanes
         xf = cute.make_rmem_tensor((self.rows_per_lane, self.per_lane), cutlass.Float32)
+        rows = []  # (row, b, i, h) per u: two integer divisions per row, done once (the loop is unrolled)
         for u in cutlass.range_constexpr(self.rows_per_lane):
             # a pass covers rows consecutive in (b, i, h) order: the CTA's loads are contiguous when x is
             row = (cta * self.rows_per_lane + u) * self.rows + tidx // self.lanes
             # rows past the end read row 0 (always present) so that every lane joins the shuffles below
             r = row if row < B * S * H else 0
-            self._load(x, r // (H * S), (r // H) % S, r % H, sub, xf[u, None])
+            n = r // H
+            b = n // S
+            rows.append((row, b, n - b * S, r - n * H))
+            self._load(x, b, n - b * S, r - n * H, sub, xf[u, None])
         for u in cutlass.range_constexpr(self.rows_per_lane):
-            row = (cta * self.rows_per_lane + u) * self.rows + tidx // self.lanes
+            row, b, i, h = rows[u]
             amax = abs_max_bits(xf[u, None])
             off = self.lanes // 2
             while off >= 1:  # unrolled at trace time: lanes is a Python int
@@ -137,9 +141,6 @@ class QuantizeRows(_Quantize):
                 off //= 2
             scale_bits, inv_bits = power_of_two_scale(amax)
             if row < B * S * H:
-                h = row % H
-                i = (row // H) % S
-                b = row // (H * S)
                 self._store(x8, b, i, h, sub, xf[u, None], as_float(inv_bits))
                 if sub == 0:
                     scale[b, i, h] = as_float(scale_bits)
