@@ -170,7 +170,7 @@ def write_results(name: str, payload: dict) -> Path:
 # Kernel families by how their names appear in a profile (sparse_bwd_proxy before sparse_bwd: a name matches the
 # first family it contains).
 FAMILIES = ("sparse_bwd_proxy", "sparse_bwd", "sparse_fwd", "sparse_kl", "sparse_combine_kl", "sparse_combine",
-            "bwd_delta", "slot_sum", "select", "block_scores", "warmup_kl", "warmup_bwd_proxy")
+            "bwd_delta", "slot_sum", "select", "block_scores", "warmup_kl", "warmup_bwd_proxy", "fp8_quant")
 
 
 def kernel_times(fn) -> str:

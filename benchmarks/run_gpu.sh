@@ -87,6 +87,9 @@ if device_arch(0) == 'sm90a':  # fp8 selection (e4m3 variants, wgmma), 64 and 16
         with tuning.override(select={'schedule': schedule}):
             select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1, 'fp8')
             select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1, 'fp8')
+    from flash_msa_rt.ops.fp8_quant import quantize_cuda  # its quantisation kernels alone: f16, Dp 64, bhsd view
+    for x in (q.half(), torch.randn(2, 3, 333, 64, device='cuda').half().transpose(1, 2)):
+        quantize_cuda(x, 1), quantize_cuda(x, 128)
 sel = select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
 from flash_msa_rt.ops.sparse_plan import chunk_plans  # the plan kernels at K = 20 (64 slots) and 3 (16 slots)
 chunk_plans(select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1), 128, 4, 1, 128, ((32, 64), (64, 32)), 'size')
@@ -168,6 +171,8 @@ if [[ $mode == long ]]; then
   python3 benchmarks/bench_msa.py --configs b --batch1 --seqlens 262144,524288,1048576 --ops sparse \
     --select-precisions bf16,fp8 --kl-values deferred --warmup 1 --reps 3 --out "$out/msa_long.json" 2>&1 \
     | tee "$out/bench_msa_long.log"
+  # fp8 selection's quantisation: the fp8_quant kernels against the torch ops, and their share of the selection
+  python3 benchmarks/bench_fp8_quant.py --out "$out/fp8_quant.json" 2>&1 | tee "$out/bench_fp8_quant.log"
 fi
 
 if [[ $mode == bench || $mode == all ]]; then

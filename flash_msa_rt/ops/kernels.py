@@ -60,7 +60,8 @@ def _select_supports(problem: Problem) -> str | None:
     precision = c.get("select_precision", "bf16")
     config = select.kernel_config(dt, dp, bs, max_k, select.mma_for(arch, precision),
                                   select.schedule_for(arch, precision))
-    return _built(problem, [("select", config)])
+    quantize = select.quantize_variants(_DTYPE_NAMES[problem.dtype], dp, bs, arch, precision)
+    return _built(problem, [("select", config), *quantize])
 
 
 _DETERMINISTIC_REASON = (

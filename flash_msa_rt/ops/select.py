@@ -11,8 +11,10 @@ import torch
 
 from flash_msa_rt import loader
 from flash_msa_rt.loader import get_kernel
+from flash_msa_rt.ops import fp8_quant
 from flash_msa_rt.ops.device import arch_of
 from flash_msa_rt.reference import fp8
+from flash_msa_rt.tuning import fp8_quant as tuning_fp8_quant
 from flash_msa_rt.tuning import select as tuning_select
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -49,14 +51,35 @@ def mma_for(arch: str, precision: str) -> str:
     return "wgmma" if precision == "fp8" else tuning_select.choose(arch).mma
 
 
+def quantize_variants(input_dtype: str, head_dim: int, block_size: int, arch: str, precision: str) -> list:
+    """(op, config) of the quantisation kernels fp8 selection launches under the tuning policy (none for bf16
+    selection or the torch pass)."""
+    if precision != "fp8" or tuning_fp8_quant.choose(arch).quantize != "kernel":
+        return []
+    return [("fp8_quant", fp8_quant.kernel_config(input_dtype, head_dim, bs)) for bs in (1, block_size)]
+
+
+def quantize(q_proxy: torch.Tensor, k_proxy: torch.Tensor, block_size: int, arch: str):
+    """(q8, k8, k_scale) for fp8 selection: the fp8_quant kernels or reference.fp8's torch ops (tuning.fp8_quant),
+    the same bytes. The row scales change no ranking within a row: the select kernel skips them."""
+    if tuning_fp8_quant.choose(arch).quantize == "kernel":
+        q8, _ = fp8_quant.quantize_cuda(q_proxy, 1)
+        k8, k_scale = fp8_quant.quantize_cuda(k_proxy, block_size)
+    else:
+        q8, _ = fp8.quantize_rows(q_proxy)
+        k8, k_scale = fp8.quantize_key_blocks(k_proxy, block_size)
+    return q8, k8, k_scale
+
+
 def select_blocks_cuda(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: int, block_size: int,
                        scale: float, precision: str = "bf16") -> torch.Tensor:
     """block_indices (B, Hp, S, K) int32 from q_proxy (B, S, Hp, Dp), k_proxy (B, S, Hpk, Dp) on a CUDA device.
 
     The caller has validated shapes, dtypes and devices; the head dim must have unit stride and the other
     strides be 16-byte multiples (TMA), which slices of a fused projection and transposed (B, H, S, D) views
-    satisfy. No host synchronisation. precision "fp8": the pair is first quantised to e4m3 (reference.fp8, a few
-    torch ops on the GPU) and the e4m3 variant scales each key block's scores by its k_scale.
+    satisfy. No host synchronisation. precision "fp8": the pair is first quantised to e4m3 (reference.fp8's bytes, by
+    the fp8_quant kernels or torch ops: tuning.fp8_quant) and the e4m3 variant scales each key block's scores by its
+    k_scale.
     """
     B, S, Hp, Dp = q_proxy.shape
     Hpk = k_proxy.shape[2]
@@ -68,8 +91,7 @@ def select_blocks_cuda(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_block
                            max_k_for(top_k_blocks, arch), mma_for(arch, precision), schedule_for(arch, precision))
     kernel = get_kernel("select", config, q_proxy.device)
     if precision == "fp8":
-        q8, _ = fp8.quantize_rows(q_proxy)  # the row scales change no ranking within a row: the kernel skips them
-        k8, k_scale = fp8.quantize_key_blocks(k_proxy, block_size)
+        q8, k8, k_scale = quantize(q_proxy, k_proxy, block_size, arch)
         kernel(q_proxy=q8, k_proxy=k8, block_indices=out, k_scale=k_scale, scale=float(scale), group=Hp // Hpk)
     else:
         kernel(q_proxy=q_proxy, k_proxy=k_proxy, block_indices=out, scale=float(scale), group=Hp // Hpk)

@@ -10,10 +10,11 @@ The proxy scores that rank key blocks come from q_proxy and k_proxy in float8 e4
     2**-126 keeps 1 / s finite in bfloat16 and float32 (a row that small quantises to zeros either way).
 The score of key t for query i is scale * s_q(i) * s_k(blk(t)) * <q8_i, k8_t>, accumulated in float32.
 
-The kernel path calls these functions too, on the GPU, as its quantisation pass: per tensor a min/max pass, a
+The kernel path quantises with the fp8_quant kernels (flash_msa_rt.ops.fp8_quant: these bytes in one pass per
+tensor) or, where tuning.fp8_quant says "torch", with these functions on the GPU: per tensor a min/max pass, a
 multiply by 1 / s in the input's dtype where that is exact (bfloat16 shares float32's exponent range; float16 and
 float32 inputs multiply in float32) and a contiguous cast to e4m3, about 7 bytes of traffic per bfloat16 q_proxy
-element. No host synchronisation.
+element. No host synchronisation either way.
 """
 
 from __future__ import annotations

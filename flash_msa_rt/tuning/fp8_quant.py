@@ -1,0 +1,31 @@
+"""Tuning policy of fp8 selection's quantisation pass (flash_msa_rt.ops.select, select_precision="fp8")."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from flash_msa_rt.tuning.overrides import Overrides, current, register
+from flash_msa_rt.tuning.problem import Problem
+
+
+@dataclass(frozen=True)
+class Fp8QuantTuning:
+    quantize: str  # "kernel": the fp8_quant kernels (flash_msa_rt.ops.fp8_quant); "torch": reference.fp8's ops
+
+
+register("fp8_quant", Fp8QuantTuning)
+
+
+def choose(arch: str, problem: Problem = Problem()) -> Fp8QuantTuning:
+    return _choose(arch, current())
+
+
+@functools.lru_cache(maxsize=64)
+def _choose(arch: str, overrides: Overrides) -> Fp8QuantTuning:
+    o = overrides.fields("fp8_quant")
+    # kernel on sm90a, NOT YET MEASURED on a GPU (tests/test_quant_fp8_gpu.py, benchmarks/bench_fp8_quant.py):
+    # predicted ~0.13 ms at (b) S = 128K, B = 1 (floor 0.114 ms at 4 TB/s) against ~1.4 ms of torch ops (~0.9 TB/s,
+    # 7.4% of fp8 selection; kernels_src/fp8_quant/NOTES.md). fp8 selection runs on sm90a only (its select
+    # variants are wgmma's): elsewhere the torch ops stay, and the kernels are opt-in builds.
+    return Fp8QuantTuning(quantize=o.get("quantize", "kernel" if arch == "sm90a" else "torch"))
