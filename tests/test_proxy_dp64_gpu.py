@@ -29,8 +29,9 @@ def _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed):
 def _impl(op, qp, q, k, **extra):
     from flash_msa_rt.ops import dispatch, kernels
 
-    config = dict(head_dim=D, proxy_head_dim=DP, block_size=extra.pop("block_size", 128),
-                  group=q.shape[2] // qp.shape[2], kv_group=q.shape[2] // k.shape[2], varlen=False, **extra)
+    config = dict(head_dim=D, proxy_head_dim=DP, block_size=128, group=q.shape[2] // qp.shape[2],
+                  kv_group=q.shape[2] // k.shape[2], varlen=False)
+    config.update(extra)
     impl = dispatch.implementation(op, q.device, q.dtype, **config)
     assert impl is kernels.KERNELS.ops[op], f"{op} at Dp {DP}, D {D} does not run on the kernels"
     return impl

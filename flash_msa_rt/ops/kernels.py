@@ -115,10 +115,10 @@ def _sparse_limits(problem: Problem, d: int, bs: int, g: int, dp: int | None = N
 # Proxy head dims below D that the KL pass and the proxy backward (sparse and warmup kernels, built for Dp = D)
 # take by zero-padding the proxy to D (_proxy_at): those the selection kernel has native variants of
 # (kernels_src/select), so a model with a smaller proxy runs every op on kernels. The padding costs one copy of
-# q_proxy and k_proxy at D per call of the forward's KL pass, the deferred KL pass and the backward (with
-# B = 2, S = 64K, Hp = 8, Hpk = 1 in bf16: 288 MB written, ~0.1 ms at 4 TB/s), and those kernels do D / Dp times
-# the proxy MMA work a native Dp kernel would; the selection, the only quadratic proxy work outside warmup, runs
-# at Dp.
+# q_proxy and k_proxy at D per call of the forward's KL pass, the deferred KL pass and the backward (B = 2,
+# S = 64K, Hp = 8, Hpk = 1 in bf16: 302 MB written, 151 MB read, ~0.1 ms at 4 TB/s), proxy gradients made D wide
+# before the cut, and D / Dp times the proxy MMA work a native Dp kernel would do in those kernels; the selection,
+# the only quadratic proxy work outside warmup, runs at Dp (docs/kernel-notes.md, "A proxy head dim below D").
 PADDED_PROXY_HEAD_DIMS = (64,)
 
 
