@@ -585,8 +585,14 @@ def test_proxy_below_d_is_padded_exactly(monkeypatch):
     out, lse, lse_p = fwd[:3]
     close(kernels._msa_kl(qp, kp, q, k, v, lse, sel, bs, scale), fwd[2:])
     bwd = kernels._msa_backward(qp, kp, q, k, v, out, lse, lse_p, sel, bs, scale, grad_out, kl_grad)
-    assert bwd[0].is_contiguous() and bwd[1].is_contiguous()
     close(bwd, reference_impl("msa_backward")(qp, kp, q, k, v, out, lse, lse_p, sel, bs, scale, grad_out, kl_grad))
+    # (B, S, heads, Dp) views of (B, heads, S, Dp) proxies (the public API's default layout): the cut gradients
+    # come in those views' layout, as the kernels write every other gradient (autograd then copies none)
+    qp_v, kp_v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (qp, kp))
+    bwd_v = kernels._msa_backward(qp_v, kp_v, q, k, v, out, lse, lse_p, sel, bs, scale, grad_out, kl_grad)
+    close(bwd_v, bwd)
+    assert [g_.stride() for g_ in bwd_v[:2]] == [torch.empty_like(t).stride() for t in (qp_v, kp_v)]
+    assert not bwd_v[0].is_contiguous()  # Hp = 2: the view is not (Hpk = 1's is)
 
     assert not kernels._dense_main(q)  # CPU: warmup's main attention on the sparse path
     wfwd = kernels._warmup_forward(qp, kp, q, k, v, scale)

@@ -27,6 +27,7 @@ from flash_msa_rt.errors import FlashMsaError
 from flash_msa_rt.ops import block_sparse, dense_main, packed, select, sparse_bwd, sparse_fwd, warmup_kl
 from flash_msa_rt.ops.backends import Backend, Problem, reference_impl
 from flash_msa_rt.ops.device import arch_of
+from flash_msa_rt.ops.layout import cast_like
 from flash_msa_rt.tuning import warmup as tuning_warmup
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -141,13 +142,15 @@ def _proxy_at(q_proxy: torch.Tensor, k_proxy: torch.Tensor, d: int) -> tuple[tor
     return tuple(torch.nn.functional.pad(t, (0, d - dp)) for t in (q_proxy, k_proxy))
 
 
-def _proxy_grads(grads: tuple, dp: int, d: int) -> tuple:
+def _proxy_grads(grads: tuple, q_proxy: torch.Tensor, k_proxy: torch.Tensor, d: int) -> tuple:
     """A backward's (dq_proxy, dk_proxy, dq, dk, dv) computed with the proxy at D (_proxy_at): as they are when
-    Dp = D, else with the proxy gradients cut to their first dp columns (fresh contiguous tensors)."""
-    if dp == d:
+    Dp = D, else with the proxy gradients cut to their first Dp columns, written in the unpadded q_proxy's and
+    k_proxy's layouts (cast_like: what the kernels give every other gradient, so autograd copies none)."""
+    if q_proxy.shape[-1] == d:
         return grads
     dq_proxy, dk_proxy, *rest = grads
-    return (dq_proxy[..., :dp].contiguous(), dk_proxy[..., :dp].contiguous(), *rest)
+    dp = q_proxy.shape[-1]
+    return (cast_like(dq_proxy[..., :dp], q_proxy), cast_like(dk_proxy[..., :dp], k_proxy), *rest)
 
 
 def _decline_deterministic(why: str) -> str:
@@ -209,14 +212,13 @@ def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu
 def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
                   kl_grad, cu_seqlens=None):
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
-    dp = q_proxy.shape[3]
-    q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
-    q_proxy, k_proxy, q, k, v, out = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v, out))
+    qp, kp = _proxy_at(q_proxy, k_proxy, q.shape[3])
+    qp, kp, q, k, v, out = (_tma_ready(t) for t in (qp, kp, q, k, v, out))
     grad_out = _tma_ready(grad_out) if grad_out is not None else None
-    grads = sparse_bwd.msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices.contiguous(),
-                                         block_size, scale, grad_out, kl_grad,
+    grads = sparse_bwd.msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_proxy, block_indices.contiguous(), block_size,
+                                         scale, grad_out, kl_grad,
                                          deterministic=torch.are_deterministic_algorithms_enabled())
-    return _proxy_grads(grads, dp, q.shape[3])
+    return _proxy_grads(grads, q_proxy, k_proxy, q.shape[3])
 
 
 # Warmup's KL pass and proxy backward run on the dense kernels where they are built (flash_msa_rt.ops.warmup_kl:
@@ -339,7 +341,7 @@ def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad
         return reference_impl("warmup_backward")(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
                                                  grad_out, kl_grad, cu_seqlens)
     grads = _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad)
-    return _proxy_grads(grads, q_proxy.shape[3], q.shape[3])
+    return _proxy_grads(grads, q_proxy, k_proxy, q.shape[3])
 
 
 def _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad):
