@@ -2,8 +2,9 @@
 cuDNN dense attention on the same inputs, with effective TFLOPS, peak memory and the backend that ran each op.
 
 Configurations (D = Dp = 128, bf16, block 128, top_k 2048 tokens = K 16 blocks): (a) H=16, Hk=2, Hp=4, Hpk=1;
-(b) H=32, Hk=8, Hp=8, Hpk=1; (c) H=64, Hk=4, Hp=4, Hpk=1. B = tokens // S (128K tokens per step), or B = 1 with
---batch1 (the shape of the flash-msa 0.1.1 / FSA figures published in docs/h200.md, config (a)).
+(b) H=32, Hk=8, Hp=8, Hpk=1; (c) H=64, Hk=4, Hp=4, Hpk=1; (b64) is (b) with a smaller proxy, Dp = 64 (issue 36:
+the other way to cheapen selection). B = tokens // S (128K tokens per step), or B = 1 with --batch1 (the shape of
+the flash-msa 0.1.1 / FSA figures published in docs/h200.md, config (a)).
 
 FLOPs follow msa-semantics.md ("FLOP conventions"); nnz is counted exactly from the block_indices the ops ran on.
 Ops whose implementation is the pure-PyTorch reference (dispatch's fallback) are skipped where one call would take
@@ -12,6 +13,7 @@ longer than --max-seconds (estimated from a smaller S, or cut by an alarm) or S 
 
 Run: FLASH_MSA_ARTIFACT_DIR=artifacts PYTHONPATH=. python3 benchmarks/bench_msa.py --configs a,b,c \
          --seqlens 8192,16384,32768,65536 --out benchmarks/results/msa.json
+Dp = 64 beside Dp = 128: --configs b,b64 (e.g. --seqlens 65536,131072, and --batch1 --seqlens 262144,524288,1048576).
 Plot (CPU machine, matplotlib): python benchmarks/plot_msa.py benchmarks/results/msa.json
 """
 
@@ -42,6 +44,9 @@ CONFIGS = {  # name -> (H, Hk, Hp, Hpk)
     "b": (32, 8, 8, 1),
     "c": (64, 4, 4, 1),
 }
+# Configurations with a smaller proxy: name -> (the configuration whose heads it takes, Dp). Not run by default.
+SMALL_PROXY = {"b64": ("b", 64)}
+DEFAULT_CONFIGS = tuple(CONFIGS)
 D = DP = 128
 BLOCK = 128
 TOP_K = 2048
@@ -90,6 +95,12 @@ def causal_pairs(S: int) -> int:
 
 def dense_nnz(B: int, H: int, S: int) -> int:
     return B * H * causal_pairs(S)
+
+
+def shape_of(name: str) -> tuple[int, int, int, int, int]:
+    """(H, Hk, Hp, Hpk, Dp) of a configuration name (CONFIGS, or SMALL_PROXY's)."""
+    base, dp = SMALL_PROXY.get(name, (name, DP))
+    return (*CONFIGS[base], dp)
 
 
 def selection_flops(B: int, S: int, Hp: int, Dp: int = DP) -> float:
@@ -185,8 +196,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Whole-op MSA benchmark: per-op sparse (select / forward / backward), the public "
                     "flash_msa_func, warmup mode and cuDNN dense attention; JSON + table.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--configs", type=_csv(str, tuple(CONFIGS)), default=list(CONFIGS),
-                   help="configurations: a (H16 Hk2 Hp4), b (H32 Hk8 Hp8), c (H64 Hk4 Hp4); all Hpk=1, D=Dp=128")
+    p.add_argument("--configs", type=_csv(str, tuple(CONFIGS) + tuple(SMALL_PROXY)), default=list(DEFAULT_CONFIGS),
+                   help="configurations: a (H16 Hk2 Hp4), b (H32 Hk8 Hp8), c (H64 Hk4 Hp4), all Hpk=1, D=Dp=128; "
+                        "b64: b with Dp=64")
     p.add_argument("--seqlens", type=_csv(int), default=list(SEQLENS), help="sequence lengths S")
     p.add_argument("--ops", type=_csv(str, OPS), default=list(OPS),
                    help="sparse: select/forward/backward ops and flash_msa_func; warmup: flash_msa_warmup_func; "
@@ -348,7 +360,7 @@ class Case:
         from flash_msa_rt.ops import library
 
         self.name, self.args, self.S, self.timer, self.guard, self.rows = name, args, S, timer, guard, rows
-        self.H, self.Hk, self.Hp, self.Hpk = CONFIGS[name]
+        self.H, self.Hk, self.Hp, self.Hpk, self.Dp = shape_of(name)
         self.B = batch_of(args, S)
         self.K = TOP_K // BLOCK
         self.scale = D ** -0.5
@@ -356,17 +368,17 @@ class Case:
         B, H, Hk, Hp, Hpk = self.B, self.H, self.Hk, self.Hp, self.Hpk
         randn = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
         # (B, S, heads, D) tensors: the runtime's layout, passed to the public op with layout="bshd" (no copies).
-        self.qp, self.kp = randn(B, S, Hp, DP), randn(B, S, Hpk, DP)
+        self.qp, self.kp = randn(B, S, Hp, self.Dp), randn(B, S, Hpk, self.Dp)
         self.q, self.k, self.v = randn(B, S, H, D), randn(B, S, Hk, D), randn(B, S, Hk, D)
         self.dout = randn(B, S, H, D)
         self.kl_coef = torch.tensor(0.1, device="cuda")
         self.kl_grad = torch.full((), 0.1 / (B * Hp * S), device="cuda")  # d(0.1 * mean kl_rows) / d kl_rows
         msa_cfg = library._msa_config(self.qp, self.q, self.k, BLOCK, None, None)
         self.backends = {
-            "select_blocks": backend_of("select_blocks", self.qp, {"proxy_head_dim": DP, "block_size": BLOCK,
+            "select_blocks": backend_of("select_blocks", self.qp, {"proxy_head_dim": self.Dp, "block_size": BLOCK,
                                                                    "top_k_blocks": self.K, "varlen": False}),
             "select_blocks/fp8": backend_of("select_blocks", self.qp, {
-                "proxy_head_dim": DP, "block_size": BLOCK, "top_k_blocks": self.K, "varlen": False,
+                "proxy_head_dim": self.Dp, "block_size": BLOCK, "top_k_blocks": self.K, "varlen": False,
                 "select_precision": "fp8"}),
             "msa_forward": backend_of("msa_forward", self.q, msa_cfg),
             "msa_backward": backend_of("msa_backward", self.q, msa_cfg),
@@ -378,7 +390,7 @@ class Case:
         self.block_indices = None
 
     def base(self, op: str, selection: str | None) -> dict:
-        return dict(config=self.name, H=self.H, Hk=self.Hk, Hp=self.Hp, Hpk=self.Hpk, D=D, Dp=DP,
+        return dict(config=self.name, H=self.H, Hk=self.Hk, Hp=self.Hp, Hpk=self.Hpk, D=D, Dp=self.Dp,
                     block_size=BLOCK, K=self.K, top_k=TOP_K, B=self.B, S=self.S, tokens=self.B * self.S,
                     batch_mode="B=1" if self.args.batch1 else f"B=tokens//S (tokens={self.args.tokens})",
                     op=op, selection=selection)
@@ -451,7 +463,7 @@ class Case:
 
         with torch.no_grad():
             row = self.measure("select_blocks", select, ops_used=("select_blocks",),
-                               flops=selection_flops(self.B, self.S, self.Hp), selection="proxy top-K")
+                               flops=selection_flops(self.B, self.S, self.Hp, self.Dp), selection="proxy top-K")
             if row["status"] != "ok":  # without the selection nothing below has inputs: say so per op
                 for op, selection in [("msa_forward", "proxy top-K"), ("msa_backward", "proxy top-K"),
                                       ("msa_func.fwd", "proxy top-K"), ("msa_func.fwd+bwd", "proxy top-K")]:
@@ -462,7 +474,7 @@ class Case:
                 if precision != "bf16":
                     self.measure(f"select_blocks/{precision}", lambda: select(precision),
                                  ops_used=(f"select_blocks/{precision}",),
-                                 flops=selection_flops(self.B, self.S, self.Hp), selection="proxy top-K",
+                                 flops=selection_flops(self.B, self.S, self.Hp, self.Dp), selection="proxy top-K",
                                  extra=dict(select_precision=precision))
             self.block_indices = select()
         nnz = nnz_main(self.block_indices, self.H)
@@ -502,7 +514,7 @@ class Case:
         ops = torch.ops.flash_msa
         qp, kp, q, k, v = self.qp, self.kp, self.q, self.k, self.v
         info = dict(nnz=nnz, nnz_fraction_of_dense=nnz / dense_nnz(self.B, self.H, self.S), nnz_p=nnz_p,
-                    proxy_kl_backward_flops=6 * DP * nnz_p)
+                    proxy_kl_backward_flops=6 * self.Dp * nnz_p)
         saved = {}
 
         def forward():
@@ -744,7 +756,7 @@ def main(argv=None) -> int:
         date=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:] if argv is None else list(argv),
         settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         shape=dict(D=D, Dp=DP, block_size=BLOCK, top_k=TOP_K, K=TOP_K // BLOCK, dtype="bfloat16",
-                   configs={c: dict(zip(("H", "Hk", "Hp", "Hpk"), CONFIGS[c])) for c in args.configs}),
+                   configs={c: dict(zip(("H", "Hk", "Hp", "Hpk", "Dp"), shape_of(c))) for c in args.configs}),
         formulas=FORMULAS,
         method=("CUDA events; --warmup untimed calls, then the median of --reps timed calls (fewer when the calls "
                 "would exceed --budget-seconds); the L2 is flushed (256 MB zeroed) before every timed call, "

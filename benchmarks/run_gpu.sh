@@ -3,11 +3,12 @@
 # set (python -m build_tools build --arch sm90a --set all, on the CPU machine: the GPU tests and sanitizers also
 # run the opt-in alternates, through flash_msa_rt.tuning.override). This script builds nothing:
 #   FLASH_MSA_COMMIT=<the hash, written out here: git on the GPU machine holds an older HEAD> \
-#     bash benchmarks/run_gpu.sh [tests|bench|core|producer|long|all]
+#     bash benchmarks/run_gpu.sh [tests|bench|core|producer|long|dp64|all]
 # tests: environment, every GPU test, compute-sanitizer on every kernel family (~220 s); bench: the benchmarks;
 # core: only the whole-op benchmarks against cuDNN (B * S = 128K tokens, and B = 1 in (a)), which fit one
 # 10-minute device call (~160 s); producer: the warp-specialised main backward's checks, on and off (~150 s);
-# long: bf16 against fp8 selection, at 128K tokens per step and at B = 1 up to 1M tokens.
+# long: bf16 against fp8 selection, at 128K tokens per step and at B = 1 up to 1M tokens; dp64: (b) with a proxy
+# head dim of 64 beside 128 (config b64), at the same shapes (not part of all).
 # Logs, JUnit XML and JSON go to $OUT (default benchmarks/logs/<UTC time>/, which git ignores; copy the JSON the
 # README cites into benchmarks/results/). Each pytest run records the commit and its command, every test id with
 # its outcome (-rA in the log, JUnit XML beside it) and prints a summary. FLASH_MSA_REQUIRE_GPU=1: a GPU test that
@@ -135,6 +136,15 @@ for h, hk, hi in ((8, 2, 2), (12, 4, 3), (16, 4, 1)):
     bk = torch.randn(2, 333, hk, 128, device='cuda').to(torch.bfloat16).requires_grad_()
     bi = torch.randint(-1, 3, (2, hi, 333, 4), device='cuda', dtype=torch.int32)
     block_sparse_attention(bq, bk, bk, bi, 128, layout='bshd').sum().backward()
+from flash_msa_rt.ops import kernels  # Dp = 64: its own selection variants (bf16 on the runtime's MMA, fp8), then
+# a forward + backward through the kernel backend, which pads the proxy to D = 128 for the KL pass and backward
+q64 = q[..., :64].contiguous()
+select_blocks_cuda(q64, q64[:, :, :1], 20, 128, 0.1)
+if device_arch(0) == 'sm90a':
+    select_blocks_cuda(q64, q64[:, :, :1], 20, 128, 0.1, 'fp8')
+sel64 = select_blocks_cuda(q64, q64[:, :, :1], 3, 128, 0.1)
+o, lse, lsep, kl = kernels._msa_forward(q64, q64[:, :, :1], m, kv, kv, sel64, 128, 0.1)
+kernels._msa_backward(q64, q64[:, :, :1], m, kv, kv, o, lse, lsep, sel64, 128, 0.1, torch.randn_like(m), kl)
 torch.cuda.synchronize()
 " 2>&1 | tail -3 | sed "s/^/[$tool] /" | tee -a "$out/sanitizer.log" || status=1
       # the plan kernels at sizes the line above does not reach: two bitmap windows, 512-row scatter CTAs
@@ -173,6 +183,16 @@ if [[ $mode == long ]]; then
     | tee "$out/bench_msa_long.log"
   # fp8 selection's quantisation: the fp8_quant kernels against the torch ops, and their share of the selection
   python3 benchmarks/bench_fp8_quant.py --out "$out/fp8_quant.json" 2>&1 | tee "$out/bench_fp8_quant.log"
+fi
+
+if [[ $mode == dp64 ]]; then
+  # A smaller proxy (issue 36): (b) at Dp = 64 (b64) beside Dp = 128, bf16 and fp8 selection, the whole op with the
+  # deferred KL; 128K tokens per step at 64K and 128K, then B = 1 from 256K to 1M tokens.
+  python3 benchmarks/bench_msa.py --configs b,b64 --seqlens 65536,131072 --ops sparse \
+    --select-precisions bf16,fp8 --kl-values deferred --out "$out/msa_dp64.json" 2>&1 | tee "$out/bench_msa_dp64.log"
+  python3 benchmarks/bench_msa.py --configs b,b64 --batch1 --seqlens 262144,524288,1048576 --ops sparse \
+    --select-precisions bf16,fp8 --kl-values deferred --warmup 1 --reps 3 --out "$out/msa_dp64_long.json" 2>&1 \
+    | tee "$out/bench_msa_dp64_long.log"
 fi
 
 if [[ $mode == bench || $mode == all ]]; then

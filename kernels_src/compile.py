@@ -106,7 +106,7 @@ def ptxas_performance_warnings(log: str) -> tuple[str, ...]:
 
 
 _TMA_FORMAT = {"bf16": "BF16", "f16": "F16", "e4m3": "U8"}  # fp8: TMA moves bytes
-_SWIZZLE_128B = "S<3,4,3>"  # 128B swizzle in CuTeDSL's byte-address spelling
+_SWIZZLE_SPELLING = {128: "S<3,4,3>", 64: "S<2,4,3>"}  # 128B and 64B swizzle in CuTeDSL's byte-address spelling
 
 
 def check_traced(config, traced: dict, declared: tuple) -> None:
@@ -127,8 +127,9 @@ def check_traced(config, traced: dict, declared: tuple) -> None:
         if _TMA_FORMAT[config.dtype] not in traced[name]:
             raise RuntimeError(f"{name}: unexpected TMA format in {traced[name]!r}")
     swizzles = {decl[name].swizzle for name in ("tma_q", "tma_k")}
-    if swizzles != {128} or traced["swizzle"] != _SWIZZLE_128B:
-        raise RuntimeError(f"smem swizzle {traced['swizzle']}, the spec declares {swizzles} bytes ({_SWIZZLE_128B} "
-                           f"is 128B)")
+    want = _SWIZZLE_SPELLING.get(next(iter(swizzles))) if len(swizzles) == 1 else None
+    if want is None or traced["swizzle"] != want:
+        raise RuntimeError(f"smem swizzle {traced['swizzle']}, the spec declares {swizzles} bytes "
+                           f"({_SWIZZLE_SPELLING})")
     if traced["smem_bytes"] != config.smem_bytes():
         raise RuntimeError(f"shared memory: kernel {traced['smem_bytes']} bytes, spec {config.smem_bytes()}")

@@ -130,6 +130,14 @@ def test_cli_defaults_and_flags(tmp_path):
     assert bm.parse_args(["--batch1"]).out.name == "msa_batch1.json"
 
 
+def test_small_proxy_configuration():
+    """b64 is (b) with Dp = 64, run only when named; its selection FLOPs are half of (b)'s."""
+    a = bm.parse_args(["--configs", "b,b64"])
+    assert a.configs == ["b", "b64"] and "b64" not in bm.parse_args([]).configs
+    assert bm.shape_of("b64") == (*bm.CONFIGS["b"], 64) and bm.shape_of("b") == (*bm.CONFIGS["b"], 128)
+    assert bm.selection_flops(2, 65536, 8, bm.shape_of("b64")[4]) * 2 == bm.selection_flops(2, 65536, 8)
+
+
 @pytest.mark.parametrize("argv", [["--configs", "a,d"], ["--seqlens", "0"], ["--seqlens", "8k"], ["--ops", "fast"],
                                   ["--reps", "0"], ["--max-seconds", "0"]])
 def test_cli_rejects(argv, capsys):

@@ -26,6 +26,27 @@ def test_select_builds_for_hopper_and_blackwell(tmp_path):
         assert ptx_facts.single_entry(ptx).params == param_layout(s.params)
 
 
+def test_select_at_dp64_builds_with_row_wide_swizzle(tmp_path):
+    """At Dp 64 an e4m3 row is 64 bytes: its TMA boxes and shared-memory tiles take the 64-byte swizzle (a 128-byte
+    box would be wider than the tensor; the build checks CuTeDSL's traced swizzle against the declared one), while
+    16-bit rows keep 128 bytes. Each builds with its declared ABI, no spills, two K steps of wgmma per half."""
+    specs = variants(("sm90a",), only=["select_e4m3_d64_b128_k16_*", "select_bf16_d64_b128_k16_*wgmma*"])
+    assert len(specs) == 2
+    outcomes = build(specs, tmp_path, jobs=1, progress=False)
+    assert all(o.status == "built" for o in outcomes), outcomes
+    m = Manifest.from_json(__import__("json").loads((tmp_path / "sm90a" / "manifest.json").read_text()))
+    for s in specs:
+        v = m.variants[s.name]
+        tma = {p.name: p for p in v.params if p.kind == "tma"}
+        want = (64, 64) if s.config_obj.dtype == "e4m3" else (128, 64)  # (swizzle bytes, box elements)
+        assert {(t.swizzle, t.box[0]) for t in tma.values()} == {want}, (s.name, tma)
+        assert v.local_bytes == 0 and v.smem_bytes == s.config_obj.smem_bytes()
+        ptx = (tmp_path / "sm90a" / "ptx" / f"{s.name}.ptx").read_text()
+        assert ptx_facts.single_entry(ptx).params == param_layout(s.params)
+        k_step = 32 if s.config_obj.dtype == "e4m3" else 16
+        assert ptx.count("wgmma.mma_async") == 2 * 64 // k_step, s.name
+
+
 def test_select_refuses_what_it_cannot_hold():
     ok, reason = can_implement(Config(max_k=24), "sm90a")
     assert not ok and "max_k 24" in reason

@@ -505,3 +505,99 @@ def test_captured_varlen_call_makes_bad_offsets_nan_instead_of_reading_them(monk
     assert out.isnan().all() and kl.isnan()
     with pytest.raises(NotImplementedError, match="cu_seqlens_k"):
         F.flash_msa_varlen_func(*x, cu, 200, 128, block_size=64, cu_seqlens_k=cu, max_seqlen_k=200)
+
+
+def test_proxy_head_dim_64_below_d_is_accepted_on_the_default_build(catalogue_artifacts):
+    """Dp 64 with D 128: selection (bf16, fp16, fp8) has its own Dp 64 variants in the default sm90a build, and
+    the forward, backward (deterministic or not), KL pass and warmup run on the D kernels (the proxy padded to D);
+    a Dp the kernels do not take that way is declined naming it and what is supported."""
+    catalogue_artifacts("sm90a")
+    for dtype in (torch.bfloat16, torch.float16):
+        for precision in ("bf16", "fp8"):
+            select = _problem("select_blocks", dtype, proxy_head_dim=64, top_k_blocks=16, select_precision=precision)
+            assert kernels._select_supports(select) is None, (dtype, precision)
+        for op, det in (("msa_forward", False), ("msa_backward", False), ("msa_backward", True)):
+            assert kernels._msa_supports(_problem(op, dtype, proxy_head_dim=64, deterministic=det)) is None, op
+        assert kernels._SUPPORTS["msa_kl"](_problem("msa_kl", dtype, proxy_head_dim=64)) is None
+        for op in ("warmup_forward", "warmup_backward"):
+            assert kernels._warmup_supports(_problem(op, dtype, proxy_head_dim=64, deterministic=False)) is None
+    for dp in (32, 96, 256):
+        reason = kernels._msa_supports(_problem(proxy_head_dim=dp))
+        assert reason is not None and f"Dp {dp}" in reason and "Dp in (64,) below D" in reason, reason
+    reason = kernels._select_supports(_problem("select_blocks", proxy_head_dim=32, top_k_blocks=16))
+    assert "proxy head dim 32" in reason and "(64, 128)" in reason, reason
+
+
+def test_sm100a_selects_at_dp64_on_mma_sync(catalogue_artifacts):
+    """sm100a's default build has the mma.sync selection at Dp 64 too (fp8 selection is wgmma only: declined)."""
+    catalogue_artifacts("sm100a")
+    assert kernels._select_supports(_problem("select_blocks", proxy_head_dim=64, top_k_blocks=16)) is None
+    assert kernels._select_supports(_problem("select_blocks", proxy_head_dim=64, top_k_blocks=16,
+                                             select_precision="fp8")) is not None
+
+
+def _reference_at_received_width(monkeypatch, D: int):
+    """The GPU launchers the kernel backend calls, replaced by the reference on whatever proxy they receive, which
+    must be D wide (the sparse and warmup proxy kernels are built for Dp = D)."""
+    from flash_msa_rt.ops.backends import reference_impl
+
+    def at_d(op):
+        def run(q_proxy, k_proxy, *args, **kwargs):
+            assert q_proxy.shape[-1] == k_proxy.shape[-1] == D, (op, q_proxy.shape, k_proxy.shape)
+            kwargs.pop("deterministic", None)
+            return reference_impl(op)(q_proxy, k_proxy, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(kernels.sparse_fwd, "msa_forward_cuda", at_d("msa_forward"))
+    # the KL pass takes no v; the reference's takes one and ignores its values (k stands in)
+    monkeypatch.setattr(kernels.sparse_fwd, "msa_kl_cuda",
+                        lambda qp, kp, q, k, lse, sel, bs, scale: at_d("msa_kl")(qp, kp, q, k, k, lse, sel, bs, scale))
+    monkeypatch.setattr(kernels.sparse_bwd, "msa_backward_cuda", at_d("msa_backward"))
+
+
+def test_proxy_below_d_is_padded_exactly(monkeypatch):
+    """Dp 64 < D 128 on the kernel backend: the KL pass and the backward receive the proxy zero-padded to D, and
+    lse_proxy, kl_rows and the proxy gradients (cut back to Dp) equal the reference's at Dp, as do the main
+    outputs: the zero columns add exact zeros to every proxy score and never reach the first Dp columns of a
+    gradient. The GPU launchers are replaced by the float64 reference at the width they receive; odd S, GQA,
+    Hp < H, Hpk = 1; warmup included (its sparse main path on this CPU)."""
+    from flash_msa_rt.ops.backends import reference_impl
+
+    _reference_at_received_width(monkeypatch, 128)
+    g = torch.Generator().manual_seed(7)
+    B, S, H, Hk, Hp, Hpk, D, Dp, bs = 1, 301, 8, 2, 2, 1, 128, 64, 128
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    qp, kp, q, k, v = rand(B, S, Hp, Dp), rand(B, S, Hpk, Dp), rand(B, S, H, D), rand(B, S, Hk, D), rand(B, S, Hk, D)
+    scale = D ** -0.5
+    sel = reference_impl("select_blocks")(qp, kp, 2, bs, scale)
+    grad_out, kl_grad = rand(B, S, H, D), rand(B, Hp, S)
+
+    def close(got, want):
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+    fwd = kernels._msa_forward(qp, kp, q, k, v, sel, bs, scale)
+    close(fwd, reference_impl("msa_forward")(qp, kp, q, k, v, sel, bs, scale))
+    out, lse, lse_p = fwd[:3]
+    close(kernels._msa_kl(qp, kp, q, k, v, lse, sel, bs, scale), fwd[2:])
+    bwd = kernels._msa_backward(qp, kp, q, k, v, out, lse, lse_p, sel, bs, scale, grad_out, kl_grad)
+    close(bwd, reference_impl("msa_backward")(qp, kp, q, k, v, out, lse, lse_p, sel, bs, scale, grad_out, kl_grad))
+    # (B, S, heads, Dp) views of (B, heads, S, Dp) proxies (the public API's default layout): the cut gradients
+    # come in those views' layout, as the kernels write every other gradient (autograd then copies none)
+    qp_v, kp_v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (qp, kp))
+    bwd_v = kernels._msa_backward(qp_v, kp_v, q, k, v, out, lse, lse_p, sel, bs, scale, grad_out, kl_grad)
+    close(bwd_v, bwd)
+    assert [g_.stride() for g_ in bwd_v[:2]] == [torch.empty_like(t).stride() for t in (qp_v, kp_v)]
+    assert not bwd_v[0].is_contiguous()  # Hp = 2: the view is not (Hpk = 1's is)
+
+    assert not kernels._dense_main(q)  # CPU: warmup's main attention on the sparse path
+    wfwd = kernels._warmup_forward(qp, kp, q, k, v, scale)
+    close(wfwd, reference_impl("warmup_forward")(qp, kp, q, k, v, scale))
+    wout, wlse, wlse_p = wfwd[:3]
+    close(kernels._warmup_kl(qp, kp, q, k, v, wlse, scale), wfwd[2:])
+    close(kernels._warmup_backward(qp, kp, q, k, v, wout, wlse, wlse_p, scale, grad_out, kl_grad),
+          reference_impl("warmup_backward")(qp, kp, q, k, v, wout, wlse, wlse_p, scale, grad_out, kl_grad))

@@ -27,8 +27,11 @@ def _names(launched, arch):
 def test_every_launched_variant_is_in_the_catalogue(arch):
     """What the runtime launches by default on arch (the tuning policies' choices) is in arch's default build."""
     built = {s.name for s in variants((arch,))}
-    launched = [("select", rt_select.kernel_config(dt, 128, 128, k, tuning.select.choose(arch).mma))
-                for dt in DTYPES for k in (16, 64)]
+    launched = [("select", rt_select.kernel_config(dt, dp, 128, k, tuning.select.choose(arch).mma))
+                for dt in DTYPES for dp in (64, 128) for k in (16, 64)]
+    if arch == "sm90a":  # fp8 selection (wgmma only) at both proxy head dims
+        launched += [("select", rt_select.kernel_config("e4m3", dp, 128, k, rt_select.mma_for(arch, "fp8")))
+                     for dp in (64, 128) for k in (16, 64)]
     launched += [("block_scores", rt_scores.kernel_config("bf16", dp, 128, tuning.block_scores.choose(arch).mma))
                  for dp in (64, 128)]
     for dt in DTYPES:

@@ -8,7 +8,9 @@ torch's own operators) and its proxy KL pass and proxy backward on the dense war
 (and everything on the sparse kernels where this torch lacks the cuDNN operators). Packed sequences (cu_seqlens)
 run on the same kernels one sequence at a time (flash_msa_rt.ops.packed); separate key offsets (cu_seqlens_k,
 seqused_k) run on the reference, and dispatch says so once (flash_msa_rt.ops.dispatch registers this backend;
-this module does not import dispatch). What is built is read from the manifest. A problem a kernel cannot run
+this module does not import dispatch). A proxy head dim Dp below D (PADDED_PROXY_HEAD_DIMS) selects on the
+selection kernel's own Dp variants and runs the KL pass and proxy backward on the D kernels over the proxy
+zero-padded to D (_proxy_at). What is built is read from the manifest. A problem a kernel cannot run
 (dtype, head dim, block size, K, G, separate key offsets, deterministic mode where no deterministic kernels exist
 (sm100a, warmup's and block-sparse attention's backward), or a variant not built for this GPU) is declined with
 the reason, which dispatch shows with the build command; a declined call is never an error.
@@ -25,6 +27,7 @@ from flash_msa_rt.errors import FlashMsaError
 from flash_msa_rt.ops import block_sparse, dense_main, packed, select, sparse_bwd, sparse_fwd, warmup_kl
 from flash_msa_rt.ops.backends import Backend, Problem, reference_impl
 from flash_msa_rt.ops.device import arch_of
+from flash_msa_rt.ops.layout import cast_like
 from flash_msa_rt.tuning import warmup as tuning_warmup
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -89,24 +92,66 @@ def _msa_supports(problem: Problem) -> str | None:
     if kv_group % g:
         return (f"H / Hk = {kv_group} is not a multiple of G = H / Hp = {g}: the sparse forward kernel needs "
                 f"Hp >= Hk with Hp a multiple of Hk")
+    # The proxy reaches these kernels at D (_proxy_at): their variants are D's whatever Dp is.
     if problem.op == "msa_forward":
-        return _built(problem, sparse_fwd.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g, _arch(problem)))
-    return _built(problem, sparse_bwd.variants(_DTYPE_NAMES[problem.dtype], d, dp, bs, g, _arch(problem),
+        return _built(problem, sparse_fwd.variants(_DTYPE_NAMES[problem.dtype], d, d, bs, g, _arch(problem)))
+    return _built(problem, sparse_bwd.variants(_DTYPE_NAMES[problem.dtype], d, d, bs, g, _arch(problem),
                                                deterministic))
 
 
 def _sparse_limits(problem: Problem, d: int, bs: int, g: int, dp: int | None = None) -> str | None:
-    """None when the sparse forward is built for (dtype, D = Dp, block size, G) on the device's arch, else what is
-    built there (the manifest's variants: what the build made)."""
+    """None when the sparse forward is built for (dtype, D, block size, G) on the device's arch and Dp is D or one
+    of PADDED_PROXY_HEAD_DIMS below it, else what is built there (the manifest's variants: what the build made)."""
     arch, dt = _arch(problem), _DTYPE_NAMES[problem.dtype]
     dims = loader.built_values("sparse_fwd", "head_dim", arch, dtype=dt)
     sizes = loader.built_values("sparse_fwd", "block_size", arch, dtype=dt)
     groups = loader.built_values("sparse_fwd", "group", arch, dtype=dt)
-    if d not in dims or (dp is not None and dp != d) or bs not in sizes or g not in groups:
-        have = f"D = Dp in {dims}" if dp is not None else f"D in {dims}"
+    if d not in dims or not _proxy_dim_ok(d, dp) or bs not in sizes or g not in groups:
+        have = (f"D in {dims} with Dp = D or Dp in {PADDED_PROXY_HEAD_DIMS} below D" if dp is not None
+                else f"D in {dims}")
         return (f"D {d}, {'' if dp is None else f'Dp {dp}, '}block_size {bs}, G {g} (sparse kernels built for {arch}, "
                 f"{dt}: {have}, block_size {sizes}, G in {groups})")
     return None
+
+
+# Proxy head dims below D that the KL pass and the proxy backward (sparse and warmup kernels, built for Dp = D)
+# take by zero-padding the proxy to D (_proxy_at): those the selection kernel has native variants of
+# (kernels_src/select), so a model with a smaller proxy runs every op on kernels. The padding costs one copy of
+# q_proxy and k_proxy at D per call of the forward's KL pass, the deferred KL pass and the backward (B = 2,
+# S = 64K, Hp = 8, Hpk = 1 in bf16: 302 MB written, 151 MB read, ~0.1 ms at 4 TB/s), proxy gradients made D wide
+# before the cut, and D / Dp times the proxy MMA work a native Dp kernel would do in those kernels; the selection,
+# the only quadratic proxy work outside warmup, runs at Dp (docs/kernel-notes.md, "A proxy head dim below D").
+PADDED_PROXY_HEAD_DIMS = (64,)
+
+
+def _proxy_dim_ok(d: int, dp: int | None) -> bool:
+    return dp is None or dp == d or (dp < d and dp in PADDED_PROXY_HEAD_DIMS)
+
+
+def _proxy_at(q_proxy: torch.Tensor, k_proxy: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_proxy and k_proxy as the D kernels take them: themselves when Dp = D, else zero-padded along the head dim
+    to D (fresh contiguous tensors; no host synchronisation, so CUDA graph capture is unaffected).
+
+    Exact: the padded columns meet only each other, so each proxy score gains products 0 x 0 = 0, and adding an
+    exact zero leaves a float32 accumulator unchanged. The proxy scores, hence lse_proxy, the KL and
+    dS_p = (pi - tau) kl_grad, are those of the unpadded pair. Column c of dq_proxy = scale dS_p K_p and of
+    dk_proxy = scale dS_p^T Q_p reads column c of K_p or Q_p only, so the first Dp columns are the unpadded
+    gradients and the rest (zeros) are cut off (_proxy_grads)."""
+    dp = q_proxy.shape[-1]
+    if dp == d:
+        return q_proxy, k_proxy
+    return tuple(torch.nn.functional.pad(t, (0, d - dp)) for t in (q_proxy, k_proxy))
+
+
+def _proxy_grads(grads: tuple, q_proxy: torch.Tensor, k_proxy: torch.Tensor, d: int) -> tuple:
+    """A backward's (dq_proxy, dk_proxy, dq, dk, dv) computed with the proxy at D (_proxy_at): as they are when
+    Dp = D, else with the proxy gradients cut to their first Dp columns, written in the unpadded q_proxy's and
+    k_proxy's layouts (cast_like: what the kernels give every other gradient, so autograd copies none)."""
+    if q_proxy.shape[-1] == d:
+        return grads
+    dq_proxy, dk_proxy, *rest = grads
+    dp = q_proxy.shape[-1]
+    return (cast_like(dq_proxy[..., :dp], q_proxy), cast_like(dk_proxy[..., :dp], k_proxy), *rest)
 
 
 def _decline_deterministic(why: str) -> str:
@@ -142,6 +187,7 @@ def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens
 def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, *, kl=True):
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if kl:
+        q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
         return sparse_fwd.msa_forward_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v)),
                                            block_indices.contiguous(), block_size, scale)
     # The main attention alone (the same sparse_fwd and combine launches): lse_proxy and kl_rows come from msa_kl
@@ -159,6 +205,7 @@ def _no_kl(q_proxy) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None):
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
+    q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     return sparse_fwd.msa_kl_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k)), lse, block_indices.contiguous(),
                                   block_size, scale)
 
@@ -166,11 +213,13 @@ def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu
 def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
                   kl_grad, cu_seqlens=None):
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
-    q_proxy, k_proxy, q, k, v, out = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v, out))
+    qp, kp = _proxy_at(q_proxy, k_proxy, q.shape[3])
+    qp, kp, q, k, v, out = (_tma_ready(t) for t in (qp, kp, q, k, v, out))
     grad_out = _tma_ready(grad_out) if grad_out is not None else None
-    return sparse_bwd.msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices.contiguous(),
-                                        block_size, scale, grad_out, kl_grad,
-                                        deterministic=torch.are_deterministic_algorithms_enabled())
+    grads = sparse_bwd.msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_proxy, block_indices.contiguous(), block_size,
+                                         scale, grad_out, kl_grad,
+                                         deterministic=torch.are_deterministic_algorithms_enabled())
+    return _proxy_grads(grads, q_proxy, k_proxy, q.shape[3])
 
 
 # Warmup's KL pass and proxy backward run on the dense kernels where they are built (flash_msa_rt.ops.warmup_kl:
@@ -254,6 +303,8 @@ def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, *, kl=Tru
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if not _warmup_fits(q_proxy, q):
         return reference_impl("warmup_forward")(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, kl=kl)
+    if kl:
+        q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
         return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale, kl=kl)
     q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
@@ -279,6 +330,7 @@ def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None):
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if not _warmup_fits(q_proxy, q):
         return reference_impl("warmup_kl")(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens)
+    q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
         return _msa_kl(q_proxy, k_proxy, q, k, v, lse, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
     return _dense_warmup_kl(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k)), lse, scale)
@@ -289,6 +341,13 @@ def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad
     if not _warmup_fits(q_proxy, q):
         return reference_impl("warmup_backward")(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
                                                  grad_out, kl_grad, cu_seqlens)
+    grads = _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad)
+    return _proxy_grads(grads, q_proxy, k_proxy, q.shape[3])
+
+
+def _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad):
+    """_warmup_backward with the proxy at D (_proxy_at); its proxy gradients are D wide."""
+    q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
         return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy),
                              WARMUP_BLOCK, scale, grad_out, kl_grad)

@@ -29,9 +29,16 @@ SWIZZLE_BYTES = 128
 ELEM_BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}
 
 
-def swizzle_elems(dtype: str) -> int:
-    """Elements of one 128-byte swizzled box row: the TMA box's innermost extent."""
-    return SWIZZLE_BYTES // ELEM_BYTES[dtype]
+def swizzle_bytes(dtype: str, head_dim: int) -> int:
+    """The swizzle of the proxy tiles: 128 bytes, or a whole Dp row where it is narrower (an e4m3 row at Dp 64 is
+    64 bytes: a 128-byte box would be wider than the tensor, so those tiles take the 64-byte swizzle, which TMA and
+    wgmma's K-major descriptors both have)."""
+    return min(SWIZZLE_BYTES, head_dim * ELEM_BYTES[dtype])
+
+
+def swizzle_elems(dtype: str, head_dim: int) -> int:
+    """Elements of one swizzled box row: the TMA box's innermost extent."""
+    return swizzle_bytes(dtype, head_dim) // ELEM_BYTES[dtype]
 
 
 @dataclass(frozen=True)
@@ -104,15 +111,17 @@ def proxy_operands(config) -> dict:
     dp = c.head_dim
     # The descriptor CuTeDSL builds for a (1, rows, 1, Dp) box over (B, S, H, Dp): its TMA basis is
     # (64, rows, 1, 1):(1@3, 1@1, 1@0, 1@2), i.e. dims Dp, S, B, H innermost first, 128-byte-wide Dp boxes (128B
-    # swizzle: 64 bf16 or 128 fp8 elements), Dp / box copies per tile. compile() reads the basis back from the atom and checks it equals this.
+    # swizzle: 64 bf16 or 128 fp8 elements; 64B boxes and swizzle for e4m3 at Dp 64: swizzle_bytes), Dp / box
+    # copies per tile. compile() reads the basis back from the atom and checks it equals this.
+    sw = swizzle_bytes(c.dtype, dp)
     return {
         "q_proxy": TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", dp), ("i64", "i64", "i64", 1), align=16),
         "k_proxy": TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", dp), ("i64", "i64", "i64", 1), align=16),
-        "tma_q": TmaParam("tma_q", "q_proxy", dims=(3, 1, 0, 2), box=(swizzle_elems(c.dtype), c.tile_m, 1, 1),
-                          swizzle=SWIZZLE_BYTES),
+        "tma_q": TmaParam("tma_q", "q_proxy", dims=(3, 1, 0, 2), box=(swizzle_elems(c.dtype, dp), c.tile_m, 1, 1),
+                          swizzle=sw),
         "tma_q_coord": TmaCoordParam("tma_q_coord", "q_proxy", dynamic_modes=3),  # (B, S, Hp) in tensor mode order
-        "tma_k": TmaParam("tma_k", "k_proxy", dims=(3, 1, 0, 2), box=(swizzle_elems(c.dtype), c.block_size, 1, 1),
-                          swizzle=SWIZZLE_BYTES),
+        "tma_k": TmaParam("tma_k", "k_proxy", dims=(3, 1, 0, 2), box=(swizzle_elems(c.dtype, dp), c.block_size, 1, 1),
+                          swizzle=sw),
         "tma_k_coord": TmaCoordParam("tma_k_coord", "k_proxy", dynamic_modes=3),  # (B, S, Hpk)
     }
 

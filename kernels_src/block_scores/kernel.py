@@ -18,9 +18,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from kernels_src.block_scores import Config
+from kernels_src.block_scores import Config, swizzle_bytes
 from kernels_src.constants import DTYPES
 from kernels_src.tiles import acc_rows_cols, tile_storage
+
+_ATOM_KIND = {128: warpgroup.SmemLayoutAtomKind.K_SW128, 64: warpgroup.SmemLayoutAtomKind.K_SW64}
 
 
 @dataclasses.dataclass
@@ -67,12 +69,15 @@ class ProxyBlockScores:
     # ------------------------------------------------------------------ host side (traced once per compile)
 
     def _smem_layouts(self):
-        """K-major, 128B-swizzled smem for a (rows, Dp) tile: what TMA writes and what ldmatrix reads.
+        """K-major, swizzled smem for a (rows, Dp) tile: what TMA writes and what ldmatrix / wgmma read.
 
-        The swizzle atom is 8 rows x 64 bf16 (128 bytes); Dp = 128 is two atoms side by side, so TMA boxes are
+        The 128B swizzle atom is 8 rows x 64 bf16 (128 bytes); Dp = 128 is two atoms side by side, so TMA boxes are
         64 elements wide and each tile takes Dp / 64 copies. Conflict-free ldmatrix comes from the same swizzle.
+        An e4m3 row at Dp 64 is 64 bytes, narrower than the 128B atom: those tiles take the 64B atom
+        (kernels_src.block_scores.swizzle_bytes, which the TMA descriptors declare too).
         """
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        kind = _ATOM_KIND[swizzle_bytes(self.cfg.dtype, self.head_dim)]
+        atom = warpgroup.make_smem_layout_atom(kind, self.dtype)
         s_q = cute.tile_to_shape(atom, (self.tile_m, self.head_dim), (0, 1))
         s_k = cute.tile_to_shape(atom, (self.block_size, self.head_dim, self.stages), (0, 1, 2))
         return s_q, s_k
