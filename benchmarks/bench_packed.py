@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from benchmarks.bench_msa import BLOCK, CONFIGS, D, DP, TOP_K, nnz_main  # noqa: E402
 from benchmarks.common import commit, cuda_time_ms  # noqa: E402
+from flash_msa_rt import tuning  # noqa: E402
 from flash_msa_rt.ops import packed  # noqa: E402
 
 TOKENS = 128 * 1024
@@ -178,7 +179,8 @@ def run(args) -> dict:
         # which packed.batches pads into a few calls (the calls are counted beside the time).
         lengths = short_mix(args.seed)
         p, d = case.packed(lengths), case.dense(lengths)
-        calls = len(packed.batches(packed.sequence_spans(torch.tensor([0, *itertools.accumulate(lengths)])), True))
+        spans = packed.sequence_spans(torch.tensor([0, *itertools.accumulate(lengths)]))
+        calls = len(packed.batches(spans, True, tuning.packed.choose("sm90a").call_pairs))
         rows.append(dict(config=cfg, kind="short", pack=f"65536 + {len(lengths) - 1} documents of 128..1024",
                          packed=p, dense=d, calls_per_op=calls, x_dense=d["fwd_bwd_ms"] / p["fwd_bwd_ms"]))
         print(f"{cfg} one 64K document + {len(lengths) - 1} short ones: packed {p['fwd_ms']:.2f}/{p['fwd_bwd_ms']:.2f} ms "

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from flash_msa_rt import tuning
 from flash_msa_rt.ops import dispatch, kernels
 
 
@@ -343,7 +344,8 @@ def test_packed_sparse_ops_pad_different_lengths_into_one_call():
             torch.zeros(1, Hp, total, 3, dtype=torch.int32), 128, 0.1, torch.ones(1, total, H, 8),
             torch.ones(1, Hp, total)]
     cu = torch.tensor([0, 3, 10, 13, 313], dtype=torch.int32)
-    grads = run(*args, cu)
+    with tuning.override(packed={"call_pairs": 0}):  # no bucket joins a longer one
+        grads = run(*args, cu)
     assert [s[0] for s in seen] == [(3, 128), (1, 300)]
     _, sel, dout, kl_grad = seen[0]
     for row, n in enumerate((3, 7, 3)):
@@ -352,6 +354,29 @@ def test_packed_sparse_ops_pad_different_lengths_into_one_call():
         assert kl_grad[row, :, :n].eq(1).all() and kl_grad[row, :, n:].eq(0).all()
     torch.testing.assert_close(grads[2], q * 2, rtol=0, atol=0)
     assert packed.batches([(0, 3), (3, 10)], paddable=False) == [packed.Batch(0, 3, 1), packed.Batch(3, 7, 1)]
+
+
+def test_short_buckets_join_longer_ones_while_padding_costs_less_than_a_call():
+    """A bucket joins the next longer one where padding its sequences there adds at most call_pairs causal pairs
+    (tuning.packed): short documents share one call, a long one never pads them to its length; through
+    per_sequence, 3, 7, 3 and 300 tokens become one call of four rows of 384."""
+    from flash_msa_rt.ops import packed
+
+    def spans(lengths):
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        return [(e - n, e) for n, e in zip(lengths, ends)]
+
+    short = [128, 200, 300, 500, 130, 1000]
+    got = packed.batches(spans(short + [65536]), paddable=True, call_pairs=1 << 24)
+    assert [(b.length, b.count) for b in got] == [(1024, 6), (65536, 1)]
+    assert [b.length for b in packed.batches(spans(short), paddable=True, call_pairs=0)] == [128, 256, 300, 500, 1000]
+    assert len(packed.batches(spans([128] * 200 + [1024]), paddable=True, call_pairs=1 << 24)) == 2  # 200 x 512K
+    seen = []
+    run = packed.per_sequence("select_blocks", lambda qp, kp, *a, **k: seen.append(qp.shape[:2]) or
+                              torch.zeros(qp.shape[0], 2, qp.shape[1], 1, dtype=torch.int32), None)
+    run(torch.zeros(1, 313, 2, 8), torch.zeros(1, 313, 1, 8), 1, 64, 0.3,
+        torch.tensor([0, 3, 10, 13, 313], dtype=torch.int32))
+    assert seen == [(4, 384)]
 
 
 def test_packed_runs_compute_the_varlen_contract():

@@ -20,11 +20,15 @@ rows' lse.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from flash_msa_rt.tuning import packed as tuning_packed
+
+from flash_msa_rt.ops.device import arch_of
 from flash_msa_rt.ops.offsets import capturing, declared_max_seqlen, host_offsets
 
 
@@ -81,22 +85,32 @@ class Batch:
     members: tuple = ()
 
 
-def batches(spans: list[tuple[int, int]], paddable: bool) -> list[Batch]:
+def batches(spans: list[tuple[int, int]], paddable: bool, call_pairs: int = 0) -> list[Batch]:
     """The calls a pack takes: its runs of equal lengths (equal_runs); for a paddable op, the runs whose lengths
-    round up to one padded_length together as one padded batch wherever there are several such runs."""
+    round up to one padded_length together as one padded batch wherever there are several such runs, and a bucket
+    joins the next longer one where padding its sequences to that length adds at most call_pairs causal (query,
+    key) pairs per head (tuning.packed: what one more call costs)."""
     runs = [Batch(a, length, count) for a, length, count in equal_runs(spans)]
     if not paddable:
         return runs
     buckets: dict[int, list[Batch]] = {}
     for r in runs:
         buckets.setdefault(padded_length(r.length), []).append(r)
+    groups: list[list] = []  # [padded length, its runs], shortest first
+    for length in sorted(buckets):
+        if groups:
+            shorter = sum(r.count for r in groups[-1][1])
+            if shorter * (length * length - groups[-1][0] ** 2) // 2 <= call_pairs:
+                groups[-1] = [length, groups[-1][1] + buckets[length]]
+                continue
+        groups.append([length, buckets[length]])
     out = []
-    for length, group in buckets.items():
+    for length, group in groups:
         if len(group) == 1:
             out.extend(group)
         else:
             members = tuple((r.start + n * r.length, r.start + (n + 1) * r.length) for r in group for n in range(r.count))
-            out.append(Batch(group[0].start, length, len(members), members))
+            out.append(Batch(min(a for a, _ in members), length, len(members), tuple(sorted(members))))
     return sorted(out, key=lambda b: b.start)
 
 
@@ -175,6 +189,25 @@ class _Padded:
         else:
             flat = r.transpose(0, 1).reshape(r.shape[1], self.count * self.length, *r.shape[3:])
             full[0].index_copy_(1, self.dest, flat.index_select(1, self.keep))
+
+
+_TAKES: dict[int, tuple] = {}  # id(cu_seqlens) -> (weakref to it, its version, {(batch, device): _Padded})
+
+
+def _padded(cu: torch.Tensor, batch: Batch, device: torch.device) -> _Padded:
+    """batch's gather and scatter indices, made once per offsets tensor and version: every op of a step (selection,
+    forward, KL pass, backward, in every layer that gets the same offsets) reuses them instead of building them
+    on the host and copying them to the device again."""
+    key, version = id(cu), getattr(cu, "_version", None)
+    kept = _TAKES.get(key)
+    if kept is None or kept[0]() is not cu or kept[1] != version:
+        kept = (weakref.ref(cu, lambda _, key=key: _TAKES.pop(key, None)), version, {})
+        if version is not None:
+            _TAKES[key] = kept
+    take = kept[2].get((batch, device))
+    if take is None:
+        take = kept[2][(batch, device)] = _Padded(batch, device)
+    return take
 
 
 class _DevicePadded(_Padded):
@@ -272,8 +305,9 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
             args[spec.cu] = cu
             return fallback(*args, **kwargs)
         parts, single = [], False
-        for batch in batches(spans, spec.paddable):
-            take = _Padded(batch, args[0].device) if batch.members else None
+        call_pairs = tuning_packed.choose(arch_of(args[0].device)).call_pairs
+        for batch in batches(spans, spec.paddable, call_pairs):
+            take = _padded(cu, batch, args[0].device) if batch.members else None
 
             def rows(t, dim, fill=None, take=take, batch=batch):
                 return take.rows(t, dim, fill) if take else _rows(t, dim, batch.start, batch.length, batch.count)
