@@ -180,7 +180,8 @@ def run(args) -> dict:
         lengths = short_mix(args.seed)
         p, d = case.packed(lengths), case.dense(lengths)
         spans = packed.sequence_spans(torch.tensor([0, *itertools.accumulate(lengths)]))
-        calls = len(packed.batches(spans, True, tuning.packed.choose("sm90a").call_pairs))
+        policy = tuning.packed.choose("sm90a")
+        calls = len(packed.batches(spans, True, policy.call_pairs, policy.merge_max_length))
         rows.append(dict(config=cfg, kind="short", pack=f"65536 + {len(lengths) - 1} documents of 128..1024",
                          packed=p, dense=d, calls_per_op=calls, x_dense=d["fwd_bwd_ms"] / p["fwd_bwd_ms"]))
         print(f"{cfg} one 64K document + {len(lengths) - 1} short ones: packed {p['fwd_ms']:.2f}/{p['fwd_bwd_ms']:.2f} ms "

@@ -344,7 +344,7 @@ def test_packed_sparse_ops_pad_different_lengths_into_one_call():
             torch.zeros(1, Hp, total, 3, dtype=torch.int32), 128, 0.1, torch.ones(1, total, H, 8),
             torch.ones(1, Hp, total)]
     cu = torch.tensor([0, 3, 10, 13, 313], dtype=torch.int32)
-    with tuning.override(packed={"call_pairs": 0}):  # no bucket joins a longer one
+    with tuning.override(packed={"merge_max_length": 0}):  # no bucket joins a longer one
         grads = run(*args, cu)
     assert [s[0] for s in seen] == [(3, 128), (1, 300)]
     _, sel, dout, kl_grad = seen[0]
@@ -367,10 +367,15 @@ def test_short_buckets_join_longer_ones_while_padding_costs_less_than_a_call():
         return [(e - n, e) for n, e in zip(lengths, ends)]
 
     short = [128, 200, 300, 500, 130, 1000]
-    got = packed.batches(spans(short + [65536]), paddable=True, call_pairs=1 << 24)
+    got = packed.batches(spans(short + [65536]), paddable=True, call_pairs=1 << 24, merge_max_length=2048)
     assert [(b.length, b.count) for b in got] == [(1024, 6), (65536, 1)]
+    longer = packed.batches(spans([3000, 3100, 3500]), paddable=True, call_pairs=1 << 24, merge_max_length=2048)
+    assert [b.length for b in longer] == [3000, 3100, 3500]  # above merge_max_length: no merge
+    assert len(packed.batches(spans([3000, 3100, 3500]), paddable=True, call_pairs=1 << 24,
+                              merge_max_length=4096)) == 1
     assert [b.length for b in packed.batches(spans(short), paddable=True, call_pairs=0)] == [128, 256, 300, 500, 1000]
-    assert len(packed.batches(spans([128] * 200 + [1024]), paddable=True, call_pairs=1 << 24)) == 2  # 200 x 512K
+    assert len(packed.batches(spans([128] * 200 + [1024]), paddable=True, call_pairs=1 << 24,
+                              merge_max_length=2048)) == 2  # 200 x 512K pairs: too many
     seen = []
     run = packed.per_sequence("select_blocks", lambda qp, kp, *a, **k: seen.append(qp.shape[:2]) or
                               torch.zeros(qp.shape[0], 2, qp.shape[1], 1, dtype=torch.int32), None)

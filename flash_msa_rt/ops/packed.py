@@ -10,7 +10,8 @@ keys after its end (causal), its last block is its own local block whatever the 
 padded key is ever compared, in fp8 selection neither: zeros change no block's max |x|), and in the backward the
 padded rows have no selected block, a zero upstream gradient and a zero KL gradient, so they add nothing to any
 key. The cost: reading cu_seqlens on the host (one synchronisation per offsets tensor, which the varlen entry points'
-validation already makes and the ops reuse: flash_msa_rt.ops.offsets), one set of launches per run or padded bucket, and the copies into and out of a padded
+validation already makes and the ops reuse: flash_msa_rt.ops.offsets), one set of launches per run or padded
+bucket, and the copies into and out of a padded
 bucket. Under CUDA graph capture none of this can read the offsets: there every op takes the whole pack as one
 batch padded to the caller's max_seqlen, planned on the device (_DevicePadded). Kernels that take the offsets
 themselves would replace both. Separate key offsets (cu_seqlens_k,
@@ -85,11 +86,12 @@ class Batch:
     members: tuple = ()
 
 
-def batches(spans: list[tuple[int, int]], paddable: bool, call_pairs: int = 0) -> list[Batch]:
+def batches(spans: list[tuple[int, int]], paddable: bool, call_pairs: int = 0,
+            merge_max_length: int = 0) -> list[Batch]:
     """The calls a pack takes: its runs of equal lengths (equal_runs); for a paddable op, the runs whose lengths
     round up to one padded_length together as one padded batch wherever there are several such runs, and a bucket
-    joins the next longer one where padding its sequences to that length adds at most call_pairs causal (query,
-    key) pairs per head (tuning.packed: what one more call costs)."""
+    joins the next longer one, up to merge_max_length, where padding its sequences to that length adds at most
+    call_pairs causal (query, key) pairs per head (tuning.packed: what one more call costs)."""
     runs = [Batch(a, length, count) for a, length, count in equal_runs(spans)]
     if not paddable:
         return runs
@@ -98,7 +100,7 @@ def batches(spans: list[tuple[int, int]], paddable: bool, call_pairs: int = 0) -
         buckets.setdefault(padded_length(r.length), []).append(r)
     groups: list[list] = []  # [padded length, its runs], shortest first
     for length in sorted(buckets):
-        if groups:
+        if groups and length <= merge_max_length:
             shorter = sum(r.count for r in groups[-1][1])
             if shorter * (length * length - groups[-1][0] ** 2) // 2 <= call_pairs:
                 groups[-1] = [length, groups[-1][1] + buckets[length]]
@@ -109,7 +111,8 @@ def batches(spans: list[tuple[int, int]], paddable: bool, call_pairs: int = 0) -
         if len(group) == 1:
             out.extend(group)
         else:
-            members = tuple((r.start + n * r.length, r.start + (n + 1) * r.length) for r in group for n in range(r.count))
+            members = tuple((r.start + n * r.length, r.start + (n + 1) * r.length)
+                            for r in group for n in range(r.count))
             out.append(Batch(min(a for a, _ in members), length, len(members), tuple(sorted(members))))
     return sorted(out, key=lambda b: b.start)
 
@@ -305,8 +308,8 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
             args[spec.cu] = cu
             return fallback(*args, **kwargs)
         parts, single = [], False
-        call_pairs = tuning_packed.choose(arch_of(args[0].device)).call_pairs
-        for batch in batches(spans, spec.paddable, call_pairs):
+        policy = tuning_packed.choose(arch_of(args[0].device))
+        for batch in batches(spans, spec.paddable, policy.call_pairs, policy.merge_max_length):
             take = _padded(cu, batch, args[0].device) if batch.members else None
 
             def rows(t, dim, fill=None, take=take, batch=batch):

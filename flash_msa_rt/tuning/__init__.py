@@ -3,8 +3,8 @@ work items, each field with the measurement behind it.
 
     flash_msa_rt.tuning.sparse_fwd.choose("sm90a", Problem(group=4, batch=2, seqlen=65536, heads=32))
 
-Layout: one module per op (select, fp8_quant, block_scores, sparse_fwd, sparse_bwd, warmup, plan, packed); mma says which
-MMA each family runs per arch; overrides holds the one way to run something else (tests, benchmarks):
+Layout: one module per op (select, fp8_quant, block_scores, sparse_fwd, sparse_bwd, warmup, plan, packed); mma says
+which MMA each family runs per arch; overrides holds the one way to run something else (tests, benchmarks):
 
     with flash_msa_rt.tuning.override(sparse_bwd={"producer": False}):
         ...

@@ -15,6 +15,9 @@ class PackedTuning:
     # What one more call of an op costs, in (query, key) pairs of causal attention per head: a bucket of shorter
     # sequences joins the next longer one when padding its members to that length adds at most this many pairs.
     call_pairs: int
+    # The longest padded length a bucket may be merged up to: below it the calls are host-bound (their kernels take
+    # less than the call's host time), above it the kernels hide the host time and merging only adds padded work.
+    merge_max_length: int
 
 
 register("packed", PackedTuning)
@@ -31,4 +34,9 @@ def _choose(arch: str, overrides: Overrides) -> PackedTuning:
     # 64K document alone, ~7 ms of it the short documents' own work, so ~5.8 ms per extra bucket; the fixed batch
     # runs ~4e6 causal pairs per ms (16 x 8K: 2.35e8 pairs per head in 58.4 ms), so a call ~2.3e7 pairs. 2**24 stays
     # below it (benchmarks/results/packed_b.json, f23d22c).
-    return PackedTuning(call_pairs=int(o.get("call_pairs", 1 << 24)))
+    # merge_max_length: merging every bucket under call_pairs also joined the mix's 2.8K-11.6K documents (17 calls
+    # -> 5) and took it from 92% to 81% of the fixed batch's TFLOPS (67.9 -> 74.9 ms), while the short documents
+    # (all <= 1024) went from 93.1 to 69.3 ms in 2 calls (packed_b.json at f23d22c and 3fa9093). 2048: the top-k
+    # window, below which each sequence's attention is dense and its calls small.
+    return PackedTuning(call_pairs=int(o.get("call_pairs", 1 << 24)),
+                        merge_max_length=int(o.get("merge_max_length", 2048)))
