@@ -3,7 +3,7 @@ op (deferred KL) with bf16 and fp8 selection against S, beside cuDNN dense atten
 dense's.
 
 Time: benchmarks/results/msa_fp8.json (128K tokens per step, B = 128K / S, 8K..128K) and msa_long.json (B = 1,
-256K..1M), per sequence (ms / B), with dense measured per sequence up to 128K and extrapolated beyond as S^2 from
+256K..1M), per sequence (ms / B), beside a proxy of head dim 64 (msa_dp64.json, msa_dp64_long.json), with dense measured per sequence up to 128K and extrapolated beyond as S^2 from
 its 128K time (marked as such). Memory: benchmarks/results/memory.json (B = 1).
 
     python benchmarks/plot_long.py [out.png]
@@ -19,8 +19,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 OPS = {"bf16 selection": "msa_func.fwd+bwd/deferred", "fp8 selection": "msa_func.fwd+bwd/deferred+fp8"}
 
 
-def per_sequence_ms(rows, op) -> dict[int, float]:
-    return {r["S"]: r["ms"] / r["B"] for r in rows if r["config"] == "b" and r["op"] == op and r.get("ms")}
+def per_sequence_ms(rows, op, config="b") -> dict[int, float]:
+    return {r["S"]: r["ms"] / r["B"] for r in rows if r["config"] == config and r["op"] == op and r.get("ms")}
 
 
 def main(out: Path = RESULTS / "long.png") -> Path:
@@ -36,6 +36,11 @@ def main(out: Path = RESULTS / "long.png") -> Path:
         ms = {**per_sequence_ms(short["rows"], op), **per_sequence_ms(long_["rows"], op)}
         xs = sorted(ms)
         ax_t.plot(xs, [ms[s] for s in xs], "o-", label=f"MSA, {label}")
+    dp64 = [json.loads((RESULTS / f).read_text()) for f in ("msa_dp64.json", "msa_dp64_long.json")]
+    for label, op in OPS.items():  # a proxy of head dim 64 (config b64), 64K..1M
+        ms = {k: v for d in dp64 for k, v in per_sequence_ms(d["rows"], op, "b64").items()}
+        xs = sorted(ms)
+        ax_t.plot(xs, [ms[s] for s in xs], "^--", label=f"MSA, Dp = 64, {label} ({dp64[1]['commit']})")
     dense = per_sequence_ms(short["rows"], "cudnn_dense.fwd+bwd")
     xs = sorted(dense)
     ax_t.plot(xs, [dense[s] for s in xs], "s-", color="gray", label="cuDNN dense (measured)")
