@@ -1,5 +1,6 @@
 """Context parallelism on CPU with gloo (flash_msa_rt.distributed): 2 and 3 ranks spawned here, both schemes, odd
-S whose chunks do not align with the 128-token blocks, MSA and warmup, float64 and float32. Every rank's outputs
+S whose chunks do not align with the 128-token blocks, MSA and warmup, float64 and float32, and a packed row
+(cu_seqlens: each sequence split over the ranks on its own). Every rank's outputs
 and gradients, put back in sequence order, must equal the single-process op on the full sequence (the loss of the
 single process: sum over ranks of each rank's loss, kl_loss counted once as the contract says), and kl_loss must be
 the whole sequence's KL on every rank."""
@@ -15,6 +16,7 @@ import torch.multiprocessing as mp
 
 B, S, H, Hk, Hp, Hpk, D = 2, 389, 4, 2, 2, 1, 16
 TOP_K, COEF = 256, 0.7
+PACK = [0, 150, 157, 157, S]  # one row as a pack: 150 tokens, 7 (fewer than 2N chunks), an empty one, 232
 CASES = [(scheme, sparse, dtype) for scheme in ("zigzag", "contiguous") for sparse in (True, False)
          for dtype in (torch.float64, torch.float32)]
 
@@ -42,7 +44,7 @@ def _rank(rank, world, port, results, backend="gloo"):
 
     import torch.distributed as dist
 
-    from flash_msa_rt.distributed import flash_msa_cp_func, flash_msa_warmup_cp_func, shard_sequence
+    from flash_msa_rt.distributed import flash_msa_cp_func, flash_msa_warmup_cp_func, shard_sequence, unshard_sequence
 
     warnings.simplefilter("ignore")
     device = torch.device("cpu")
@@ -75,6 +77,17 @@ def _rank(rank, world, port, results, backend="gloo"):
         out, kl = flash_msa_cp_func(*local, TOP_K, select_precision="fp8")
         ((out * shard_sequence(dout.to(device), seq_dim=1)).sum() + COEF * kl).backward()
         mine["fp8"] = (out.detach().cpu(), kl.detach().cpu(), [t.grad.cpu() for t in local])
+        cu = torch.tensor(PACK, dtype=torch.int32)  # packed sequences: each split over the ranks on its own
+        for sparse in (True, False):
+            ins, dout = _full_inputs(torch.float64)
+            ins, dout = [t[:1].to(device) for t in ins], dout[:1].to(device)
+            local = [shard_sequence(t, seq_dim=2, cu_seqlens=cu).requires_grad_() for t in ins]
+            fn = flash_msa_cp_func if sparse else flash_msa_warmup_cp_func
+            out, kl = fn(*local, TOP_K, cu_seqlens=cu)
+            ((out * shard_sequence(dout, seq_dim=1, cu_seqlens=cu)).sum() + COEF * kl).backward()
+            mine[("pack", sparse)] = (out.detach().cpu(), kl.detach().cpu(), [t.grad.cpu() for t in local],
+                                      torch.equal(unshard_sequence(local[2].detach(), seq_dim=2, cu_seqlens=cu),
+                                                  ins[2]))
         try:  # one token over N >= 2 ranks: some rank would hold nothing; every rank says so, none hangs
             flash_msa_cp_func(*(shard_sequence(t[:, :, :1], seq_dim=2) for t in ins), TOP_K, seqlen=1)
             mine["too_short"] = "no error"
@@ -102,6 +115,30 @@ def _unshard(parts, world, scheme, seq_dim):
                 full[t] = part.select(seq_dim, at + t - a)
             at += b - a
     return torch.stack(full, dim=seq_dim)
+
+
+def _unshard_pack(parts, world, seq_dim):
+    from flash_msa_rt.distributed.sharding import pack_spans
+
+    full = [None] * S
+    for r, part in enumerate(parts):
+        at = 0
+        for a, b in pack_spans(PACK, world, r):
+            for t in range(a, b):
+                full[t] = part.select(seq_dim, at + t - a)
+            at += b - a
+    return torch.stack(full, dim=seq_dim)
+
+
+def _single_pack(sparse):
+    import flash_msa_rt as F
+
+    ins, dout = _full_inputs(torch.float64)
+    leaves = [t[:1].clone().requires_grad_() for t in ins]
+    fn = F.flash_msa_func if sparse else F.flash_msa_warmup_func
+    out, kl = fn(*leaves, TOP_K, cu_seqlens=torch.tensor(PACK, dtype=torch.int32))
+    ((out * dout[:1]).sum() + COEF * kl).backward()
+    return out.detach(), kl.detach(), [t.grad for t in leaves]
 
 
 def _check_against_single_process(world, backend="gloo"):
@@ -134,6 +171,17 @@ def _check_against_single_process(world, backend="gloo"):
     for i, name in enumerate(("q_proxy", "k_proxy", "q", "k", "v")):
         got = _unshard([results[r]["fp8"][2][i] for r in range(world)], world, "zigzag", 2)
         torch.testing.assert_close(got, want_grads[i], **tol, msg=lambda m: f"{world} ranks, fp8: d{name}: {m}")
+    for sparse in (True, False):
+        want_out, want_kl, want_grads = _single_pack(sparse)
+        what, tol = f"{world} ranks, packed {'MSA' if sparse else 'warmup'}", dict(rtol=1e-9, atol=1e-11)
+        for r in range(world):
+            torch.testing.assert_close(results[r][("pack", sparse)][1], want_kl, **tol)
+            assert results[r][("pack", sparse)][3], f"{what}: unshard_sequence(shard_sequence(x)) != x on rank {r}"
+        out = _unshard_pack([results[r][("pack", sparse)][0] for r in range(world)], world, 1)
+        torch.testing.assert_close(out, want_out, **tol, msg=lambda m: f"{what}: out: {m}")
+        for i, name in enumerate(("q_proxy", "k_proxy", "q", "k", "v")):
+            got = _unshard_pack([results[r][("pack", sparse)][2][i] for r in range(world)], world, 2)
+            torch.testing.assert_close(got, want_grads[i], **tol, msg=lambda m: f"{what}: d{name}: {m}")
     exact_kl = _single(True, torch.float64)[1]
     for r in range(world):
         torch.testing.assert_close(results[r]["deferred"], exact_kl.float(), rtol=1e-6, atol=0,

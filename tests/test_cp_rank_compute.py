@@ -10,6 +10,7 @@ import torch
 
 import flash_msa_rt as F
 from flash_msa_rt.distributed import shard_spans
+from flash_msa_rt.distributed.sharding import pack_spans, pack_starts
 from flash_msa_rt.distributed.attention import rank_attention
 
 B, S, H, Hk, Hp, Hpk, D, TOP_K, WORLD = 1, 777, 4, 2, 2, 1, 32, 256, 4
@@ -25,22 +26,28 @@ def _rows(x, spans):
     return torch.cat([x[:, a:b] for a, b in spans], dim=1)
 
 
-def _check(device, dtype, sparse, precision, tol):
+PACK = [300, 5, 0, 200, 272]  # sequences of a packed row (B = 1, S tokens): one shorter than 2N chunks, one empty
+
+
+def _check(device, dtype, sparse, precision, tol, packed=False):
     full = [t.detach().requires_grad_() for t in _inputs(device, dtype)]
     fn = F.flash_msa_func if sparse else F.flash_msa_warmup_func
     kwargs = {"select_precision": precision} if sparse else {}
-    out, kl = fn(*full, TOP_K, layout="bshd", **kwargs)
+    bounds = [0, *torch.tensor(PACK).cumsum(0).tolist()] if packed else None
+    cu = None if bounds is None else torch.tensor(bounds, dtype=torch.int32, device=device)
+    out, kl = fn(*full, TOP_K, layout="bshd", **kwargs, **({"cu_seqlens": cu} if packed else {}))
     g = torch.Generator().manual_seed(2)
     dout = torch.randn(out.shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
     ((out.float() * dout.float()).sum() + kl).backward()
 
     key_grads = [torch.zeros_like(t, dtype=torch.float64) for t in full[1:2] + full[3:]]
     for r in range(WORLD):
-        spans = shard_spans(S, WORLD, r, "zigzag")
+        spans = pack_spans(bounds, WORLD, r) if packed else shard_spans(S, WORLD, r, "zigzag")
         L = sum(b - a for a, b in spans)
         qp, q = (_rows(t.detach(), spans).requires_grad_() for t in (full[0], full[2]))
         kp, k, v = (t.detach().requires_grad_() for t in (full[1], full[3], full[4]))
-        o, kl_r = rank_attention(sparse, qp, kp, q, k, v, spans, TOP_K, block_size=128, **kwargs)
+        o, kl_r = rank_attention(sparse, qp, kp, q, k, v, spans, TOP_K, block_size=128, **kwargs,
+                                 starts=pack_starts(bounds) if packed else None)
         torch.testing.assert_close(o.reshape(B, L, -1), _rows(out.detach(), spans), **tol)
         # this rank's share of the whole mean: its rows' KL weighted by L / S
         ((o.float() * _rows(dout, spans).reshape(o.shape).float()).sum() + kl_r * (L / S)).backward()
@@ -56,6 +63,13 @@ def _check(device, dtype, sparse, precision, tol):
                          ids=["msa", "msa-fp8", "warmup"])
 def test_simulated_ranks_equal_the_full_op(sparse, precision):
     _check("cpu", torch.float64, sparse, precision, dict(rtol=1e-9, atol=1e-10))
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["msa", "warmup"])
+def test_simulated_ranks_of_a_pack_equal_the_full_packed_op(sparse):
+    """A packed row (cu_seqlens): each sequence split over the ranks on its own, a chunk's keys its own
+    sequence's prefix; the ranks together equal flash_msa_func(..., cu_seqlens=)."""
+    _check("cpu", torch.float64, sparse, "bf16", dict(rtol=1e-9, atol=1e-10), packed=True)
 
 
 @pytest.mark.gpu

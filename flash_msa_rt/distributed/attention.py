@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from flash_msa_rt import api
-from flash_msa_rt.distributed.sharding import check_scheme, gather_sequence, group_of, seqlen_of, shard_spans
+from flash_msa_rt.distributed.sharding import (check_scheme, gather_sequence, group_of, pack_bounds, pack_starts,
+                                              seqlen_of, spans_of)
 from flash_msa_rt.ops import layout as _layout
 from flash_msa_rt.ops import validation as _v
 
@@ -21,7 +22,8 @@ _NAMES = ("q_proxy", "k_proxy", "q", "k", "v")
 
 
 def flash_msa_cp_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, *, group=None, scheme="zigzag", layout="bhsd",
-                      kl_value="exact", kl_metric=None, block_size=128, seqlen=None, select_precision="bf16"):
+                      kl_value="exact", kl_metric=None, block_size=128, seqlen=None, select_precision="bf16",
+                      cu_seqlens=None):
     """flash_msa_func over this rank's shards of one batch of sequences (context parallelism).
 
     The five tensors are this rank's shards (shard_sequence's order: its chunks concatenated along the sequence
@@ -38,34 +40,42 @@ def flash_msa_cp_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, *, group=Non
     rank). select_precision as flash_msa_func's: fp8 key blocks lie on the full sequence's block grid, and the one
     block a rank's key prefix cuts short is never a candidate of that rank's queries (their own block or a later
     one), so the selection is the single-process one.
+
+    cu_seqlens: packed sequences, int32 offsets over the full stream (B = 1; every rank passes the same, read on the
+    host): each sequence is split over the ranks on its own (shard_sequence(..., cu_seqlens=)), and the result is
+    flash_msa_func(..., cu_seqlens=) on the full pack, kl_loss the mean over every (p, token) of the pack.
     """
     return _cp("flash_msa_cp_func", True, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layout, kl_value,
-               kl_metric, block_size, seqlen, select_precision)
+               kl_metric, block_size, seqlen, select_precision, cu_seqlens)
 
 
 def flash_msa_warmup_cp_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, *, group=None, scheme="zigzag",
-                             layout="bhsd", kl_value="exact", kl_metric=None, block_size=128, seqlen=None):
+                             layout="bhsd", kl_value="exact", kl_metric=None, block_size=128, seqlen=None,
+                             cu_seqlens=None):
     """flash_msa_warmup_func over this rank's shards: dense causal main attention over the whole prefix, the proxy
     trained by the KL over it; arguments and returns as flash_msa_cp_func's."""
     return _cp("flash_msa_warmup_cp_func", False, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layout,
-               kl_value, kl_metric, block_size, seqlen)
+               kl_value, kl_metric, block_size, seqlen, cu_seqlens=cu_seqlens)
 
 
 def rank_attention(sparse, q_proxy, k_proxy_full, q, k_full, v_full, spans, top_k, scale=None, *, block_size=128,
-                   kl_value="exact", kl_metric=None, select_precision="bf16"):
+                   kl_value="exact", kl_metric=None, select_precision="bf16", starts=None):
     """One rank's compute, no communication: its query shards (B, L, heads, D) in shard order, covering `spans`
     (its [start, end) chunks of each row), against the gathered keys (B, S, heads, D). Each chunk of each row is a
     query sequence whose keys are its row's first `end` tokens (bottom-right causal: the chunk's queries are the
     last of them), one varlen call with separate key offsets, so no key is copied per chunk. Returns
     (out (B L, H, D), kl_loss over this rank's rows). flash_msa_cp_func calls it between the gather and the KL
-    all-reduce; tests run it per rank on one device."""
+    all-reduce; tests run it per rank on one device. starts: where each span's sequence starts when the row is a
+    pack (sharding.pack_starts): a chunk's keys are its own sequence's, from that start to the chunk's end."""
     B, S = k_full.shape[0], k_full.shape[1]
     device = q.device
-    ends = [b for _ in range(B) for _, b in spans]
+    starts = [0] * len(spans) if starts is None else starts
+    used = [b - s0 for (_, b), s0 in zip(spans, starts)]
     q_lens = [b - a for _ in range(B) for a, b in spans]
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([row * S for row in range(B) for _ in spans] + [B * S], dtype=torch.int32, device=device)
-    used_k = torch.tensor(ends, dtype=torch.int32, device=device)
+    cu_k = torch.tensor([row * S + s0 for row in range(B) for s0 in starts] + [B * S], dtype=torch.int32,
+                        device=device)
+    used_k = torch.tensor(used * B, dtype=torch.int32, device=device)
     varlen = api.flash_msa_varlen_func if sparse else api.flash_msa_warmup_varlen_func
     selection = {"select_precision": select_precision} if sparse else {}
     flat = lambda t: t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])  # noqa: E731 - (B, S, h, d) -> (B S, h, d)
@@ -90,7 +100,7 @@ class _AfterBackward(torch.autograd.Function):
 
 
 def _cp(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layout, kl_value, kl_metric, block_size,
-        seqlen, select_precision="bf16"):
+        seqlen, select_precision="bf16", cu_seqlens=None):
     check_scheme(fn, scheme)
     select_precision = _v.check_select_precision(fn, select_precision)
     _v.check_layout(fn, layout)
@@ -107,8 +117,17 @@ def _cp(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layo
         if t.shape[1] != L:
             raise ValueError(f"{fn}: {name} holds {t.shape[1]} tokens of this rank's shard but q holds {L}; the five "
                              f"shards must cover the same tokens")
-    S = seqlen_of(fn, L, group, world, seqlen)
-    spans = [shard_spans(S, world, r, scheme) for r in range(world)]
+    bounds = None
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"{fn}: cu_seqlens packs sequences along S of a batch of one row, but q has batch {B}; "
+                             f"put the sequences one after another in a (1, total, ...) stream")
+        total = int(cu_seqlens[-1]) if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.numel() else -1
+        bounds = pack_bounds(fn, cu_seqlens, total if seqlen is None else seqlen)
+        S = bounds[-1]
+    else:
+        S = seqlen_of(fn, L, group, world, seqlen)
+    spans = [spans_of(S, world, r, scheme, bounds) for r in range(world)]
     empty = [r for r, sp in enumerate(spans) if sum(b - a for a, b in sp) == 0]
     if empty:  # every rank sees the same S and raises here, before any collective of the call
         chunks = 2 * world if scheme == "zigzag" else world
@@ -142,7 +161,8 @@ def _cp(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layo
     kp_full, k_full, v_full = (gather_sequence(t, group, spans, S) for t in (kp, kk, vv))
     out, kl_local = rank_attention(sparse, qp, kp_full, qq, k_full, v_full, mine, top_k, scale,
                                    block_size=block_size, kl_value=kl_value, kl_metric=local_metric,
-                                   select_precision=select_precision)
+                                   select_precision=select_precision,
+                                   starts=None if bounds is None else pack_starts(bounds, scheme))
     # kl_local = (sum of this rank's KL rows) / (Hp B L): its share of the whole mean is L / S of it.
     part = kl_local * (L / S) if S else kl_local * 0.0
     total = part.detach().clone()
