@@ -50,6 +50,7 @@ def row(cfg, B, S, Hp, Hpk, K=16):
              quantize_q_ms=cuda_time_ms(lambda: fp8.quantize_rows(q), **reps),
              quantize_q_direct_store_ms=cuda_time_ms(lambda: direct_store(q), **reps),
              quantize_k_ms=cuda_time_ms(lambda: fp8.quantize_key_blocks(k, 128), **reps),
+             quantize_kernels_ms=cuda_time_ms(lambda: select.quantize(q, k, 128, "sm90a"), **reps),
              kernel_fp8_ms=cuda_time_ms(kernel_alone(q8, k8, k_scale, out, K), **reps),
              kernel_fp8_pairs_ms=cuda_time_ms(kernel_alone(q8, k8, k_scale, out, K, "pairs"), **reps),
              select_fp8_ms=cuda_time_ms(lambda: select.select_blocks_cuda(q, k, K, 128, 0.09, "fp8"), **reps),
@@ -57,7 +58,9 @@ def row(cfg, B, S, Hp, Hpk, K=16):
     r["quantize_floor_ms"] = (3 * q.numel() + 3 * k.numel()) * 2 / (PEAK_TBPS * 1e12) * 1e3
     for name in ("kernel_fp8", "kernel_fp8_pairs", "select_fp8", "select_bf16"):
         r[f"{name}_tflops"] = flops / r[f"{name}_ms"] / 1e9
-    r["quantize_share_of_select_fp8"] = (r["quantize_q_ms"] + r["quantize_k_ms"]) / r["select_fp8_ms"]
+    # select_fp8 quantises as tuning.fp8_quant says (the fp8_quant kernels on sm90a): its share is that pass's
+    r["quantize_share_of_select_fp8"] = r["quantize_kernels_ms"] / r["select_fp8_ms"]
+    r["torch_quantize_over_select_fp8"] = (r["quantize_q_ms"] + r["quantize_k_ms"]) / r["select_fp8_ms"]
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
     return r
 
