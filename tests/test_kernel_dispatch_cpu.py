@@ -33,6 +33,17 @@ def test_sparse_kernels_decline_with_a_reason(over, words, catalogue_artifacts):
         assert "built for sm90a" in reason and "G in (1, 2, 4, 8, 16)" in reason, reason
 
 
+def test_separate_key_offsets_take_the_kernels_under_the_tuning_policy(catalogue_artifacts):
+    """cu_seqlens_k / seqused_k: the kernels' path (packed.per_sequence, each query sequence front-padded to its
+    keys) is taken where tuning.packed says "kernels"; until it has run on a GPU the default keeps the reference
+    and says how to opt in."""
+    catalogue_artifacts("sm90a")
+    reason = kernels._msa_supports(_problem(varlen=True, separate_keys=True))
+    assert reason is not None and "cu_seqlens_k" in reason and "separate_keys" in reason
+    with tuning.override(packed={"separate_keys": "kernels"}):
+        assert kernels._msa_supports(_problem(varlen=True, separate_keys=True)) is None
+
+
 def test_every_default_problem_is_accepted_on_the_default_build(catalogue_artifacts):
     """Against the default sm90a build's manifest, dispatch finds every variant a default forward and backward
     launches (the loader's lookup by named fields), at every built G, deterministic or not, and the selection's;
@@ -631,3 +642,42 @@ def test_proxy_below_d_is_padded_exactly(monkeypatch):
     close(kernels._warmup_kl(qp, kp, q, k, v, wlse, scale), wfwd[2:])
     close(kernels._warmup_backward(qp, kp, q, k, v, wout, wlse, wlse_p, scale, grad_out, kl_grad),
           reference_impl("warmup_backward")(qp, kp, q, k, v, wout, wlse, wlse_p, scale, grad_out, kl_grad))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_separate_key_offsets_on_the_fixed_length_ops_compute_the_varlen_contract(precision):
+    """Queries that are the last L_q of their sequence's L_k keys (cu_seqlens_k), key ranges shared by two query
+    sequences (seqused_k, one context-parallel rank's two zigzag chunks), L_q = 0, L_q not a multiple of the block:
+    packed.per_sequence runs each query sequence front-padded to L_k against a view of its keys on the fixed-length
+    reference ops, and every op equals the varlen reference (float64, CPU); key gradients of shared keys sum."""
+    from flash_msa_rt.ops import packed
+    from flash_msa_rt.ops.backends import reference_impl
+
+    g = torch.Generator().manual_seed(7)
+    Hp, H, D, BS = 2, 4, 8, 64
+    q_lens, k_starts, used = [50, 0, 37, 130], [0, 0, 300, 300], [150, 150, 300, 290]  # key ranges overlap
+    total_q, total_k = sum(q_lens), 600
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k, used_k = torch.tensor(k_starts + [total_k], dtype=torch.int32), torch.tensor(used, dtype=torch.int32)
+    keys = {"cu_seqlens_k": cu_k, "seqused_k": used_k}
+    x = [torch.randn(1, n, h, D, generator=g, dtype=torch.float64)
+         for n, h in ((total_q, Hp), (total_k, 1), (total_q, H), (total_k, 2), (total_k, 2))]
+    kw = {"precision": precision} if precision != "bf16" else {}
+    sel = reference_impl("select_blocks")(x[0], x[1], 3, BS, 0.3, cu, **kw, **keys)
+    fwd = reference_impl("msa_forward")(*x, sel, BS, 0.3, cu, **keys)
+    wfwd = reference_impl("warmup_forward")(*x, 0.3, cu, **keys)
+    dout = torch.randn(1, total_q, H, D, generator=g, dtype=torch.float64)
+    kl_grad = torch.rand(1, Hp, total_q, generator=g, dtype=torch.float64)
+    cases = {"select_blocks": ((x[0], x[1], 3, BS, 0.3), kw), "msa_forward": ((*x, sel, BS, 0.3), {}),
+             "msa_kl": ((*x, fwd[1], sel, BS, 0.3), {}),
+             "msa_backward": ((*x, *fwd[:3], sel, BS, 0.3, dout, kl_grad), {}), "warmup_forward": ((*x, 0.3), {}),
+             "warmup_kl": ((*x, wfwd[1], 0.3), {}), "warmup_backward": ((*x, *wfwd[:3], 0.3, dout, kl_grad), {})}
+    for op, (args, extra) in cases.items():
+        ref = reference_impl(op)
+        fixed = lambda *a, ref=ref, **k: ref(*a, **k)  # noqa: E731 - sees cu_seqlens=None only
+        got = packed.per_sequence(op, fixed, ref)(*args, cu, **extra, **keys)
+        want = ref(*args, cu, **extra, **keys)
+        for a, b in zip(*(((r,) if isinstance(r, torch.Tensor) else r) for r in (got, want))):
+            assert a.shape == b.shape, op
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, equal_nan=True, msg=op)
+

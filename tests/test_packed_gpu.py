@@ -205,3 +205,69 @@ def test_a_packed_step_captures_in_a_cuda_graph_and_replays_new_offsets(sparse):
     graph.replay()
     torch.cuda.synchronize()
     assert static[0].isnan().all() and static[1].isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_separate_key_offsets_on_the_kernels(dtype):
+    """A context-parallel rank's two zigzag-like query chunks (rows 100..250 and 700..900 of a 900-token sequence,
+    not block-aligned) against the one key tensor (cu_seqlens_k repeats its start, seqused_k the chunks' ends) on
+    the kernels (tuning.packed separate_keys="kernels": each chunk front-padded to its keys): the selection equals
+    the fixed-length kernel's on the whole sequence row for row, bitwise (a row depends on its own query and the
+    keys only); forward, KL rows and backward on that selection match the float64 reference; warmup likewise."""
+    from flash_msa_rt import tuning
+
+    H, Hk, Hp, Hpk, L, scale = 8, 2, 2, 1, 900, D ** -0.5
+    chunks = [(100, 250), (700, 900)]
+    full, _, _, _ = _pack([L], H, Hk, Hp, Hpk, dtype, seed=21)
+    rows = lambda t, dim=1: torch.cat([t.narrow(dim, a, b - a) for a, b in chunks], dim=dim)  # noqa: E731
+    ins = {n: (rows(t) if n in ("q_proxy", "q") else t) for n, t in full.items()}
+    total_q = sum(b - a for a, b in chunks)
+    cu = torch.tensor([0, 150, total_q], dtype=torch.int32, device="cuda")
+    keys = {"cu_seqlens_k": torch.tensor([0, 0, L], dtype=torch.int32, device="cuda"),
+            "seqused_k": torch.tensor([b for _, b in chunks], dtype=torch.int32, device="cuda")}
+    g = torch.Generator(device="cuda").manual_seed(22)
+    dout = torch.randn(1, total_q, H, D, device="cuda", generator=g).to(dtype)
+    kl_grad = torch.rand(1, Hp, total_q, device="cuda", generator=g) + 0.5
+    with tuning.override(packed={"separate_keys": "kernels"}), resolved_backends() as seen:
+        sel = library.select_blocks(ins["q_proxy"], ins["k_proxy"], 3, BS, scale, cu, **keys)
+        whole = library.select_blocks(full["q_proxy"], full["k_proxy"], 3, BS, scale)
+        leaves = {n: t.detach().requires_grad_() for n, t in ins.items()}
+        out, lse, lse_p, kl_rows = library.msa_forward(*leaves.values(), sel, BS, scale, cu, **keys)
+        grads = torch.autograd.grad((out.float() * dout.float()).sum() + (kl_rows * kl_grad).sum(),
+                                    list(leaves.values()))
+        w_leaves = {n: t.detach().requires_grad_() for n, t in ins.items()}
+        w_out, w_kl = F.flash_msa_warmup_varlen_func(*(t[0] for t in w_leaves.values()), cu, 200, 384,
+                                                     cu_seqlens_k=keys["cu_seqlens_k"], max_seqlen_k=L,
+                                                     seqused_k=keys["seqused_k"])
+        w_grads = torch.autograd.grad((w_out.float() * dout[0].float()).sum() + w_kl, list(w_leaves.values()))
+    torch.cuda.synchronize()
+    assert on_kernels(seen, ("select_blocks", "msa_forward", "msa_backward", "warmup_forward",
+                             "warmup_backward")) is None, seen
+    assert torch.equal(sel, rows(whole, 2)), "a chunk's selection differs from the whole sequence's rows"
+    bad = []
+    for dt_name, dt in (("want", torch.float64), ("base", torch.float32)):
+        x = [t.to(dt) for t in ins.values()]
+        o, lse_r, lse_pr, kl_r = reference.msa_forward_varlen(*x, sel, cu, BS, scale, **keys)
+        gr = reference.msa_backward_varlen(*x, o, lse_r, lse_pr, sel, BS, scale, dout.to(dt), cu, kl_grad.to(dt),
+                                           **keys)
+        wr = [t.cpu().to(dt).squeeze(0).requires_grad_() for t in ins.values()]
+        wo, wk = F.flash_msa_warmup_varlen_func(*wr, cu.cpu(), 200, 384, cu_seqlens_k=keys["cu_seqlens_k"].cpu(),
+                                                max_seqlen_k=L, seqused_k=keys["seqused_k"].cpu())
+        wg = torch.autograd.grad((wo * dout[0].cpu().to(dt)).sum() + wk, wr)
+        if dt_name == "want":
+            want = {"out": o, "lse": lse_r, "lse_proxy": lse_pr, "kl_rows": kl_r, "warmup out": wo, "warmup kl": wk,
+                    **{f"d{n}": t for n, t in zip(NAMES, gr)}, **{f"warmup d{n}": t for n, t in zip(NAMES, wg)}}
+        else:
+            base = {"out": o, "lse": lse_r, "lse_proxy": lse_pr, "kl_rows": kl_r, "warmup out": wo, "warmup kl": wk,
+                    **{f"d{n}": t for n, t in zip(NAMES, gr)}, **{f"warmup d{n}": t for n, t in zip(NAMES, wg)}}
+    got = {"out": out, "lse": lse, "lse_proxy": lse_p, "kl_rows": kl_rows, "warmup out": w_out, "warmup kl": w_kl,
+           **{f"d{n}": t for n, t in zip(NAMES, grads)},
+           **{f"warmup d{n}": t.unsqueeze(0) if t.dim() == 3 else t for n, t in zip(NAMES, w_grads)}}
+    for name, g_ in got.items():
+        w, b = want[name], base[name]
+        g_ = g_.reshape(w.shape).to(w.device) if g_.numel() == w.numel() else g_
+        stat = torch.float32 if name in ("lse", "lse_proxy", "kl_rows", "warmup kl") else None
+        c = tolerances.check(name, g_.cpu(), w.cpu(), b.cpu(), result_dtype=stat)
+        if not c.ok:
+            bad.append(str(c))
+    assert not bad, bad

@@ -28,11 +28,19 @@ from flash_msa_rt.ops import block_sparse, dense_main, packed, select, sparse_bw
 from flash_msa_rt.ops.backends import Backend, Problem, reference_impl
 from flash_msa_rt.ops.device import arch_of
 from flash_msa_rt.ops.layout import cast_like
+from flash_msa_rt.tuning import packed as tuning_packed
 from flash_msa_rt.tuning import warmup as tuning_warmup
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
-_SEPARATE_KEYS = ("separate key offsets (cu_seqlens_k, seqused_k): the kernels take packed sequences one at a time "
-                  "with their queries and keys alike, not yet a query chunk against a longer key prefix")
+_SEPARATE_KEYS = ("separate key offsets (cu_seqlens_k, seqused_k): their path on the fixed-length kernels "
+                  "(flash_msa_rt.ops.packed, each query sequence front-padded to its keys) has not yet run on a GPU, "
+                  "so tuning.packed keeps them on the reference; tuning.override(packed={'separate_keys': "
+                  "'kernels'}) takes it")
+
+
+def _separate_keys_declined(problem: Problem) -> bool:
+    return bool(problem.config.get("separate_keys")) and \
+        tuning_packed.choose(_arch(problem)).separate_keys != "kernels"
 
 
 def _built(problem: Problem, variants: list[tuple[str, dict]]) -> str | None:
@@ -48,7 +56,7 @@ def _built(problem: Problem, variants: list[tuple[str, dict]]) -> str | None:
 
 def _select_supports(problem: Problem) -> str | None:
     c = problem.config
-    if c.get("separate_keys"):
+    if _separate_keys_declined(problem):
         return _SEPARATE_KEYS
     if problem.dtype not in _DTYPE_NAMES:
         return f"dtype {problem.dtype} (selection kernel: bfloat16, float16)"
@@ -81,7 +89,7 @@ def _msa_supports(problem: Problem) -> str | None:
     why = sparse_bwd.deterministic_refusal(_arch(problem)) if deterministic else None
     if why:
         return _decline_deterministic(why)
-    if c.get("separate_keys"):
+    if _separate_keys_declined(problem):
         return _SEPARATE_KEYS
     if problem.dtype not in _DTYPE_NAMES:
         return f"dtype {problem.dtype} (sparse forward kernel: bfloat16, float16)"

@@ -48,17 +48,19 @@ class PackedOp:
     # backward (warmup's cuDNN one) adds nothing from it to any key (with lse 0, exp(s) could overflow and
     # inf * 0 = NaN would reach the real keys' gradients).
     inf_pad: tuple = ()
+    keys: tuple = (1, 3, 4)  # the arguments on the keys' tokens (k_proxy, k, v) where keys have offsets of their own
+    key_outs: tuple = ()  # the results on the keys' tokens (the backward's dk_proxy, dk, dv)
 
 
 SPECS = {
-    "select_blocks": PackedOp(5, {0: 1, 1: 1}, (2,), paddable=True),
+    "select_blocks": PackedOp(5, {0: 1, 1: 1}, (2,), paddable=True, keys=(1,)),
     "msa_forward": PackedOp(8, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2}, (1, 2, 2, 2), paddable=True),
     "msa_backward": PackedOp(13, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 2, 7: 2, 8: 2, 11: 1}, (1,) * 5, (12,),
-                             paddable=True),
+                             paddable=True, key_outs=(1, 3, 4)),
     "msa_kl": PackedOp(9, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2}, (2, 2), paddable=True),
     "warmup_forward": PackedOp(6, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1}, (1, 2, 2, 2)),
     "warmup_backward": PackedOp(11, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 2, 7: 2, 9: 1}, (1,) * 5, (10,),
-                                inf_pad=(6, 7)),
+                                inf_pad=(6, 7), key_outs=(1, 3, 4)),
     "warmup_kl": PackedOp(7, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2}, (2, 2), inf_pad=(5,)),
     "block_sparse_forward": PackedOp(6, {0: 1, 1: 1, 2: 1, 3: 2}, (1, 2), paddable=True),
     "block_sparse_backward": PackedOp(9, {0: 1, 1: 1, 2: 1, 3: 1, 4: 2, 5: 2, 8: 1}, (1, 1, 1), paddable=True),
@@ -265,6 +267,72 @@ def _on_device_plan(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu
     return tuple(plan.back(r, dim) for r, dim in zip(result, spec.outs))
 
 
+def _front_padded(t: torch.Tensor, dim: int, a: int, length: int, pad: int, fill: float | None) -> torch.Tensor:
+    """Tokens [a, a + length) of a B = 1 tensor along dim, after `pad` rows of fill (0, -1 in integer tensors)."""
+    x = t.narrow(dim, a, length)
+    if pad == 0:
+        return x
+    if fill is None:
+        fill = 0 if t.is_floating_point() else -1
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([torch.full(shape, fill, dtype=t.dtype, device=t.device), x], dim=dim)
+
+
+def _separate_keys(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu: torch.Tensor,
+                   cu_k: torch.Tensor, used_k: torch.Tensor | None, total: int):
+    """Separate query and key offsets on the fixed-length kernels: sequence n's L_q queries are the last of its L_k
+    positions, so its query-side tensors get L_k - L_q rows in front (zeros, block indices -1, lse +inf where
+    inf_pad) and run against a view of its L_k keys as one fixed-length sequence; the real rows of the query-side
+    results come back, and the key-side results (gradients) add into the keys' rows, summed where the key ranges of
+    several sequences overlap (seqused_k). Exact: every query row is computed from its own row and the keys alone,
+    and a padded row has no selected block, a zero upstream gradient and a zero KL gradient, so it adds nothing to
+    any key. The cost: one call per sequence, the padding copies, and the padded rows' selection (the select
+    kernel scores them like any row; a query offset in that kernel would skip them) and, in warmup, their dense
+    attention."""
+    q_bounds, k_starts = host_offsets(cu), host_offsets(cu_k)
+    used = host_offsets(used_k) if used_k is not None else [b - a for a, b in zip(k_starts[:-1], k_starts[1:])]
+    total_k = args[spec.keys[0]].shape[spec.tokens[spec.keys[0]]]
+    q_parts: list[list] = [[] for _ in spec.outs]
+    k_sums: dict[int, torch.Tensor] = {}
+    single = False
+    for n, (qa, qb) in enumerate(zip(q_bounds[:-1], q_bounds[1:])):
+        L_q, ks, L_k = qb - qa, k_starts[n], used[n]
+        if L_q == 0:
+            continue
+        pad = L_k - L_q
+        piece = list(args)
+        for i, dim in spec.tokens.items():
+            if piece[i] is None:
+                continue
+            if i in spec.keys:
+                piece[i] = piece[i].narrow(dim, ks, L_k)
+            else:
+                piece[i] = _front_padded(piece[i], dim, qa, L_q, pad, float("inf") if i in spec.inf_pad else None)
+        for i in spec.per_row:
+            t = piece[i]
+            if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[2] == total and total > 1:
+                piece[i] = _front_padded(t, 2, qa, L_q, pad, None)
+        result = impl(*piece, **kwargs)
+        single = not isinstance(result, (tuple, list))
+        for j, (r, dim) in enumerate(zip((result,) if single else result, spec.outs)):
+            if j in spec.key_outs:
+                acc = k_sums.get(j)
+                if acc is None:
+                    shape = list(r.shape)
+                    shape[dim] = total_k
+                    acc = k_sums[j] = torch.zeros(shape, dtype=torch.float32 if r.dtype != torch.float64
+                                                  else r.dtype, device=r.device)
+                acc.narrow(dim, ks, L_k).add_(r)
+            else:
+                q_parts[j].append(r.narrow(dim, pad, L_q))
+    like = (result,) if single else result
+    out = []
+    for j, (r, dim) in enumerate(zip(like, spec.outs)):
+        out.append(k_sums[j].to(r.dtype) if j in spec.key_outs else torch.cat(q_parts[j], dim=dim))
+    return out[0] if single else tuple(out)
+
+
 def _assemble(parts, outs, total: int):
     """The pack's results from each batch's: concatenated where every batch is a run of views (in token order),
     else placed token by token."""
@@ -295,11 +363,18 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
     def run(*args, **kwargs):
         args = list(args)
         cu = args[spec.cu] if len(args) > spec.cu else kwargs.pop("cu_seqlens", None)
+        cu_k, used_k = kwargs.pop("cu_seqlens_k", None), kwargs.pop("seqused_k", None)
         if len(args) > spec.cu:
             args[spec.cu] = None
         if cu is None:
             return impl(*args, **kwargs)
         total = args[0].shape[1]
+        if cu_k is not None:
+            if total:
+                return _separate_keys(spec, impl, args, kwargs, cu, cu_k, used_k, total)
+            args[spec.cu] = cu  # no query: the reference gives the keys their zero gradients
+            offsets = {"cu_seqlens_k": cu_k, **({"seqused_k": used_k} if used_k is not None else {})}
+            return fallback(*args, **kwargs, **offsets)
         if capturing(cu) and total:
             args[spec.cu] = None
             return _on_device_plan(spec, impl, args, kwargs, cu, total)
