@@ -185,6 +185,12 @@ if [[ $mode == long ]]; then
   python3 benchmarks/bench_fp8_quant.py --out "$out/fp8_quant.json" 2>&1 | tee "$out/bench_fp8_quant.log"
 fi
 
+if [[ $mode == cp ]]; then
+  # Context parallelism's per-rank compute at 1M tokens (issue 37): N = 2, 4, 8 simulated zigzag ranks on one GPU
+  # through the separate-key path on the kernels (opt-in until this runs), beside the whole op; fp8 selection.
+  python3 benchmarks/bench_cp_rank.py --out "$out/cp_rank.json" 2>&1 | tee "$out/bench_cp_rank.log" || status=1
+fi
+
 if [[ $mode == dp64 ]]; then
   # A smaller proxy (issue 36): (b) at Dp = 64 (b64) beside Dp = 128, bf16 and fp8 selection, the whole op with the
   # deferred KL; 128K tokens per step at 64K and 128K, then B = 1 from 256K to 1M tokens.
