@@ -3,7 +3,7 @@
 # set (python -m build_tools build --arch sm90a --set all, on the CPU machine: the GPU tests and sanitizers also
 # run the opt-in alternates, through flash_msa_rt.tuning.override). This script builds nothing:
 #   FLASH_MSA_COMMIT=<the hash, written out here: git on the GPU machine holds an older HEAD> \
-#     bash benchmarks/run_gpu.sh [tests|bench|core|producer|long|dp64|all]
+#     bash benchmarks/run_gpu.sh [tests|bench|core|producer|long|dp64|cp|all]
 # tests: environment, every GPU test, compute-sanitizer on every kernel family (~220 s); bench: the benchmarks;
 # core: only the whole-op benchmarks against cuDNN (B * S = 128K tokens, and B = 1 in (a)), which fit one
 # 10-minute device call (~160 s); producer: the warp-specialised main backward's checks, on and off (~150 s);
