@@ -8,7 +8,8 @@
 # core: only the whole-op benchmarks against cuDNN (B * S = 128K tokens, and B = 1 in (a)), which fit one
 # 10-minute device call (~160 s); producer: the warp-specialised main backward's checks, on and off (~150 s);
 # long: bf16 against fp8 selection, at 128K tokens per step and at B = 1 up to 1M tokens; dp64: (b) with a proxy
-# head dim of 64 beside 128 (config b64), at the same shapes (not part of all).
+# head dim of 64 beside 128 (config b64), at the same shapes (not part of all); cp: context parallelism's per-rank
+# compute at 1M over 2, 4, 8 simulated ranks (not part of all).
 # Logs, JUnit XML and JSON go to $OUT (default benchmarks/logs/<UTC time>/, which git ignores; copy the JSON the
 # README cites into benchmarks/results/). Each pytest run records the commit and its command, every test id with
 # its outcome (-rA in the log, JUnit XML beside it) and prints a summary. FLASH_MSA_REQUIRE_GPU=1: a GPU test that
