@@ -2,21 +2,25 @@
 fixed-length call (B = the run's count) on views of the packed tensors, and the outputs are concatenated along the
 tokens. For the sparse ops (selection, MSA, block-sparse), sequences of different lengths that round up to the
 same number of 128-token blocks also share one call: each is copied into a row of that padded length, zeros after
-its end (block indices -1), and only its own rows of the results are kept.
+its end (block indices -1), and only its own rows of the results are kept; short buckets join longer ones while
+that costs less than a call (tuning.packed).
 
 Every sequence is independent (msa-semantics.md, varlen): its own causal mask, block grid from its start, selection
 and KL rows, so running them apart is the contract itself. Padding keeps it: a sequence's queries never see the
 keys after its end (causal), its last block is its own local block whatever the padding holds (so no score of a
 padded key is ever compared, in fp8 selection neither: zeros change no block's max |x|), and in the backward the
 padded rows have no selected block, a zero upstream gradient and a zero KL gradient, so they add nothing to any
-key. The cost: reading cu_seqlens on the host (one synchronisation per offsets tensor, which the varlen entry points'
-validation already makes and the ops reuse: flash_msa_rt.ops.offsets), one set of launches per run or padded
-bucket, and the copies into and out of a padded
-bucket. Under CUDA graph capture none of this can read the offsets: there every op takes the whole pack as one
-batch padded to the caller's max_seqlen, planned on the device (_DevicePadded). Kernels that take the offsets
-themselves would replace both. Separate key offsets (cu_seqlens_k,
-seqused_k) are declined before this runs. Warmup's ops take runs only: cuDNN's dense backward would read the padded
-rows' lse.
+key (warmup's lse is padded with +inf, so a padded row's dense probabilities are 0).
+
+Three ways in:
+  - eager: the offsets read on the host once per tensor and version (flash_msa_rt.ops.offsets, shared with the
+    varlen validation), runs and buckets as above; warmup keeps runs only (bucketing its dense attention is not
+    measured);
+  - under CUDA graph capture: no host read; the whole pack is one batch padded to the caller's max_seqlen, planned
+    on the device (_DevicePadded);
+  - separate key offsets (cu_seqlens_k, seqused_k; opt-in, tuning.packed): each query sequence front-padded to its
+    key length against a view of its keys (_separate_keys).
+Kernels that take the offsets themselves would replace all three.
 """
 
 from __future__ import annotations
@@ -27,10 +31,9 @@ from typing import Callable
 
 import torch
 
-from flash_msa_rt.tuning import packed as tuning_packed
-
 from flash_msa_rt.ops.device import arch_of
 from flash_msa_rt.ops.offsets import capturing, declared_max_seqlen, host_offsets
+from flash_msa_rt.tuning import packed as tuning_packed
 
 
 @dataclass(frozen=True)
