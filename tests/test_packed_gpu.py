@@ -1,7 +1,7 @@
 """Packed sequences (cu_seqlens) on the kernels (H200): one sequence at a time (flash_msa_rt.ops.packed) through the
 torch.library ops, against the float64 reference run per sequence (flash_msa_rt.reference.varlen) under
 flash_msa_rt.tolerances: empty sequences, a length-1 sequence, sequences shorter than a block, exactly a block, and
-partial last blocks in one pack; G 1 and 4; bf16 and fp16; deterministic mode; 200 short documents; a pack of one
+partial last blocks in one pack; G 1 and 4; bf16 and fp16; deterministic mode; 200 and 1,000 short documents; a pack of one
 sequence equals the fixed-length call bitwise; selection, MSA, warmup and block-sparse attention through the public
 API run on the kernels."""
 
@@ -83,6 +83,27 @@ def test_packed_msa_matches_the_reference_per_sequence(H, Hk, Hp, Hpk, dtype, de
             local = (torch.arange(b - a, device="cuda") // BS).view(1, 1, -1, 1)
             s = sel[:, :, a:b].long()
             assert ((s == local).any(-1)).all() and not ((s > local) & (s >= 0)).any()
+
+
+def test_a_thousand_short_documents_match_the_reference_per_sequence():
+    """1,000 documents of 1..300 tokens in one pack (most share one padded call, tuning.packed): selection, forward
+    with the KL pass and backward on the kernels against the float64 reference run per sequence."""
+    lengths = [int(n) for n in torch.randint(1, 301, (1000,), generator=torch.Generator().manual_seed(3))]
+    ins, cu, dout, kl_grad = _pack(lengths, 8, 2, 2, 1, torch.bfloat16, seed=31)
+    scale = D ** -0.5
+    with resolved_backends() as seen:
+        sel = library.select_blocks(ins["q_proxy"], ins["k_proxy"], 3, BS, scale, cu)
+        got = _msa_on(ins, sel, cu, dout, kl_grad, scale)
+    torch.cuda.synchronize()
+    assert on_kernels(seen, ("select_blocks", "msa_forward", "msa_backward")) is None, seen
+    want, base = (_msa_reference(ins, sel, cu, dout, kl_grad, scale, dt) for dt in (torch.float64, torch.float32))
+    bad = []
+    for name, g in got.items():
+        stat = torch.float32 if name in ("lse", "lse_proxy", "kl_rows") else None
+        c = tolerances.check(name, g, want[name], base[name], result_dtype=stat)
+        if not c.ok:
+            bad.append(str(c))
+    assert not bad, bad
 
 
 def test_one_sequence_is_the_fixed_length_call_bitwise():
