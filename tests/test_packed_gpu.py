@@ -49,6 +49,18 @@ def _msa_reference(ins, sel, cu, dout, kl_grad, scale, dt):
     return {"out": o, "lse": lse, "lse_proxy": lse_p, "kl_rows": kl, **{f"d{n}": t for n, t in zip(ins, g)}}
 
 
+def _assert_matches_reference(got, ins, sel, cu, dout, kl_grad, scale):
+    """Every output and gradient of _msa_on within tolerances of the float64 reference (float32 as the baseline)."""
+    want, base = (_msa_reference(ins, sel, cu, dout, kl_grad, scale, dt) for dt in (torch.float64, torch.float32))
+    bad = []
+    for name, g in got.items():
+        stat = torch.float32 if name in ("lse", "lse_proxy", "kl_rows") else None
+        c = tolerances.check(name, g, want[name], base[name], result_dtype=stat)
+        if not c.ok:
+            bad.append(str(c))
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("H, Hk, Hp, Hpk", [(4, 4, 4, 1), (8, 2, 2, 1)], ids=["G1", "G4"])
@@ -66,14 +78,7 @@ def test_packed_msa_matches_the_reference_per_sequence(H, Hk, Hp, Hpk, dtype, de
     finally:
         torch.use_deterministic_algorithms(before)
     assert on_kernels(seen, ("select_blocks", "msa_forward", "msa_backward")) is None, seen
-    want, base = (_msa_reference(ins, sel, cu, dout, kl_grad, scale, dt) for dt in (torch.float64, torch.float32))
-    bad = []
-    for name, g in got.items():
-        stat = torch.float32 if name in ("lse", "lse_proxy", "kl_rows") else None
-        c = tolerances.check(name, g, want[name], base[name], result_dtype=stat)
-        if not c.ok:
-            bad.append(str(c))
-    assert not bad, bad
+    _assert_matches_reference(got, ins, sel, cu, dout, kl_grad, scale)
     if deterministic:
         assert all(torch.equal(a, b) for a, b in zip(got.values(), again.values())), "not bitwise repeatable"
     # the selection is each sequence's own: its local block present, nothing past it
@@ -96,14 +101,7 @@ def test_a_thousand_short_documents_match_the_reference_per_sequence():
         got = _msa_on(ins, sel, cu, dout, kl_grad, scale)
     torch.cuda.synchronize()
     assert on_kernels(seen, ("select_blocks", "msa_forward", "msa_backward")) is None, seen
-    want, base = (_msa_reference(ins, sel, cu, dout, kl_grad, scale, dt) for dt in (torch.float64, torch.float32))
-    bad = []
-    for name, g in got.items():
-        stat = torch.float32 if name in ("lse", "lse_proxy", "kl_rows") else None
-        c = tolerances.check(name, g, want[name], base[name], result_dtype=stat)
-        if not c.ok:
-            bad.append(str(c))
-    assert not bad, bad
+    _assert_matches_reference(got, ins, sel, cu, dout, kl_grad, scale)
 
 
 def test_one_sequence_is_the_fixed_length_call_bitwise():
