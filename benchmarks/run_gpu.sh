@@ -92,6 +92,12 @@ if device_arch(0) == 'sm90a':  # fp8 selection (e4m3 variants, wgmma), 64 and 16
     from flash_msa_rt.ops.fp8_quant import quantize_cuda  # its quantisation kernels alone: f16, Dp 64, bhsd view
     for x in (q.half(), torch.randn(2, 3, 333, 64, device='cuda').half().transpose(1, 2)):
         quantize_cuda(x, 1), quantize_cuda(x, 128)
+for mma in ['sync', 'wgmma'] if device_arch(0) == 'sm90a' else ['sync']:  # keys longer than queries: a chunk
+    with tuning.override(**tuning.every_mma(mma)):  # at key offset 77 (inside a block) and 128 + 200
+        select_blocks_cuda(q[:, 77:], q[:, :, :1], 20, 128, 0.1)
+        select_blocks_cuda(q[:, 328:], q[:, :, :1], 3, 128, 0.1)
+if device_arch(0) == 'sm90a':
+    select_blocks_cuda(q[:, 77:], q[:, :, :1], 20, 128, 0.1, 'fp8')
 sel = select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
 from flash_msa_rt.ops.sparse_plan import chunk_plans  # the plan kernels at K = 20 (64 slots) and 3 (16 slots)
 chunk_plans(select_blocks_cuda(q, q[:, :, :1], 20, 128, 0.1), 128, 4, 1, 128, ((32, 64), (64, 32)), 'size')

@@ -17,7 +17,6 @@ def _problem(op="msa_backward", dtype=torch.bfloat16, **over):
 
 
 @pytest.mark.parametrize("over, words", [
-    ({"varlen": True, "separate_keys": True}, "cu_seqlens_k"),
     ({"group": 3}, "G 3"),
     ({"head_dim": 64}, "D 64"),
     ({"block_size": 64}, "block_size 64"),
@@ -34,14 +33,16 @@ def test_sparse_kernels_decline_with_a_reason(over, words, catalogue_artifacts):
 
 
 def test_separate_key_offsets_take_the_kernels_under_the_tuning_policy(catalogue_artifacts):
-    """cu_seqlens_k / seqused_k: the kernels' path (packed.per_sequence, each query sequence front-padded to its
-    keys) is taken where tuning.packed says "kernels"; until it has run on a GPU the default keeps the reference
-    and says how to opt in."""
+    """cu_seqlens_k / seqused_k: the kernels' path (packed.per_sequence: selection with the kernel's query offset,
+    the other ops with each query sequence front-padded to its keys) by default; tuning.packed "reference" keeps
+    them on the reference and the reason says so."""
     catalogue_artifacts("sm90a")
-    reason = kernels._msa_supports(_problem(varlen=True, separate_keys=True))
-    assert reason is not None and "cu_seqlens_k" in reason and "separate_keys" in reason
-    with tuning.override(packed={"separate_keys": "kernels"}):
-        assert kernels._msa_supports(_problem(varlen=True, separate_keys=True)) is None
+    assert kernels._msa_supports(_problem(varlen=True, separate_keys=True)) is None
+    select = _problem("select_blocks", varlen=True, separate_keys=True, top_k_blocks=16)
+    assert kernels._select_supports(select) is None
+    with tuning.override(packed={"separate_keys": "reference"}):
+        reason = kernels._msa_supports(_problem(varlen=True, separate_keys=True))
+        assert reason is not None and "cu_seqlens_k" in reason and "separate_keys" in reason
 
 
 def test_every_default_problem_is_accepted_on_the_default_build(catalogue_artifacts):

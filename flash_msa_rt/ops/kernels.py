@@ -32,10 +32,9 @@ from flash_msa_rt.tuning import packed as tuning_packed
 from flash_msa_rt.tuning import warmup as tuning_warmup
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
-_SEPARATE_KEYS = ("separate key offsets (cu_seqlens_k, seqused_k): their path on the fixed-length kernels "
-                  "(flash_msa_rt.ops.packed, each query sequence front-padded to its keys) has not yet run on a GPU, "
-                  "so tuning.packed keeps them on the reference; tuning.override(packed={'separate_keys': "
-                  "'kernels'}) takes it")
+_SEPARATE_KEYS = ("separate key offsets (cu_seqlens_k, seqused_k): tuning.packed's separate_keys is "
+                  "'reference' (an override), so they run on the pure-PyTorch reference; the default 'kernels' "
+                  "runs them on the fixed-length kernels (flash_msa_rt.ops.packed)")
 
 
 def _separate_keys_declined(problem: Problem) -> bool:
@@ -185,7 +184,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, *, precision="bf16"):
-    if -(-q_proxy.shape[1] // block_size) >= select.MAX_BLOCKS:  # int16 block slots: beyond 4M tokens
+    if -(-k_proxy.shape[1] // block_size) >= select.MAX_BLOCKS:  # int16 block slots: beyond 4M tokens
         return reference_impl("select_blocks")(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens,
                                                precision=precision)
     return select.select_blocks_cuda(_tma_ready(q_proxy), _tma_ready(k_proxy), top_k_blocks, block_size, scale,

@@ -53,10 +53,13 @@ class PackedOp:
     inf_pad: tuple = ()
     keys: tuple = (1, 3, 4)  # the arguments on the keys' tokens (k_proxy, k, v) where keys have offsets of their own
     key_outs: tuple = ()  # the results on the keys' tokens (the backward's dk_proxy, dk, dv)
+    # the fixed-length op takes keys longer than its queries itself (the queries being the last of the key
+    # positions): separate key offsets then need no query padding (select: the kernel's query offset)
+    keys_longer: bool = False
 
 
 SPECS = {
-    "select_blocks": PackedOp(5, {0: 1, 1: 1}, (2,), paddable=True, keys=(1,)),
+    "select_blocks": PackedOp(5, {0: 1, 1: 1}, (2,), paddable=True, keys=(1,), keys_longer=True),
     "msa_forward": PackedOp(8, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2}, (1, 2, 2, 2), paddable=True),
     "msa_backward": PackedOp(13, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 2, 7: 2, 8: 2, 11: 1}, (1,) * 5, (12,),
                              paddable=True, key_outs=(1, 3, 4)),
@@ -290,9 +293,9 @@ def _separate_keys(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu:
     results come back, and the key-side results (gradients) add into the keys' rows, summed where the key ranges of
     several sequences overlap (seqused_k). Exact: every query row is computed from its own row and the keys alone,
     and a padded row has no selected block, a zero upstream gradient and a zero KL gradient, so it adds nothing to
-    any key. The cost: one call per sequence, the padding copies, and the padded rows' selection (the select
-    kernel scores them like any row; a query offset in that kernel would skip them) and, in warmup, their dense
-    attention."""
+    any key. Ops that take longer keys themselves (keys_longer: selection, whose kernel places its queries at the
+    end of the keys) get the queries unpadded. The cost: one call per sequence, the padding copies, the padded
+    rows' (cheap: no selected block) sparse work and, in warmup, their dense attention."""
     q_bounds, k_starts = host_offsets(cu), host_offsets(cu_k)
     used = host_offsets(used_k) if used_k is not None else [b - a for a, b in zip(k_starts[:-1], k_starts[1:])]
     total_k = args[spec.keys[0]].shape[spec.tokens[spec.keys[0]]]
@@ -303,7 +306,7 @@ def _separate_keys(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu:
         L_q, ks, L_k = qb - qa, k_starts[n], used[n]
         if L_q == 0:
             continue
-        pad = L_k - L_q
+        pad = 0 if spec.keys_longer else L_k - L_q
         piece = list(args)
         for i, dim in spec.tokens.items():
             if piece[i] is None:

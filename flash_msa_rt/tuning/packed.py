@@ -18,8 +18,8 @@ class PackedTuning:
     # The longest padded length a bucket may be merged up to: below it the calls are host-bound (their kernels take
     # less than the call's host time), above it the kernels hide the host time and merging only adds padded work.
     merge_max_length: int
-    # Separate query / key offsets (cu_seqlens_k, seqused_k): "kernels" runs each query sequence front-padded to its
-    # key length on the fixed-length kernels (ops.packed._separate_keys), "reference" the pure-PyTorch reference.
+    # Separate query / key offsets (cu_seqlens_k, seqused_k): "kernels" runs each query sequence on the fixed-length
+    # kernels against a view of its keys (ops.packed._separate_keys), "reference" the pure-PyTorch reference.
     separate_keys: str
 
 
@@ -41,8 +41,8 @@ def _choose(arch: str, overrides: Overrides) -> PackedTuning:
     # -> 5) and took it from 92% to 81% of the fixed batch's TFLOPS (67.9 -> 74.9 ms), while the short documents
     # (all <= 1024) went from 93.1 to 69.3 ms in 2 calls (packed_b.json at f23d22c and 3fa9093). 2048: the top-k
     # window, below which each sequence's attention is dense and its calls small.
-    # separate_keys: "reference" until the kernels' path has run on a GPU: it is exact against the reference on the
-    # CPU (tests/test_kernel_dispatch_cpu.py) and tests/test_packed_gpu.py checks it on the H200 under an override.
+    # separate_keys: "kernels": exact against the reference on the CPU (tests/test_kernel_dispatch_cpu.py) and on
+    # the H200 (tests/test_packed_gpu.py, tests/test_select_query_offset_gpu.py); the reference is ~100x slower.
     return PackedTuning(call_pairs=int(o.get("call_pairs", 1 << 24)),
                         merge_max_length=int(o.get("merge_max_length", 2048)),
-                        separate_keys=o.get("separate_keys", "reference"))
+                        separate_keys=o.get("separate_keys", "kernels"))

@@ -104,9 +104,11 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     return verdict(reason or smem_refusal(c.smem_bytes(), arch))
 
 
-def proxy_operands(config) -> dict:
+def proxy_operands(config, key_len: str = "S") -> dict:
     """The declared q_proxy / k_proxy tensors and their TMA descriptors: shared by every kernel built on the
-    proxy score tiles (block_scores, select), so their ABI and descriptor recipe are written once."""
+    proxy score tiles (block_scores, select), so their ABI and descriptor recipe are written once. key_len: the
+    symbol of k_proxy's length, "S" where it must equal the queries' (block_scores), "Sk" where the keys may be
+    longer (select: the queries are the last S of Sk positions)."""
     c = config
     dp = c.head_dim
     # The descriptor CuTeDSL builds for a (1, rows, 1, Dp) box over (B, S, H, Dp): its TMA basis is
@@ -116,7 +118,7 @@ def proxy_operands(config) -> dict:
     sw = swizzle_bytes(c.dtype, dp)
     return {
         "q_proxy": TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", dp), ("i64", "i64", "i64", 1), align=16),
-        "k_proxy": TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", dp), ("i64", "i64", "i64", 1), align=16),
+        "k_proxy": TensorParam("k_proxy", c.dtype, ("B", key_len, "Hpk", dp), ("i64", "i64", "i64", 1), align=16),
         "tma_q": TmaParam("tma_q", "q_proxy", dims=(3, 1, 0, 2), box=(swizzle_elems(c.dtype, dp), c.tile_m, 1, 1),
                           swizzle=sw),
         "tma_q_coord": TmaCoordParam("tma_q_coord", "q_proxy", dynamic_modes=3),  # (B, S, Hp) in tensor mode order

@@ -107,8 +107,10 @@ def params(config: Config) -> tuple:
     """The kernel param ABI, in PTX .param order. K is block_indices.shape[3]; the op checks K <= max_k and the
     kernel clamps to it as well. q_proxy, k_proxy and their descriptors are block_scores' (compile() checks
     CuTeDSL's descriptor basis against them). fp8 (e4m3) variants also take k_scale (B, NB, Hpk): the power-of-two
-    scale of each key block of k_proxy (NB = ceil(S / Bs)), by which a block's scores are multiplied."""
-    o = proxy_operands(config)
+    scale of each key block of k_proxy (NB = ceil(Sk / Bs)), by which a block's scores are multiplied. k_proxy's
+    length Sk may exceed the queries' S: query row i sits at key position Sk - S + i (bottom-right causal
+    alignment, the reference's), which is how a chunk of a sequence selects against its whole prefix."""
+    o = proxy_operands(config, key_len="Sk")
     block_indices = TensorParam("block_indices", "i32", ("B", "Hp", "S", "K"), ("i64", "i64", "i64", 1), align=4)
     k_scale = (TensorParam("k_scale", "f32", ("B", "NB", "Hpk"), ("i64", "i64", 1), align=4),) if is_fp8(config) else ()
     return (o["q_proxy"], o["k_proxy"], block_indices, *k_scale, ScalarParam("scale", "f32"),

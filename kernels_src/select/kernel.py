@@ -107,9 +107,13 @@ class ProxySelect(ProxyBlockScores):
         m_block = n_tiles - 1 - tile_rev  # longest causal tiles first
         m0 = m_block * self.tile_m
         seqlen = q_proxy.shape[1]
+        # Query row i sits at key position query_offset + i (bottom-right alignment: the queries are the last
+        # seqlen of k_proxy's positions); every causal bound below is in key positions, from pos0 = row m0's.
+        query_offset = k_proxy.shape[1] - seqlen
+        pos0 = m0 + query_offset
         rows_valid = cutlass.min(self.tile_m, seqlen - m0)
-        n_blocks = cute.ceil_div(m0 + rows_valid, self.block_size)
-        first_masked = (m0 + 1) // self.block_size
+        n_blocks = cute.ceil_div(pos0 + rows_valid, self.block_size)
+        first_masked = (pos0 + 1) // self.block_size
         top_k = block_indices.shape[3]
         n_slots = cutlass.min(top_k, self.max_k) - 1  # the local block takes the K-th place
 
@@ -126,7 +130,7 @@ class ProxySelect(ProxyBlockScores):
             if quad_lane == r:
                 row = t.coord_mn[r, 0][0]
         i = m0 + row
-        local_block = i // self.block_size
+        local_block = (pos0 + row) // self.block_size
 
         # Empty slots score -inf with block -1: any real (finite) score beats them.
         for s in cutlass.range(n_slots, unroll=1):
@@ -139,18 +143,19 @@ class ProxySelect(ProxyBlockScores):
         heap = RowHeap(slot_score=slot_score, slot_block=slot_block, row=row, n_slots=n_slots,
                        local_block=local_block)
         self.start_loads(t, tidx, warp_idx, n_blocks)
-        self.scan_blocks(t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, k_scale, b, p // group,
-                         heap, worst_score)
+        self.scan_blocks(t, tiled_mma, warp_idx, n_blocks, pos0, first_masked, quad_lane, scale, k_scale, b,
+                         p // group, heap, worst_score)
 
         if i < seqlen:
             self.write_selection(block_indices, slot_block, b, p, i, row, local_block, n_slots, top_k)
 
     @cute.jit
-    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, k_scale, b, pk,
+    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, pos0, first_masked, quad_lane, scale, k_scale, b, pk,
                     heap, worst_score):
-        """Every key block the tile's rows can see, in ascending order, offered to the owned row's heap."""
+        """Every key block the tile's rows can see, in ascending order, offered to the owned row's heap. pos0: the
+        key position of the tile's first row."""
         for j in cutlass.range(n_blocks, unroll=1):
-            score = self.owned_block_max(t, tiled_mma, warp_idx, j, n_blocks, m0, first_masked, quad_lane)
+            score = self.owned_block_max(t, tiled_mma, warp_idx, j, n_blocks, pos0, first_masked, quad_lane)
             worst_score = self.offer(heap, self.scaled(score, scale, self.key_block_scale(k_scale, b, j, pk)), j,
                                      worst_score)
 
@@ -182,11 +187,12 @@ class ProxySelect(ProxyBlockScores):
         return worst_score
 
     @cute.jit
-    def owned_block_max(self, t, tiled_mma, warp_idx, j, n_blocks, m0, first_masked, quad_lane) -> cutlass.Float32:
-        """The unscaled score of key block j for the row this thread owns (max over its causal keys)."""
+    def owned_block_max(self, t, tiled_mma, warp_idx, j, n_blocks, pos0, first_masked, quad_lane) -> cutlass.Float32:
+        """The unscaled score of key block j for the row this thread owns (max over its causal keys; pos0 is the
+        key position of the tile's first row)."""
         self.score_block(t, tiled_mma, warp_idx, j, n_blocks)
         if j >= first_masked:
-            self.mask_causal(t.acc_mn, t.coord_mn, m0, j * self.block_size)
+            self.mask_causal(t.acc_mn, t.coord_mn, pos0, j * self.block_size)
         return self.owned_row_max(t.acc_mn, quad_lane)
 
     @cute.jit

@@ -55,12 +55,12 @@ class ProxySelectWG(WarpgroupScores, ProxySelect):
         wgmma.issue_smem(self._wg_mma(), t.tidx, t.half_acc[h], t.half_q[h], t.s_k[None, None, j % self.stages])
 
     @cute.jit
-    def half_row_maxes(self, t, h: cutlass.Constexpr, j, m0, first_masked):
+    def half_row_maxes(self, t, h: cutlass.Constexpr, j, pos0, first_masked):
         """Block j's max over its causal keys of each of half h's two rows of this thread's quad (quad
-        butterfly: every lane of the quad holds both)."""
+        butterfly: every lane of the quad holds both). pos0: the key position of the tile's first row."""
         acc_mn = t.half_acc_mn[h]
         if j >= first_masked:
-            self.mask_causal(acc_mn, t.half_coord_mn, m0 + h * WARPGROUP_ROWS, j * self.block_size)
+            self.mask_causal(acc_mn, t.half_coord_mn, pos0 + h * WARPGROUP_ROWS, j * self.block_size)
         maxes = []
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
             row_max = acc_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
@@ -69,7 +69,7 @@ class ProxySelectWG(WarpgroupScores, ProxySelect):
         return maxes
 
     @cute.jit
-    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, k_scale, b, pk,
+    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, pos0, first_masked, quad_lane, scale, k_scale, b, pk,
                     heap, worst_score):
         """Per block j: both halves issued; block j - 1's score offered to the heap while they run; half 0
         reduced while half 1 runs; then half 1. Every product is waited for in the step that issued it: ptxas
@@ -85,13 +85,13 @@ class ProxySelectWG(WarpgroupScores, ProxySelect):
                 worst_score = self.offer(heap, score, j - 1, worst_score)
 
             warpgroup.wait_group(1)
-            maxes = self.half_row_maxes(t, 0, j, m0, first_masked)
+            maxes = self.half_row_maxes(t, 0, j, pos0, first_masked)
             warpgroup.wait_group(0)
             cute.arch.sync_threads()  # every warp is past its reads of K stage j: warp 0 refills it
             if warp_idx == 0:
                 if j + self.stages < n_blocks:
                     self.load_k_block(t.tma_atom_k, t.t_k_g, t.t_k_s, t.k_full, t.k_bytes, j + self.stages, stage)
-            maxes += self.half_row_maxes(t, 1, j, m0, first_masked)
+            maxes += self.half_row_maxes(t, 1, j, pos0, first_masked)
 
             score = -cutlass.Float32.inf
             for r in cutlass.range_constexpr(len(maxes)):
@@ -136,7 +136,7 @@ class ProxySelectWGPairs(ProxySelectWG):
         cute.arch.mbarrier_wait(t.k_full + j % self.stages, (j // self.stages) % 2)
 
     @cute.jit
-    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, m0, first_masked, quad_lane, scale, k_scale, b, pk,
+    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, pos0, first_masked, quad_lane, scale, k_scale, b, pk,
                     heap, worst_score):
         score = -cutlass.Float32.inf  # the previous block's score of the owned row (none before block 0)
         for jp in cutlass.range(n_blocks // 2, unroll=1):
@@ -150,21 +150,21 @@ class ProxySelectWGPairs(ProxySelectWG):
                 worst_score = self.offer(heap, score, j - 1, worst_score)
 
             warpgroup.wait_group(1)  # block j, half 0
-            maxes = self.half_row_maxes(t, 0, j, m0, first_masked)
+            maxes = self.half_row_maxes(t, 0, j, pos0, first_masked)
             self.wait_k(t, j + 1)
             self.issue_half(t, j + 1, 0)
             warpgroup.wait_group(1)  # block j, half 1 (block j + 1's half 0 still running)
-            maxes += self.half_row_maxes(t, 1, j, m0, first_masked)
+            maxes += self.half_row_maxes(t, 1, j, pos0, first_masked)
             self.issue_half(t, j + 1, 1)
             worst_score = self.offer(heap, self.owned(maxes, quad_lane, scale, kb0), j, worst_score)
 
             warpgroup.wait_group(1)  # block j + 1, half 0
-            maxes1 = self.half_row_maxes(t, 0, j + 1, m0, first_masked)
+            maxes1 = self.half_row_maxes(t, 0, j + 1, pos0, first_masked)
             warpgroup.wait_group(0)
             cute.arch.sync_threads()  # every warp is past its reads of blocks j and j + 1: refill both stages
             self.refill(t, warp_idx, j, n_blocks)
             self.refill(t, warp_idx, j + 1, n_blocks)
-            maxes1 += self.half_row_maxes(t, 1, j + 1, m0, first_masked)
+            maxes1 += self.half_row_maxes(t, 1, j + 1, pos0, first_masked)
             score = self.owned(maxes1, quad_lane, scale, kb1)
 
         if n_blocks % 2 == 1:  # the odd last block, one-block step
@@ -176,8 +176,8 @@ class ProxySelectWGPairs(ProxySelectWG):
             if j > 0:
                 worst_score = self.offer(heap, score, j - 1, worst_score)
             warpgroup.wait_group(1)
-            maxes = self.half_row_maxes(t, 0, j, m0, first_masked)
+            maxes = self.half_row_maxes(t, 0, j, pos0, first_masked)
             warpgroup.wait_group(0)
-            maxes += self.half_row_maxes(t, 1, j, m0, first_masked)
+            maxes += self.half_row_maxes(t, 1, j, pos0, first_masked)
             score = self.owned(maxes, quad_lane, scale, kb)
         self.offer(heap, score, n_blocks - 1, worst_score)
