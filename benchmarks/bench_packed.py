@@ -6,7 +6,8 @@ forward + backward; (ii) a realistic mix: document lengths drawn log-uniformly i
 tokens (the last one cut to fit), its effective TFLOPS (3.5 x 4 D nnz of its own selection, the peer-table
 convention of bench_msa) beside the fixed batch's at the length in 8K..64K nearest the mix's token-weighted mean
 length (19.5K for seed 0: 16K);
-(iii) dense: torch SDPA (cuDNN) per document, forward + backward. Configurations of docs/kernel-notes.md.
+(iii) dense: torch SDPA (cuDNN) per document, forward + backward; (iv) warmup mode on the equal-length packs against
+its fixed batch. Configurations of docs/kernel-notes.md.
 
 Run:  FLASH_MSA_ARTIFACT_DIR=artifacts PYTHONPATH=. python3 benchmarks/bench_packed.py --out benchmarks/results/packed.json
 Plot: python benchmarks/bench_packed.py --plot benchmarks/results/packed.json   (CPU machine, matplotlib)
@@ -97,6 +98,7 @@ class Case:
 
     def packed(self, lengths: list[int]) -> dict:
         import flash_msa_rt as F
+        import flash_msa_rt.ops.library  # noqa: F401 - registers torch.ops.flash_msa
         from flash_msa_rt.selftest import resolved_backends
         from flash_msa_rt.selftest.backends import backend_text
 
@@ -122,6 +124,29 @@ class Case:
         fb = self.time(fwd_bwd)
         return dict(documents=len(lengths), lengths=lengths, fwd_ms=f, fwd_bwd_ms=fb, nnz=nnz,
                     tflops=3.5 * 4 * D * nnz / (fb * 1e-3) / 1e12, backend=backend)
+
+    def warmup(self, L: int) -> dict:
+        """Warmup mode (dense main attention, the proxy trained over every causal key) on 128K tokens as TOKENS // L
+        documents of L: the fixed batch (flash_msa_warmup_func) against the pack (flash_msa_warmup_varlen_func)."""
+        import flash_msa_rt as F
+
+        B = TOKENS // L
+        cu = torch.arange(0, TOKENS + 1, L, dtype=torch.int32, device="cuda")
+        fixed = [t.detach().view(B, L, *t.shape[1:]).requires_grad_() for t in self.flat]
+        flat = [t.detach().requires_grad_() for t in self.flat]
+        calls = {"fixed": (lambda: F.flash_msa_warmup_func(*fixed, TOP_K, layout="bshd"), fixed,
+                           self.dout.view(B, L, self.H * D)),
+                 "packed": (lambda: F.flash_msa_warmup_varlen_func(*flat, cu, L, TOP_K), flat, self.dout)}
+        out = {}
+        for name, (fwd, leaves, dout) in calls.items():
+            def fwd_bwd(fwd=fwd, leaves=leaves, dout=dout):
+                o, kl = fwd()
+                torch.autograd.grad((o, kl), leaves, (dout.reshape(o.shape), self.kl_coef))
+
+            with torch.no_grad():
+                f = self.time(fwd)
+            out[name] = dict(fwd_ms=f, fwd_bwd_ms=self.time(fwd_bwd))
+        return out
 
     def dense(self, lengths: list[int]) -> dict:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -163,6 +188,15 @@ def run(args) -> dict:
                   f"{p['fwd_ms']:.2f}/{p['fwd_bwd_ms']:.2f} ms (fwd {rows[-1]['packed_over_fixed_fwd']:.2f}x, "
                   f"fwd+bwd {rows[-1]['packed_over_fixed_fwd_bwd']:.2f}x; target <= 1.10x), dense per doc "
                   f"{d['fwd_bwd_ms']:.1f} ms ({rows[-1]['x_dense']:.2f}x)", flush=True)
+        for L in EQUAL:
+            w = case.warmup(L)
+            f, p = w["fixed"], w["packed"]
+            rows.append(dict(config=cfg, kind="warmup", pack=f"{TOKENS // L} x {L}", fixed=f, packed=p,
+                             packed_over_fixed_fwd=p["fwd_ms"] / f["fwd_ms"],
+                             packed_over_fixed_fwd_bwd=p["fwd_bwd_ms"] / f["fwd_bwd_ms"]))
+            print(f"{cfg} warmup {rows[-1]['pack']:>10}: fixed {f['fwd_ms']:.2f}/{f['fwd_bwd_ms']:.2f} ms, packed "
+                  f"{p['fwd_ms']:.2f}/{p['fwd_bwd_ms']:.2f} ms (fwd {rows[-1]['packed_over_fixed_fwd']:.2f}x, "
+                  f"fwd+bwd {rows[-1]['packed_over_fixed_fwd_bwd']:.2f}x; target <= 1.10x)", flush=True)
         lengths = mix_lengths(args.seed)
         weighted = sum(n * n for n in lengths) / sum(lengths)
         p, d = case.packed(lengths), case.dense(lengths)

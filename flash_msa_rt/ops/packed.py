@@ -25,6 +25,8 @@ Kernels that take the offsets themselves would replace all three.
 
 from __future__ import annotations
 
+import functools
+
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -360,6 +362,41 @@ def _assemble(parts, outs, total: int):
     return tuple(fulls)
 
 
+class SideStreams:
+    """A pack's calls are independent: with streams > 1 they run round-robin on that many side streams of the
+    device (each waiting for the current stream's work so far), so several small calls can fill the GPU together;
+    join() makes the current stream wait for all of them. Results made on a side stream are recorded on the current
+    one, so the caching allocator does not hand their memory to a later side-stream call while the current stream
+    still reads them. streams = 1 (or a CPU tensor) runs every call on the current stream."""
+
+    def __init__(self, device: torch.device, streams: int):
+        self.main = torch.cuda.current_stream(device) if device.type == "cuda" and streams > 1 else None
+        self.pool = _stream_pool(device, streams) if self.main is not None else ()
+        self.used: set = set()
+
+    def run(self, n: int, impl: Callable, args: list, kwargs: dict):
+        if self.main is None:
+            return impl(*args, **kwargs)
+        stream = self.pool[n % len(self.pool)]
+        stream.wait_stream(self.main)
+        with torch.cuda.stream(stream):
+            result = impl(*args, **kwargs)
+        self.used.add(stream)
+        for t in (result if isinstance(result, (tuple, list)) else (result,)):
+            if isinstance(t, torch.Tensor):
+                t.record_stream(self.main)
+        return result
+
+    def join(self):
+        for stream in self.used:
+            self.main.wait_stream(stream)
+
+
+@functools.lru_cache(maxsize=16)
+def _stream_pool(device: torch.device, streams: int) -> tuple:
+    return tuple(torch.cuda.Stream(device) for _ in range(streams))
+
+
 def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
     """impl (fixed length) made to take the op's cu_seqlens: without it impl runs as is; with it, once per batch
     (batches(): runs of consecutive equal-length sequences on views of the pack, and for the sparse ops padded
@@ -390,7 +427,9 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
             return fallback(*args, **kwargs)
         parts, single = [], False
         policy = tuning_packed.choose(arch_of(args[0].device))
-        for batch in batches(spans, spec.paddable, policy.call_pairs, policy.merge_max_length):
+        calls = batches(spans, spec.paddable, policy.call_pairs, policy.merge_max_length)
+        side = SideStreams(args[0].device, policy.streams if len(calls) > 1 else 1)
+        for n, batch in enumerate(calls):
             take = _padded(cu, batch, args[0].device) if batch.members else None
 
             def rows(t, dim, fill=None, take=take, batch=batch):
@@ -404,9 +443,10 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
                 t = piece[i]
                 if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[2] == total and total > 1:
                     piece[i] = rows(t, 2)
-            result = impl(*piece, **kwargs)
+            result = side.run(n, impl, piece, kwargs)
             single = not isinstance(result, (tuple, list))
             parts.append((batch, take, (result,) if single else tuple(result)))
+        side.join()
         out = _assemble(parts, spec.outs, total)
         return out[0] if single else out
 

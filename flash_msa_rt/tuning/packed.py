@@ -21,6 +21,8 @@ class PackedTuning:
     # Separate query / key offsets (cu_seqlens_k, seqused_k): "kernels" runs each query sequence on the fixed-length
     # kernels against a view of its keys (ops.packed._separate_keys), "reference" the pure-PyTorch reference.
     separate_keys: str
+    # Side streams a pack's calls are spread over (ops.packed.SideStreams); 1: all on the current stream.
+    streams: int
 
 
 register("packed", PackedTuning)
@@ -41,8 +43,12 @@ def _choose(arch: str, overrides: Overrides) -> PackedTuning:
     # -> 5) and took it from 92% to 81% of the fixed batch's TFLOPS (67.9 -> 74.9 ms), while the short documents
     # (all <= 1024) went from 93.1 to 69.3 ms in 2 calls (packed_b.json at f23d22c and 3fa9093). 2048: the top-k
     # window, below which each sequence's attention is dense and its calls small.
+    # streams: the 17-document mix, fwd + bwd, 1 / 2 / 4 side streams: (a) 36.9 / 34.8 / 36.6 ms, (b) 70.8 / 65.8 /
+    # 65.5, (c) 121.0 / 117.9 / 115.6; the short-document case unchanged (2 calls); outputs and deterministic
+    # gradients bitwise equal (H200, e480535 + this policy, one run). 2: the gain in all three without a loss.
     # separate_keys: "kernels": exact against the reference on the CPU (tests/test_kernel_dispatch_cpu.py) and on
     # the H200 (tests/test_packed_gpu.py, tests/test_select_query_offset_gpu.py); the reference is ~100x slower.
     return PackedTuning(call_pairs=int(o.get("call_pairs", 1 << 24)),
                         merge_max_length=int(o.get("merge_max_length", 2048)),
-                        separate_keys=o.get("separate_keys", "kernels"))
+                        separate_keys=o.get("separate_keys", "kernels"),
+                        streams=int(o.get("streams", 2)))
