@@ -290,3 +290,42 @@ def test_separate_key_offsets_on_the_kernels(dtype):
         if not c.ok:
             bad.append(str(c))
     assert not bad, bad
+
+
+@pytest.mark.parametrize("separate_keys", [False, True], ids=["packed", "separate_keys"])
+def test_side_streams_compute_what_one_stream_does(separate_keys):
+    """tuning.packed streams: the pack's calls spread over 1, 2 and 4 side streams give the same selection, outputs
+    and (deterministic mode) gradients, bit for bit; several calls per op (lengths in different buckets above the
+    merge cap), and for separate key offsets a rank's two chunks against one key tensor."""
+    from flash_msa_rt import tuning
+
+    H, Hk, Hp, Hpk, scale = 8, 2, 2, 1, D ** -0.5
+    lengths = [3000, 2300, 129, 5000, 2600] if not separate_keys else [2900]
+    ins, cu, dout, kl_grad = _pack(lengths, H, Hk, Hp, Hpk, torch.bfloat16, seed=31)
+    keys = {}
+    if separate_keys:
+        chunks = [(300, 700), (2100, 2900)]
+        ins = {n: (torch.cat([t[:, a:b] for a, b in chunks], 1) if n in ("q_proxy", "q") else t)
+               for n, t in ins.items()}
+        total_q = sum(b - a for a, b in chunks)
+        cu = torch.tensor([0, 400, total_q], dtype=torch.int32, device="cuda")
+        keys = {"cu_seqlens_k": torch.tensor([0, 0, 2900], dtype=torch.int32, device="cuda"),
+                "seqused_k": torch.tensor([b for _, b in chunks], dtype=torch.int32, device="cuda")}
+        dout, kl_grad = dout[:, :total_q], kl_grad[:, :, :total_q].contiguous()
+    results = {}
+    torch.use_deterministic_algorithms(True)
+    try:
+        for streams in (1, 2, 4):
+            with tuning.override(packed={"streams": streams}):
+                sel = library.select_blocks(ins["q_proxy"], ins["k_proxy"], 4, BS, scale, cu, **keys)
+                leaves = {n: t.detach().requires_grad_() for n, t in ins.items()}
+                out, lse, lse_p, kl_rows = library.msa_forward(*leaves.values(), sel, BS, scale, cu, **keys)
+                grads = torch.autograd.grad((out.float() * dout.float()).sum() + (kl_rows * kl_grad).sum(),
+                                            list(leaves.values()))
+                results[streams] = (sel, out, lse, lse_p, kl_rows, *grads)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.cuda.synchronize()
+    for streams in (2, 4):
+        same = [torch.equal(a, b) for a, b in zip(results[1], results[streams])]
+        assert all(same), (streams, same)

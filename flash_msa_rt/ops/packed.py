@@ -304,6 +304,8 @@ def _separate_keys(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu:
     q_parts: list[list] = [[] for _ in spec.outs]
     k_sums: dict[int, torch.Tensor] = {}
     single = False
+    calls = []
+    side = SideStreams(args[0].device, tuning_packed.choose(arch_of(args[0].device)).streams)
     for n, (qa, qb) in enumerate(zip(q_bounds[:-1], q_bounds[1:])):
         L_q, ks, L_k = qb - qa, k_starts[n], used[n]
         if L_q == 0:
@@ -321,7 +323,9 @@ def _separate_keys(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu:
             t = piece[i]
             if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[2] == total and total > 1:
                 piece[i] = _front_padded(t, 2, qa, L_q, pad, None)
-        result = impl(*piece, **kwargs)
+        calls.append((pad, ks, L_q, L_k, side.run(n, impl, piece, kwargs)))
+    side.join()
+    for pad, ks, L_q, L_k, result in calls:
         single = not isinstance(result, (tuple, list))
         for j, (r, dim) in enumerate(zip((result,) if single else result, spec.outs)):
             if j in spec.key_outs:
@@ -365,9 +369,10 @@ def _assemble(parts, outs, total: int):
 class SideStreams:
     """A pack's calls are independent: with streams > 1 they run round-robin on that many side streams of the
     device (each waiting for the current stream's work so far), so several small calls can fill the GPU together;
-    join() makes the current stream wait for all of them. Results made on a side stream are recorded on the current
-    one, so the caching allocator does not hand their memory to a later side-stream call while the current stream
-    still reads them. streams = 1 (or a CPU tensor) runs every call on the current stream."""
+    join() makes the current stream wait for all of them. The caching allocator is told who uses what: a call's
+    arguments (often copies made on the current stream, e.g. padded rows, released when the caller moves on) are
+    recorded on its side stream, and its results on the current stream, so neither memory is handed to another
+    stream's allocation while still in use. streams = 1 (or a CPU tensor) runs every call on the current stream."""
 
     def __init__(self, device: torch.device, streams: int):
         self.main = torch.cuda.current_stream(device) if device.type == "cuda" and streams > 1 else None
@@ -379,6 +384,9 @@ class SideStreams:
             return impl(*args, **kwargs)
         stream = self.pool[n % len(self.pool)]
         stream.wait_stream(self.main)
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(stream)
         with torch.cuda.stream(stream):
             result = impl(*args, **kwargs)
         self.used.add(stream)
