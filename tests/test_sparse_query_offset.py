@@ -295,3 +295,33 @@ def test_key_offset_is_validated():
     idx = torch.zeros(1, 1, 4, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="key_offset must be a non-negative int"):
         sparse_plan(idx, 16, 4, 1, 4, 1, key_offset=-1)
+
+
+def test_separate_key_offsets_give_the_sparse_ops_unpadded_queries():
+    """packed.per_sequence with cu_seqlens_k: the sparse MSA ops get each query sequence unpadded against a view of
+    its keys (their kernels take longer keys); warmup's main attention is cuDNN's dense one: still padded."""
+    from flash_msa_rt.ops import packed
+    from flash_msa_rt.ops.backends import reference_impl
+
+    assert all(packed.SPECS[op].keys_longer for op in ("select_blocks", "msa_forward", "msa_kl", "msa_backward"))
+    assert not any(packed.SPECS[op].keys_longer for op in ("warmup_forward", "warmup_kl", "warmup_backward"))
+    g = torch.Generator().manual_seed(3)
+    Hp, H, D, BS = 2, 4, 8, 64
+    q_lens, k_starts, used = [50, 130], [0, 300], [150, 290]
+    cu = torch.tensor([0, 50, 180], dtype=torch.int32)
+    keys = {"cu_seqlens_k": torch.tensor(k_starts + [600], dtype=torch.int32),
+            "seqused_k": torch.tensor(used, dtype=torch.int32)}
+    x = [torch.randn(1, n, h, D, generator=g, dtype=torch.float64)
+         for n, h in ((180, Hp), (600, 1), (180, H), (600, 2), (600, 2))]
+    sel = reference_impl("select_blocks")(x[0], x[1], 3, BS, 0.3, cu, **keys)
+    seen = []
+    ref = reference_impl("msa_forward")
+
+    def fixed(*a, **k):
+        seen.append((a[2].shape[1], a[3].shape[1], a[5].shape[2]))
+        return ref(*a, **k)
+
+    got = packed.per_sequence("msa_forward", fixed, ref)(*x, sel, BS, 0.3, cu, **keys)
+    assert seen == [(50, 150, 50), (130, 290, 130)]
+    for a, b in zip(got, ref(*x, sel, BS, 0.3, cu, **keys)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
