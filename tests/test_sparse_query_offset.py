@@ -307,7 +307,7 @@ def test_separate_key_offsets_give_the_sparse_ops_unpadded_queries():
     assert not any(packed.SPECS[op].keys_longer for op in ("warmup_forward", "warmup_kl", "warmup_backward"))
     g = torch.Generator().manual_seed(3)
     Hp, H, D, BS = 2, 4, 8, 64
-    q_lens, k_starts, used = [50, 130], [0, 300], [150, 290]
+    k_starts, used = [0, 300], [150, 290]  # query lengths 50 and 130
     cu = torch.tensor([0, 50, 180], dtype=torch.int32)
     keys = {"cu_seqlens_k": torch.tensor(k_starts + [600], dtype=torch.int32),
             "seqused_k": torch.tensor(used, dtype=torch.int32)}
