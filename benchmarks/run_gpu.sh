@@ -109,6 +109,10 @@ for mma in ['sync', 'wgmma'] if device_arch(0) == 'sm90a' else ['sync']:  # ever
         select_blocks_cuda(q, q[:, :, :1], 3, 128, 0.1)
         o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
         msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
+        sel_c = select_blocks_cuda(q[:, 77:], q[:, :, :1], 3, 128, 0.1)  # a chunk: keys longer than queries (77)
+        o, lse, lsep, kl = msa_forward_cuda(q[:, 77:], q[:, :, :1], m[:, 77:], kv, kv, sel_c, 128, 0.1)
+        msa_backward_cuda(q[:, 77:], q[:, :, :1], m[:, 77:], kv, kv, o, lse, lsep, sel_c, 128, 0.1, torch.randn_like(o),
+                          kl)
 if device_arch(0) == 'sm90a':  # G = 16: the KL pass's streamed ping-pong (its heads through a ring), tau export;
     # the deterministic backward kernels (partial rows stored) at G = 16 and G = 4
     m16 = torch.randn(2, 333, 32, 128, device='cuda').to(torch.bfloat16)
@@ -120,6 +124,9 @@ if device_arch(0) == 'sm90a':  # G = 16: the KL pass's streamed ping-pong (its h
     msa_backward_cuda(q, q[:, :, :1], m16, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m16), kl, True)
     o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)  # deterministic at G = 4
     msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl, True)
+    o, lse, lsep, kl = msa_forward_cuda(q[:, 77:], q[:, :, :1], m[:, 77:], kv, kv, sel_c, 128, 0.1)  # the chunk
+    msa_backward_cuda(q[:, 77:], q[:, :, :1], m[:, 77:], kv, kv, o, lse, lsep, sel_c, 128, 0.1, torch.randn_like(o), kl,
+                      True)
     torch.use_deterministic_algorithms(False)
 if device_arch(0) == 'sm90a':  # the other wgmma builds (opt-in set): ping-pong with two q buffers, lockstep
     # warpgroups, the proxy backward's heads stepped and resident

@@ -7,7 +7,7 @@ Use it to test the plan and the combines on any device, and as the oracle a kern
 against (compare only the rows of live entries: the others are never written).
 
 Per item (bp, j, entry_start, n_entries) with n_entries > 0, as the kernel does: b, p = divmod(bp, Hp); key block j
-holds tokens [j * Bs, min((j + 1) * Bs, S)); the item's entries are cut into tiles of tile_queries queries, each a
+holds tokens [j * Bs, min((j + 1) * Bs, Sk)); the item's entries are cut into tiles of tile_queries queries, each a
 (tq * G)-row tile whose row r is (query r // G, head p * G + r % G); per row, the causal keys t <= i of block j.
 
 Forward pass, at row entry_dest[e]: o_part[e, g] = sum_t exp(s - lse_slot) v_t (normalised by the block's own sum)
@@ -16,7 +16,9 @@ KL pass, from the final lse (B, H, S): per key group, the (A, T, L) triple of em
 s_p = scale <q_proxy[b, i, p], k_proxy[b, t, p // (Hp / Hpk)]>; combine_kl_lse makes lse_proxy and the KL.
 
 Math in float32 (float64 when any input is float64); o_part is stored in q.dtype, statistics in the math dtype.
-Inputs in the internal layout: q (B, S, H, D), k, v (B, S, Hk, D), q_proxy (B, S, Hp, Dp), k_proxy (B, S, Hpk, Dp).
+Inputs in the internal layout: q (B, S, H, D), k, v (B, Sk, Hk, D), q_proxy (B, S, Hp, Dp), k_proxy (B, Sk, Hpk, Dp):
+keys may outnumber queries (Sk >= S), query row i then sits at key position Sk - S + i and the causal keys of
+block j are t <= Sk - S + i (the plan's key_offset is Sk - S).
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ def _tile_scores(plan, q, k, q_proxy, k_proxy, b, p, j, e, scale, dt):
     G, Bs = plan.group, plan.block_size
     H, Hk, Hp, Hpk = q.shape[2], k.shape[2], q_proxy.shape[2], k_proxy.shape[2]
     i = plan.entry_query[e].long()
-    t0, t1 = j * Bs, min((j + 1) * Bs, q.shape[1])  # plan.S is a chunk's length when planned in chunks
+    t0, t1 = j * Bs, min((j + 1) * Bs, k.shape[1])  # plan.S is a chunk's length when planned in chunks
+    # keys longer than queries (the kernels' Sk - S from the shapes): query row i sits at key position off + i
+    off = k.shape[1] - q.shape[1]
     heads = torch.arange(p * G, (p + 1) * G, device=q.device)
     qt = q[b, i][:, heads].to(dt)  # (rows, G, D): a (query, G heads) row group is contiguous in BSHD
     kt = k[b, t0:t1][:, heads // (H // Hk)].to(dt)  # (keys, G, D)
-    causal = torch.arange(t0, t1, device=q.device).view(1, -1) <= i.view(-1, 1)  # (rows, keys)
+    causal = torch.arange(t0, t1, device=q.device).view(1, -1) <= (off + i).view(-1, 1)  # (rows, keys)
     ninf = float("-inf")
     s = (torch.einsum("rgd,tgd->rgt", qt, kt) * scale).masked_fill(~causal.unsqueeze(1), ninf)
     qp = q_proxy[b, i, p].to(dt)
@@ -219,3 +223,24 @@ def plan_lists_kernels(block_size: int, tile_rows: int = 128):
         item_count.copy_(torch.from_numpy(counts))
 
     return count, scatter, items
+
+
+def emulate_main_backward(plan: SparsePlan, q, k, v, dout, lse, delta, scale: float, dq_acc, dk_acc, dv_acc):
+    """The main backward kernel's contract (kernels_src.sparse_bwd, atomic path), added into the fp32 accumulators
+    as its reductions do: per tile and head h = p * G + g, P = exp(s_h - lse_h) over the causal keys of block j,
+    dS = P (dO V^T - delta), then dq[b, i, h] += scale dS K, dk[b, t, h // (H / Hk)] += scale dS^T Q and
+    dv[b, t, h // (H / Hk)] += P^T dO. lse and delta (B, H, S)."""
+    dt = compute_dtype(q, k, v)
+    G, H, Hk = plan.group, q.shape[2], k.shape[2]
+    with _ieee_fp32_matmul():
+        for b, p, j, e in _tiles(plan):
+            s, _, i, t0, t1 = _tile_scores(plan, q, k, q[:, :, :H // G], k[:, :, :1], b, p, j, e, scale, dt)
+            for g in range(G):
+                h = p * G + g
+                kvh = h // (H // Hk)
+                prob = torch.exp(s[:, g] - finite_or_zero(lse[b, h, i].to(dt)).unsqueeze(-1))  # (rows, keys)
+                do, kt, vt = dout[b, i, h].to(dt), k[b, t0:t1, kvh].to(dt), v[b, t0:t1, kvh].to(dt)
+                ds = prob * (do @ vt.T - delta[b, h, i].to(dt).unsqueeze(-1))
+                dq_acc[b, i, h] += (scale * ds @ kt).to(dq_acc.dtype)
+                dk_acc[b, t0:t1, kvh] += (scale * ds.T @ q[b, i, h].to(dt)).to(dk_acc.dtype)
+                dv_acc[b, t0:t1, kvh] += (prob.T @ do).to(dv_acc.dtype)

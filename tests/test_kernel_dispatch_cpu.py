@@ -33,9 +33,9 @@ def test_sparse_kernels_decline_with_a_reason(over, words, catalogue_artifacts):
 
 
 def test_separate_key_offsets_take_the_kernels_under_the_tuning_policy(catalogue_artifacts):
-    """cu_seqlens_k / seqused_k: the kernels' path (packed.per_sequence: selection with the kernel's query offset,
-    the other ops with each query sequence front-padded to its keys) by default; tuning.packed "reference" keeps
-    them on the reference and the reason says so."""
+    """cu_seqlens_k / seqused_k: the kernels' path (packed.per_sequence: selection and the sparse MSA ops with the
+    kernels' query offset, warmup with each query sequence front-padded to its keys) by default; tuning.packed
+    "reference" keeps them on the reference and the reason says so."""
     catalogue_artifacts("sm90a")
     assert kernels._msa_supports(_problem(varlen=True, separate_keys=True)) is None
     select = _problem("select_blocks", varlen=True, separate_keys=True, top_k_blocks=16)
@@ -649,8 +649,9 @@ def test_proxy_below_d_is_padded_exactly(monkeypatch):
 def test_separate_key_offsets_on_the_fixed_length_ops_compute_the_varlen_contract(precision):
     """Queries that are the last L_q of their sequence's L_k keys (cu_seqlens_k), key ranges shared by two query
     sequences (seqused_k, one context-parallel rank's two zigzag chunks), L_q = 0, L_q not a multiple of the block:
-    packed.per_sequence runs each query sequence front-padded to L_k against a view of its keys on the fixed-length
-    reference ops, and every op equals the varlen reference (float64, CPU); key gradients of shared keys sum."""
+    packed.per_sequence runs each query sequence against a view of its keys on the fixed-length reference ops
+    (unpadded for the ops that take longer keys themselves: selection and the sparse MSA ops; front-padded to L_k
+    for warmup), and every op equals the varlen reference (float64, CPU); key gradients of shared keys sum."""
     from flash_msa_rt.ops import packed
     from flash_msa_rt.ops.backends import reference_impl
 

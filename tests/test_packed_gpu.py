@@ -230,7 +230,8 @@ def test_a_packed_step_captures_in_a_cuda_graph_and_replays_new_offsets(sparse):
 def test_separate_key_offsets_on_the_kernels(dtype):
     """A context-parallel rank's two zigzag-like query chunks (rows 100..250 and 700..900 of a 900-token sequence,
     not block-aligned) against the one key tensor (cu_seqlens_k repeats its start, seqused_k the chunks' ends) on
-    the kernels (tuning.packed separate_keys="kernels": each chunk front-padded to its keys): the selection equals
+    the kernels (tuning.packed separate_keys="kernels": selection and the sparse ops take each chunk unpadded, the
+    kernels' query offset; warmup front-pads it to its keys): the selection equals
     the fixed-length kernel's on the whole sequence row for row, bitwise (a row depends on its own query and the
     keys only); forward, KL rows and backward on that selection match the float64 reference; warmup likewise."""
     from flash_msa_rt import tuning

@@ -18,8 +18,9 @@ Three ways in:
     measured);
   - under CUDA graph capture: no host read; the whole pack is one batch padded to the caller's max_seqlen, planned
     on the device (_DevicePadded);
-  - separate key offsets (cu_seqlens_k, seqused_k; opt-in, tuning.packed): each query sequence front-padded to its
-    key length against a view of its keys (_separate_keys).
+  - separate key offsets (cu_seqlens_k, seqused_k; tuning.packed): each query sequence against a view of its keys,
+    unpadded where the op's kernels take longer keys (keys_longer), else front-padded to its key length
+    (_separate_keys).
 Kernels that take the offsets themselves would replace all three.
 """
 
@@ -56,16 +57,17 @@ class PackedOp:
     keys: tuple = (1, 3, 4)  # the arguments on the keys' tokens (k_proxy, k, v) where keys have offsets of their own
     key_outs: tuple = ()  # the results on the keys' tokens (the backward's dk_proxy, dk, dv)
     # the fixed-length op takes keys longer than its queries itself (the queries being the last of the key
-    # positions): separate key offsets then need no query padding (select: the kernel's query offset)
+    # positions): separate key offsets then need no query padding (the select and sparse MSA kernels' query
+    # offset, Sk - S from the shapes)
     keys_longer: bool = False
 
 
 SPECS = {
     "select_blocks": PackedOp(5, {0: 1, 1: 1}, (2,), paddable=True, keys=(1,), keys_longer=True),
-    "msa_forward": PackedOp(8, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2}, (1, 2, 2, 2), paddable=True),
+    "msa_forward": PackedOp(8, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2}, (1, 2, 2, 2), paddable=True, keys_longer=True),
     "msa_backward": PackedOp(13, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 2, 7: 2, 8: 2, 11: 1}, (1,) * 5, (12,),
-                             paddable=True, key_outs=(1, 3, 4)),
-    "msa_kl": PackedOp(9, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2}, (2, 2), paddable=True),
+                             paddable=True, key_outs=(1, 3, 4), keys_longer=True),
+    "msa_kl": PackedOp(9, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2}, (2, 2), paddable=True, keys_longer=True),
     "warmup_forward": PackedOp(6, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1}, (1, 2, 2, 2)),
     "warmup_backward": PackedOp(11, {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 1, 6: 2, 7: 2, 9: 1}, (1,) * 5, (10,),
                                 inf_pad=(6, 7), key_outs=(1, 3, 4)),
@@ -295,9 +297,9 @@ def _separate_keys(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu:
     results come back, and the key-side results (gradients) add into the keys' rows, summed where the key ranges of
     several sequences overlap (seqused_k). Exact: every query row is computed from its own row and the keys alone,
     and a padded row has no selected block, a zero upstream gradient and a zero KL gradient, so it adds nothing to
-    any key. Ops that take longer keys themselves (keys_longer: selection, whose kernel places its queries at the
-    end of the keys) get the queries unpadded. The cost: one call per sequence, the padding copies, the padded
-    rows' (cheap: no selected block) sparse work and, in warmup, their dense attention."""
+    any key. Ops that take longer keys themselves (keys_longer: selection and the sparse MSA ops, whose kernels
+    place their queries at the end of the keys) get the queries unpadded. The cost: one call per sequence and, in
+    warmup (padded), the padding copies and the padded rows' dense attention."""
     q_bounds, k_starts = host_offsets(cu), host_offsets(cu_k)
     used = host_offsets(used_k) if used_k is not None else [b - a for a, b in zip(k_starts[:-1], k_starts[1:])]
     total_k = args[spec.keys[0]].shape[spec.tokens[spec.keys[0]]]

@@ -131,7 +131,9 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
     """(dq_proxy, dk_proxy, dq, dk, dv). grad_out (B, S, H, D) or None; kl_grad broadcastable to (B, Hp, S) or
     None (a missing gradient gives zeros). Tensors validated, 16-byte aligned, unit-stride head dim.
     deterministic: bitwise reproducible gradients (the tau path's deterministic variants; the device must have
-    them: deterministic_refusal). arch: the device's unless given (the tuning policy's arch)."""
+    them: deterministic_refusal). arch: the device's unless given (the tuning policy's arch). k, v, k_proxy may hold
+    Sk >= S keys (query row i at key position Sk - S + i, msa_forward_cuda's alignment): dk, dv, dk_proxy are
+    theirs."""
     B, S, H, D = q.shape
     Hp, Hk = q_proxy.shape[2], k.shape[2]
     G = H // Hp
@@ -153,7 +155,7 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
         return _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size,
                                   scale, grad_out, kl_grad)
     flat, (dq_acc, dk_acc, dv_acc) = accumulators((q, k, v))
-    plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, t.tiles_per_item)
+    plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, t.tiles_per_item, key_offset=k.shape[1] - S)
     if grad_out is not None:
         delta = torch.empty((B, H, S), dtype=f32, device=dev)
         get_kernel("bwd_delta", delta_config(dt, D), dev)(dout=grad_out, out=out, delta=delta)
@@ -332,7 +334,8 @@ def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, 
     # plan's sorted lists are the proxy plan's: entry e's tau row is row e for both.
     cuts = ((TILE_M // G, t.tiles_per_item), (TILE_M, proxy_tiles))
     # the deterministic kernels' turns need list order
-    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, "list" if det else t.item_order, arch=arch)
+    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, "list" if det else t.item_order, arch=arch,
+                        key_offset=k.shape[1] - S)
     tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
     chunks = sparse_fwd.head_chunks(Hp, Hk, Hpk, G, c)
     like = {"dk_proxy": (k_proxy, "proxy_key"), "dk": (k, "kv"), "dv": (v, "kv")}
@@ -402,8 +405,9 @@ class _DeterministicSums:
     def sum_chunk(self, plan, sel, s0: int, s1: int, hs: slice, ps: slice) -> None:
         """dq and dq_proxy of the chunk's queries [s0, s1) and heads hs / proxy heads ps, from the partial rows
         that the chunk's plan (over selection rows sel) stored."""
-        self.sum_dq(block_indices=sel, part=self.dq_part[:plan.E], out=self.dq[:, s0:s1, hs], query_offset=s0)
-        self.sum_dqp(block_indices=sel, part=self.dqp_part[:plan.E], out=self.dqp[:, s0:s1, ps], query_offset=s0)
+        at = plan.key_offset + s0  # the live rule's key position of row s0
+        self.sum_dq(block_indices=sel, part=self.dq_part[:plan.E], out=self.dq[:, s0:s1, hs], query_offset=at)
+        self.sum_dqp(block_indices=sel, part=self.dqp_part[:plan.E], out=self.dqp[:, s0:s1, ps], query_offset=at)
 
 
 def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size, scale, kl_grad, plan=None,
@@ -433,7 +437,8 @@ def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, b
         s1 = min(S, s0 + chunk)
         if given is None:  # the proxy kernel's tiles are 64 distinct queries, whatever G
             sel = block_indices[:, :, s0:s1].contiguous()
-            plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M, t.proxy_tiles_per_item, query_offset=s0)
+            plan = sparse_plan(sel, block_size, s1 - s0, G, TILE_M, t.proxy_tiles_per_item, query_offset=s0,
+                               key_offset=k_proxy.shape[1] - S)
         kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, entry_query=plan.entry_query, items=plan.items, lse=lse,
                lse_proxy=lse_proxy, kl_grad=grad, dqp_acc=dqp_acc, dkp_acc=dkp_acc, scale=float(scale),
                hp_per_hk=Hp // Hk, hp_per_hpk=Hp // Hpk)

@@ -184,6 +184,9 @@ def equal_chunk(S: int, block_size: int, per_query: int, budget: int) -> int:
 def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, arch: str | None = None):
     """(out (B, S, H, D), lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) on a CUDA device.
 
+    k, v, k_proxy may hold Sk >= S keys: query row i then sits at key position Sk - S + i (bottom-right causal
+    alignment; a chunk of a sequence against its whole prefix) and block_indices holds absolute key blocks.
+
     The caller has validated shapes and made every tensor 16-byte aligned with a unit-stride head dim.
     Queries run in chunks whose per-slot partial outputs fit the choice's partials_budget (tuning.sparse_fwd, for
     arch: the device's unless given): a row's K slots all belong to its
@@ -214,12 +217,13 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     if out.numel() == 0:
         return out, lse, lse_proxy, kl_rows
     Hk, Hpk = k.shape[2], (k_proxy.shape[2] if proxy else Hp)
+    key_offset = k.shape[1] - S  # the kernels take it from the shapes; the plans and the merges' live rule here
     c, chunk = forward_chunks(B, S, Hp, Hk, Hpk, K, G, D, block_size, t.partials_budget, t.chunks)
     # Every chunk's plan and the KL pass's recut of it from one sort (chunk_plans: the host's work per chunk is
     # then its views and launches); planned before the partial buffers exist, so the sort's temporaries do not
     # add to the peak.
     cuts = ((TILE_M // G, t.tiles_per_item),) + (((KL_TILE, t.kl_tiles_per_item),) if proxy else ())
-    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, t.item_order, arch=arch)
+    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, t.item_order, arch=arch, key_offset=key_offset)
     E_max = B * c * min(chunk, S) * K
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
@@ -240,30 +244,31 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
             fwd(q=q_c, k=k_c, v=v_c, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=c,
                 hp_per_hk=hc.per_kv, **_plan_args(plan))
             combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=rows(hc.view(out, 2, "main"), 1, s0, s1),
-                    lse=rows(lse_c, 2, s0, s1), query_offset=s0)
+                    lse=rows(lse_c, 2, s0, s1), query_offset=key_offset + s0)
             if not proxy:
                 continue
             kl_part = rows(kl_buf, 0, 0, kl_plan[0].E)
             kl(lse=lse_c, kl_part=kl_part, **kl_args, **_plan_args(kl_plan[0]))
             combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=rows(hc.view(lse_proxy, 1, "proxy"), 2, s0, s1),
-                       kl_rows=rows(hc.view(kl_rows, 1, "proxy"), 2, s0, s1), query_offset=s0)
+                       kl_rows=rows(hc.view(kl_rows, 1, "proxy"), 2, s0, s1), query_offset=key_offset + s0)
     return out, lse, lse_proxy, kl_rows
 
 
 def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan):
     """The KL pass over queries [s0, s0 + sel.shape[2]) on kl_plan (the KL pass's tiles) given the final main lse:
-    writes lse_proxy and kl_rows (B, Hp, S) there."""
+    writes lse_proxy and kl_rows (B, Hp, S) there (keys longer than queries: kl_plan's key_offset)."""
     kl_part = rows(kl_buf, 0, 0, kl_plan.E)
     kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
     s1 = s0 + sel.shape[2]
     combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=rows(lse_proxy, 2, s0, s1),
-               kl_rows=rows(kl_rows, 2, s0, s1), query_offset=s0)
+               kl_rows=rows(kl_rows, 2, s0, s1), query_offset=kl_plan.key_offset + s0)
 
 
 def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, arch: str | None = None):
     """(lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) of a selection, given the main attention's final lse (B, H, S):
     the KL pass alone, for a main attention computed elsewhere (warmup mode: cuDNN's dense attention). Queries run
-    in chunks whose (A, T, L) partials fit the choice's kl_partials_budget."""
+    in chunks whose (A, T, L) partials fit the choice's kl_partials_budget. k, k_proxy may be longer than the
+    queries (msa_forward_cuda's alignment)."""
     B, S, H, D = q.shape
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
@@ -282,19 +287,21 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, a
     chunk = max(block_size, t.kl_partials_budget // per_query // block_size * block_size)
     kl_buf = torch.empty((B * Hp * min(chunk, S) * K, 3 * groups), dtype=torch.float32, device=dev)
     lse = lse.contiguous()
+    key_offset = k.shape[1] - S
     # A selection tensor (kl_value "deferred": the backward's KL pass): every chunk's plan from one chunk_plans, on the
     # plan kernels as the forward's (a sparse_plan per chunk is the torch sort, ~35 torch ops). Warmup's
     # AllCausalBlocks makes its rows per chunk instead (the whole selection is O(S^2 / Bs)).
     plans = None
     if isinstance(block_indices, torch.Tensor):
         plans = chunk_plans(block_indices, block_size, G, Hp, chunk, ((KL_TILE, t.kl_tiles_per_item),), t.item_order,
-                            arch=arch)
+                            arch=arch, key_offset=key_offset)
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         if plans is not None:
             sel, (kl_plan,) = rows(block_indices, 2, s0, s1), plans[(0, s0)]
         else:
             sel = block_indices[:, :, s0:s1].contiguous()
-            kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, t.kl_tiles_per_item, query_offset=s0)
+            kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, t.kl_tiles_per_item, query_offset=s0,
+                                  key_offset=key_offset)
         _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan)
     return lse_proxy, kl_rows

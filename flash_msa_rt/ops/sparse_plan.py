@@ -24,7 +24,8 @@ captured in a CUDA graph and traced under FakeTensorMode.
 
 Live entries. An entry (b, p, i, slot) is live when its block j satisfies 0 <= j <= blk(i) = i // Bs: -1 slots are
 empty, and a later block holds no causal key of query i, so it contributes nothing (msa-semantics: allowed keys
-are t <= i). Only live entries enter items, so a kernel tile never sees an all-masked row or an out-of-range
+are t <= i; with keys longer than queries, query row i sits at key position key_offset + i and blk(i) is that
+position's block). Only live entries enter items, so a kernel tile never sees an all-masked row or an out-of-range
 block, and every live entry has at least one causal key (t = j * Bs <= i). The combines mask the rest with the
 same predicate (torch.where, never boolean indexing): their partial rows are never written and hold garbage.
 """
@@ -72,6 +73,9 @@ class SparsePlan:
     tile_queries: int
     tiles_per_item: int
     query_offset: int = 0
+    # Keys longer than queries (Sk = key_offset + the queries' S): row i of the queries sits at key position
+    # key_offset + i, which the live rule and NB use; entry_query stays a query row.
+    key_offset: int = 0
 
     @property
     def entries_per_item(self) -> int:
@@ -96,7 +100,7 @@ def live_slots(block_indices: torch.Tensor, block_size: int, query_offset: int =
 
 
 def sparse_plan(block_indices: torch.Tensor, block_size: int, seqlen: int, group: int, tile_queries: int,
-                tiles_per_item: int, query_offset: int = 0) -> SparsePlan:
+                tiles_per_item: int, query_offset: int = 0, key_offset: int = 0) -> SparsePlan:
     """The KV-outer work plan of block_indices (B, Hp, S, K) int32 (-1 = empty; entries of a row distinct).
 
     group = G = H / Hp, tile_queries = tq queries per 128-row tile (128 // G in the kernel), tiles_per_item = T.
@@ -106,6 +110,8 @@ def sparse_plan(block_indices: torch.Tensor, block_size: int, seqlen: int, group
     query_offset: block_indices holds the rows of queries [query_offset, query_offset + seqlen) of a longer
     sequence (the forward plans a chunk of queries at a time to bound its partial buffers): entry_query is
     absolute, entry_dest indexes the chunk's (B, Hp, seqlen, K) grid.
+    key_offset: the keys are longer than the queries by key_offset (query row i at key position key_offset + i,
+    bottom-right causal alignment): the live rule and the key blocks NB count in key positions.
     """
     fn = "sparse_plan"
     if not isinstance(block_indices, torch.Tensor):
@@ -129,23 +135,25 @@ def sparse_plan(block_indices: torch.Tensor, block_size: int, seqlen: int, group
                          f"partial rows, past int32 (< 2**31): split the batch or the sequence")
     if isinstance(query_offset, bool) or not isinstance(query_offset, int) or query_offset < 0:
         raise ValueError(f"{fn}: query_offset must be a non-negative int, got {query_offset!r}")
-    entry_query, entry_dest, bounds, NB = _sorted_lists(block_indices, Bs, query_offset)
+    if isinstance(key_offset, bool) or not isinstance(key_offset, int) or key_offset < 0:
+        raise ValueError(f"{fn}: key_offset must be a non-negative int, got {key_offset!r}")
+    entry_query, entry_dest, bounds, NB = _sorted_lists(block_indices, Bs, query_offset, key_offset)
     items, item_count, W = _cut_items(bounds, NB, E, tq * T)
     return SparsePlan(entry_query=entry_query, entry_dest=entry_dest, items=items, item_count=item_count,
                       list_bounds=bounds, E=E, W=W, K=K, Hp=Hp, S=S, B=B, NB=NB, block_size=Bs, group=G,
-                      tile_queries=tq, tiles_per_item=T, query_offset=query_offset)
+                      tile_queries=tq, tiles_per_item=T, query_offset=query_offset, key_offset=key_offset)
 
 
-def _sorted_lists(block_indices: torch.Tensor, Bs: int, query_offset: int):
+def _sorted_lists(block_indices: torch.Tensor, Bs: int, query_offset: int, key_offset: int = 0):
     """(entry_query, entry_dest, list_bounds, NB) of sparse_plan: the entries sorted by list, and the lists'
     bounds."""
     B, Hp, S, K = block_indices.shape
-    NB = -(-(query_offset + S) // Bs)
+    NB = -(-(key_offset + query_offset + S) // Bs)
     L = B * Hp * NB  # lists, one per (bp, j)
     dev = block_indices.device
 
     # List id bp * NB + j of each entry in (bp, i, slot) order; dead entries go to the spare list L (sorted last).
-    live = live_slots(block_indices, Bs, query_offset)
+    live = live_slots(block_indices, Bs, key_offset + query_offset)
     bp = torch.arange(B * Hp, device=dev, dtype=torch.int32).view(B, Hp, 1, 1)
     list_id = torch.where(live, bp * NB + block_indices, torch.full((), L, dtype=torch.int32, device=dev))
     # A stable sort on the list id keeps the (i, slot) order inside each list: sorted by query, since a row's
@@ -199,8 +207,8 @@ ORDERS = ("list", "size", "query")
 
 
 def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads: int, queries: int,
-                cuts: tuple[tuple[int, int], ...],
-                order: str = "list", arch: str = "") -> dict[tuple[int, int], tuple[SparsePlan, ...]]:
+                cuts: tuple[tuple[int, int], ...], order: str = "list", arch: str = "",
+                key_offset: int = 0) -> dict[tuple[int, int], tuple[SparsePlan, ...]]:
     """The plans of every chunk of `heads` proxy heads x `queries` queries of block_indices (B, Hp, S, K), from one
     stable sort: {(p0, s0): (plan, ...)} with one plan per (tile_queries, tiles_per_item) in cuts, each equal
     field for field (items up to its W) to sparse_plan(block_indices[:, p0:p0 + heads, s0:s1], block_size,
@@ -214,6 +222,8 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     reductions, 10x the L2 in list order, mostly miss it). arch: the tuning policy's (tuning.plan). An item's
     entries are sorted by query, so
     its rows span a contiguous query range either way; the items themselves are the same in every order.
+    key_offset: keys longer than the queries (sparse_plan's); such plans sort with torch (the plan_lists kernels'
+    bitmaps are laid out for query rows that are key positions).
 
     Why. The forward and the backward run in chunks (bounded partial buffers), and each sparse_plan is ~45 small
     torch ops on the host: at (a) S = 64K, B = 2 the host took 11-13 ms to enqueue the 8 forward chunks' plans,
@@ -228,11 +238,11 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
         raise ValueError(f"chunk_plans: heads = {heads} must divide Hp = {Hp} and queries = {queries} be a multiple "
                          f"of block_size = {block_size} (or cover S = {S})")
     t = tuning_plan.choose(arch)
-    ck = lists_on_device(block_indices, block_size, group, heads, queries)
+    ck = lists_on_device(block_indices, block_size, group, heads, queries) if not key_offset else None
     if ck is not None:
         return _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, ck=ck)
     if heads == Hp and queries >= S:  # one chunk: sparse_plan's sort (fewer torch ops), every cut in one pass
-        entry_query, entry_dest, bounds, NB = _sorted_lists(block_indices, block_size, 0)
+        entry_query, entry_dest, bounds, NB = _sorted_lists(block_indices, block_size, 0, key_offset)
         E, L, dev = B * Hp * S * K, bounds.shape[0] - 1, bounds.device
         counts = (bounds[1:] - bounds[:-1]).view(1, L)
         items, item_count, W = _cut_batched(bounds[:-1].view(1, L), counts,
@@ -243,22 +253,24 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
         return {(0, 0): tuple(
             SparsePlan(entry_query=entry_query, entry_dest=entry_dest, items=items[n, 0, :W[n][0]],
                        item_count=item_count[n, :1], list_bounds=bounds, E=E, W=W[n][0], K=K, Hp=Hp, S=S, B=B,
-                       NB=NB, block_size=block_size, group=group, tile_queries=tq, tiles_per_item=T)
+                       NB=NB, block_size=block_size, group=group, tile_queries=tq, tiles_per_item=T,
+                       key_offset=key_offset)
             for n, (tq, T) in enumerate(cuts))}
     per_batch = max(1, t.batch_entries // max(1, B * Hp * K * queries)) * queries
     plans = {}
     for r0 in range(0, S, per_batch):
         batch = block_indices[:, :, r0:min(S, r0 + per_batch)]
-        plans.update(_batch_plans(batch, r0, block_size, group, heads, queries, cuts, order))
+        plans.update(_batch_plans(batch, r0, block_size, group, heads, queries, cuts, order, key_offset))
     return plans
 
 
-def _batch_plans(block_indices, query_offset, block_size, group, heads, queries, cuts, item_order):
-    """chunk_plans of the query rows [query_offset, + block_indices.shape[2]) (the chunks start at query_offset)."""
+def _batch_plans(block_indices, query_offset, block_size, group, heads, queries, cuts, item_order, key_offset=0):
+    """chunk_plans of the query rows [query_offset, + block_indices.shape[2]) (the chunks start at query_offset;
+    row i at key position key_offset + i)."""
     B, Hp, S, K = block_indices.shape
     Bs, c, dev = block_size, heads, block_indices.device
     # chunk ch = (p // c) * n_q + query chunk; host-side sizes per chunk:
-    ck = chunk_keys(B, Hp, S, K, c, queries, Bs, query_offset)
+    ck = chunk_keys(B, Hp, S, K, c, queries, Bs, query_offset, key_offset)
     n_q, n_ch, q_lo, q_hi, NB, L, E = ck.n_q, len(ck.E), ck.q_lo, ck.q_hi, ck.NB, ck.L, ck.E
     if max(e * group for e in E) >= _INT32_LIMIT or sum(n + 1 for n in L) >= _INT32_LIMIT:
         raise ValueError(f"chunk_plans: block_indices {tuple(block_indices.shape)} with group = {group}: a chunk "
@@ -268,7 +280,7 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
     ch_t = torch.arange(n_ch, device=dev, dtype=i64)
     lo_t = query_offset + (ch_t % n_q) * queries
     hi_t = torch.clamp(lo_t + queries, max=query_offset + S)
-    NB_t = torch.div(hi_t + (Bs - 1), Bs, rounding_mode="floor")
+    NB_t = torch.div(hi_t + (key_offset + Bs - 1), Bs, rounding_mode="floor")
     L_t = B * c * NB_t
     base_t = torch.cumsum(L_t + 1, 0) - (L_t + 1)  # first key of each chunk's lists
     E_t = B * c * (hi_t - lo_t) * K
@@ -276,7 +288,7 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
 
     # Key of every entry (b, p, r, slot): base[chunk] + its list in the chunk, (b * c + p % c) * NB + j, or the
     # chunk's dead list L for a dead slot.
-    live = live_slots(block_indices, Bs, query_offset)
+    live = live_slots(block_indices, Bs, key_offset + query_offset)
     p = torch.arange(Hp, device=dev, dtype=i64).view(1, Hp, 1, 1)
     b = torch.arange(B, device=dev, dtype=i64).view(B, 1, 1, 1)
     if n_q == 1:  # chunks of heads only: the chunk is p // c, so per-(b, p) int32 tables do the arithmetic
@@ -319,11 +331,11 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
     counts = torch.where(valid, starts[:, 1:] - starts[:, :-1], torch.zeros((), dtype=i64, device=dev))
     cut = _cut_batched(starts[:, :-1], counts, NB_t, cuts, E, L, item_order == "size")
     return _chunk_plan_dict(entry_query, entry_dest, starts, cut, off_t, q_lo, q_hi, NB, L, E, B, K, c, n_q, Bs,
-                            group, cuts, item_order)
+                            group, cuts, item_order, key_offset)
 
 
 def _chunk_plan_dict(entry_query, entry_dest, starts, cut, off_t, q_lo, q_hi, NB, L, E, B, K, c, n_q, Bs, group,
-                     cuts, item_order):
+                     cuts, item_order, key_offset=0):
     """chunk_plans' result from the chunks' sorted entries: starts (n_ch, L_max + 1) int64, each chunk's list starts
     relative to its first entry with the dead entries' start at column L[n]; cut = (items, item_count, W) as
     _cut_batched gives them (in item_order "size" already longest first); off_t (n_ch,) on the device: each chunk's
@@ -346,7 +358,7 @@ def _chunk_plan_dict(entry_query, entry_dest, starts, cut, off_t, q_lo, q_hi, NB
             SparsePlan(entry_query=queries[n], entry_dest=dests[n], items=item_rows[2 * (m * n_ch + n)],
                        item_count=counts[m * n_ch + n], list_bounds=chunk_bounds,
                        E=E[n], W=W[m][n], K=K, Hp=c, S=q_hi[n] - s0, B=B, NB=NB[n], block_size=Bs, group=group,
-                       tile_queries=tq, tiles_per_item=T, query_offset=s0)
+                       tile_queries=tq, tiles_per_item=T, query_offset=s0, key_offset=key_offset)
             for m, (tq, T) in enumerate(cuts))
     return plans
 
@@ -380,15 +392,16 @@ class ChunkKeys:
 
 
 def chunk_keys(B: int, Hp: int, S: int, K: int, heads: int, queries: int, block_size: int,
-               query_offset: int = 0) -> ChunkKeys:
+               query_offset: int = 0, key_offset: int = 0) -> ChunkKeys:
     """The chunks of `heads` proxy heads x `queries` queries of a (B, Hp, S, K) selection whose rows are queries
-    [query_offset, query_offset + S): their query ranges, blocks, lists and entries (host ints), and the keys."""
+    [query_offset, query_offset + S) (at key positions key_offset on): their query ranges, blocks, lists and
+    entries (host ints), and the keys."""
     Q = min(queries, S)
     n_q = -(-S // Q)
     n_ch = (Hp // heads) * n_q
     q_lo = [query_offset + (n % n_q) * Q for n in range(n_ch)]
     q_hi = [min(query_offset + S, lo + Q) for lo in q_lo]
-    NB = [-(-hi // block_size) for hi in q_hi]
+    NB = [-(-(key_offset + hi) // block_size) for hi in q_hi]
     bc = B * heads
     L = [bc * nb for nb in NB]
     E = [bc * (hi - lo) * K for lo, hi in zip(q_lo, q_hi)]
@@ -654,7 +667,7 @@ def combine_forward(plan: SparsePlan, block_indices: torch.Tensor, o_part: torch
     _check_part(fn, "o_part", o_part, (plan.E, G, D))
     _check_part(fn, "lse_part", lse_part, (plan.E, G))
     acc = _stat_dtype(o_part, lse_part)
-    live = live_slots(block_indices, plan.block_size, plan.query_offset)  # (B, Hp, S, K)
+    live = live_slots(block_indices, plan.block_size, plan.key_offset + plan.query_offset)  # (B, Hp, S, K)
     neg_inf = torch.full((), float("-inf"), dtype=acc, device=lse_part.device)
     zero = torch.zeros((), dtype=acc, device=lse_part.device)
 
@@ -686,7 +699,7 @@ def combine_kl_lse(plan: SparsePlan, block_indices: torch.Tensor, kl_part: torch
                          f"{tuple(kl_part.shape) if isinstance(kl_part, torch.Tensor) else type(kl_part).__name__}")
     _check_part(fn, "kl_part", kl_part, (plan.E, kl_part.shape[1]))
     acc = _stat_dtype(kl_part)
-    live = live_slots(block_indices, plan.block_size, plan.query_offset).view(B, Hp, S, K, 1)
+    live = live_slots(block_indices, plan.block_size, plan.key_offset + plan.query_offset).view(B, Hp, S, K, 1)
     parts = kl_part.view(B, Hp, S, K, -1, 3).to(acc)
     zero = torch.zeros((), dtype=acc, device=kl_part.device)
     neg_inf = torch.full((), float("-inf"), dtype=acc, device=kl_part.device)

@@ -174,13 +174,15 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
 
 
 def params(config: Config) -> tuple:
+    """q, dout, lse, delta, dq: S query rows; k, v, dk, dv: Sk >= S keys (query row i at key position
+    Sk - S + i, bottom-right causal alignment)."""
     c = config
     bshd = ("i64", "i64", "i64", 1)
     d = c.head_dim
     return (
         TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
-        TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
-        TensorParam("v", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
+        TensorParam("k", c.dtype, ("B", "Sk", "Hk", d), bshd, align=16),
+        TensorParam("v", c.dtype, ("B", "Sk", "Hk", d), bshd, align=16),
         TensorParam("dout", c.dtype, ("B", "S", "H", d), bshd, align=16),
         TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
         TensorParam("delta", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
@@ -196,12 +198,13 @@ def params(config: Config) -> tuple:
 
 
 def gradient_params(config, dq, *dkv) -> tuple:
-    """The fp32 gradient buffers, (name, heads) each: accumulators (B, S, heads, D) that the kernel adds to, except
+    """The fp32 gradient buffers, (name, heads) each: accumulators (B, S or, for the keys' dkv, Sk, heads, D) that
+    the kernel adds to, except
     with deterministic = 1 the query gradient's partial rows that it stores, one per plan entry ((E, G D): the
     query's G heads), at its slot's row)."""
     d = config.head_dim
     bshd = ("i64", "i64", "i64", 1)
-    acc = tuple(TensorParam(f"{name}_acc", "f32", ("B", "S", heads, d), bshd, align=16) for name, heads in dkv)
+    acc = tuple(TensorParam(f"{name}_acc", "f32", ("B", "Sk", heads, d), bshd, align=16) for name, heads in dkv)
     if getattr(config, "deterministic", 0):
         return (TensorParam(f"{dq[0]}_part", "f32", ("E", config.group * d), (config.group * d, 1), align=16), *acc)
     return (TensorParam(f"{dq[0]}_acc", "f32", ("B", "S", dq[1], d), bshd, align=16), *acc)

@@ -243,7 +243,7 @@ class SparseBackward:
             # This CTA's keys: one tile_n slice of the item's key block (both slices see every row of the item).
             b, p, start, t0 = item_slice(items, w, cta, self.halves, hp, self.block_size, self.tile_n)
             kvh = p // hp_per_hk
-            seqlen = q.shape[1]
+            seqlen = k.shape[1]  # Sk >= S keys: query row i sits at key position i + Sk - S
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
             s_v = storage.s_v.get_tensor(l_kv.outer, swizzle=l_kv.inner)
@@ -317,6 +317,7 @@ class SparseBackward:
         dq_mn = self.rows_cols(acc_dq)
         coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
         scale_log2 = scale * LOG2E
+        q_t0 = t0 - (seqlen - q.shape[1])  # the CTA's first key in query rows (the causal mask's unit)
         n_rows = cute.size(s_mn, mode=[0])
         lse2 = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
         dlt = cute.make_rmem_tensor((n_rows,), cutlass.Float32)
@@ -348,7 +349,7 @@ class SparseBackward:
                 cute.arch.cp_async_wait_group(1)
                 self.publish_async_copies()
                 cute.arch.sync_threads()
-            self.row_scalars(s_rows, entry_query, s_entries, start, tile, n_q, coord_s, t0, lse2, dlt, key_limit)
+            self.row_scalars(s_rows, entry_query, s_entries, start, tile, n_q, coord_s, q_t0, lse2, dlt, key_limit)
 
             # S = Q K^T -> P = exp(S - lse); dP = dO V^T -> dS = P (dP - delta). Rows past n_q: P = dS = 0.
             # The previous tile's dq reductions are issued under the two products: the bulk instructions go

@@ -124,7 +124,8 @@ class SparseProxyBackward(SparseBackward):
             # independent).
             b, p, start, t0 = item_slice(items, w, cta, self.halves, q_proxy.shape[2], self.block_size, self.tile_n)
             pkh = p // hp_per_hpk
-            seqlen = q.shape[1]
+            seqlen = k.shape[1]
+            q_t0 = t0 - (seqlen - q.shape[1])  # the keys in query rows: row i is key i + Sk - S
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
             s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
@@ -182,7 +183,7 @@ class SparseProxyBackward(SparseBackward):
                 if g == 0:
                     tau.fill(0.0)
                 self.accumulate_tau(mma_s, thr_s, acc_s, s_mn, tau_mn, coord_s, s_q, s_k, s_ri, s_rf, tb,
-                                    step % self.stages, t0, scale_log2, tidx)
+                                    step % self.stages, q_t0, scale_log2, tidx)
 
                 # This thread's dq_p row (read before the barrier below: the next gathers may overwrite it).
                 i_row = s_ri[tidx % self.tile_m, tb, QUERY]
@@ -194,7 +195,7 @@ class SparseProxyBackward(SparseBackward):
                         qi = coord_s[r, 0][0]
                         lsep2 = s_rf[qi, tb, LSE_P] * LOG2E
                         cg = s_rf[qi, tb, KL_GRAD]
-                        key_limit = s_ri[qi, tb, QUERY] - t0  # the query is -1 past n_q: no key
+                        key_limit = self.visible_limit(s_ri[qi, tb, QUERY], q_t0)  # -1 past n_q
                         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                             pi = cutlass.Float32(0.0)
                             if coord_s[0, c][1] <= key_limit:
@@ -227,10 +228,19 @@ class SparseProxyBackward(SparseBackward):
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             qi = coord_s[r, 0][0]
             lse2 = s_rf[qi, sb, LSE_G] * LOG2E
-            key_limit = s_ri[qi, tb, QUERY] - t0
+            key_limit = self.visible_limit(s_ri[qi, tb, QUERY], t0)
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 if coord_s[0, c][1] <= key_limit:
                     tau_mn[r, c] += cute.math.exp2(s_mn[r, c] * scale_log2 - lse2, fastmath=True)
+
+    @cute.jit
+    def visible_limit(self, i, q_t0):
+        """The last key of the CTA's keys that query row i sees, i - q_t0 (q_t0: the CTA's first key in query
+        rows), or -1 for a row past the tile's queries (staged query -1): no key, whatever the keys' offset."""
+        limit = -1
+        if i >= 0:
+            limit = i - q_t0
+        return limit
 
     @cute.jit
     def stage_query(self, word_f, word_i, s_ri, s_rf, query_srcs, qi, tb, i, e):

@@ -82,7 +82,8 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
             pkh = p // hp_per_hpk
-            seqlen = q.shape[1]
+            seqlen = k.shape[1]
+            q_t0 = t0 - (seqlen - q.shape[1])  # the keys in query rows: row i is key i + Sk - S
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k, s_kp = self.key_tiles(storage, l_kv, gcopy, k, k_proxy, b, p // hp_per_hk, pkh, t0, seqlen, tidx)
             s_heads = storage.s_q.get_tensor(l_heads.outer, swizzle=l_heads.inner)
@@ -138,7 +139,7 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
                     for r in cutlass.range_constexpr(rows_per_thread):
                         qi = coord_s[r, 0][0]
                         lse2 = s_rf[qi, tb, g] * LOG2E
-                        key_limit = s_ri[qi, tb, 0] - t0  # the query is -1 past n_q: no key
+                        key_limit = self.visible_limit(s_ri[qi, tb, 0], q_t0)  # -1 past n_q: no key
                         for c in cutlass.range_constexpr(cols):
                             e = cutlass.Float32(0.0)
                             if coord_s[0, c][1] <= key_limit:
@@ -156,7 +157,7 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
                     qi = coord_s[r, 0][0]
                     lsep2 = s_rf[qi, tb, self.lse_p_field] * LOG2E
                     cg = s_rf[qi, tb, self.kl_grad_field]
-                    key_limit = s_ri[qi, tb, 0] - t0
+                    key_limit = self.visible_limit(s_ri[qi, tb, 0], q_t0)
                     for c in cutlass.range_constexpr(cols):
                         pi = cutlass.Float32(0.0)
                         if coord_s[0, c][1] <= key_limit:

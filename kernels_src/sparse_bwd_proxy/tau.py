@@ -114,7 +114,8 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
             pkh = p // hp_per_hpk
-            seqlen = q_proxy.shape[1]
+            seqlen = k_proxy.shape[1]
+            q_t0 = t0 - (seqlen - q_proxy.shape[1])  # the keys in query rows: row i is key i + Sk - S
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
             s_qp_all = storage.s_qp.get_tensor(l_rows.outer, swizzle=l_rows.inner)
@@ -187,7 +188,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                     qi = coord_s[r, 0][0]
                     lsep2 = s_rf[qi, tb, _LSE_P] * LOG2E
                     cg = s_rf[qi, tb, _KL_GRAD]
-                    key_limit = s_ri[qi, tb, 0] - t0
+                    key_limit = self.visible_limit(s_ri[qi, tb, 0], q_t0)
                     for c in cutlass.range_constexpr(cols):
                         pi = cutlass.Float32(0.0)
                         if coord_s[0, c][1] <= key_limit:

@@ -92,7 +92,8 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
 
 
 def params(config: Config) -> tuple:
-    """The kernel param ABI, in PTX .param order: q, k, v (B, S, heads, D) with a unit-stride head dim, the plan
+    """The kernel param ABI, in PTX .param order: q (B, S, H, D), k, v (B, Sk, Hk, D) with a unit-stride head dim
+    (Sk >= S: query row i sits at key position Sk - S + i, bottom-right causal alignment), the plan
     (flash_msa_rt.ops.sparse_plan: entry_query / entry_dest (E,), items (W, 4)), the partial buffers, and the
     scalars (kv head = p // (Hp / Hk); Hp >= Hk is required)."""
     c = config
@@ -100,8 +101,8 @@ def params(config: Config) -> tuple:
     g, d = c.group, c.head_dim
     return (
         TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
-        TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
-        TensorParam("v", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
+        TensorParam("k", c.dtype, ("B", "Sk", "Hk", d), bshd, align=16),
+        TensorParam("v", c.dtype, ("B", "Sk", "Hk", d), bshd, align=16),
         TensorParam("entry_query", "i32", ("E",), (1,), align=4),
         TensorParam("entry_dest", "i32", ("E",), (1,), align=4),
         TensorParam("items", "i32", ("W", 4), (4, 1), align=16),

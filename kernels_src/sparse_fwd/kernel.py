@@ -98,7 +98,10 @@ class SparseAttention:
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, hp)
-            seqlen = q.shape[1]
+            seqlen = k.shape[1]
+            # Keys may outnumber queries (a chunk against its whole prefix): query row i sits at key position
+            # i + Sk - S, so the causal mask t <= that position compares rows with the block start in row units.
+            q_t0 = t0 - (seqlen - q.shape[1])
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_q_all, s_k, s_v, s_vt = self.smem_views(storage, s_q_layout, s_k_layout)
             self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx, zero_tail=False)
@@ -127,7 +130,7 @@ class SparseAttention:
                 self.qk(tiled_mma, thr_mma, acc, s_q, s_k, tidx)
                 lse_rows = cute.make_rmem_tensor((2,), cutlass.Float32)
                 inv_l = cute.make_rmem_tensor((2,), cutlass.Float32)
-                self.tile_softmax(acc_mn, coord_mn, entry_query, e0, n_q, t0, scale_log2, lse_rows, inv_l)
+                self.tile_softmax(acc_mn, coord_mn, entry_query, e0, n_q, q_t0, scale_log2, lse_rows, inv_l)
                 self.pv(tiled_mma_pv, thr_pv, acc, acc_o, s_vt, tidx)
 
                 self.store_tile(acc_o_mn, coord_mn, coord_o, lse_rows, inv_l, entry_dest, o_part, lse_part, e0, n_q,
@@ -145,7 +148,7 @@ class SparseAttention:
 
     @cute.jit
     def load_block(self, gcopy, g_rows: cute.Tensor, s_tile: cute.Tensor, t0, seqlen, tidx, zero_tail):
-        """cp.async the key block's rows [t0, t0 + Bs) of one head (g_rows: (S, D)). Rows past the sequence
+        """cp.async the key block's rows [t0, t0 + Bs) of one head (g_rows: (Sk, D)). Rows past the keys
         are not loaded; zero_tail fills them with zeros (V: their P is 0, and 0 * garbage could be NaN)."""
         thr = gcopy.get_slice(tidx)
         cols = cute.size(s_tile, mode=[1])
@@ -261,7 +264,7 @@ class SparseAttention:
 
     @cute.jit
     def softmax_row(self, acc_mn, coord_mn, r, key_limit, scale_log2, lse_rows, inv_l):
-        """Row r of tile_softmax, its query given as key_limit = i - t0."""
+        """Row r of tile_softmax, its query given as key_limit = i - t0 (t0 in query rows: q_t0)."""
         self.mask_row(acc_mn, coord_mn, r, key_limit)
         row_max, row_sum = self.row_exp(acc_mn, r, scale_log2)
         lse_rows[r] = (row_max * scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2

@@ -71,7 +71,8 @@ class SparseAttentionPingPong(SparseAttentionWG):
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, hp)
-            seqlen = q.shape[1]
+            seqlen = k.shape[1]
+            q_t0 = t0 - (seqlen - q.shape[1])  # the block start in query rows (keys may outnumber queries)
             wg = tidx // WARPGROUP_THREADS
             wg_tidx = tidx % WARPGROUP_THREADS
             row0 = wg * WARPGROUP_ROWS  # this warpgroup's first row of every tile
@@ -101,7 +102,7 @@ class SparseAttentionPingPong(SparseAttentionWG):
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
                 s_q = s_q_all[None, None, tile % self.stages]
                 if cutlass.const_expr(self.entries_ahead):
-                    self.row_entries(entry_query, entry_dest, e0, n_q, t0, coord_mn, key_limit, dest)
+                    self.row_entries(entry_query, entry_dest, e0, n_q, q_t0, coord_mn, key_limit, dest)
                 if cutlass.const_expr(self.stages == 1):
                     cute.arch.cp_async_wait_group(0)  # this tile's rows, gathered under the last tile's math
                 else:
@@ -135,7 +136,7 @@ class SparseAttentionPingPong(SparseAttentionWG):
                     for r in cutlass.range_constexpr(2):
                         self.softmax_row(acc_mn, coord_mn, r, key_limit[r], scale_log2, lse_rows, inv_l)
                 else:
-                    self.tile_softmax(acc_mn, coord_mn, entry_query, e0, n_q, t0, scale_log2, lse_rows, inv_l)
+                    self.tile_softmax(acc_mn, coord_mn, entry_query, e0, n_q, q_t0, scale_log2, lse_rows, inv_l)
                 self.pv(tiled_mma_pv, thr_pv, acc, acc_o, s_vt, tidx)
 
                 if cutlass.const_expr(self.entries_ahead):

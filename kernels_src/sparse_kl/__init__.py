@@ -97,14 +97,15 @@ def can_implement(config, arch: str) -> tuple[bool, str]:
 
 
 def params(config) -> tuple:
+    """q, q_proxy, lse: S query rows; k, k_proxy: Sk >= S keys (query row i at key position Sk - S + i)."""
     c = config
     bshd = ("i64", "i64", "i64", 1)
     d = c.head_dim
     return (
         TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
-        TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
+        TensorParam("k", c.dtype, ("B", "Sk", "Hk", d), bshd, align=16),
         TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", d), bshd, align=16),
-        TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", d), bshd, align=16),
+        TensorParam("k_proxy", c.dtype, ("B", "Sk", "Hpk", d), bshd, align=16),
         TensorParam("entry_query", "i32", ("E",), (1,), align=4),
         TensorParam("entry_dest", "i32", ("E",), (1,), align=4),
         TensorParam("items", "i32", ("W", 4), (4, 1), align=16),

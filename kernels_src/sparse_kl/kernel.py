@@ -61,7 +61,8 @@ class SparseKL(SparseProxyBackward):
             p = bp - b * hp
             half = cta - w * self.halves
             t0 = j * self.block_size + half * self.tile_n
-            seqlen = q.shape[1]
+            seqlen = k.shape[1]
+            q_t0 = t0 - (seqlen - q.shape[1])  # the slice start in query rows (keys may outnumber queries)
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
             s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
@@ -102,7 +103,7 @@ class SparseKL(SparseProxyBackward):
                 if g == 0:
                     tau.fill(0.0)
                 self.accumulate_tau(mma_s, thr_s, acc_s, s_mn, tau_mn, coord_s, s_q_all[None, None, step % self.stages],
-                                    s_k, lse, b, p * self.group + g, entry_query, e0, n_q, t0, scale_log2, tidx)
+                                    s_k, lse, b, p * self.group + g, entry_query, e0, n_q, q_t0, scale_log2, tidx)
 
                 if g == self.group - 1:
                     # Per (query, this warp's keys of the slice), in log2 units: A = sum tau (log2 tau - s_p), T =
@@ -113,7 +114,7 @@ class SparseKL(SparseProxyBackward):
                         qi = coord_s[r, 0][0]
                         key_limit = -1
                         if qi < n_q:
-                            key_limit = entry_query[e0 + qi] - t0
+                            key_limit = entry_query[e0 + qi] - q_t0
                         row_max = -cutlass.Float32.inf
                         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                             if coord_s[0, c][1] <= key_limit:

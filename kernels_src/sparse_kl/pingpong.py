@@ -88,7 +88,8 @@ class SparseKLPingPong(SparseKLWG):
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
-            seqlen = q.shape[1]
+            seqlen = k.shape[1]
+            q_t0 = t0 - (seqlen - q.shape[1])  # the block start in query rows (keys may outnumber queries)
             wg = tidx // WARPGROUP_THREADS
             wg_tidx = tidx % WARPGROUP_THREADS
             heads = self.group + 1
@@ -135,7 +136,7 @@ class SparseKLPingPong(SparseKLWG):
                     cute.arch.barrier(barrier_id=Bar.ROWS + wg, number_of_threads=WARPGROUP_THREADS)
                 # Read before this tile's slot takes tile + 4's entries below. Entries are sorted by query: only a
                 # tile whose first query lies inside the block sees t > i.
-                masked = ring[0, it % ENTRY_RING, wg] < t0 + self.block_size - 1
+                masked = ring[0, it % ENTRY_RING, wg] < q_t0 + self.block_size - 1
                 s_next = ring[None, (it + 1) % ENTRY_RING, wg]  # tile + 2's entries
                 for n in cutlass.range_constexpr(self.group):
                     self.wg_product(acc, s_q[None, None, base + n], s_k, wg_tidx)
@@ -167,10 +168,10 @@ class SparseKLPingPong(SparseKLWG):
                     self.load_row_data(entry_query, lse, b, p, start, n_entries, tile + 2, coord, next_i,
                                        next_lse2, s_ent=s_next, log2e=False)
                 if masked:
-                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, 0, quad_lane,
+                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, q_t0, 0, quad_lane,
                                       scale_log2, True)
                 else:
-                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, 0, quad_lane,
+                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, q_t0, 0, quad_lane,
                                       scale_log2, False)
                 for r in cutlass.range_constexpr(rows):
                     row_i[r] = next_i[r]

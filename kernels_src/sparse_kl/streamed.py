@@ -67,7 +67,8 @@ class SparseKLStreamed(SparseKLPingPong):
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
-            seqlen = q.shape[1]
+            seqlen = k.shape[1]
+            q_t0 = t0 - (seqlen - q.shape[1])  # the block start in query rows (keys may outnumber queries)
             wg = tidx // WARPGROUP_THREADS
             wg_tidx = tidx % WARPGROUP_THREADS
             base = wg * self.stages  # this warpgroup's ring slots
@@ -103,7 +104,7 @@ class SparseKLStreamed(SparseKLPingPong):
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
                 # Read here, used by the epilogue G + 1 steps later: the rows' queries, and the tile's first query
                 # (entries are sorted by query: only a tile whose first query lies inside the block sees t > i).
-                masked = entry_query[e0] < t0 + self.block_size - 1
+                masked = entry_query[e0] < q_t0 + self.block_size - 1
                 for r in cutlass.range_constexpr(rows):
                     qi = coord[r, 0][0]
                     row_i[r] = -1
@@ -125,10 +126,10 @@ class SparseKLStreamed(SparseKLPingPong):
                                        n_entries, wg, it, my_tiles, self.group, base, wg_tidx)
                 self.wg_product(acc, s_q[None, None, slot], s_kp, wg_tidx)
                 if masked:
-                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, 0, quad_lane,
+                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, q_t0, 0, quad_lane,
                                       scale_log2, True)
                 else:
-                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, 0, quad_lane,
+                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, q_t0, 0, quad_lane,
                                       scale_log2, False)
 
     @cute.jit

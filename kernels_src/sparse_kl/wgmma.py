@@ -66,7 +66,8 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
-            seqlen = q.shape[1]
+            seqlen = k.shape[1]
+            q_t0 = t0 - (seqlen - q.shape[1])  # the block start in query rows (keys may outnumber queries)
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k, s_kp = self.key_tiles(storage, l_kv, gcopy, k, k_proxy, b, p // hp_per_hk, p // hp_per_hpk, t0,
                                        seqlen, tidx)
@@ -127,11 +128,11 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
                 self.wait_products(0)
                 s_mn = self.rows_cols(accs[self.group % 2])
                 # Entries are sorted by query: only a tile whose first query lies inside the block sees t > i.
-                if entry_query[e0] < t0 + self.block_size - 1:
-                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, warp_n,
+                if entry_query[e0] < q_t0 + self.block_size - 1:
+                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, q_t0, warp_n,
                                       quad_lane, scale_log2, True)
                 else:
-                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, t0, warp_n,
+                    self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, q_t0, warp_n,
                                       quad_lane, scale_log2, False)
                 for r in cutlass.range_constexpr(rows):
                     row_i[r] = next_i[r]
