@@ -274,7 +274,8 @@ def test_combine_kl_kernel_matches_its_torch_statement(groups):
     live = ((sel >= 0) & (sel <= i // Bs)).reshape(E, 1, 1)
     parts = torch.where(live, parts, float("nan"))
     kl_part = parts.reshape(E, C).float()  # the kernel's fp32 parts; the statement sums them in float64
-    plan = SimpleNamespace(B=B, Hp=Hp, S=S, K=K, E=E, block_size=Bs, query_offset=s0)  # what the merge reads
+    plan = SimpleNamespace(B=B, Hp=Hp, S=S, K=K, E=E, block_size=Bs, query_offset=s0,
+                           key_offset=0)  # what the merge reads
     want_lse, want_kl = combine_kl_lse(plan, sel, kl_part.double())
 
     lse_proxy = torch.full((B, Hp, S_total), 7.0, device="cuda")
