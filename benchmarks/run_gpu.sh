@@ -201,7 +201,7 @@ fi
 
 if [[ $mode == cp ]]; then
   # Context parallelism's per-rank compute at 1M tokens (issue 37): N = 2, 4, 8 simulated zigzag ranks on one GPU
-  # through the separate-key path on the kernels (opt-in until this runs), beside the whole op; fp8 selection.
+  # through the separate-key path on the kernels (each chunk unpadded), beside the whole op; fp8 selection.
   python3 benchmarks/bench_cp_rank.py --out "$out/cp_rank.json" 2>&1 | tee "$out/bench_cp_rank.log" || status=1
 fi
 

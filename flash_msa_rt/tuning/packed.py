@@ -45,7 +45,9 @@ def _choose(arch: str, overrides: Overrides) -> PackedTuning:
     # window, below which each sequence's attention is dense and its calls small.
     # streams: the 17-document mix, fwd + bwd, 1 / 2 / 4 side streams: (a) 36.9 / 34.8 / 36.6 ms, (b) 70.8 / 65.8 /
     # 65.5, (c) 121.0 / 117.9 / 115.6; the short-document case unchanged (2 calls); outputs and deterministic
-    # gradients bitwise equal (H200, e480535 + this policy, one run). 2: the gain in all three without a loss.
+    # gradients bitwise equal (H200, e480535 + this policy). 2: the gain in all three. A later run (d51fe1c) had (a)
+    # at 40.0 / 42.3 ms with 1 / 2 streams (its host-bound calls vary run to run by more than the gain) while (b)
+    # and (c) reached 95 % and 93 % of the fixed batch with 2 (benchmarks/results/packed.json).
     # separate_keys: "kernels": exact against the reference on the CPU (tests/test_kernel_dispatch_cpu.py) and on
     # the H200 (tests/test_packed_gpu.py, tests/test_select_query_offset_gpu.py); the reference is ~100x slower.
     return PackedTuning(call_pairs=int(o.get("call_pairs", 1 << 24)),
