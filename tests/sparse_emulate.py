@@ -244,3 +244,27 @@ def emulate_main_backward(plan: SparsePlan, q, k, v, dout, lse, delta, scale: fl
                 dq_acc[b, i, h] += (scale * ds @ kt).to(dq_acc.dtype)
                 dk_acc[b, t0:t1, kvh] += (scale * ds.T @ q[b, i, h].to(dt)).to(dk_acc.dtype)
                 dv_acc[b, t0:t1, kvh] += (prob.T @ do).to(dv_acc.dtype)
+
+
+def emulate_proxy_backward_launches(monkeypatch, sparse_bwd) -> list:
+    """Replace sparse_bwd's plan builder and kernel loader so that proxy_backward_cuda runs the emulated proxy
+    backward on every plan it builds; returns the list the plans are recorded in, in build order."""
+    from flash_msa_rt.ops.sparse_plan import sparse_plan
+
+    plans = []
+
+    def recorded_plan(*args, **kwargs):
+        plans.append(sparse_plan(*args, **kwargs))
+        return plans[-1]
+
+    def emulated_kernel(op, config, device):
+        assert op == "sparse_bwd_proxy"
+
+        def launch(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale, **_):
+            emulate_proxy_backward(plans[-1], q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, scale, dqp_acc,
+                                   dkp_acc)
+        return launch
+
+    monkeypatch.setattr(sparse_bwd, "sparse_plan", recorded_plan)
+    monkeypatch.setattr(sparse_bwd, "get_kernel", emulated_kernel)
+    return plans

@@ -426,7 +426,7 @@ def test_warmup_proxy_backward_in_query_chunks_matches_the_reference(monkeypatch
     (float64)."""
     from flash_msa_rt import reference
     from flash_msa_rt.ops import kernels, sparse_bwd
-    from tests.sparse_emulate import emulate_proxy_backward
+    from tests.sparse_emulate import emulate_proxy_backward_launches
 
     gen = torch.Generator().manual_seed(32)
     B, S, H, Hk, Hp, Hpk, D = 2, 300, 4, 2, 2, 1, 16
@@ -436,22 +436,7 @@ def test_warmup_proxy_backward_in_query_chunks_matches_the_reference(monkeypatch
     out, lse, lse_p, _ = reference.warmup_forward(qp, kp, q, k, v, scale)
     want = reference.warmup_backward(qp, kp, q, k, v, out, lse, lse_p, scale, torch.zeros_like(q), kl_grad)[:2]
 
-    plans = []
-
-    def recorded_plan(*args, **kwargs):
-        plans.append(sparse_plan(*args, **kwargs))
-        return plans[-1]
-
-    def emulated_kernel(op, config, device):
-        assert op == "sparse_bwd_proxy"
-
-        def launch(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale, **_):
-            emulate_proxy_backward(plans[-1], q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, scale, dqp_acc,
-                                   dkp_acc)
-        return launch
-
-    monkeypatch.setattr(sparse_bwd, "sparse_plan", recorded_plan)
-    monkeypatch.setattr(sparse_bwd, "get_kernel", emulated_kernel)
+    plans = emulate_proxy_backward_launches(monkeypatch, sparse_bwd)
     tuned(sparse_bwd={"plan_entries": B * Hp * 3 * 128})  # chunks of 128 queries (3 blocks each)
     got = sparse_bwd.proxy_backward_cuda(qp, kp, q, k, lse, lse_p, kernels.AllCausalBlocks(qp, kernels.WARMUP_BLOCK),
                                          kernels.WARMUP_BLOCK, scale, kl_grad)

@@ -16,7 +16,8 @@ from flash_msa_rt.ops import sparse_bwd, sparse_fwd
 from flash_msa_rt.ops import sparse_plan as sp
 from flash_msa_rt.ops.sparse_plan import combine_forward, combine_kl_lse, live_slots, recut, sparse_plan
 from flash_msa_rt.reference.selection import select_blocks
-from tests.sparse_emulate import emulate_forward, emulate_kl, emulate_main_backward, emulate_proxy_backward
+from tests.sparse_emulate import (emulate_forward, emulate_kl, emulate_main_backward, emulate_proxy_backward,
+                                   emulate_proxy_backward_launches)
 
 # (B, Sk, S, H, Hk, Hp, Hpk, D, Bs, K, tq, T): offsets inside a block, at a block edge, past several blocks, zero
 CASES = {
@@ -236,20 +237,7 @@ def test_proxy_backward_in_query_chunks_with_longer_keys(monkeypatch, tuned):
     out, lse, lse_p, _ = reference.msa_forward(*chunk, idx, Bs, scale)
     kl_grad = torch.rand(B, Hp, S, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     want = reference.msa_backward(*chunk, out, lse, lse_p, idx, Bs, scale, None, kl_grad)[:2]
-    plans = []
-
-    def recorded_plan(*args, **kwargs):
-        plans.append(sparse_plan(*args, **kwargs))
-        return plans[-1]
-
-    def emulated_kernel(op, config, device):
-        def launch(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale, **_):
-            emulate_proxy_backward(plans[-1], q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, scale, dqp_acc,
-                                   dkp_acc)
-        return launch
-
-    monkeypatch.setattr(sparse_bwd, "sparse_plan", recorded_plan)
-    monkeypatch.setattr(sparse_bwd, "get_kernel", emulated_kernel)
+    plans = emulate_proxy_backward_launches(monkeypatch, sparse_bwd)
     tuned(sparse_bwd={"plan_entries": B * Hp * K * 2 * Bs})  # chunks of two blocks of queries
     got = sparse_bwd.proxy_backward_cuda(chunk[0], chunk[1], chunk[2], chunk[3], lse, lse_p, idx, Bs, scale,
                                          kl_grad, arch="sm90a")
