@@ -3,7 +3,7 @@ each of N simulated ranks runs its zigzag query shards against the whole sequenc
 ranks' outputs put back in sequence order, their query gradients, and their key gradients summed over the ranks
 (what the gather's backward does) must equal the full single-process op. On CPU here; on the GPU (one H200 stands
 in for the ranks) the same check runs as a gpu test, on whatever backend the varlen call with separate key offsets
-takes there."""
+takes there (float32: the reference; bf16: the kernels, bitwise for the outputs)."""
 
 import pytest
 import torch
@@ -73,10 +73,48 @@ def test_simulated_ranks_of_a_pack_equal_the_full_packed_op(sparse):
 
 
 @pytest.mark.gpu
-@pytest.mark.allow_reference  # separate key offsets run on the reference until the sparse kernels take a query offset
+@pytest.mark.allow_reference  # float32: the reference on both sides (the kernels take bf16 / fp16)
 @pytest.mark.parametrize("sparse,precision", [(True, "bf16"), (True, "fp8"), (False, "bf16")],
                          ids=["msa", "msa-fp8", "warmup"])
 def test_simulated_ranks_on_one_gpu_equal_the_full_op(sparse, precision):
     """float32 on the GPU: the full op and the ranks take one backend, so no near tie can select different blocks
     on the two sides (bf16 joins when the per-rank call runs on the kernels as the full op does)."""
     _check("cuda", torch.float32, sparse, precision, dict(rtol=1e-4, atol=1e-5))
+
+
+@pytest.mark.gpu
+def test_simulated_ranks_on_the_kernels_compute_their_rows_of_the_full_op():
+    """bf16 at D = 128, where the full op and every rank's varlen call (separate key offsets) run on the kernels:
+    each rank's output is its rows of the full op's, bit for bit (a row depends on its own query and the keys, and
+    the kernels place a chunk's rows at their key positions); the gradients agree to bf16's rounding (the key
+    gradients are summed over the ranks, the query gradients' atomics run in another order)."""
+    from flash_msa_rt.selftest import on_kernels, resolved_backends
+
+    S2, H2, Hk2, Hp2, Hpk2, D2, world = 1000, 8, 2, 2, 1, 128, 4
+    g = torch.Generator(device="cuda").manual_seed(5)
+    full = [torch.randn(1, S2, h, D2, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+            for h in (Hp2, Hpk2, H2, Hk2, Hk2)]
+    dout = torch.randn(1, S2, H2 * D2, device="cuda", generator=g).to(torch.bfloat16)
+    tol = dict(rtol=1.6e-2, atol=1e-5)  # torch's bf16 defaults: one rounding of the same fp32 sums
+    with resolved_backends() as seen:
+        out, kl = F.flash_msa_func(*full, TOP_K, layout="bshd")
+        ((out.float() * dout.float()).sum() + kl).backward()
+        key_grads = [torch.zeros_like(t, dtype=torch.float64) for t in full[1:2] + full[3:]]
+        kl_sum = 0.0
+        for r in range(world):
+            spans = shard_spans(S2, world, r, "zigzag")
+            L = sum(b - a for a, b in spans)
+            qp, q = (_rows(t.detach(), spans).requires_grad_() for t in (full[0], full[2]))
+            kp, k, v = (t.detach().requires_grad_() for t in (full[1], full[3], full[4]))
+            o, kl_r = rank_attention(True, qp, kp, q, k, v, spans, TOP_K, block_size=128)
+            assert torch.equal(o.reshape(1, L, -1), _rows(out.detach(), spans)), f"rank {r}: output rows differ"
+            ((o.float() * _rows(dout, spans).reshape(o.shape).float()).sum() + kl_r * (L / S2)).backward()
+            kl_sum += float(kl_r) * L / S2
+            torch.testing.assert_close(qp.grad, _rows(full[0].grad, spans), **tol)
+            torch.testing.assert_close(q.grad, _rows(full[2].grad, spans), **tol)
+            for acc, t in zip(key_grads, (kp, k, v)):
+                acc += t.grad.double()
+    assert on_kernels(seen, ("select_blocks", "msa_forward", "msa_backward")) is None, seen
+    torch.testing.assert_close(kl_sum, float(kl), rtol=1e-5, atol=1e-7)
+    for acc, want in zip(key_grads, (full[1].grad, full[3].grad, full[4].grad)):
+        torch.testing.assert_close(acc.to(want.dtype), want, **tol)
