@@ -645,6 +645,30 @@ def test_proxy_below_d_is_padded_exactly(monkeypatch):
           reference_impl("warmup_backward")(qp, kp, q, k, v, wout, wlse, wlse_p, scale, grad_out, kl_grad))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_key_results_sum_in_part_order_over_overlaps_only(dtype):
+    """packed._summed_key_results: keys covered by one call are that call's values, keys covered by several the
+    fp32 (fp64) sum in call order cast once, uncovered keys 0: the values of one fp32 accumulator over every key,
+    without it. Ranges as one context-parallel rank's (a shared prefix), a gap, and a range inside another."""
+    from flash_msa_rt.ops import packed
+
+    g = torch.Generator().manual_seed(4)
+    ranges = [(0, 300), (0, 90), (350, 40), (360, 10)]
+    total = 420
+    for dim in (1, 2):
+        parts = []
+        for _, n in ranges:
+            shape = [1, n, 3] if dim == 1 else [1, 3, n]
+            parts.append((torch.randn(shape, generator=g, dtype=torch.float64) * 100).to(dtype))
+        shape = [1, total, 3] if dim == 1 else [1, 3, total]
+        acc = torch.zeros(shape, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        for p, (ks, n) in zip(parts, ranges):
+            acc.narrow(dim, ks, n).add_(p)
+        got = packed._summed_key_results(parts, ranges, dim, total)
+        assert got.dtype == dtype and torch.equal(got, acc.to(dtype)), dim
+        assert (got.narrow(dim, 300, 50) == 0).all()
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_separate_key_offsets_on_the_fixed_length_ops_compute_the_varlen_contract(precision):
     """Queries that are the last L_q of their sequence's L_k keys (cu_seqlens_k), key ranges shared by two query

@@ -303,9 +303,6 @@ def _separate_keys(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu:
     q_bounds, k_starts = host_offsets(cu), host_offsets(cu_k)
     used = host_offsets(used_k) if used_k is not None else [b - a for a, b in zip(k_starts[:-1], k_starts[1:])]
     total_k = args[spec.keys[0]].shape[spec.tokens[spec.keys[0]]]
-    q_parts: list[list] = [[] for _ in spec.outs]
-    k_sums: dict[int, torch.Tensor] = {}
-    single = False
     calls = []
     side = SideStreams(args[0].device, tuning_packed.choose(arch_of(args[0].device)).streams)
     for n, (qa, qb) in enumerate(zip(q_bounds[:-1], q_bounds[1:])):
@@ -327,24 +324,45 @@ def _separate_keys(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu:
                 piece[i] = _front_padded(t, 2, qa, L_q, pad, None)
         calls.append((pad, ks, L_q, L_k, side.run(n, impl, piece, kwargs)))
     side.join()
-    for pad, ks, L_q, L_k, result in calls:
-        single = not isinstance(result, (tuple, list))
-        for j, (r, dim) in enumerate(zip((result,) if single else result, spec.outs)):
-            if j in spec.key_outs:
-                acc = k_sums.get(j)
-                if acc is None:
-                    shape = list(r.shape)
-                    shape[dim] = total_k
-                    acc = k_sums[j] = torch.zeros(shape, dtype=torch.float32 if r.dtype != torch.float64
-                                                  else r.dtype, device=r.device)
-                acc.narrow(dim, ks, L_k).add_(r)
-            else:
-                q_parts[j].append(r.narrow(dim, pad, L_q))
-    like = (result,) if single else result
+    results = [(result,) if not isinstance(result, (tuple, list)) else tuple(result) for *_, result in calls]
+    single = not isinstance(calls[-1][-1], (tuple, list))
+    ranges = [(ks, L_k) for _, ks, _, L_k, _ in calls]
     out = []
-    for j, (r, dim) in enumerate(zip(like, spec.outs)):
-        out.append(k_sums[j].to(r.dtype) if j in spec.key_outs else torch.cat(q_parts[j], dim=dim))
+    for j, dim in enumerate(spec.outs):
+        if j in spec.key_outs:
+            out.append(_summed_key_results([r[j] for r in results], ranges, dim, total_k))
+        else:
+            out.append(torch.cat([r[j].narrow(dim, pad, L_q) for r, (pad, _, L_q, _, _) in zip(results, calls)],
+                                 dim=dim))
     return out[0] if single else tuple(out)
+
+
+def _summed_key_results(parts: list[torch.Tensor], ranges: list[tuple[int, int]], dim: int, total_k: int):
+    """The keys' results (gradients) of several calls, part n covering keys [ks, ks + L_k) of ranges[n], as one
+    tensor of total_k keys along dim: each key the sum over the parts that cover it, in part order, in fp32 (fp64
+    for fp64), cast once; 0 where none does. Written segment by segment between the ranges' ends, so a key covered
+    once is a copy and only overlaps (one context-parallel rank's chunks share their prefix) are summed: no
+    full-length fp32 buffer (at 1M tokens in (b) dk and dv would take 4 GiB each)."""
+    like = parts[0]
+    shape = list(like.shape)
+    shape[dim] = total_k
+    out = like.new_empty(shape)
+    acc_dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    cuts = sorted({0, total_k, *(ks for ks, _ in ranges), *(ks + n for ks, n in ranges)})
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        covering = [(p, ks) for p, (ks, n) in zip(parts, ranges) if ks <= a and b <= ks + n]
+        seg = out.narrow(dim, a, b - a)
+        if not covering:
+            seg.zero_()
+        elif len(covering) == 1:
+            p, ks = covering[0]
+            seg.copy_(p.narrow(dim, a - ks, b - a))
+        else:
+            acc = torch.zeros_like(seg, dtype=acc_dtype)
+            for p, ks in covering:
+                acc.add_(p.narrow(dim, a - ks, b - a))
+            seg.copy_(acc)
+    return out
 
 
 def _assemble(parts, outs, total: int):
