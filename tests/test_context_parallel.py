@@ -194,7 +194,7 @@ def test_sharded_call_equals_the_single_process_op(world):
 
 
 @pytest.mark.gpu
-@pytest.mark.allow_reference  # the per-rank varlen call runs on the reference until packed kernels land
+@pytest.mark.allow_reference  # float64 and float32 cases: the reference on the ranks and the single process alike
 def test_nccl_on_two_gpus_equals_the_single_process_op():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"NCCL context parallelism needs 2 GPUs; this machine has {torch.cuda.device_count()}")
