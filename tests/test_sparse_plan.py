@@ -474,6 +474,26 @@ CHUNK_CASES = [  # (B, Hp, S, K, Bs, heads, queries, batch entries)
 ]
 
 
+def assert_chunk_plans_are_sparse_plans(got, idx, Bs, group, heads, queries, cuts, key_offset=0) -> list:
+    """chunk_plans' result `got` against sparse_plan of each chunk's rows, field for field, for every cut; returns
+    the chunk starts (p0, s0)."""
+    Hp, S = idx.shape[1], idx.shape[2]
+    starts = [(p0, s0) for p0 in range(0, Hp, heads) for s0 in range(0, S, queries)]
+    assert sorted(got) == sorted(starts)
+    for p0, s0 in starts:
+        s1 = min(S, s0 + queries)
+        sel = idx[:, p0:p0 + heads, s0:s1].contiguous()
+        for (tq, T), plan in zip(cuts, got[(p0, s0)]):
+            want = sparse_plan(sel, Bs, s1 - s0, group, tq, T, query_offset=s0, key_offset=key_offset)
+            for field in ("E", "W", "K", "Hp", "S", "B", "NB", "block_size", "group", "tile_queries",
+                          "tiles_per_item", "query_offset", "key_offset"):
+                assert getattr(plan, field) == getattr(want, field), (field, p0, s0)
+            for field in ("entry_query", "entry_dest", "items", "item_count", "list_bounds"):
+                g, w = getattr(plan, field), getattr(want, field)
+                assert g.dtype == w.dtype and torch.equal(g, w), (field, p0, s0, tq, T)
+    return starts
+
+
 @pytest.mark.parametrize("case", CHUNK_CASES)
 def test_chunk_plans_equal_each_chunks_own_plan(case, tuned):
     """chunk_plans sorts every chunk at once; each chunk's plans equal sparse_plan / recut of that chunk's rows
@@ -490,19 +510,8 @@ def test_chunk_plans_equal_each_chunks_own_plan(case, tuned):
     by_size = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "size")  # the same items, longest first
     tuned(plan={"query_bin": 32})
     by_query = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "query")  # the same items, by (bp, query bin)
-    starts = [(p0, s0) for p0 in range(0, Hp, heads) for s0 in range(0, S, queries)]
-    assert sorted(got) == sorted(starts)
-    for p0, s0 in starts:
-        s1 = min(S, s0 + queries)
-        sel = idx[:, p0:p0 + heads, s0:s1].contiguous()
-        for (tq, T), plan in zip(cuts, got[(p0, s0)]):
-            want = sparse_plan(sel, Bs, s1 - s0, 4, tq, T, query_offset=s0)
-            for field in ("E", "W", "K", "Hp", "S", "B", "NB", "block_size", "group", "tile_queries",
-                          "tiles_per_item", "query_offset"):
-                assert getattr(plan, field) == getattr(want, field), (field, p0, s0)
-            for field in ("entry_query", "entry_dest", "items", "item_count", "list_bounds"):
-                g, w = getattr(plan, field), getattr(want, field)
-                assert g.dtype == w.dtype and torch.equal(g, w), (field, p0, s0, tq, T)
+    for p0, s0 in assert_chunk_plans_are_sparse_plans(got, idx, Bs, 4, heads, queries, cuts):
+        sel = idx[:, p0:p0 + heads, s0:min(S, s0 + queries)].contiguous()
         for plan, sized in zip(got[(p0, s0)], by_size[(p0, s0)]):
             n = plan.items[:, 3].long()
             longest = sorted(range(plan.W), key=lambda w: (-int(n[w]), w))  # stable: list order among equals

@@ -18,6 +18,7 @@ from flash_msa_rt.ops.sparse_plan import combine_forward, combine_kl_lse, live_s
 from flash_msa_rt.reference.selection import select_blocks
 from tests.sparse_emulate import (emulate_forward, emulate_kl, emulate_main_backward, emulate_proxy_backward,
                                    emulate_proxy_backward_launches)
+from tests.test_sparse_plan import assert_chunk_plans_are_sparse_plans
 
 # (B, Sk, S, H, Hk, Hp, Hpk, D, Bs, K, tq, T): offsets inside a block, at a block edge, past several blocks, zero
 CASES = {
@@ -266,17 +267,7 @@ def test_chunk_plans_with_a_key_offset_equal_each_chunks_own_plan(case, tuned):
     idx = select_blocks(qp[:, Sk - S:], qp[:, :, :1], K, Bs, 0.3)
     off, cuts = Sk - S, ((8, 2), (3, 5))
     got = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "list", key_offset=off)
-    starts = [(p0, s0) for p0 in range(0, Hp, heads) for s0 in range(0, S, queries)]
-    assert sorted(got) == sorted(starts)
-    for p0, s0 in starts:
-        s1 = min(S, s0 + queries)
-        sel = idx[:, p0:p0 + heads, s0:s1].contiguous()
-        for (tq, T), plan in zip(cuts, got[(p0, s0)]):
-            want = sparse_plan(sel, Bs, s1 - s0, 4, tq, T, query_offset=s0, key_offset=off)
-            for field in ("E", "W", "K", "Hp", "S", "B", "NB", "query_offset", "key_offset"):
-                assert getattr(plan, field) == getattr(want, field), (field, p0, s0)
-            for field in ("entry_query", "entry_dest", "items", "item_count", "list_bounds"):
-                assert torch.equal(getattr(plan, field), getattr(want, field)), (field, p0, s0, tq, T)
+    assert_chunk_plans_are_sparse_plans(got, idx, Bs, 4, heads, queries, cuts, key_offset=off)
 
 
 def test_key_offset_is_validated():

@@ -27,7 +27,6 @@ Kernels that take the offsets themselves would replace all three.
 from __future__ import annotations
 
 import functools
-
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -304,7 +303,8 @@ def _separate_keys(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu:
     used = host_offsets(used_k) if used_k is not None else [b - a for a, b in zip(k_starts[:-1], k_starts[1:])]
     total_k = args[spec.keys[0]].shape[spec.tokens[spec.keys[0]]]
     calls = []
-    side = SideStreams(args[0].device, tuning_packed.choose(arch_of(args[0].device)).streams)
+    streams = tuning_packed.choose(arch_of(args[0].device)).streams
+    side = SideStreams(args[0].device, streams if len(q_bounds) > 2 else 1)  # one query sequence: no side stream
     for n, (qa, qb) in enumerate(zip(q_bounds[:-1], q_bounds[1:])):
         L_q, ks, L_k = qb - qa, k_starts[n], used[n]
         if L_q == 0:
