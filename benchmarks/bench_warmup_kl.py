@@ -4,7 +4,9 @@ before them and still runs where they are not built) and cuDNN's dense causal fo
 inputs in one run. B*S = 128K tokens, bf16, D = Dp = 128.
 
 FLOPs per causal (b, p, i, t <= i) pair: KL pass 2*(D*G + Dp) (the G heads' scores and the proxy's), proxy
-backward 2*(D*G + 3*Dp) (plus dq_p and dk_p); totals over B*Hp*S*(S+1)/2 pairs. Useful FLOPs only: at G = 8 and
+backward 2*(D*G + 3*Dp) (plus dq_p and dk_p), the proxy lse alone 2*Dp (deferred KL mode's forward part; the
+proxy backward's kl_value variant, which also forms the KL value, is timed beside the plain one with the same
+formula); totals over B*Hp*S*(S+1)/2 pairs. Useful FLOPs only: at G = 8 and
 16 the proxy backward runs in chunks of 4 heads, each recomputing the proxy's products, which are not counted.
 Usage: python benchmarks/bench_warmup_kl.py [--configs a,b,c] [--seqlens 8192,65536] [--no-sparse] [--out NAME]
 """
@@ -20,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
 from benchmarks.common import cuda_time_ms, write_results  # noqa: E402
 
-FLOPS = {"kl": "2*(D*H + Dp*Hp)*B*S*(S+1)/2", "proxy_bwd": "2*(D*H + 3*Dp*Hp)*B*S*(S+1)/2"}
+FLOPS = {"kl": "2*(D*H + Dp*Hp)*B*S*(S+1)/2", "proxy_bwd": "2*(D*H + 3*Dp*Hp)*B*S*(S+1)/2",
+         "lse": "2*Dp*Hp*B*S*(S+1)/2", "proxy_bwd_kl": "2*(D*H + 3*Dp*Hp)*B*S*(S+1)/2"}
 
 
 def main(argv=None):
@@ -45,7 +48,9 @@ def main(argv=None):
             B, H, Hp, D, scale = x["B"], x["H"], x["Hp"], x["D"], x["scale"]
             qp, kp, q, k, v = (x[n] for n in ("qp", "kp", "q", "k", "v"))
             pairs = B * S * (S + 1) / 2
-            flops = {"kl": 2 * D * (H + Hp) * pairs, "proxy_bwd": 2 * D * (H + 3 * Hp) * pairs}
+            flops = {"kl": 2 * D * (H + Hp) * pairs, "proxy_bwd": 2 * D * (H + 3 * Hp) * pairs,
+                     "lse": 2 * D * Hp * pairs, "proxy_bwd_kl": 2 * D * (H + 3 * Hp) * pairs}
+            kl_rows = torch.empty((B, Hp, S), device=q.device)
             out, lse = dense_main.dense_forward(q, k, v, scale)
             go = torch.randn_like(q)
             klg = torch.full((B, Hp, S), 1.0 / (B * Hp * S), device=q.device)
@@ -56,10 +61,15 @@ def main(argv=None):
             sel = AllCausalBlocks(qp, WARMUP_BLOCK)
             lse_p = (warmup_kl.warmup_kl_cuda(qp, kp, q, k, lse, scale) if warmup_kl.usable(qp, q) is None
                      else sparse_fwd.msa_kl_cuda(qp, kp, q, k, lse, sel, WARMUP_BLOCK, scale))[0]
+            ops = {"kl": "warmup_kl", "proxy_bwd": "warmup_bwd_proxy", "lse": "warmup_lse",
+                   "proxy_bwd_kl": "warmup_bwd_proxy_kl"}
             for name, fn in (("kl", lambda: warmup_kl.warmup_kl_cuda(qp, kp, q, k, lse, scale)),
                              ("proxy_bwd", lambda: warmup_kl.warmup_proxy_backward_cuda(qp, kp, q, k, lse, lse_p,
-                                                                                         scale, klg))):
-                op = "warmup_kl" if name == "kl" else "warmup_bwd_proxy"
+                                                                                         scale, klg)),
+                             ("lse", lambda: warmup_kl.warmup_lse_cuda(qp, kp, scale)),
+                             ("proxy_bwd_kl", lambda: warmup_kl.warmup_proxy_backward_cuda(
+                                 qp, kp, q, k, lse, lse_p, scale, klg, kl_rows))):
+                op = ops[name]
                 why = warmup_kl.usable(qp, q, op)
                 if why is None:
                     t = cuda_time_ms(fn, warmup=2, reps=5)
@@ -78,7 +88,9 @@ def main(argv=None):
             print(f"{cfg:>3} {S:>6} {B:>2} | {dk or nan:7.2f} {g('dense_kl_tflops') or nan:7.1f} "
                   f"{g('sparse_kl_ms') or nan:7.2f} {row['cudnn_fwd_ms']:9.2f} | {db or nan:7.2f} "
                   f"{g('dense_proxy_bwd_tflops') or nan:7.1f} {g('sparse_proxy_bwd_ms') or nan:7.2f} "
-                  f"{row['cudnn_bwd_ms']:9.2f}", flush=True)
+                  f"{row['cudnn_bwd_ms']:9.2f} | lse alone {g('dense_lse_ms') or nan:7.2f} ms "
+                  f"({g('dense_lse_tflops') or nan:.0f} TFLOP/s), bwd with the KL value {g('dense_proxy_bwd_kl_ms') or nan:7.2f}",
+                  flush=True)
             del x, qp, kp, q, k, v, lse, out, go
             torch.cuda.empty_cache()
     write_results(args.out, dict(flops=FLOPS, rows=rows))

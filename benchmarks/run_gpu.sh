@@ -3,13 +3,14 @@
 # set (python -m build_tools build --arch sm90a --set all, on the CPU machine: the GPU tests and sanitizers also
 # run the opt-in alternates, through flash_msa_rt.tuning.override). This script builds nothing:
 #   FLASH_MSA_COMMIT=<the hash, written out here: git on the GPU machine holds an older HEAD> \
-#     bash benchmarks/run_gpu.sh [tests|bench|core|producer|long|dp64|cp|all]
+#     bash benchmarks/run_gpu.sh [tests|bench|core|producer|long|dp64|cp|warmup|all]
 # tests: environment, every GPU test, compute-sanitizer on every kernel family (~220 s); bench: the benchmarks;
 # core: only the whole-op benchmarks against cuDNN (B * S = 128K tokens, and B = 1 in (a)), which fit one
 # 10-minute device call (~160 s); producer: the warp-specialised main backward's checks, on and off (~150 s);
 # long: bf16 against fp8 selection, at 128K tokens per step and at B = 1 up to 1M tokens; dp64: (b) with a proxy
 # head dim of 64 beside 128 (config b64), at the same shapes (not part of all); cp: context parallelism's per-rank
-# compute at 1M over 2, 4, 8 simulated ranks (not part of all).
+# compute at 1M over 2, 4, 8 simulated ranks (not part of all); warmup: warmup mode's whole op in exact and
+# deferred KL mode against cuDNN, and its proxy kernels alone.
 # Logs, JUnit XML and JSON go to $OUT (default benchmarks/logs/<UTC time>/, which git ignores; copy the JSON the
 # README cites into benchmarks/results/). Each pytest run records the commit and its command, every test id with
 # its outcome (-rA in the log, JUnit XML beside it) and prints a summary. FLASH_MSA_REQUIRE_GPU=1: a GPU test that
@@ -137,13 +138,18 @@ if device_arch(0) == 'sm90a':  # the other wgmma builds (opt-in set): ping-pong 
     for heads in ('stepped', 'resident'):  # tau recomputed (the default reads it from the main backward)
         with tuning.override(sparse_bwd={'tau_path': False, 'recompute_heads': heads}):
             msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl)
-if device_arch(0) == 'sm90a':  # the dense warmup proxy kernels: G = 4 and G = 1, the KL pass in both schedules
-    from flash_msa_rt.ops.warmup_kl import warmup_kl_cuda, warmup_proxy_backward_cuda
+if device_arch(0) == 'sm90a':  # the dense warmup proxy kernels: G = 4 and G = 1, the KL pass in both schedules,
+    # the proxy lse alone and the proxy backward with the KL value (deferred mode)
+    from flash_msa_rt.ops.warmup_kl import warmup_kl_cuda, warmup_lse_cuda, warmup_proxy_backward_cuda
     for schedule in tuning.warmup.KL_SCHEDULE_THREADS:
         with tuning.override(warmup={'kl_schedule': schedule}):
             for mh, ml in ((m, lse), (m[:, :, :2], lse[:, :2])):
                 lp, _ = warmup_kl_cuda(q, q[:, :, :1], mh, kv, ml, 0.1)
                 warmup_proxy_backward_cuda(q, q[:, :, :1], mh, kv, ml, lp, 0.1, torch.rand(2, 2, 333, device='cuda'))
+    lp = warmup_lse_cuda(q, q[:, :, :1], 0.1)
+    for mh, ml in ((m, lse), (m[:, :, :2], lse[:, :2])):
+        warmup_proxy_backward_cuda(q, q[:, :, :1], mh, kv, ml, lp, 0.1, torch.rand(2, 2, 333, device='cuda'),
+                                   torch.empty(2, 2, 333, device='cuda'))
 from flash_msa_rt import block_sparse_attention  # widened (Hi < Hk) and crossing (lcm) index heads, repeats
 for h, hk, hi in ((8, 2, 2), (12, 4, 3), (16, 4, 1)):
     bq = torch.randn(2, 333, h, 128, device='cuda').to(torch.bfloat16).requires_grad_()
@@ -215,6 +221,16 @@ if [[ $mode == dp64 ]]; then
     | tee "$out/bench_msa_dp64_long.log"
 fi
 
+if [[ $mode == warmup ]]; then
+  # Warmup mode alone (issue 35, item 4): the whole op in exact and deferred KL mode against cuDNN, and its proxy
+  # kernels (the KL pass, the proxy lse alone, the proxy backward with and without the KL value).
+  python3 benchmarks/bench_warmup_kl.py --configs a,b,c --seqlens 8192,65536 --no-sparse --out warmup_kl \
+    2>&1 | tee "$out/bench_warmup_kl.log" || status=1
+  python3 benchmarks/bench_msa.py --configs a,b,c --seqlens 8192,16384,32768,65536 --ops warmup,dense \
+    --kl-values exact,deferred --warmup 1 --reps 5 --out "$out/warmup.json" 2>&1 | tee "$out/bench_warmup.log" \
+    || status=1
+fi
+
 if [[ $mode == bench || $mode == all ]]; then
   python3 benchmarks/bench_launch_overhead.py 2>&1 | tee "$out/bench_launch.log"
   # The whole op (select + forward + backward) against cuDNN dense attention, B*S = 128K tokens, and at B = 1
@@ -224,7 +240,7 @@ if [[ $mode == bench || $mode == all ]]; then
   # Warmup mode (issue 5): cuDNN's dense main attention + the proxy's KL pass and backward kernels over every
   # causal block, against cuDNN dense attention alone.
   python3 benchmarks/bench_msa.py --configs a,b,c --seqlens 8192,16384,32768,65536 --ops warmup,dense \
-    --warmup 1 --reps 5 --out "$out/warmup.json" 2>&1 | tee "$out/bench_warmup.log"
+    --kl-values exact,deferred --warmup 1 --reps 5 --out "$out/warmup.json" 2>&1 | tee "$out/bench_warmup.log"
   # Warmup's proxy kernels alone: the dense KL pass and proxy backward against the sparse kernels over the
   # all-causal selection and cuDNN's forward and backward.
   python3 benchmarks/bench_warmup_kl.py --configs a,b,c --seqlens 8192,65536 2>&1 | tee "$out/bench_warmup_kl.log"

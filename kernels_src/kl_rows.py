@@ -52,3 +52,16 @@ def kl_row_sums(s_mn, tau_mn, coord, r, key_limit, row_max, masked: cutlass.Cons
         a += ts * (cute.math.log2(cute.arch.fmax(ts, FLT_MIN), fastmath=True) - sp2)
         t += ts
     return part, a, t
+
+
+@cute.jit
+def lse_row_part(s_mn, coord, r, key_limit, row_max, masked: cutlass.Constexpr):
+    """kl_row_sums' first sum alone (the proxy lse without the KL value): this thread's sum of exp2(s_p - row_max)
+    over row r's causal keys, in kl_row_sums' order (so the same bits)."""
+    part = cutlass.Float32(0.0)
+    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+        if cutlass.const_expr(not masked):
+            part += cute.math.exp2(s_mn[r, c] - row_max, fastmath=True)
+        elif coord[0, c][1] <= key_limit:
+            part += cute.math.exp2(s_mn[r, c] - row_max, fastmath=True)
+    return part

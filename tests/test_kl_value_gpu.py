@@ -67,3 +67,31 @@ def test_deferred_value_and_gradients_match_exact_on_the_kernels(entry, determin
         else:  # fp32 atomics: equal up to their summation order
             for other in (d, n):
                 torch.testing.assert_close(other.float(), e.float(), rtol=2e-2, atol=2e-2 * e.float().abs().max())
+
+
+@pytest.mark.parametrize("kl_value, metric, want, not_want", [
+    ("deferred", True, ("warmup_kl_", "_kl0_"), ("warmup_kl_", "_kl1_")),
+    ("none", False, ("warmup_kl_", "_kl0_"), ("warmup_kl_", "_kl1_")),
+    ("exact", False, ("warmup_kl_", "_kl1_"), ("warmup_kl_", "_kl0_"))], ids=("deferred", "none", "exact"))
+def test_warmup_deferred_runs_the_proxy_lse_alone(monkeypatch, kl_value, metric, want, not_want):
+    """Where the proxy gradient needs lse_proxy and the KL value (if any) can come from the backward (G <= 4),
+    deferred and none modes run the proxy lse alone (warmup_kl kl_value = 0), not the KL pass, and deferred's
+    proxy backward is the kl_value = 1 variant; exact mode keeps the KL pass in its forward."""
+    from flash_msa_rt import loader
+
+    names = []
+    call = loader.Kernel.__call__
+
+    def recorded(self, *args, **kwargs):
+        names.append(self.entry.name)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(loader.Kernel, "__call__", recorded)
+    ins = _inputs(2)
+    dout = torch.randn(B, S, H * D, device="cuda")
+    _step(F.flash_msa_warmup_func, ins, kl_value, torch.zeros((), device="cuda") if metric else None, dout)
+    launched = set(names)
+    assert any(n.startswith(want[0]) and want[1] in n for n in launched), sorted(launched)
+    assert not any(n.startswith(not_want[0]) and not_want[1] in n for n in launched), sorted(launched)
+    backward_kl = any(n.startswith("warmup_bwd_proxy_") and "_kl1_" in n for n in launched)
+    assert backward_kl == (kl_value == "deferred"), sorted(launched)

@@ -88,14 +88,17 @@ def test_overrides_are_scoped_and_checked():
 
 
 def test_dense_warmup_variants_are_the_catalogues():
-    """The runtime's dense warmup KL pass (in either schedule) and proxy backward launch a built variant for each
-    group they claim (sm90a), and claim exactly the groups the catalogue builds (a group not claimed would silently
+    """The runtime's dense warmup KL pass (in either schedule), proxy lse alone and proxy backward (with and without
+    the KL value) launch a built variant for each group they claim (sm90a), and claim exactly the groups the
+    catalogue builds (a group not claimed would silently
     keep the slow sparse kernels)."""
     t = tuning.warmup.choose("sm90a")
     launches = {"warmup_kl": [rt_warmup_kl.kernel_config(dt, 128, G, sc) for dt in DTYPES for G in warmup_kl.GROUPS
-                              for sc in tuning.warmup.KL_SCHEDULE_THREADS],  # the policy's schedule, or a test's
-                "warmup_bwd_proxy": [rt_warmup_kl.backward_config(dt, 128, rt_warmup_kl.backward_chunk(G, t))
-                                     for dt in DTYPES for G in GROUPS]}
+                              for sc in tuning.warmup.KL_SCHEDULE_THREADS]  # the policy's schedule, or a test's
+                + [rt_warmup_kl.lse_config(dt, 128) for dt in DTYPES],  # deferred mode's proxy lse alone
+                "warmup_bwd_proxy": [rt_warmup_kl.backward_config(dt, 128, rt_warmup_kl.backward_chunk(G, t), kv)
+                                     for dt in DTYPES for G in GROUPS for kv in (0, 1)
+                                     if not kv or rt_warmup_kl.backward_chunk(G, t) == G]}  # the KL value: G <= 4
     for op, configs in launches.items():
         built = {s.name for s in variants(("sm90a",), sets="all") if s.op == op}  # lockstep: opt-in
         assert {variant_name(op, c, "sm90a") for c in configs} == built, op

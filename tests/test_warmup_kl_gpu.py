@@ -211,3 +211,103 @@ def test_dense_and_sparse_passes_agree():
     for name, d, s in zip(("lse_proxy", "kl_rows"), dense[2:], sparse[2:]):
         err = (d - s).abs().max().item()
         assert err <= 1e-4 * max(1.0, s.abs().max().item()), (name, err)
+
+
+# --- deferred KL mode: the proxy lse alone (warmup_kl kl_value = 0), the KL value from the proxy backward ---------
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_H{}_Hk{}_Hp{}_Hpk{}".format(*s))
+def test_proxy_lse_alone_is_the_kl_pass_lse_bitwise(shape, dtype, schedule, tuned):
+    """warmup_lse_cuda runs the KL pass's row statistics over the same tiles in the same order: its lse_proxy is
+    the KL pass's bit for bit (either schedule), so deferred mode's proxy gradients see the exact mode's lse."""
+    from flash_msa_rt.ops import warmup_kl
+
+    tuned(warmup={"kl_schedule": schedule})
+    B, S, H, Hk, Hp, Hpk = shape
+    qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=S + 5 * H)
+    scale = 128 ** -0.5
+    lse = torch.randn(B, H, S, device="cuda") + 4
+    full, _ = warmup_kl.warmup_kl_cuda(qp, kp, q, k, lse, scale)
+    alone = warmup_kl.warmup_lse_cuda(qp, kp, scale)
+    assert torch.equal(alone, full), (alone - full).abs().max().item()
+
+
+def test_proxy_lse_alone_writes_every_row_and_keeps_nan():
+    """Output poisoned with NaN: every row written (S not a multiple of the tile); a NaN in one k_proxy row makes
+    the lse of exactly the rows that see it NaN (msa-semantics: NaN reaches every output it touches)."""
+    from flash_msa_rt.ops import warmup_kl
+
+    B, S, Hp, Hpk = 2, 333, 4, 2
+    qp, kp, *_ = _inputs(B, S, 4, 1, Hp, Hpk, torch.bfloat16, seed=11)
+    lse = warmup_kl.warmup_lse_cuda(qp, kp, 0.1)
+    assert torch.isfinite(lse).all(), int((~torch.isfinite(lse)).sum())
+    kp[1, 200, 0] = float("nan")
+    lse = warmup_kl.warmup_lse_cuda(qp, kp, 0.1)
+    seen = torch.zeros(B, Hp, S, dtype=torch.bool, device="cuda")
+    seen[1, :Hp // Hpk, 200:] = True  # proxy heads 0 .. Hp / Hpk - 1 read proxy key head 0; rows i >= 200
+    assert torch.equal(torch.isnan(lse), seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_S{}_H{}_Hk{}_Hp{}_Hpk{}".format(*s))
+def test_proxy_backward_kl_value_is_the_kl_pass_value(shape, dtype):
+    """The kl_value variant of the proxy backward: kl_rows against the float64 reference (the KL pass's
+    tolerance) and against the KL pass's own rows on the same lse (the same tau and s_p in the same order); its
+    gradients the plain variant's (dq_proxy bitwise: one CTA per row; dk_proxy up to its atomics' order)."""
+    from flash_msa_rt.ops import warmup_kl
+    from tests.oracle import assert_close, dtype_error
+
+    B, S, H, Hk, Hp, Hpk = shape
+    qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=S + 7 * H)
+    scale = 128 ** -0.5
+    want = _reference(qp, kp, q, k, v, scale, torch.float64)
+    base = _reference(qp, kp, q, k, v, scale, torch.float32)
+    lse = want[1].float()
+    lse_p, kl_pass = warmup_kl.warmup_kl_cuda(qp, kp, q, k, lse, scale)
+    klg = torch.rand(B, Hp, S, device="cuda", generator=torch.Generator(device="cuda").manual_seed(S)) + 0.5
+    kl_rows = torch.full((B, Hp, S), float("nan"), device="cuda")
+    with_kl = warmup_kl.warmup_proxy_backward_cuda(qp, kp, q, k, lse, lse_p, scale, klg, kl_rows)
+    plain = warmup_kl.warmup_proxy_backward_cuda(qp, kp, q, k, lse, lse_p, scale, klg)
+    assert_close("kl_rows", kl_rows, want[3], dtype_error(want[3], base[3]), factor=4.0,
+                 atol=1e-5 * max(1.0, want[3].abs().max().item()))
+    torch.testing.assert_close(kl_rows, kl_pass, rtol=1e-5, atol=1e-6 * max(1.0, kl_pass.abs().max().item()))
+    print(f"\n{shape} {dtype}: kl_rows equal to the KL pass's bit for bit: {torch.equal(kl_rows, kl_pass)}")
+    assert torch.equal(with_kl[0], plain[0])
+    torch.testing.assert_close(with_kl[1].float(), plain[1].float(), rtol=1e-2, atol=1e-2 * plain[1].float().abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_proxy_backward_kl_value_large_logits(dtype):
+    """test_dense_warmup_kl_large_logits for the KL value the proxy backward forms."""
+    from flash_msa_rt.ops import warmup_kl
+    from tests.oracle import assert_close, dtype_error
+
+    B, S, H, Hk, Hp, Hpk = 1, 777, 8, 2, 2, 1
+    std = 30.0 if dtype == torch.bfloat16 else 6.0
+    qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=5, std=std)
+    scale = 128 ** -0.5
+    want = _reference(qp, kp, q, k, v, scale, torch.float64)
+    base = _reference(qp, kp, q, k, v, scale, torch.float32)
+    lse = want[1].float()
+    lse_p = warmup_kl.warmup_lse_cuda(qp, kp, scale)
+    kl_rows = torch.empty((B, Hp, S), device="cuda")
+    warmup_kl.warmup_proxy_backward_cuda(qp, kp, q, k, lse, lse_p, scale, torch.ones(B, Hp, S, device="cuda"),
+                                         kl_rows)
+    lse_cost = (_kl_given_lse(qp, kp, q, k, lse, scale) - want[3]).abs().max().item()
+    assert torch.isfinite(kl_rows).all()
+    assert_close("kl_rows", kl_rows, want[3], dtype_error(want[3], base[3]) + lse_cost, factor=4.0,
+                 atol=1e-5 * max(1.0, want[3].abs().max().item()))
+
+
+def test_proxy_backward_kl_value_needs_a_whole_group():
+    """G = 8 runs as two launches of G = 4, each with half of tau: the KL value is refused there (the op falls back
+    to the KL pass), with a reason naming G."""
+    from flash_msa_rt.ops import warmup_kl
+
+    qp = torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)
+    for G, ok in ((1, True), (2, True), (4, True), (8, False), (16, False)):
+        q = torch.empty(1, 1, G, 128, device="cuda", dtype=torch.bfloat16)
+        why = warmup_kl.usable(qp, q, "warmup_bwd_proxy_kl")
+        assert (why is None) == ok and (ok or f"G {G}" in why), (G, why)
+    assert warmup_kl.usable(qp, q, "warmup_lse") is None

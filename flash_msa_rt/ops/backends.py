@@ -134,12 +134,17 @@ def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, *, kl=Tru
                                                     **key_offsets), kl)
 
 
-def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, **key_offsets):
+def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, *, with_kl=True, **key_offsets):
+    """with_kl: the reference forms both outputs either way."""
     return _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, **key_offsets)[2:]
 
 
 def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None,
-                     **key_offsets):
+                     kl_metric=None, **key_offsets):
+    """kl_metric: also the mean KL value into it (the reference's forward again)."""
+    if kl_metric is not None:
+        kl_rows = _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens, **key_offsets)[1]
+        kl_metric.copy_(kl_rows.sum() / max(kl_rows.numel(), 1))  # flash_msa_rt.api's kl_loss
     args = (q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale)
     if cu_seqlens is None:
         return _ref().warmup_backward(*args, grad_out, kl_grad)

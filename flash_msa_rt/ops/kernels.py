@@ -332,28 +332,41 @@ def _dense_warmup_kl(q_proxy, k_proxy, q, k, lse, scale):
                                   scale)
 
 
-def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None):
-    """warmup_forward's KL pass alone, on the route its forward took (the same kernels, so the same lse_proxy)."""
+def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, *, with_kl=True):
+    """warmup_forward's KL pass alone, on the route its forward took (the same kernels, so the same lse_proxy).
+    with_kl False: lse_proxy is what is asked for (kl_rows may be zeros): the dense proxy lse alone where built."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if not _warmup_fits(q_proxy, q):
         return reference_impl("warmup_kl")(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens)
     q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
         return _msa_kl(q_proxy, k_proxy, q, k, v, lse, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
+    if not with_kl and _warmup_tuning(q).dense_proxy and warmup_kl.usable(q_proxy, q, "warmup_lse") is None:
+        lse_proxy = warmup_kl.warmup_lse_cuda(_tma_ready(q_proxy), _tma_ready(k_proxy), scale)
+        return lse_proxy, torch.zeros_like(lse_proxy)
     return _dense_warmup_kl(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k)), lse, scale)
 
 
-def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None):
+def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None,
+                     kl_metric=None):
+    """kl_metric: also the mean KL value into it (deferred mode): from the proxy backward where its kl_value
+    variant runs this problem, else from the KL pass."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if not _warmup_fits(q_proxy, q):
         return reference_impl("warmup_backward")(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
-                                                 grad_out, kl_grad, cu_seqlens)
-    grads = _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad)
+                                                 grad_out, kl_grad, cu_seqlens, kl_metric=kl_metric)
+    kl_rows = [] if kl_metric is not None else None  # the backward appends the rows when it forms them
+    grads = _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad,
+                                  kl_rows)
+    if kl_metric is not None:
+        rows = kl_rows[0] if kl_rows else _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale)[1]
+        kl_metric.copy_(rows.sum() / max(rows.numel(), 1))  # flash_msa_rt.api's kl_loss
     return _proxy_grads(grads, q_proxy, k_proxy, q.shape[3])
 
 
-def _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad):
-    """_warmup_backward with the proxy at D (_proxy_at); its proxy gradients are D wide."""
+def _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, kl_rows=None):
+    """_warmup_backward with the proxy at D (_proxy_at); its proxy gradients are D wide. kl_rows: a list that
+    receives the KL rows where the dense proxy backward forms them (else it stays empty)."""
     q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
         return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy),
@@ -370,8 +383,11 @@ def _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if kl_grad is not None and _warmup_tuning(q).dense_proxy and \
             warmup_kl.usable(q_proxy, q, "warmup_bwd_proxy") is None:
+        if kl_rows is not None and warmup_kl.usable(q_proxy, q, "warmup_bwd_proxy_kl") is None:
+            B, S, Hp, _ = q_proxy.shape
+            kl_rows.append(torch.empty((B, Hp, S), dtype=torch.float32, device=q.device))
         dq_proxy, dk_proxy = warmup_kl.warmup_proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, scale,
-                                                                  kl_grad)
+                                                                  kl_grad, kl_rows[0] if kl_rows else None)
     elif kl_grad is not None:
         dq_proxy, dk_proxy = sparse_bwd.proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy,
                                                             AllCausalBlocks(q_proxy, WARMUP_BLOCK), WARMUP_BLOCK,

@@ -354,47 +354,55 @@ def _(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, cu_seqlens_k=None, sequ
 @torch.library.custom_op(f"{NAMESPACE}::warmup_kl", mutates_args=())
 def warmup_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, scale: float,
               cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-              seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """(lse_proxy, kl_rows) of warmup_forward given its lse: the KL pass alone (kl=False's backward)."""
-    return warmup_kl_body(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens, cu_seqlens_k, seqused_k)
+              seqused_k: Optional[Tensor] = None, with_kl: bool = True) -> tuple[Tensor, Tensor]:
+    """(lse_proxy, kl_rows) of warmup_forward given its lse: the KL pass alone (kl=False's backward). with_kl
+    False: only lse_proxy is wanted (kl_rows may hold zeros), which the kernels form at ~1 / 5 of the pass's work."""
+    return warmup_kl_body(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens, cu_seqlens_k, seqused_k, with_kl)
 
 
-def warmup_kl_body(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
+def warmup_kl_body(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None,
+                   with_kl=True):
     """warmup_kl's body (the custom op's and the eager path's)."""
     impl = _impl("warmup_kl", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k))
     keys = _key_offsets("warmup_kl", cu_seqlens, cu_seqlens_k, seqused_k)
+    if not with_kl:
+        keys["with_kl"] = False
     return _stats_only(q, *impl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens, **keys))
 
 
 @warmup_kl.register_fake
-def _(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
+def _(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, with_kl=True):
     return _kl_fake(q_proxy, q)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::warmup_backward", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::warmup_backward", mutates_args=("kl_metric",))
 def warmup_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     lse_proxy: Tensor, scale: float, grad_out: Optional[Tensor], kl_grad: Optional[Tensor],
                     cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-                    seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq_proxy, dk_proxy, dq, dk, dv) of warmup_forward."""
+                    seqused_k: Optional[Tensor] = None,
+                    kl_metric: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq_proxy, dk_proxy, dq, dk, dv) of warmup_forward; kl_metric (deferred KL mode, one sequence): also the
+    mean KL value into it, which the kernels form inside the proxy backward."""
     return warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
-                                cu_seqlens_k, seqused_k)
+                                cu_seqlens_k, seqused_k, kl_metric)
 
 
 def warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None,
-                         cu_seqlens_k=None, seqused_k=None):
+                         cu_seqlens_k=None, seqused_k=None, kl_metric=None):
     """warmup_backward's body (the custom op's and the eager path's)."""
     config = dict(_msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k),
                   deterministic=torch.are_deterministic_algorithms_enabled())  # as msa_backward
     impl = _impl("warmup_backward", q, config)
+    keys = _key_offsets("warmup_backward", cu_seqlens, cu_seqlens_k, seqused_k)
+    if kl_metric is not None:
+        keys["kl_metric"] = kl_metric
     return _grads_like((q_proxy, k_proxy, q, k, v), impl(
-        q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
-        **_key_offsets("warmup_backward", cu_seqlens, cu_seqlens_k, seqused_k)))
+        q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens, **keys))
 
 
 @warmup_backward.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None, cu_seqlens_k=None,
-      seqused_k=None):
+      seqused_k=None, kl_metric=None):
     return _fake_grads(q_proxy, k_proxy, q, k, v)
 
 
@@ -412,13 +420,23 @@ def warmup_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
     """msa_gradients of a warmup forward (_warmup_setup_context's ctx): kl_pass and backward are warmup_kl and
     warmup_backward, the custom ops or their bodies."""
     q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k = ctx.saved_tensors
-    lse_proxy = _deferred_kl(ctx, lambda: kl_pass(q_proxy, k_proxy, q, k, v, lse, ctx.scale, cu_seqlens, cu_seqlens_k,
-                                                  seqused_k),
-                             grad_kl_rows, lse_proxy)
+    metric = {}
+    if not ctx.kl and grad_kl_rows is not None and cu_seqlens is None:
+        # The proxy gradient needs lse_proxy before the backward, the KL value (if asked for) does not: the proxy
+        # lse alone here, and the backward forms the value from the tau and pi it computes anyway (on the
+        # kernels; where it cannot, it runs the KL pass itself). Packs keep the whole pass (one mean per pack).
+        lse_proxy = kl_pass(q_proxy, k_proxy, q, k, v, lse, ctx.scale, cu_seqlens, cu_seqlens_k, seqused_k,
+                            with_kl=False)[0]
+        if ctx.kl_metric is not None:
+            metric["kl_metric"] = ctx.kl_metric
+    else:
+        lse_proxy = _deferred_kl(ctx, lambda: kl_pass(q_proxy, k_proxy, q, k, v, lse, ctx.scale, cu_seqlens,
+                                                      cu_seqlens_k, seqused_k),
+                                 grad_kl_rows, lse_proxy)
     if grad_out is None and grad_kl_rows is None:
         return (None,) * 5
     grads = backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, ctx.scale, grad_out, grad_kl_rows, cu_seqlens,
-                     cu_seqlens_k, seqused_k)
+                     cu_seqlens_k, seqused_k, **metric)
     return _arrived(grads, grad_out, grad_kl_rows)
 
 

@@ -32,6 +32,9 @@ class Config:
     tile_m: int = 128  # queries per CTA: two warpgroups x 64 rows
     tile_n: int = 64  # keys per step
     threads: int = 256
+    # 1: also each row's KL value (kl_rows) from the tau and pi the gradient forms, so deferred KL mode needs only
+    # the proxy lse before it (warmup_kl's kl_value = 0), not the whole KL pass; one launch per group only
+    kl_value: int = 0
 
     def variant_name(self, arch: str) -> str:
         return variant_name(OP, dataclasses.asdict(self), arch)
@@ -49,12 +52,13 @@ class Config:
 
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
-    """block_sizes: accepted for the catalogue's common signature; the pass has no key blocks."""
-    return dense_configs(Config, head_dims, dtypes)
+    """block_sizes: accepted for the catalogue's common signature; the pass has no key blocks. Each variant with and
+    without the KL value."""
+    return [dataclasses.replace(c, kl_value=kv) for c in dense_configs(Config, head_dims, dtypes) for kv in (0, 1)]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
-    return dense_verdict(OP, config, arch)
+    return dense_verdict(OP, config, arch, kl_value=(0, 1))
 
 
 def params(config: Config) -> tuple:
@@ -72,6 +76,8 @@ def params(config: Config) -> tuple:
         TensorParam("kl_grad", "f32", ("B", "Hp", "S"), rows, align=4),
         TensorParam("dqp_acc", "f32", ("B", "S", "Hp", d), bshd, align=16),
         TensorParam("dkp_acc", "f32", ("B", "S", "Hpk", d), bshd, align=16),
+        # written by the kl_value = 1 variants only (the others take any (B, Hp, S) f32 tensor and never touch it)
+        TensorParam("kl_rows", "f32", ("B", "Hp", "S"), rows, align=4),
         ScalarParam("scale", "f32"),
         ScalarParam("hp_per_hk", "i32"),
         ScalarParam("hp_per_hpk", "i32"),

@@ -10,6 +10,9 @@ whose score products, pipelining and tau accumulation this kernel inherits). Per
   4. dS_p is stored to shared memory (bf16) and, after a barrier, dk_p(tile) = dS_p^T Q_p over the 128 queries
      (warpgroup w: head-dim columns [64 w, 64 w + 64)), added times scale to the fp32 dk_p rows with vector
      atomics (every query tile of (b, pk) meets there).
+kl_value = 1 (deferred KL mode, one launch per group): each row also sums A = sum tau (log2 tau - s_p) and
+T = sum tau from the tau and s_p of step 2, as the KL pass does (kernels_src.kl_rows), and writes
+KL = ln 2 (A / T - log2 T) + lse_p once per row: the KL value without the KL pass's second walk over the keys.
 Shared memory (G = 4: 224 KB): the G + 1 resident query tiles, two K_p tiles (K_p for tile + 1 loads while tile
 runs), one K tile (tile + 1's K loads once the barrier before dk_p has seen every main product of the tile read
 it), and the dS_p tile. Two barriers per key tile.
@@ -28,7 +31,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from kernels_src import wgmma
 from kernels_src.atomics import red_add_v2
-from kernels_src.constants import LOG2E
+from kernels_src.constants import FLT_MIN, LN2, LOG2E
 from kernels_src.tiles import (WARPGROUP_ROWS, cp_async_rows, load_rows, smem_tile, tile_storage, transposed,
                                wg_acc_as_a, wg_acc_rows_cols)
 from kernels_src.warmup_kl.kernel import WarmupKL
@@ -47,6 +50,10 @@ class RowView:
 
 
 class WarmupProxyBackward(WarmupKL):
+    def __init__(self, config):
+        super().__init__(config)
+        self.kl_value = bool(getattr(config, "kl_value", 0))
+
     def _dq_mma(self):
         """dq_p += dS_p K_p: rows as the score products (two warpgroups tile M), A from registers."""
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, _K, _MN, cutlass.Float32,
@@ -61,7 +68,7 @@ class WarmupProxyBackward(WarmupKL):
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  lse: cute.Tensor, lse_proxy: cute.Tensor, kl_grad: cute.Tensor, dqp_acc: cute.Tensor,
-                 dkp_acc: cute.Tensor, scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+                 dkp_acc: cute.Tensor, kl_rows: cute.Tensor, scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
                  group_heads: cutlass.Int32, head0: cutlass.Int32, stream: cuda.CUstream):
         l_q = smem_tile(self.dtype, (self.tile_m, self.head_dim, self.group + 1))
         l_k = smem_tile(self.dtype, (self.tile_n, self.head_dim))
@@ -77,14 +84,14 @@ class WarmupProxyBackward(WarmupKL):
             s_rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.tile_m * (self.group + 2)], 16]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        self.kernel_bwd(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale, hp_per_hk,
+        self.kernel_bwd(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc, kl_rows, scale, hp_per_hk,
                         hp_per_hpk, group_heads, head0, l_q, l_k, l_kp, l_ds,
                         cp_async_rows(self.dtype, self.head_dim, self.threads), SharedStorage).launch(
             grid=(cute.ceil_div(q.shape[1], self.tile_m), q_proxy.shape[2], q.shape[0]),
             block=(self.threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
 
     @cute.kernel
-    def kernel_bwd(self, q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
+    def kernel_bwd(self, q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc, kl_rows,
                    scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
                    group_heads: cutlass.Int32, head0: cutlass.Int32,
                    l_q: cute.ComposedLayout, l_k: cute.ComposedLayout, l_kp: cute.ComposedLayout,
@@ -135,6 +142,11 @@ class WarmupProxyBackward(WarmupKL):
                 s_rows[tidx, self.group] = lse_proxy[b, p, i] * LOG2E
                 s_rows[tidx, self.group + 1] = kl_grad[b, p, i]  # weights folded in below
         lse2 = RowView(s_rows, coord)
+        a_sum = cute.make_rmem_tensor((rows,), cutlass.Float32)  # kl_value: the rows' A and T (this thread's keys)
+        t_sum = cute.make_rmem_tensor((rows,), cutlass.Float32)
+        for r in cutlass.range_constexpr(rows):
+            a_sum[r] = 0.0
+            t_sum[r] = 0.0
 
         for step in cutlass.range(n_steps, unroll=1):
             # K (loaded mid-step before) and K_p (a step ahead) of this tile have landed; every warp is past
@@ -160,9 +172,11 @@ class WarmupProxyBackward(WarmupKL):
             warpgroup.wait_group(0)
             s_mn = wg_acc_rows_cols(accs[self.group % 2])
             if step >= first_masked:
-                self.proxy_grad(s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, pi_weight, tau_weight, True)
+                self.proxy_grad(s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, pi_weight, tau_weight, a_sum, t_sum,
+                                True)
             else:
-                self.proxy_grad(s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, pi_weight, tau_weight, False)
+                self.proxy_grad(s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, pi_weight, tau_weight, a_sum, t_sum,
+                                False)
 
             # dq_p += dS_p K_p from registers; dS_p to shared memory for dk_p.
             r_ds = cute.make_rmem_tensor_like(tau, self.dtype)
@@ -196,24 +210,53 @@ class WarmupProxyBackward(WarmupKL):
                 for c in cutlass.range_constexpr(cute.size(dq_mn, mode=[1])):
                     d = coord_dq[0, c][1]
                     dqp_acc[b, i, p, d] = dqp_acc[b, i, p, d] + dq_mn[r, c] * scale
+        if cutlass.const_expr(self.kl_value):
+            self.write_kl(a_sum, t_sum, coord, lse_proxy, kl_rows, b, p, m0, seqlen, tidx)
 
     @cute.jit
-    def proxy_grad(self, s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, pi_weight, tau_weight,
+    def write_kl(self, a_sum, t_sum, coord, lse_proxy, kl_rows, b, p, m0, seqlen, tidx):
+        """Each row's A and T summed over its quad and its KL written once, as the KL pass's write_rows forms it
+        (tau renormalised by T; lse_p is the forward's)."""
+        for r in cutlass.range_constexpr(cute.size(a_sum)):
+            a, t = a_sum[r], t_sum[r]
+            for off in cutlass.range_constexpr(2):
+                a += cute.arch.shuffle_sync_bfly(a, offset=2 >> off)
+                t += cute.arch.shuffle_sync_bfly(t, offset=2 >> off)
+            i = m0 + coord[r, 0][0]
+            if i < seqlen and tidx % 4 == 0:
+                kl = cutlass.Float32(0.0)
+                if t != 0.0:  # unordered: a NaN tau (NaN in q or k) makes the KL NaN, not 0
+                    kl = (a * cute.arch.rcp_approx(t) - cute.math.log2(t, fastmath=True)) * LN2 + lse_proxy[b, p, i]
+                kl_rows[b, p, i] = kl
+
+    @cute.jit
+    def proxy_grad(self, s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, pi_weight, tau_weight, a_sum, t_sum,
                    masked: cutlass.Constexpr):
         """tau_mn <- dS_p = (pi_weight exp2(s_p scale log2e - lse_p log2e) - tau_weight tau_sum) * kl_grad, in
-        place; keys t > i: 0."""
+        place; keys t > i: 0. kl_value: first A += tau_sum (log2 tau_sum - s_p), T += tau_sum over the causal keys
+        (kernels_src.kl_rows.kl_row_sums' terms)."""
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             key_limit = m0 + coord[r, 0][0] - t0
             lsep2 = s_rows[coord[r, 0][0], self.group]
             grad = s_rows[coord[r, 0][0], self.group + 1]
             pi_grad, tau_grad = pi_weight * grad, tau_weight * grad
+            a = cutlass.Float32(0.0)
+            t = cutlass.Float32(0.0)
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                ds = (cute.math.exp2(s_mn[r, c] * scale_log2 - lsep2, fastmath=True) * pi_grad
-                      - tau_mn[r, c] * tau_grad)
+                ts = tau_mn[r, c]
+                ds = (cute.math.exp2(s_mn[r, c] * scale_log2 - lsep2, fastmath=True) * pi_grad - ts * tau_grad)
                 if cutlass.const_expr(masked):
                     if coord[0, c][1] > key_limit:
                         ds = cutlass.Float32(0.0)
+                        ts = cutlass.Float32(0.0)
+                if cutlass.const_expr(self.kl_value):
+                    # ts = 0 (masked, or underflowed) adds 0, as in kl_row_sums
+                    a += ts * (cute.math.log2(cute.arch.fmax(ts, FLT_MIN), fastmath=True) - s_mn[r, c] * scale_log2)
+                    t += ts
                 tau_mn[r, c] = ds
+            if cutlass.const_expr(self.kl_value):
+                a_sum[r] += a
+                t_sum[r] += t
 
     @cute.jit
     def issue_dq(self, acc, r_a, s_b, tidx):

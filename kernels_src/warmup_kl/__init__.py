@@ -41,6 +41,9 @@ class Config:
     # "lockstep" (kernel.py): every thread loads and both warpgroups pass each step's barriers together;
     # "pingpong" (pingpong.py): a producer warp streams the key tiles through mbarriers and the warpgroups take turns
     schedule: str = "lockstep"
+    # 1: lse_p and the KL value; 0: the proxy lse alone (lse.py; deferred KL mode, whose backward forms the value),
+    # which reads no main head, so it is built at group 1 only and serves every G
+    kl_value: int = 1
 
     def variant_name(self, arch: str) -> str:
         return variant_name(OP, dataclasses.asdict(self), arch)
@@ -50,6 +53,9 @@ class Config:
         "pingpong", the mbarriers and the lse table first (padded to the tiles' 1024-byte alignment). Mirrors
         SharedStorage."""
         e = _ELEM_BYTES[self.dtype]
+        if not self.kl_value:  # the mbarriers, q_proxy's tile, the K_p ring
+            return _align(2 * self.stages * 8, 1024) + _align(self.tile_m * self.head_dim * e, 1024) + \
+                _align(self.stages * self.tile_n * self.head_dim * e, 1024)
         # full / empty mbarriers and the (tile_m, G) fp32 lse table, before the 1024-aligned tiles
         barriers = _align(2 * self.stages * 8 + 4 * self.tile_m * self.group, 1024) if self.schedule == "pingpong" \
             else 0
@@ -84,9 +90,12 @@ SCHEDULE_THREADS = {"lockstep": 256, "pingpong": 288}
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     """block_sizes: accepted for the catalogue's common signature; the pass has no key blocks. Each variant in
-    both schedules."""
-    return [dataclasses.replace(c, schedule=sc, threads=n) for c in dense_configs(Config, head_dims, dtypes)
+    both schedules, and the proxy lse alone (ping-pong, group 1) per dtype and head dim."""
+    full = [dataclasses.replace(c, schedule=sc, threads=n) for c in dense_configs(Config, head_dims, dtypes)
             for sc, n in SCHEDULE_THREADS.items()]
+    lse_only = [dataclasses.replace(c, schedule="pingpong", threads=SCHEDULE_THREADS["pingpong"], kl_value=0)
+                for c in full if c.group == 1 and c.schedule == "lockstep"]
+    return full + lse_only
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
@@ -94,13 +103,24 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     if n is None:
         return verdict(f"schedule {config.schedule!r} not supported; supported: "
                        f"{', '.join(map(repr, SCHEDULE_THREADS))}")
-    return dense_verdict(OP, config, arch, threads=(n,), stages=(2,))
+    if not config.kl_value and (config.group != 1 or config.schedule != "pingpong"):
+        return verdict(f"kl_value 0 (the proxy lse alone) is built at group 1, schedule 'pingpong' only, not group "
+                       f"{config.group}, schedule {config.schedule!r}: it reads no main head")
+    return dense_verdict(OP, config, arch, threads=(n,), stages=(2,), kl_value=(0, 1))
 
 
 def params(config: Config) -> tuple:
     c = config
     bshd = ("i64", "i64", "i64", 1)
     d = c.head_dim
+    if not c.kl_value:  # the proxy lse alone reads the proxy only
+        return (
+            TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", d), bshd, align=16),
+            TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", d), bshd, align=16),
+            TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
+            ScalarParam("scale", "f32"),
+            ScalarParam("hp_per_hpk", "i32"),
+        )
     return (
         TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
         TensorParam("k", c.dtype, ("B", "S", "Hk", d), bshd, align=16),
@@ -116,8 +136,8 @@ def params(config: Config) -> tuple:
 
 
 def build_set(config: Config, arch: str) -> str:
-    """The dense warmup KL pass runs in ping-pong (a producer warp streams the key tiles); lockstep is kept for
-    A/B runs."""
+    """The dense warmup KL pass (and the proxy lse alone) runs in ping-pong (a producer warp streams the key
+    tiles); lockstep is kept for A/B runs."""
     return DEFAULT if config.schedule == "pingpong" else OPT_IN
 
 

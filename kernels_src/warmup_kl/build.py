@@ -6,7 +6,9 @@ from kernels_src.warmup_kl import params
 
 
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    if getattr(config, "schedule", "lockstep") == "pingpong":
+    if not config.kl_value:
+        from kernels_src.warmup_kl.lse import WarmupProxyLse as Kernel
+    elif config.schedule == "pingpong":
         from kernels_src.warmup_kl.pingpong import WarmupKLPingPong as Kernel
     else:
         from kernels_src.warmup_kl.kernel import WarmupKL as Kernel
