@@ -87,7 +87,10 @@ def test_simulated_ranks_on_the_kernels_compute_their_rows_of_the_full_op():
     """bf16 at D = 128, where the full op and every rank's varlen call (separate key offsets) run on the kernels:
     each rank's output is its rows of the full op's, bit for bit (a row depends on its own query and the keys, and
     the kernels place a chunk's rows at their key positions); the gradients agree to bf16's rounding (the key
-    gradients are summed over the ranks, the query gradients' atomics run in another order)."""
+    gradients are summed over the ranks, the query gradients' atomics run in another order). The summed key
+    gradients are N bf16-rounded partials against one rounded total: each element within a bf16 unit roundoff of
+    every partial's magnitude and of the total's (plus fp32 summation order), not within one rounding of the total
+    (at 083fe4b's first GPU run: 4.7 % of dk's elements past torch's bf16 defaults, all within this bound)."""
     from flash_msa_rt.selftest import on_kernels, resolved_backends
 
     S2, H2, Hk2, Hp2, Hpk2, D2, world = 1000, 8, 2, 2, 1, 128, 4
@@ -100,6 +103,7 @@ def test_simulated_ranks_on_the_kernels_compute_their_rows_of_the_full_op():
         out, kl = F.flash_msa_func(*full, TOP_K, layout="bshd")
         ((out.float() * dout.float()).sum() + kl).backward()
         key_grads = [torch.zeros_like(t, dtype=torch.float64) for t in full[1:2] + full[3:]]
+        key_mags = [torch.zeros_like(t, dtype=torch.float64) for t in full[1:2] + full[3:]]
         kl_sum = 0.0
         for r in range(world):
             spans = shard_spans(S2, world, r, "zigzag")
@@ -112,9 +116,15 @@ def test_simulated_ranks_on_the_kernels_compute_their_rows_of_the_full_op():
             kl_sum += float(kl_r) * L / S2
             torch.testing.assert_close(qp.grad, _rows(full[0].grad, spans), **tol)
             torch.testing.assert_close(q.grad, _rows(full[2].grad, spans), **tol)
-            for acc, t in zip(key_grads, (kp, k, v)):
+            for acc, mag, t in zip(key_grads, key_mags, (kp, k, v)):
                 acc += t.grad.double()
+                mag += t.grad.double().abs()
     assert on_kernels(seen, ("select_blocks", "msa_forward", "msa_backward")) is None, seen
     torch.testing.assert_close(kl_sum, float(kl), rtol=1e-5, atol=1e-7)
-    for acc, want in zip(key_grads, (full[1].grad, full[3].grad, full[4].grad)):
-        torch.testing.assert_close(acc.to(want.dtype), want, **tol)
+    u = 2.0 ** -8  # bf16's unit roundoff
+    for name, acc, mag, want in zip(("dk_proxy", "dk", "dv"), key_grads, key_mags,
+                                    (full[1].grad, full[3].grad, full[4].grad)):
+        w = want.double()
+        bound = u * (mag + w.abs()) + 1e-5 * mag + 1e-6 * w.abs().max()
+        excess = ((acc - w).abs() - bound).max().item()
+        assert excess <= 0, f"{name}: the ranks' sum is {excess:.3g} past bf16's rounding of its partials"
