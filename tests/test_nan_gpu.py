@@ -128,8 +128,11 @@ def test_block_sparse_kernels_propagate_nan(case):
     _check(run(poisoned(x, case)), run(x), lower, upper, case.id)
 
 
+@pytest.mark.parametrize("kl_value", ["exact", "deferred"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
-def test_warmup_kernels_propagate_nan(case):
+def test_warmup_kernels_propagate_nan(case, kl_value):
+    """Deferred: kl_loss's value is the kl_metric the backward writes (G = 4: the proxy lse alone, then the value
+    from the proxy backward)."""
     import flash_msa_rt
     from flash_msa_rt.selftest import on_kernels, resolved_backends
 
@@ -138,12 +141,15 @@ def test_warmup_kernels_propagate_nan(case):
 
     def run(inputs):
         leaves = {n: t.detach().requires_grad_() for n, t in inputs.items()}
+        metric = torch.zeros((), device="cuda")
         with resolved_backends() as seen:
-            out, kl = flash_msa_rt.flash_msa_warmup_func(*leaves.values(), K * BS, SCALE, layout="bshd")
+            out, kl = flash_msa_rt.flash_msa_warmup_func(*leaves.values(), K * BS, SCALE, layout="bshd",
+                                                         kl_value=kl_value, kl_metric=metric)
             grads = torch.autograd.grad((out.view(B, S, H, D).float() * dout.float()).sum() + coef * kl,
                                         list(leaves.values()))
         assert on_kernels(seen, ("warmup_forward", "warmup_backward")) is None, seen
-        return {"out": out.view(B, S, H, D), "kl_loss": kl.view(1), **{f"d{n}": gr for n, gr in zip(inputs, grads)}}
+        return {"out": out.view(B, S, H, D), "kl_loss": metric.view(1),
+                **{f"d{n}": gr for n, gr in zip(inputs, grads)}}
 
     def orc(inputs, allowed):
         r = oracle._with_grads(*(t.double() for t in inputs.values()), allowed, SCALE, dout.double(),
