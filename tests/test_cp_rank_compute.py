@@ -125,6 +125,8 @@ def test_simulated_ranks_on_the_kernels_compute_their_rows_of_the_full_op():
     for name, acc, mag, want in zip(("dk_proxy", "dk", "dv"), key_grads, key_mags,
                                     (full[1].grad, full[3].grad, full[4].grad)):
         w = want.double()
-        bound = u * (mag + w.abs()) + 1e-5 * mag + 1e-6 * w.abs().max()
+        # plus fp32 summation order, relative to the partials where they cancel and to the gradient's scale where
+        # they are near zero (each rank's fp32 sum of many atomics: measured 3e-8 past the first two terms alone)
+        bound = u * (mag + w.abs()) + 1e-5 * mag + 1e-4 * w.abs().max()
         excess = ((acc - w).abs() - bound).max().item()
         assert excess <= 0, f"{name}: the ranks' sum is {excess:.3g} past bf16's rounding of its partials"
