@@ -126,9 +126,9 @@ def test_simulated_ranks_on_the_kernels_compute_their_rows_of_the_full_op():
                                     (full[1].grad, full[3].grad, full[4].grad)):
         w = want.double()
         # A rank's key gradient is rounded twice where its two zigzag chunks' keys overlap (each chunk call's bf16
-        # gradient, then their fp32 sum: packed._summed_key_results), the full op's once; plus fp32 summation
-        # order, relative to the gradient's scale where values are near zero. (One rounding per rank measured
-        # 1.2e-8 past the bound on dk_proxy: 1.04 % apart at 1.7e-5, 1.5 bf16 ulps.)
-        bound = 2 * u * mag + u * w.abs() + 1e-5 * mag + 1e-4 * w.abs().max()
+        # gradient, then their fp32 sum: packed._summed_key_results), the full op's once; plus the fp32 atomics'
+        # order, relative to the contributions' magnitudes (which cancel in dk_proxy's (pi - tau) terms and which
+        # the test does not see): 0.1 % of the gradient's scale. A misplaced key range costs ~100 % of it.
+        bound = 2 * u * mag + u * w.abs() + 1e-3 * w.abs().max()
         excess = ((acc - w).abs() - bound).max().item()
         assert excess <= 0, f"{name}: the ranks' sum is {excess:.3g} past bf16's rounding of its partials"
