@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from flash_msa_rt import tuning as _tuning
 from flash_msa_rt.ops import eager as _eager
 from flash_msa_rt.ops import layout as _layout
 from flash_msa_rt.ops import library as _ops
@@ -316,25 +317,34 @@ def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, t
     return out[0], kl_loss
 
 
-def _kl_in_forward(kl_value: str, kl_metric, tensors) -> bool:
-    """Whether the forward runs the KL pass: "exact" does, and "deferred" where no backward will run (no_grad or no
-    input needing a gradient) while a kl_metric waits for the value (msa-semantics.md, kl_value)."""
+def _kl_route(kl_value: str, kl_metric, tensors, sparse: bool, packed: bool) -> tuple[bool, bool]:
+    """(the forward runs the KL pass, kl_loss and kl_metric hold the value after the forward). "exact": both, and
+    "deferred" where no backward will run (no_grad or no input needing a gradient) while a kl_metric waits for the
+    value (msa-semantics.md, kl_value). Otherwise the value waits for the backward, and so does the pass, except
+    where tuning.kl_value has a sparse step's forward run it (small, host-bound steps: the backward then writes
+    kl_metric from the forward's rows)."""
     if kl_value == "exact":
-        return True
+        return True, True
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return kl_value == "deferred" and kl_metric is not None and not backward
+    if kl_value == "deferred" and kl_metric is not None and not backward:
+        return True, True
+    q_proxy, t = tensors[0], _tuning.kl_value.choose()
+    B, S, Hp = q_proxy.shape[:3]
+    small = q_proxy.device.type in t.forward_pass_devices and B * Hp * S <= t.forward_pass_rows
+    return sparse and not packed and backward and small, False
 
 
 def _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value,
          cu_seqlens_k=None, seqused_k=None, select_precision="bf16"):
     """The ops on (B, S, heads, D) views; kl_loss = mean of kl_rows, formed here so its upstream gradient reaches the
     backward as a device tensor (no host read of the loss coefficient). Without the KL pass in the forward, kl_rows
-    are zeros (kl_loss's value 0, its gradient unchanged) and the backward writes kl_metric."""
-    kl = _kl_in_forward(kl_value, kl_metric, (q_proxy, k_proxy, q, k, v))
+    are zeros (kl_loss's value 0, its gradient unchanged) and the backward writes kl_metric; where the forward runs
+    the pass for a value that waits (_kl_route), kl_loss is a zero-valued mean of its rows."""
+    kl, value_now = _kl_route(kl_value, kl_metric, (q_proxy, k_proxy, q, k, v), sparse, cu_seqlens is not None)
     if _eager.usable(q_proxy, k_proxy, q, k, v, kl_metric, cu_seqlens, cu_seqlens_k, seqused_k):
         return _eager.msa(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, cu_seqlens_k,
-                          seqused_k, kl, kl_metric, select_precision)
-    deferred_metric = None if kl else kl_metric
+                          seqused_k, kl, kl_metric, select_precision, value_now)
+    deferred_metric = None if value_now else kl_metric
     if sparse:
         block_indices = _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, cu_seqlens,
                                            cu_seqlens_k, seqused_k, select_precision)
@@ -343,7 +353,23 @@ def _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl
     else:
         out, _, _, kl_rows = _ops.warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k,
                                                  seqused_k, kl, deferred_metric)
+    if kl and not value_now:
+        return out, _ZeroValuedMean.apply(kl_rows)
     kl_loss = kl_rows.sum() / max(kl_rows.numel(), 1)
-    if kl_metric is not None and kl:
+    if kl_metric is not None and value_now:
         kl_metric.copy_(kl_loss.detach())
     return out, kl_loss
+
+
+class _ZeroValuedMean(torch.autograd.Function):
+    """kl_loss where the forward ran the KL pass but the value waits for the backward: 0, with the gradient of the
+    rows' mean (what kl_rows.sum() / n passes back: the upstream gradient / n, expanded)."""
+
+    @staticmethod
+    def forward(ctx, kl_rows):
+        ctx.shape, ctx.n = kl_rows.shape, max(kl_rows.numel(), 1)
+        return kl_rows.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad / ctx.n).expand(ctx.shape)

@@ -104,3 +104,33 @@ def test_kl_value_errors_name_the_argument(entry):
         call(ins, kl_value="lazy")
     with pytest.raises(ValueError, match=r"kl_value='none' computes no KL value, so kl_metric must be None"):
         call(ins, kl_value="none", kl_metric=torch.zeros(()))
+
+
+@pytest.mark.parametrize("path", ["eager", "custom_op"])
+@pytest.mark.parametrize("route", ["backward", "forward"])
+@pytest.mark.parametrize("kl_value", ["deferred", "none"])
+def test_where_the_pass_runs_changes_no_value_and_no_gradient(route, kl_value, path, monkeypatch):
+    """tuning.kl_value moves a small sparse step's KL pass into the forward (host-bound steps on the kernels): the
+    contract is unchanged either way (kl_loss's forward value 0, kl_metric written by the backward with exact's
+    value, exact's gradients bitwise), and the route taken is the one asked for (the backward's msa_kl op runs
+    only on the backward route)."""
+    from flash_msa_rt import tuning
+    from flash_msa_rt.selftest import resolved_backends
+
+    from flash_msa_rt.ops import eager
+
+    if path == "custom_op":  # the torch.library custom ops (what torch.compile and export see)
+        monkeypatch.setattr(eager, "usable", lambda *tensors: False)
+    call, ins = ENTRY_POINTS["flash_msa_func"], _inputs(3)
+    exact_kl, _, exact_grads = _train_step(call, ins, "exact", None)
+    rows = {"backward": 0, "forward": 1 << 30}[route]
+    metric = torch.zeros((), dtype=torch.float32) if kl_value == "deferred" else None
+    with tuning.override(kl_value={"forward_pass_rows": rows, "forward_pass_devices": ("cpu", "cuda")}), \
+            resolved_backends() as seen:
+        kl, before_backward, grads = _train_step(call, ins, kl_value, metric)
+    assert kl == 0 and (metric is None or before_backward == 0)
+    assert ("msa_kl" in seen) == (route == "backward"), sorted(seen)
+    if metric is not None:
+        assert metric == exact_kl.float(), f"{route}: deferred KL {float(metric)} != exact {float(exact_kl)}"
+    for name, e, g in zip(("q_proxy", "k_proxy", "q", "k", "v"), exact_grads, grads):
+        assert torch.equal(e, g), f"{route} {kl_value} d{name} differs from exact"

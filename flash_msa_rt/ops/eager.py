@@ -92,8 +92,8 @@ class _Msa(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_proxy, k_proxy, q, k, v, sparse, K, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k,
-                kl, kl_metric, select_precision):
-        deferred_metric = None if kl else kl_metric
+                kl, kl_metric, select_precision, value_now):
+        deferred_metric = None if value_now else kl_metric
         if sparse:
             block_indices = library.select_blocks_body(q_proxy, k_proxy, K, block_size, scale, cu_seqlens,
                                                        cu_seqlens_k, seqused_k, select_precision)
@@ -108,10 +108,13 @@ class _Msa(torch.autograd.Function):
             ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k,
                                   seqused_k)
         kl_loss, ctx.kl_count = _kl_mean(kl_rows)
-        if kl_metric is not None and kl:
+        if not value_now and kl:  # the pass ran for a value that waits for the backward (api._kl_route): 0 here
+            kl_loss = kl_loss.new_zeros(())
+        elif kl_metric is not None and value_now:
             kl_metric.copy_(kl_loss)
         ctx.sparse, ctx.block_size, ctx.scale, ctx.tuning = sparse, block_size, scale, tuning.current()
         ctx.kl, ctx.kl_metric = kl, deferred_metric  # as library._msa_setup_context
+        ctx.kl_rows = kl_rows if kl and deferred_metric is not None else None
         ctx.set_materialize_grads(False)
         return out, kl_loss
 
@@ -125,16 +128,16 @@ class _Msa(torch.autograd.Function):
                                             library.warmup_backward_body)
         grads = _first_order(library.under_forward_tuning, ctx, gradients, ctx, grad_out, grad_kl_rows, kl_pass,
                              backward)
-        return (*grads,) + (None,) * 10
+        return (*grads,) + (None,) * 11
 
 
 def msa(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl, kl_metric,
-        select_precision="bf16"):
-    """(out (B, S, H, D), kl_loss) of flash_msa_rt.api's _run on the eager path: kl as there (whether the forward
-    runs the KL pass); kl_metric the caller's, written here when kl, else by the backward; select_precision the
-    selection's."""
+        select_precision="bf16", value_now=None):
+    """(out (B, S, H, D), kl_loss) of flash_msa_rt.api's _run on the eager path: kl and value_now as there (whether
+    the forward runs the KL pass, whether kl_loss holds its value; default: kl); kl_metric the caller's, written
+    here when value_now, else by the backward; select_precision the selection's."""
     return _Msa.apply(q_proxy, k_proxy, q, k, v, sparse, K, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k,
-                      kl, kl_metric, select_precision)
+                      kl, kl_metric, select_precision, kl if value_now is None else value_now)
 
 
 class _BlockSparse(torch.autograd.Function):

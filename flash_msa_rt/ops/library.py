@@ -175,7 +175,8 @@ def msa_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tenso
                 kl_metric: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out (B, S, H, D) q.dtype, lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)); statistics float32
     (float64 for float64 inputs). S counts the queries (q's dim 1). kl=False: lse_proxy and kl_rows are zeros and
-    the backward forms them (writing the KL value into kl_metric, which the forward does not touch)."""
+    the backward forms them (writing the KL value into kl_metric, which the forward does not touch). kl=True with a
+    kl_metric: the backward writes the mean of this forward's kl_rows into it."""
     return msa_forward_body(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, cu_seqlens_k,
                             seqused_k, kl)
 
@@ -231,8 +232,13 @@ def _(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqle
 
 def _deferred_kl(ctx, kl_pass, grad_kl_rows, lse_proxy):
     """lse_proxy for the backward: the forward's, or (kl=False) the KL pass's, which also writes the KL value into
-    the caller's kl_metric. Runs the pass only where the proxy gradient or kl_metric needs it."""
-    if ctx.kl or (grad_kl_rows is None and ctx.kl_metric is None):
+    the caller's kl_metric. Runs the pass only where the proxy gradient or kl_metric needs it. A forward that ran
+    the pass for a value that waits (kl=True with a kl_metric: api._kl_route) left its rows in ctx.kl_rows."""
+    if ctx.kl:
+        if ctx.kl_metric is not None:
+            ctx.kl_metric.copy_(ctx.kl_rows.sum() / max(ctx.kl_rows.numel(), 1))  # flash_msa_rt.api's kl_loss
+        return lse_proxy
+    if grad_kl_rows is None and ctx.kl_metric is None:
         return lse_proxy
     lse_proxy, kl_rows = kl_pass()
     if ctx.kl_metric is not None:
@@ -273,12 +279,14 @@ def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size,
 def _msa_setup_context(ctx, inputs, output):
     (q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl,
      kl_metric) = inputs
-    out, lse, lse_proxy, _ = output
+    out, lse, lse_proxy, kl_rows = output
     ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens, cu_seqlens_k,
                           seqused_k)
     ctx.block_size, ctx.scale, ctx.tuning = block_size, scale, tuning.current()
-    # kl_metric is written, not read: held as is, outside save_for_backward's version check.
+    # kl_metric is written, not read: held as is, outside save_for_backward's version check; with kl, from the
+    # forward's rows (an output of this op, which nothing else writes).
     ctx.kl, ctx.kl_metric = kl, kl_metric
+    ctx.kl_rows = kl_rows if kl and kl_metric is not None else None
     ctx.mark_non_differentiable(lse, lse_proxy)
     ctx.set_materialize_grads(False)
 
@@ -408,10 +416,11 @@ def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, 
 
 def _warmup_setup_context(ctx, inputs, output):
     q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl, kl_metric = inputs
-    out, lse, lse_proxy, _ = output
+    out, lse, lse_proxy, kl_rows = output
     ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k)
     ctx.scale, ctx.tuning = scale, tuning.current()
     ctx.kl, ctx.kl_metric = kl, kl_metric  # as _msa_setup_context
+    ctx.kl_rows = kl_rows if kl and kl_metric is not None else None
     ctx.mark_non_differentiable(lse, lse_proxy)
     ctx.set_materialize_grads(False)
 
