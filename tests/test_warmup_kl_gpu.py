@@ -179,6 +179,17 @@ def test_dense_warmup_kl_large_logits(dtype, schedule, tuned):
     from tests.oracle import assert_close, dtype_error
 
     tuned(warmup={"kl_schedule": schedule})
+    qp, kp, q, k, lse, scale, want, base, lse_cost = _large_logits(dtype)
+    got = warmup_kl.warmup_kl_cuda(qp, kp, q, k, lse, scale)
+    for name, g_, w_, b_, extra in zip(("lse_proxy", "kl_rows"), got, want[2:], base[2:], (0.0, lse_cost)):
+        assert torch.isfinite(g_).all(), name
+        assert_close(name, g_, w_, dtype_error(w_, b_) + extra, factor=4.0,
+                     atol=1e-5 * max(1.0, w_.abs().max().item()))
+
+
+def _large_logits(dtype):
+    """test_dense_warmup_kl_large_logits' problem: (q_proxy, k_proxy, q, k, the float64 reference's lse in fp32,
+    scale, the float64 and float32 references' outputs, what that lse's rounding costs the KL in float64)."""
     B, S, H, Hk, Hp, Hpk = 1, 777, 8, 2, 2, 1
     std = 30.0 if dtype == torch.bfloat16 else 6.0
     qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=5, std=std)
@@ -186,12 +197,8 @@ def test_dense_warmup_kl_large_logits(dtype, schedule, tuned):
     want = _reference(qp, kp, q, k, v, scale, torch.float64)
     base = _reference(qp, kp, q, k, v, scale, torch.float32)
     lse = want[1].float()
-    got = warmup_kl.warmup_kl_cuda(qp, kp, q, k, lse, scale)
     lse_cost = (_kl_given_lse(qp, kp, q, k, lse, scale) - want[3]).abs().max().item()
-    for name, g_, w_, b_, extra in zip(("lse_proxy", "kl_rows"), got, want[2:], base[2:], (0.0, lse_cost)):
-        assert torch.isfinite(g_).all(), name
-        assert_close(name, g_, w_, dtype_error(w_, b_) + extra, factor=4.0,
-                     atol=1e-5 * max(1.0, w_.abs().max().item()))
+    return qp, kp, q, k, lse, scale, want, base, lse_cost
 
 
 def test_dense_and_sparse_passes_agree():
@@ -283,18 +290,11 @@ def test_proxy_backward_kl_value_large_logits(dtype):
     from flash_msa_rt.ops import warmup_kl
     from tests.oracle import assert_close, dtype_error
 
-    B, S, H, Hk, Hp, Hpk = 1, 777, 8, 2, 2, 1
-    std = 30.0 if dtype == torch.bfloat16 else 6.0
-    qp, kp, q, k, v = _inputs(B, S, H, Hk, Hp, Hpk, dtype, seed=5, std=std)
-    scale = 128 ** -0.5
-    want = _reference(qp, kp, q, k, v, scale, torch.float64)
-    base = _reference(qp, kp, q, k, v, scale, torch.float32)
-    lse = want[1].float()
+    qp, kp, q, k, lse, scale, want, base, lse_cost = _large_logits(dtype)
     lse_p = warmup_kl.warmup_lse_cuda(qp, kp, scale)
-    kl_rows = torch.empty((B, Hp, S), device="cuda")
-    warmup_kl.warmup_proxy_backward_cuda(qp, kp, q, k, lse, lse_p, scale, torch.ones(B, Hp, S, device="cuda"),
+    kl_rows = torch.empty(lse_p.shape, device="cuda")
+    warmup_kl.warmup_proxy_backward_cuda(qp, kp, q, k, lse, lse_p, scale, torch.ones(lse_p.shape, device="cuda"),
                                          kl_rows)
-    lse_cost = (_kl_given_lse(qp, kp, q, k, lse, scale) - want[3]).abs().max().item()
     assert torch.isfinite(kl_rows).all()
     assert_close("kl_rows", kl_rows, want[3], dtype_error(want[3], base[3]) + lse_cost, factor=4.0,
                  atol=1e-5 * max(1.0, want[3].abs().max().item()))

@@ -46,8 +46,9 @@ class WarmupProxyLse(WarmupKLPingPong):
             block=(self.block_threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
 
     @cute.kernel
-    def kernel_lse(self, q_proxy, k_proxy, lse_proxy, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, l_q: cute.ComposedLayout, l_k: cute.ComposedLayout,
-                   gcopy: cute.TiledCopy, gcopy_warp: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+    def kernel_lse(self, q_proxy, k_proxy, lse_proxy, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
+                   l_q: cute.ComposedLayout, l_k: cute.ComposedLayout, gcopy: cute.TiledCopy,
+                   gcopy_warp: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         b, p, m0, seqlen, n_steps, first_masked, _, pk = self.query_tile(q_proxy, hp_per_hpk, hp_per_hpk)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -57,24 +58,11 @@ class WarmupProxyLse(WarmupKLPingPong):
         empty = storage.empty.data_ptr()
         s_q = storage.s_q.get_tensor(l_q.outer, swizzle=l_q.inner)
         s_kp = storage.s_kp.get_tensor(l_k.outer, swizzle=l_k.inner)
-        if tidx == 0:
-            for s in cutlass.range_constexpr(self.stages):
-                cute.arch.mbarrier_init(full + s, 32)
-                cute.arch.mbarrier_init(empty + s, CONSUMERS // 32)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        self.init_ring(full, empty, tidx)
 
         if warp == CONSUMERS // 32:
-            lane = tidx - CONSUMERS
-            for step in cutlass.range(n_steps, unroll=1):
-                stage = step % self.stages
-                if step >= self.stages:
-                    cute.arch.mbarrier_wait(empty + stage, (step // self.stages + 1) % 2)
-                self.load_clamped(gcopy_warp, k_proxy[b, None, pk, None], s_kp[None, None, stage],
-                                  step * self.tile_n, seqlen, lane)
-                cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
+            self.produce(gcopy_warp, ((k_proxy[b, None, pk, None], s_kp),), full, empty, n_steps, seqlen,
+                         tidx - CONSUMERS)
         else:
             self.consume_lse(q_proxy, lse_proxy, scale, s_q, s_kp, full, empty, gcopy, b, p, m0, seqlen, n_steps,
                              first_masked, tidx)

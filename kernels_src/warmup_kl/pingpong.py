@@ -84,28 +84,40 @@ class WarmupKLPingPong(WarmupKL):
         s_k = storage.s_k.get_tensor(l_k.outer, swizzle=l_k.inner)
         s_kp = storage.s_kp.get_tensor(l_k.outer, swizzle=l_k.inner)
         s_lse = storage.s_lse.get_tensor(cute.make_layout((self.tile_m, self.group), stride=(self.group, 1)))
-        if tidx == 0:
-            for s in cutlass.range_constexpr(self.stages):
-                cute.arch.mbarrier_init(full + s, 32)  # the producer's lanes, each once its copies have landed
-                cute.arch.mbarrier_init(empty + s, CONSUMERS // 32)  # one lane per consumer warp
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        self.init_ring(full, empty, tidx)
 
         if warp == CONSUMERS // 32:
-            lane = tidx - CONSUMERS
-            for step in cutlass.range(n_steps, unroll=1):
-                stage = step % self.stages
-                if step >= self.stages:
-                    cute.arch.mbarrier_wait(empty + stage, (step // self.stages + 1) % 2)
-                t0 = step * self.tile_n
-                self.load_clamped(gcopy_warp, k[b, None, kv, None], s_k[None, None, stage], t0, seqlen, lane)
-                self.load_clamped(gcopy_warp, k_proxy[b, None, pk, None], s_kp[None, None, stage], t0, seqlen, lane)
-                cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
-            cute.arch.cp_async_commit_group()  # the warp leaves once its last copies have landed
-            cute.arch.cp_async_wait_group(0)
+            self.produce(gcopy_warp, ((k[b, None, kv, None], s_k), (k_proxy[b, None, pk, None], s_kp)), full, empty,
+                         n_steps, seqlen, tidx - CONSUMERS)
         else:
             self.consume(q, q_proxy, lse, lse_proxy, kl_rows, scale, s_q, s_k, s_kp, s_lse, full, empty, gcopy, b, p,
                          m0, seqlen, n_steps, first_masked, tidx)
+
+    @cute.jit
+    def init_ring(self, full, empty, tidx):
+        """The key ring's mbarriers: full[stage] counts the producer's 32 lanes (each once its copies have landed),
+        empty[stage] one lane per consumer warp."""
+        if tidx == 0:
+            for s in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(full + s, 32)
+                cute.arch.mbarrier_init(empty + s, CONSUMERS // 32)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def produce(self, gcopy_warp, rings: cutlass.Constexpr, full, empty, n_steps, seqlen, lane):
+        """The producer warp: key tile `step` of every (rows, shared ring) pair of rings into stage step % stages,
+        after the consumers have released that stage, then full[stage]."""
+        for step in cutlass.range(n_steps, unroll=1):
+            stage = step % self.stages
+            if step >= self.stages:
+                cute.arch.mbarrier_wait(empty + stage, (step // self.stages + 1) % 2)
+            t0 = step * self.tile_n
+            for g_rows, s_ring in rings:
+                self.load_clamped(gcopy_warp, g_rows, s_ring[None, None, stage], t0, seqlen, lane)
+            cute.arch.cp_async_mbarrier_arrive_noinc(full + stage)
+        cute.arch.cp_async_commit_group()  # the warp leaves once its last copies have landed
+        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def load_clamped(self, gcopy_warp, g_rows, s_tile, r0, n_rows, lane):
