@@ -31,8 +31,9 @@ def _choose(overrides: Overrides) -> KlValueTuning:
     return KlValueTuning(
         # Small steps are host-bound, and the backward's own KL pass plans the selection again (~23 torch ops and
         # 3 launches more): (a) B = 1 on the H200, deferred forward + backward 2.94 / 4.04 ms against exact's 2.19 /
-        # 3.95 at 8K / 16K (32K / 64K proxy rows), 8.31 / 8.25 at 32K, 19.23 / 19.60 at 64K (msa_batch1.json,
-        # d852150). Above ~64K rows the device work is the same either way and the forward stays light.
+        # 3.95 at 8K / 16K (32K / 64K proxy rows), 8.31 / 8.25 at 32K, 19.23 / 19.60 at 64K (a run at d852150;
+        # benchmarks/results/msa_batch1.json, 10f00ac, has the figures with this policy: 2.63 against 2.36 at 8K).
+        # Above ~64K rows the device work is the same either way and the forward stays light.
         forward_pass_rows=o.get("forward_pass_rows", 1 << 16),
         # Where host time is the bound: the CUDA kernels. On the CPU reference the route changes nothing but
         # which code path the tests exercise (they pick it with an override).
