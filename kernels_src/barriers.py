@@ -12,12 +12,6 @@ class SparseFwdPingPong:
     TURN = 3  # + warpgroup: its turn to issue the QK product (256 threads: 128 waiting, 128 arriving)
 
 
-class SelectHalves:
-    """kernels_src/select/wgmma.py, ProxySelectWGHalves."""
-
-    TURN = 1  # + warpgroup: its turn to issue its half's product (256 threads: 128 waiting, 128 arriving)
-
-
 class SparseKLPingPong:
     """kernels_src/sparse_kl/pingpong.py and streamed.py."""
 

@@ -26,12 +26,10 @@ _K = warpgroup.OperandMajorMode.K
 class WarpgroupScores:
     """Mixin over ProxyBlockScores and its subclasses: the score tiles of one warpgroup's wgmma."""
 
-    THREADS = (128,)  # one warpgroup issues the whole tile's products
-
     def __init__(self, config):
         super().__init__(config)
-        if self.threads not in self.THREADS:
-            raise ValueError(f"{type(self).__name__}: threads {self.threads}; {self.THREADS} only")
+        if self.threads != 128:
+            raise ValueError(f"{type(self).__name__}: threads {self.threads}; 128 only (one warpgroup)")
 
     def _wg_mma(self):
         """One warpgroup's m64 x Bs atom; over the tile_m-row tile it iterates M (tile_m / 64 steps)."""

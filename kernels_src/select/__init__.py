@@ -69,11 +69,6 @@ def _align(x: int, a: int) -> int:
 MMAS = ("sync", "wgmma")
 SCHEDULES = ("block", "pairs")
 PAIRS_STAGES = 4  # the pair in use and the next pair in flight
-# fp8's one-block loop with a deeper K ring (opt-in): a block step takes half of bf16's time, so a stage refilled
-# at the end of step j has about 1 us before step j + 2 needs it
-RING_STAGES = (3, 4)
-# wgmma with two warpgroups, each on one 64-row half of the tile (kernels_src/select/wgmma.py, ProxySelectWGHalves)
-HALVES_THREADS = 256
 
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
@@ -89,24 +84,17 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     base = [Config(dtype=dt, head_dim=dp, block_size=bs, max_k=k, mma=m)
             for dt in dts for dp in dps for bs in bss for k in (16, 64) for m in MMAS
             if not (dt == "e4m3" and m != "wgmma")]
-    fp8 = [c for c in base if c.dtype == "e4m3"]
-    return base + [dataclasses.replace(c, schedule="pairs", stages=PAIRS_STAGES) for c in fp8] + \
-        [dataclasses.replace(c, stages=n) for c in fp8 for n in RING_STAGES] + \
-        [dataclasses.replace(c, threads=HALVES_THREADS) for c in base if c.mma == "wgmma"] + \
-        [dataclasses.replace(c, threads=HALVES_THREADS, stages=n) for c in fp8 for n in RING_STAGES]
+    return base + [dataclasses.replace(c, schedule="pairs", stages=PAIRS_STAGES) for c in base if c.dtype == "e4m3"]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
     reason = refusal(c, arch, dtype=DTYPES, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES, max_k=MAX_KS, tile_m=(128,),
-                     threads=(128, HALVES_THREADS), stages=(2, *RING_STAGES), mma=MMAS, schedule=SCHEDULES,
+                     threads=(128,), stages=(2, 3, PAIRS_STAGES), mma=MMAS, schedule=SCHEDULES,
                      notes={"head_dim": "Dp", "block_size": "Bs", "tile_m": "each thread owns one query row",
-                            "threads": "one warpgroup, or one per 64-row half"})
+                            "threads": "each thread owns one query row"})
     if reason is None and c.mma == "wgmma" and arch != "sm90a":
         reason = f"mma 'wgmma' is Hopper's warpgroup MMA: sm90a only, not {arch}"
-    if reason is None and c.threads == HALVES_THREADS and (c.mma, c.schedule) != ("wgmma", "block"):
-        reason = (f"threads {HALVES_THREADS} (a warpgroup per 64-row half) needs mma 'wgmma' and schedule 'block', "
-                  f"not {c.mma!r} / {c.schedule!r}")
     if reason is None and c.dtype == "e4m3" and c.mma != "wgmma":
         reason = f"dtype 'e4m3' (fp8 selection) runs on mma 'wgmma' only, not {c.mma!r}"
     if reason is None and c.schedule == "pairs" and (c.dtype, c.mma, c.stages) != ("e4m3", "wgmma", PAIRS_STAGES):
@@ -136,7 +124,7 @@ def is_fp8(config: Config) -> bool:
 def build_set(config: Config, arch: str) -> str:
     """max_k 16 and 64 are the default paths' (the smallest that holds top_k runs); the MMA decides the rest. The
     pairs schedule is opt-in until it has run on the GPU (tuning.select's schedule)."""
-    if config.schedule == "pairs" or config.stages != 2 or config.threads != 128:
+    if config.schedule == "pairs":
         return OPT_IN
     return mma_set(config.mma, arch)
 

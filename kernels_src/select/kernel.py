@@ -79,7 +79,6 @@ class ProxySelect(ProxyBlockScores):
             block=(self.threads, 1, 1),
             smem=smem_bytes,
             stream=stream,
-            **self.occupancy(),
         )
 
     @cute.kernel
@@ -124,19 +123,22 @@ class ProxySelect(ProxyBlockScores):
         t = self.score_tiles(storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, tiled_mma,
                              tidx, b, m_block, p, p // group)
 
+        # The row this thread owns: row r == its lane in the quad, of the four rows the quad holds.
         quad_lane = tidx % 4
-        row, owner = self.owned_row(t, tidx)
+        row = t.coord_mn[0, 0][0]
+        for r in cutlass.range_constexpr(1, cute.size(t.acc_mn, mode=[0])):
+            if quad_lane == r:
+                row = t.coord_mn[r, 0][0]
         i = m0 + row
         local_block = (pos0 + row) // self.block_size
 
         # Empty slots score -inf with block -1: any real (finite) score beats them.
-        if owner:
-            for s in cutlass.range(n_slots, unroll=1):
-                slot_score[s, row] = -cutlass.Float32.inf
-                slot_block[s, row] = cutlass.Int16(-1)
+        for s in cutlass.range(n_slots, unroll=1):
+            slot_score[s, row] = -cutlass.Float32.inf
+            slot_block[s, row] = cutlass.Int16(-1)
         worst_score = -cutlass.Float32.inf  # the heap root's score: a block must beat it to enter
-        if n_slots <= 0 or not owner:
-            worst_score = cutlass.Float32.inf  # K = 1 (only the local block) or no row: no candidate ever enters
+        if n_slots <= 0:
+            worst_score = cutlass.Float32.inf  # K = 1: only the local block, no candidate ever enters
 
         heap = RowHeap(slot_score=slot_score, slot_block=slot_block, row=row, n_slots=n_slots,
                        local_block=local_block)
@@ -144,23 +146,8 @@ class ProxySelect(ProxyBlockScores):
         self.scan_blocks(t, tiled_mma, warp_idx, n_blocks, pos0, first_masked, quad_lane, scale, k_scale, b,
                          p // group, heap, worst_score)
 
-        if i < seqlen and owner:
+        if i < seqlen:
             self.write_selection(block_indices, slot_block, b, p, i, row, local_block, n_slots, top_k)
-
-    @cute.jit
-    def owned_row(self, t, tidx):
-        """(the tile row this thread owns, whether it owns one): row r == its lane in the quad, of the four rows
-        the quad holds, so every thread owns one."""
-        quad_lane = tidx % 4
-        row = t.coord_mn[0, 0][0]
-        for r in cutlass.range_constexpr(1, cute.size(t.acc_mn, mode=[0])):
-            if quad_lane == r:
-                row = t.coord_mn[r, 0][0]
-        return row, cutlass.Boolean(True)
-
-    def occupancy(self) -> dict:
-        """Launch bounds beyond the block size: none here."""
-        return {}
 
     @cute.jit
     def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, pos0, first_masked, quad_lane, scale, k_scale, b, pk,

@@ -20,10 +20,8 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
 from kernels_src import wgmma
-from kernels_src.barriers import SelectHalves as Bar
 from kernels_src.block_scores.wgmma import WarpgroupScores
 from kernels_src.select.kernel import ProxySelect
-from kernels_src.constants import WARPGROUP_THREADS
 from kernels_src.tiles import WARPGROUP_ROWS, wg_acc_rows_cols
 
 _HALVES = 2  # 64-row products per 128-row tile
@@ -88,23 +86,11 @@ class ProxySelectWG(WarpgroupScores, ProxySelect):
 
             warpgroup.wait_group(1)
             maxes = self.half_row_maxes(t, 0, j, pos0, first_masked)
-            if cutlass.const_expr(self.stages > 2):
-                # Every warp is past block j - 1's products: its stage takes block j - 1 + stages while block j's
-                # half 1 runs. The branch also keeps ptxas from hoisting wait_group(0) above half 0's reduction,
-                # which it does within one basic block (the SASS of the 2-stage loop), serialising the halves.
-                cute.arch.sync_threads()
-                if warp_idx == 0:
-                    if j > 0 and j - 1 + self.stages < n_blocks:
-                        self.load_k_block(t.tma_atom_k, t.t_k_g, t.t_k_s, t.k_full, t.k_bytes, j - 1 + self.stages,
-                                          (j - 1) % self.stages)
-                warpgroup.wait_group(0)
-            else:
-                warpgroup.wait_group(0)
-                cute.arch.sync_threads()  # every warp is past its reads of K stage j: warp 0 refills it
-                if warp_idx == 0:
-                    if j + self.stages < n_blocks:
-                        self.load_k_block(t.tma_atom_k, t.t_k_g, t.t_k_s, t.k_full, t.k_bytes, j + self.stages,
-                                          stage)
+            warpgroup.wait_group(0)
+            cute.arch.sync_threads()  # every warp is past its reads of K stage j: warp 0 refills it
+            if warp_idx == 0:
+                if j + self.stages < n_blocks:
+                    self.load_k_block(t.tma_atom_k, t.t_k_g, t.t_k_s, t.k_full, t.k_bytes, j + self.stages, stage)
             maxes += self.half_row_maxes(t, 1, j, pos0, first_masked)
 
             score = -cutlass.Float32.inf
@@ -194,98 +180,4 @@ class ProxySelectWGPairs(ProxySelectWG):
             warpgroup.wait_group(0)
             maxes += self.half_row_maxes(t, 1, j, pos0, first_masked)
             score = self.owned(maxes, quad_lane, scale, kb)
-        self.offer(heap, score, n_blocks - 1, worst_score)
-
-
-class ProxySelectWGHalves(ProxySelectWG):
-    """Two warpgroups (256 threads), warpgroup w scoring half w of the tile (rows 64 w .. 64 w + 63) with one
-    64-register accumulator per thread, taking turns at the tensor cores (FA3's ping-pong): warpgroup w waits on
-    barrier TURN + w, issues its product of block j, then arrives on the other's, so one warpgroup's reductions
-    and heap offers run while the other's product does.
-
-    Why: the one-warpgroup loop reaches ~1,450 TFLOP/s (fp8, (b) 64K-256K) with its reductions cut out and ~950
-    with them, while its warps wait on wgmma only ~70 of ~2,000 cycles per block (Nsight Compute): the products
-    and the reductions take turns instead of overlapping, and the SM's second CTA does not fill the gaps (two
-    co-resident CTAs drift into the same phase). The halves without turns, meeting at a CTA barrier per block,
-    measured the same as one warpgroup.
-
-    Rows: after the quad butterfly a quad holds its half's two rows r and r + 8; lanes 0 and 1 own them, lanes 2
-    and 3 own none (worst_score = +inf: their offers never enter). Two CTAs per SM (128 registers).
-
-    Turn accounting (each barrier completes at 256 threads: 128 waiting, 128 arriving): warpgroup 1 arrives on
-    TURN + 0 once before the loop and after each of its products but the last (n_blocks in all), where warpgroup 0
-    waits once per block; warpgroup 0 arrives on TURN + 1 after each product, where warpgroup 1 waits once per
-    block. K refills: warpgroup 1's turn at block j is given after warpgroup 0 waited for its block j - 1 product,
-    and warpgroup 1 waited for its own at the end of step j - 1, so at its step j (j >= 1) stage (j - 1) % stages
-    is read by nobody: warpgroup 1's first warp loads block j - 1 + stages into it."""
-
-    THREADS = (2 * WARPGROUP_THREADS,)
-
-    def occupancy(self) -> dict:
-        """Two CTAs per SM: ptxas keeps to 128 registers (the build refuses a spill). The carveout is given so that
-        the compile does not query a device for it."""
-        return dict(min_blocks_per_mp=2, preferred_smem_carveout=100)
-
-    def score_tiles(self, storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, tiled_mma,
-                    tidx, b, m_block, p, pk):
-        """The TMA handles; this warpgroup's accumulator over its half (64 rows x Bs), its (row, key)
-        coordinates relative to the half, and the half's Q rows."""
-        t = self.tma_tiles(storage, tma_atom_q, tma_q, tma_atom_k, tma_k, s_q_layout, s_k_layout, b, m_block, p, pk)
-        wg = tidx // WARPGROUP_THREADS
-        thr = self._wg_mma().get_slice(tidx % WARPGROUP_THREADS)
-        shape = (WARPGROUP_ROWS, self.block_size)
-        t.acc = cute.make_rmem_tensor(thr.partition_shape_C(shape), cutlass.Float32)
-        t.acc_mn = wg_acc_rows_cols(t.acc)
-        t.coord_mn = wg_acc_rows_cols(thr.partition_C(cute.make_identity_tensor(shape)))
-        t.s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)  # (tile_m, Dp)
-        t.s_k = storage.s_k.get_tensor(s_k_layout.outer, swizzle=s_k_layout.inner)  # (Bs, Dp, stages)
-        t.q_half = cute.local_tile(t.s_q, (WARPGROUP_ROWS, self.head_dim), (wg, 0))
-        t.tidx = tidx % WARPGROUP_THREADS
-        t.wg = wg
-        t.row0 = wg * WARPGROUP_ROWS  # the half's first tile row
-        return t
-
-    @cute.jit
-    def owned_row(self, t, tidx):
-        """Lane q < 2 of a quad owns row q of the two its half's product gives the quad (r, r + 8)."""
-        quad_lane = tidx % 4
-        row = t.row0 + t.coord_mn[0, 0][0]
-        if quad_lane == 1:
-            row = t.row0 + t.coord_mn[1, 0][0]
-        return row, quad_lane < 2
-
-    @cute.jit
-    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, pos0, first_masked, quad_lane, scale, k_scale, b, pk,
-                    heap, worst_score):
-        """Per block j: this warpgroup's turn, block j's product issued, the turn passed on; block j - 1's score
-        offered to the heap while the product runs; then the half's two row maxima."""
-        wg = t.wg
-        turns = 2 * WARPGROUP_THREADS
-        if wg == 1:
-            cute.arch.barrier_arrive(barrier_id=Bar.TURN, number_of_threads=turns)  # warpgroup 0 goes first
-        score = -cutlass.Float32.inf  # block j - 1's score of the owned row (none before block 0)
-        for j in cutlass.range(n_blocks, unroll=1):
-            kb = self.key_block_scale(k_scale, b, j, pk)  # loaded ahead of the product it scales
-            stage = j % self.stages
-            cute.arch.mbarrier_wait(t.k_full + stage, (j // self.stages) % 2)
-            cute.arch.barrier(barrier_id=Bar.TURN + wg, number_of_threads=turns)
-            if warp_idx == WARPGROUP_THREADS // 32:  # warpgroup 1's first warp (see the class docstring)
-                if j > 0 and j - 1 + self.stages < n_blocks:
-                    self.load_k_block(t.tma_atom_k, t.t_k_g, t.t_k_s, t.k_full, t.k_bytes, j - 1 + self.stages,
-                                      (j - 1) % self.stages)
-            wgmma.issue_smem(self._wg_mma(), t.tidx, t.acc, t.q_half, t.s_k[None, None, stage])
-            if wg == 0 or j + 1 < n_blocks:
-                cute.arch.barrier_arrive(barrier_id=Bar.TURN + 1 - wg, number_of_threads=turns)
-            if j > 0:
-                worst_score = self.offer(heap, score, j - 1, worst_score)
-            warpgroup.wait_group(0)
-            if j >= first_masked:
-                self.mask_causal(t.acc_mn, t.coord_mn, pos0 + t.row0, j * self.block_size)
-            score = -cutlass.Float32.inf
-            for r in cutlass.range_constexpr(cute.size(t.acc_mn, mode=[0])):
-                row_max = t.acc_mn[r, None].load().reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
-                row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
-                row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
-                if quad_lane == r:
-                    score = self.scaled(row_max, scale, kb)
         self.offer(heap, score, n_blocks - 1, worst_score)
