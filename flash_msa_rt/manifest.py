@@ -343,7 +343,7 @@ NAME_TAGS: dict[str, str] = {
     "deterministic": "det",  # det1: partial rows stored for a fixed-order sum instead of fp32 atomics
     "heads_per_warp": "hw",  # the combine: how many of a row's G heads one warp merges
     "phase": "phase",  # plan_lists: phasecount (phase 1) or phasescatter (phase 2)
-    "kl_value": "kl",  # warmup kernels: kl1 forms each row's KL value, kl0 does not (warmup_kl: the proxy lse only)
+    "kl_value": "kl",  # KL kernels: kl1 forms each row's KL value, kl0 the proxy lse only (warmup_kl, sparse_kl)
 }
 
 

@@ -1,5 +1,7 @@
 """fp32 reductions to global memory (sm90+) for the backward's accumulators.
 
+- `red_add_f32`: one fp32 red (the tau kernel's KL shares: two warpgroups' halves of a row onto a zero, so the
+  sum is the same whichever lands first).
 - `red_add_v2`: one red instruction for two adjacent accumulator columns (the mma.sync accumulator gives each
   thread pairs of adjacent columns), for the rows that leave once per work item (dk, dv, dk_p).
 - `bulk_reduce_add_f32`: one cp.reduce.async.bulk per accumulator row, staged in shared memory, for the rows that
@@ -21,6 +23,13 @@ def _asm(asm: str, constraints: str, operands, *, loc, ip) -> None:
     """One inline PTX statement with side effects and no result (the operands already IR values)."""
     llvm.inline_asm(res=None, operands_=operands, asm_string=asm, constraints=constraints, has_side_effects=True,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_add_f32(address: Int64, a: Float32, *, loc=None, ip=None) -> None:
+    """*(float *)address += a, relaxed, no return value."""
+    _asm("red.global.add.f32 [$0], $1;", "l,f,~{memory}",
+         [Int64(address).ir_value(loc=loc, ip=ip), Float32(a).ir_value(loc=loc, ip=ip)], loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -17,7 +17,7 @@ from kernels_src.constants import FLT_MIN
 def scaled_row_max(s_mn, tau_mn, coord, r, key_limit, scale_log2, masked: cutlass.Constexpr):
     """Row r of the proxy scores to log2 units in place (s_p = s scale log2 e); returns their max over the row's
     causal keys (key column <= key_limit), reduced over the quad. In masked tiles tau of the keys t > i is zeroed,
-    so that they add nothing to A and T."""
+    so that they add nothing to A and T (tau_mn None: the proxy lse alone, no tau)."""
     row_max = -cutlass.Float32.inf
     for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
         sp2 = s_mn[r, c] * scale_log2
@@ -26,7 +26,7 @@ def scaled_row_max(s_mn, tau_mn, coord, r, key_limit, scale_log2, masked: cutlas
             row_max = cute.arch.fmax(row_max, sp2)
         elif coord[0, c][1] <= key_limit:
             row_max = cute.arch.fmax(row_max, sp2)
-        else:
+        elif cutlass.const_expr(tau_mn is not None):
             tau_mn[r, c] = 0.0
     row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
     row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))

@@ -45,13 +45,13 @@ def test_alternates_are_opt_in_and_their_shipped_twins_default():
             "sparse_fwd_bf16_d128_b128_g4_m128_t256_s1_mmawgmma_schedpingpong_sm90a",
         "sparse_fwd_bf16_d128_b128_g4_m128_t256_s2_mmawgmma_schedpingpong_sm90a":
             "sparse_fwd_bf16_d128_b128_g4_m128_t256_s1_mmawgmma_schedpingpong_sm90a",
-        "sparse_kl_bf16_d128_b128_g4_m64_n128_t256_s2_mmawgmma_schedlockstep_sm90a":
-            "sparse_kl_bf16_d128_b128_g4_m64_n128_t256_s1_mmawgmma_schedpingpong_sm90a",
+        "sparse_kl_bf16_d128_b128_g4_m64_n128_t256_s2_mmawgmma_schedlockstep_kl1_sm90a":
+            "sparse_kl_bf16_d128_b128_g4_m64_n128_t256_s1_mmawgmma_schedpingpong_kl1_sm90a",
         "sparse_combine_bf16_d128_b128_g4_t256_hw1_sm90a": "sparse_combine_bf16_d128_b128_g4_t256_hw4_sm90a",
         "sparse_bwd_bf16_d128_b128_g4_m64_n128_t256_s2_mmawgmma_tauout1_det0_sm90a":
             "sparse_bwd_bf16_d128_b128_g4_m64_n128_t384_s2_mmawgmma_tauout1_det0_sm90a",
-        "sparse_bwd_proxy_bf16_d128_b128_g4_m64_n128_t256_s2_mmawgmma_headsstepped_det0_sm90a":
-            "sparse_bwd_proxy_bf16_d128_b128_g4_m64_n128_t256_s2_mmawgmma_headsresident_det0_sm90a",
+        "sparse_bwd_proxy_bf16_d128_b128_g4_m64_n128_t256_s2_mmawgmma_headsstepped_det0_kl0_sm90a":
+            "sparse_bwd_proxy_bf16_d128_b128_g4_m64_n128_t256_s2_mmawgmma_headsresident_det0_kl0_sm90a",
         "warmup_kl_bf16_d128_g4_m128_n64_t256_s2_schedlockstep_kl1_sm90a":
             "warmup_kl_bf16_d128_g4_m128_n64_t288_s2_schedpingpong_kl1_sm90a",
         "plan_lists_b128_k16_phasescatter_t128_sm90a": "plan_lists_b128_k16_phasescatter_t512_sm90a",
@@ -60,7 +60,7 @@ def test_alternates_are_opt_in_and_their_shipped_twins_default():
         assert alternate in opt_in and shipped in default, (alternate, shipped)
     # with no producer warpgroup at G >= 8 and no resident heads there, the 256-thread / stepped kernels ship
     assert "sparse_bwd_bf16_d128_b128_g8_m64_n128_t256_s2_mmawgmma_tauout1_det0_sm90a" in default
-    assert "sparse_bwd_proxy_bf16_d128_b128_g8_m64_n128_t256_s2_mmawgmma_headsstepped_det0_sm90a" in default
+    assert "sparse_bwd_proxy_bf16_d128_b128_g8_m64_n128_t256_s2_mmawgmma_headsstepped_det0_kl0_sm90a" in default
     # deferred KL mode's warmup kernels ship: the proxy lse alone (group 1 serves every G) and the proxy backward
     # that forms the KL value (G <= 4, one launch per group)
     assert "warmup_kl_bf16_d128_g1_m128_n64_t288_s2_schedpingpong_kl0_sm90a" in default

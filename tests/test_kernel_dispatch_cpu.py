@@ -232,7 +232,7 @@ def test_warmup_proxy_passes_take_the_dense_kernels_where_usable(monkeypatch, de
     monkeypatch.setattr(warmup_kl, "warmup_kl_cuda", lambda *a: calls.append("dense_kl") or ("lp", "kl"))
     monkeypatch.setattr(warmup_kl, "warmup_proxy_backward_cuda",
                         lambda *a: calls.append("dense_bwd") or ("dqp", "dkp"))
-    monkeypatch.setattr(kernels.sparse_fwd, "msa_kl_cuda", lambda *a: calls.append("sparse_kl") or ("lp", "kl"))
+    monkeypatch.setattr(kernels.sparse_fwd, "msa_kl_cuda", lambda *a, **kw: calls.append("sparse_kl") or ("lp", "kl"))
     monkeypatch.setattr(kernels.sparse_bwd, "proxy_backward_cuda",
                         lambda *a: calls.append("sparse_bwd") or ("dqp", "dkp"))
     qp = torch.zeros(1, 300, 2, 128)
@@ -587,13 +587,16 @@ def _reference_at_received_width(monkeypatch, D: int):
         def run(q_proxy, k_proxy, *args, **kwargs):
             assert q_proxy.shape[-1] == k_proxy.shape[-1] == D, (op, q_proxy.shape, k_proxy.shape)
             kwargs.pop("deterministic", None)
+            kwargs.pop("kl_rows", None)  # the reference forms no KL rows in its backward: the list stays empty
             return reference_impl(op)(q_proxy, k_proxy, *args, **kwargs)
         return run
 
     monkeypatch.setattr(kernels.sparse_fwd, "msa_forward_cuda", at_d("msa_forward"))
-    # the KL pass takes no v; the reference's takes one and ignores its values (k stands in)
+    # the KL pass takes no v; the reference's takes one and ignores its values (k stands in); it forms both outputs
+    # whatever with_kl
     monkeypatch.setattr(kernels.sparse_fwd, "msa_kl_cuda",
-                        lambda qp, kp, q, k, lse, sel, bs, scale: at_d("msa_kl")(qp, kp, q, k, k, lse, sel, bs, scale))
+                        lambda qp, kp, q, k, lse, sel, bs, scale, with_kl=True:
+                        at_d("msa_kl")(qp, kp, q, k, k, lse, sel, bs, scale))
     monkeypatch.setattr(kernels.sparse_bwd, "msa_backward_cuda", at_d("msa_backward"))
 
 

@@ -100,3 +100,71 @@ def test_warmup_deferred_runs_the_proxy_lse_alone(monkeypatch, kl_value, metric,
     assert not any(n.startswith(not_want[0]) and not_want[1] in n for n in launched), sorted(launched)
     backward_kl = any(n.startswith("warmup_bwd_proxy_") and "_kl1_" in n for n in launched)
     assert backward_kl == (kl_value == "deferred"), sorted(launched)
+
+
+@pytest.mark.parametrize("kl_value, metric", [("deferred", True), ("deferred", False), ("none", False),
+                                              ("exact", False)])
+def test_sparse_deferred_runs_the_proxy_lse_alone(monkeypatch, tuned, kl_value, metric):
+    """On a sparse step's backward route, deferred and none run the proxy lse alone (sparse_kl kl_value = 0), not
+    the KL pass, and deferred with a kl_metric takes the value from the tau proxy backward's kl_value = 1 variant;
+    exact mode keeps the KL pass (kl1) in its forward and the plain proxy backward."""
+    from flash_msa_rt import loader
+
+    tuned(kl_value={"forward_pass_rows": 0})
+    names = []
+    call = loader.Kernel.__call__
+
+    def recorded(self, *args, **kwargs):
+        names.append(self.entry.name)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(loader.Kernel, "__call__", recorded)
+    ins = _inputs(3)
+    dout = torch.randn(B, S, H * D, device="cuda")
+    _step(F.flash_msa_func, ins, kl_value, torch.zeros((), device="cuda") if metric else None, dout)
+    launched = sorted(set(names))
+    kl_pass = [n for n in launched if n.startswith("sparse_kl_")]
+    assert kl_pass and all(("_kl1_" in n) == (kl_value == "exact") for n in kl_pass), launched
+    proxy = [n for n in launched if n.startswith("sparse_bwd_proxy_")]
+    assert proxy and all(("_kl1_" in n) == (kl_value == "deferred" and metric) for n in proxy), launched
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_kl_rows_match_the_kl_pass(dtype, deterministic):
+    """The tau proxy backward's KL rows (kl_value = 1) against the KL pass's on the same selection and lse: the
+    backward reads tau as the main backward wrote it (the input dtype), so a row may differ by tau's rounding,
+    bounded here by 4 eps (|KL| + 1) (eps of the input dtype); the mean, which is kl_loss, within 1e-4. Rows in
+    several head and query chunks (a small tau budget), odd S, G = 4."""
+    from flash_msa_rt import tuning
+    from flash_msa_rt.ops import sparse_bwd, sparse_fwd
+    from flash_msa_rt.ops.select import select_blocks_cuda
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    Bq, Sq, Hq, Hkq, Hpq = 2, 3000, 16, 4, 4
+    qp, kp, q, k, v = (torch.randn(*s, device="cuda", generator=g).to(dtype) for s in
+                       ((Bq, Sq, Hpq, D), (Bq, Sq, 1, D), (Bq, Sq, Hq, D), (Bq, Sq, Hkq, D), (Bq, Sq, Hkq, D)))
+    scale = D ** -0.5
+    sel = select_blocks_cuda(qp, kp, 6, 128, scale)
+    out, lse, lse_p, kl_rows = sparse_fwd.msa_forward_cuda(qp, kp, q, k, v, sel, 128, scale)
+    dout = torch.randn_like(q)
+    klg = torch.full((Bq, Hpq, Sq), 1.0 / (Bq * Hpq * Sq), device="cuda")
+    rows = []
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        with tuning.override(sparse_bwd={"tau_budget": 1 << 20, "deterministic_budget": 1 << 20}):
+            sparse_bwd.msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, scale, dout, klg,
+                                         deterministic=deterministic, kl_rows=rows)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert len(rows) == 1
+    got = rows[0]
+    eps = torch.finfo(dtype).eps
+    err = (got - kl_rows).abs()
+    bound = 4 * eps * (kl_rows.abs() + 1)
+    assert torch.isfinite(got).all() and (err <= bound).all(), (err.max().item(), (err / bound).max().item())
+    rel = abs(got.mean().item() - kl_rows.mean().item()) / kl_rows.mean().item()
+    print(f"\n{dtype} deterministic={deterministic}: KL mean {kl_rows.mean().item():.6f}, from the backward "
+          f"{got.mean().item():.6f} (relative {rel:.1e}); worst row {(err / bound).max().item():.2f} of its bound")
+    assert rel <= 1e-4

@@ -60,6 +60,14 @@ def test_opcheck_select_and_msa(args, cu_seqlens):
     saved = [t.detach() for t in (qp, kp, q, k, v, out, lse, lse_p)]
     for g, klg in ((grad_out, torch.tensor(0.3 / kl_rows.numel())), (None, torch.rand_like(kl_rows)), (grad_out, None)):
         opcheck(torch.ops.flash_msa.msa_backward.default, (*saved, idx, BS, SCALE, g, klg, cu_seqlens))
+    # deferred KL mode's ops: the backward writing the value into kl_metric, the KL pass asked for lse_proxy alone
+    metric = torch.zeros((), dtype=torch.float32, device=q.device)
+    args_kl = (*saved, idx, BS, SCALE, grad_out, torch.tensor(0.3 / kl_rows.numel()), metric, cu_seqlens)
+    opcheck(torch.ops.flash_msa.msa_backward_kl.default, args_kl)
+    torch.ops.flash_msa.msa_backward_kl(*args_kl)  # opcheck runs on copies: the value lands here
+    torch.testing.assert_close(metric, kl_rows.detach().mean().to(metric.dtype))
+    opcheck(torch.ops.flash_msa.msa_kl.default, (*saved[:5], saved[6], idx, BS, SCALE, cu_seqlens),
+            {"with_kl": False})
 
 
 @pytest.mark.parametrize("args, cu_seqlens", _msa_cases())
@@ -70,6 +78,11 @@ def test_opcheck_warmup(args, cu_seqlens):
     saved = [t.detach() for t in (qp, kp, q, k, v, out, lse, lse_p)]
     opcheck(torch.ops.flash_msa.warmup_backward.default,
             (*saved, SCALE, torch.randn_like(out), torch.tensor(0.1), cu_seqlens))
+    metric = torch.zeros((), dtype=torch.float32, device=q.device)
+    args_kl = (*saved, SCALE, torch.randn_like(out), torch.tensor(0.1), metric, cu_seqlens)
+    opcheck(torch.ops.flash_msa.warmup_backward_kl.default, args_kl)
+    torch.ops.flash_msa.warmup_backward_kl(*args_kl)  # opcheck runs on copies: the value lands here
+    torch.testing.assert_close(metric, kl_rows.detach().mean().to(metric.dtype))
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])

@@ -113,13 +113,20 @@ def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu
                                                  block_size=block_size, scale=scale, **key_offsets), kl)
 
 
-def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, **key_offsets):
-    """(lse_proxy, kl_rows): the reference's forward again (it has no KL pass of its own; lse is the same)."""
+def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, *, with_kl=True,
+            **key_offsets):
+    """(lse_proxy, kl_rows): the reference's forward again (it has no KL pass of its own; lse is the same); it
+    forms both outputs whatever with_kl."""
     return _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, **key_offsets)[2:]
 
 
 def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                  kl_grad, cu_seqlens=None, **key_offsets):
+                  kl_grad, cu_seqlens=None, kl_metric=None, **key_offsets):
+    """kl_metric: also the mean KL value into it (the reference's forward again)."""
+    if kl_metric is not None:
+        kl_rows = _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens,
+                          **key_offsets)[1]
+        kl_metric.copy_(kl_rows.sum() / max(kl_rows.numel(), 1))  # flash_msa_rt.api's kl_loss
     args = (q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale)
     if cu_seqlens is None:
         return _ref().msa_backward(*args, grad_out, kl_grad)

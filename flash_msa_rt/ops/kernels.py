@@ -210,22 +210,30 @@ def _no_kl(q_proxy) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.zeros((B, Hp, S), dtype=torch.float32, device=q_proxy.device) for _ in range(2))
 
 
-def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None):
+def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, *, with_kl=True):
+    """with_kl False: lse_proxy is what is asked for: the proxy lse kernel where built (msa_kl_cuda)."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     return sparse_fwd.msa_kl_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k)), lse, block_indices.contiguous(),
-                                  block_size, scale)
+                                  block_size, scale, with_kl=with_kl)
 
 
 def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                  kl_grad, cu_seqlens=None):
+                  kl_grad, cu_seqlens=None, kl_metric=None):
+    """kl_metric: also the mean KL value into it (deferred mode): from the proxy backward where its kl_value
+    variant runs (the tau path), else from the KL pass."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     qp, kp = _proxy_at(q_proxy, k_proxy, q.shape[3])
-    qp, kp, q, k, v, out = (_tma_ready(t) for t in (qp, kp, q, k, v, out))
+    qp, kp, q_, k_, v_, out = (_tma_ready(t) for t in (qp, kp, q, k, v, out))
     grad_out = _tma_ready(grad_out) if grad_out is not None else None
-    grads = sparse_bwd.msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_proxy, block_indices.contiguous(), block_size,
-                                         scale, grad_out, kl_grad,
-                                         deterministic=torch.are_deterministic_algorithms_enabled())
+    kl_rows = [] if kl_metric is not None else None  # the backward appends the rows when it forms them
+    grads = sparse_bwd.msa_backward_cuda(qp, kp, q_, k_, v_, out, lse, lse_proxy, block_indices.contiguous(),
+                                         block_size, scale, grad_out, kl_grad,
+                                         deterministic=torch.are_deterministic_algorithms_enabled(), kl_rows=kl_rows)
+    if kl_metric is not None:
+        rows = kl_rows[0] if kl_rows else _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size,
+                                                  scale)[1]
+        kl_metric.copy_(rows.sum() / max(rows.numel(), 1))  # flash_msa_rt.api's kl_loss
     return _proxy_grads(grads, q_proxy, k_proxy, q.shape[3])
 
 

@@ -206,18 +206,23 @@ def _(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=No
 @torch.library.custom_op(f"{NAMESPACE}::msa_kl", mutates_args=())
 def msa_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, block_indices: Tensor,
            block_size: int, scale: float, cu_seqlens: Optional[Tensor] = None,
-           cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """(lse_proxy, kl_rows) of msa_forward given its lse: the KL pass alone (kl=False's backward)."""
+           cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+           with_kl: bool = True) -> tuple[Tensor, Tensor]:
+    """(lse_proxy, kl_rows) of msa_forward given its lse: the KL pass alone (kl=False's backward). with_kl False:
+    only lse_proxy is wanted (kl_rows may hold zeros), which the kernels form at ~1 / 5 of the pass's work."""
     return msa_kl_body(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens, cu_seqlens_k,
-                       seqused_k)
+                       seqused_k, with_kl)
 
 
 def msa_kl_body(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
-                seqused_k=None):
+                seqused_k=None, with_kl=True):
     """msa_kl's body (the custom op's and the eager path's)."""
     impl = _impl("msa_kl", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k))
+    keys = _key_offsets("msa_kl", cu_seqlens, cu_seqlens_k, seqused_k)
+    if not with_kl:
+        keys["with_kl"] = False
     return _stats_only(q, *impl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens,
-                                **_key_offsets("msa_kl", cu_seqlens, cu_seqlens_k, seqused_k)))
+                                **keys))
 
 
 def _kl_fake(q_proxy, q):
@@ -226,7 +231,7 @@ def _kl_fake(q_proxy, q):
 
 @msa_kl.register_fake
 def _(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
-      seqused_k=None):
+      seqused_k=None, with_kl=True):
     return _kl_fake(q_proxy, q)
 
 
@@ -257,21 +262,52 @@ def msa_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tens
                              grad_out, kl_grad, cu_seqlens, cu_seqlens_k, seqused_k)
 
 
+# The backward that also writes the KL value (deferred mode) is an op of its own whose kl_metric is required:
+# an optional mutated argument breaks torch 2.11's in-place bookkeeping (ADInplaceOrView indexes the arguments as
+# given, so an omitted one is out of range).
+@torch.library.custom_op(f"{NAMESPACE}::msa_backward_kl", mutates_args=("kl_metric",))
+def msa_backward_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    lse_proxy: Tensor, block_indices: Tensor, block_size: int, scale: float,
+                    grad_out: Optional[Tensor], kl_grad: Optional[Tensor], kl_metric: Tensor,
+                    cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                    seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """msa_backward that also writes the mean KL value into kl_metric (deferred KL mode, one sequence), which the
+    kernels form inside the proxy backward."""
+    return msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
+                             grad_out, kl_grad, cu_seqlens, cu_seqlens_k, seqused_k, kl_metric)
+
+
+def _msa_backward_op(*args, kl_metric=None):
+    """The custom op for a backward with or without the KL value (the autograd rule's `backward`)."""
+    if kl_metric is None:
+        return msa_backward(*args)
+    return msa_backward_kl(*args[:13], kl_metric, *args[13:])
+
+
 def msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                      kl_grad, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
+                      kl_grad, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, kl_metric=None):
     """msa_backward's body (the custom op's and the eager path's)."""
     # The kernels' backward sums with fp32 atomics; under torch.use_deterministic_algorithms(True) dispatch
     # must be able to decline it, so the flag belongs to the problem.
     config = dict(_msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k),
                   deterministic=torch.are_deterministic_algorithms_enabled())
     impl = _impl("msa_backward", q, config)
+    keys = _key_offsets("msa_backward", cu_seqlens, cu_seqlens_k, seqused_k)
+    if kl_metric is not None:
+        keys["kl_metric"] = kl_metric
     return _grads_like((q_proxy, k_proxy, q, k, v), impl(
         q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out, kl_grad,
-        cu_seqlens, **_key_offsets("msa_backward", cu_seqlens, cu_seqlens_k, seqused_k)))
+        cu_seqlens, **keys))
 
 
 @msa_backward.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out, kl_grad,
+      cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
+    return _fake_grads(q_proxy, k_proxy, q, k, v)
+
+
+@msa_backward_kl.register_fake
+def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out, kl_grad, kl_metric,
       cu_seqlens=None, cu_seqlens_k=None, seqused_k=None):
     return _fake_grads(q_proxy, k_proxy, q, k, v)
 
@@ -306,18 +342,29 @@ def msa_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
     ops (their autograd rule) or their bodies (the eager path)."""
     q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens, cu_seqlens_k, seqused_k = \
         ctx.saved_tensors
-    lse_proxy = _deferred_kl(ctx, lambda: kl_pass(q_proxy, k_proxy, q, k, v, lse, block_indices, ctx.block_size,
-                                                  ctx.scale, cu_seqlens, cu_seqlens_k, seqused_k),
-                             grad_kl_rows, lse_proxy)
+    metric = {}
+    if not ctx.kl and grad_kl_rows is not None and cu_seqlens is None:
+        # The proxy gradient needs lse_proxy before the backward, the KL value (if asked for) does not: the proxy
+        # lse alone here, and the backward forms the value from the tau and pi it computes anyway (on the tau
+        # path; where it cannot, it runs the KL pass itself). Packs keep the whole pass (one mean per pack).
+        lse_proxy = kl_pass(q_proxy, k_proxy, q, k, v, lse, block_indices, ctx.block_size, ctx.scale, cu_seqlens,
+                            cu_seqlens_k, seqused_k, with_kl=False)[0]
+        if ctx.kl_metric is not None:
+            metric["kl_metric"] = ctx.kl_metric
+    else:
+        lse_proxy = _deferred_kl(ctx, lambda: kl_pass(q_proxy, k_proxy, q, k, v, lse, block_indices, ctx.block_size,
+                                                      ctx.scale, cu_seqlens, cu_seqlens_k, seqused_k),
+                                 grad_kl_rows, lse_proxy)
     if grad_out is None and grad_kl_rows is None:
         return (None,) * 5
     grads = backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, ctx.block_size, ctx.scale,
-                     grad_out, grad_kl_rows, cu_seqlens, cu_seqlens_k, seqused_k)
+                     grad_out, grad_kl_rows, cu_seqlens, cu_seqlens_k, seqused_k, **metric)
     return _arrived(grads, grad_out, grad_kl_rows)
 
 
 def _msa_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
-    return under_forward_tuning(ctx, msa_gradients, ctx, grad_out, grad_kl_rows, msa_kl, msa_backward) + (None,) * 8
+    return under_forward_tuning(ctx, msa_gradients, ctx, grad_out, grad_kl_rows, msa_kl,
+                                _msa_backward_op) + (None,) * 8
 
 
 def _arrived(grads, grad_out, grad_kl_rows):
@@ -383,16 +430,33 @@ def _(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, cu_seqlens_k=None,
     return _kl_fake(q_proxy, q)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::warmup_backward", mutates_args=("kl_metric",))
+@torch.library.custom_op(f"{NAMESPACE}::warmup_backward", mutates_args=())
 def warmup_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     lse_proxy: Tensor, scale: float, grad_out: Optional[Tensor], kl_grad: Optional[Tensor],
                     cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-                    seqused_k: Optional[Tensor] = None,
-                    kl_metric: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq_proxy, dk_proxy, dq, dk, dv) of warmup_forward; kl_metric (deferred KL mode, one sequence): also the
-    mean KL value into it, which the kernels form inside the proxy backward."""
+                    seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq_proxy, dk_proxy, dq, dk, dv) of warmup_forward."""
+    return warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
+                                cu_seqlens_k, seqused_k)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::warmup_backward_kl", mutates_args=("kl_metric",))
+def warmup_backward_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       lse_proxy: Tensor, scale: float, grad_out: Optional[Tensor], kl_grad: Optional[Tensor],
+                       kl_metric: Tensor, cu_seqlens: Optional[Tensor] = None,
+                       cu_seqlens_k: Optional[Tensor] = None,
+                       seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """warmup_backward that also writes the mean KL value into kl_metric (deferred KL mode, one sequence), which
+    the kernels form inside the proxy backward (msa_backward_kl says why it is an op of its own)."""
     return warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
                                 cu_seqlens_k, seqused_k, kl_metric)
+
+
+def _warmup_backward_op(*args, kl_metric=None):
+    """The custom op for a warmup backward with or without the KL value (the autograd rule's `backward`)."""
+    if kl_metric is None:
+        return warmup_backward(*args)
+    return warmup_backward_kl(*args[:11], kl_metric, *args[11:])
 
 
 def warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None,
@@ -410,7 +474,13 @@ def warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, 
 
 @warmup_backward.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None, cu_seqlens_k=None,
-      seqused_k=None, kl_metric=None):
+      seqused_k=None):
+    return _fake_grads(q_proxy, k_proxy, q, k, v)
+
+
+@warmup_backward_kl.register_fake
+def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, kl_metric, cu_seqlens=None,
+      cu_seqlens_k=None, seqused_k=None):
     return _fake_grads(q_proxy, k_proxy, q, k, v)
 
 
@@ -451,7 +521,7 @@ def warmup_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
 
 def _warmup_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
     return under_forward_tuning(ctx, warmup_gradients, ctx, grad_out, grad_kl_rows, warmup_kl,
-                                warmup_backward) + (None,) * 6
+                                _warmup_backward_op) + (None,) * 6
 
 
 warmup_forward.register_autograd(_warmup_backward_rule, setup_context=_warmup_setup_context)

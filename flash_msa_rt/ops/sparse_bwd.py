@@ -18,6 +18,8 @@ partial rows that sparse_bwd_sums adds up in a fixed order (missing gradients th
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flash_msa_rt.loader import get_kernel
@@ -61,15 +63,15 @@ PROXY_TAU_STAGES = 3  # the "tau" proxy kernel gathers its rows two tiles ahead
 
 
 def proxy_config(dtype: str, head_dim: int, block_size: int, group: int, t: SparseBwdTuning, tau: bool = False,
-                 deterministic: bool = False) -> dict:
+                 deterministic: bool = False, kl_value: bool = False) -> dict:
     """The proxy backward's variant under the choice t: tau read from the main backward (tau; one variant, built
     at group 1, since it does not depend on G), else recomputed (t.recompute_heads; mma.sync steps through the
-    heads); deterministic: its partial-row variant."""
+    heads); deterministic: its partial-row variant; kl_value (tau): it also forms the entries' KL shares."""
     heads = "tau" if tau else (t.recompute_heads if t.proxy_mma == "wgmma" else "stepped")
     config = tile_config(dtype, head_dim, block_size, 1 if heads == "tau" else group, t.proxy_mma)
     if heads == "tau":
         config["stages"] = PROXY_TAU_STAGES
-    return {**config, "heads": heads, "deterministic": int(deterministic)}
+    return {**config, "heads": heads, "deterministic": int(deterministic), "kl_value": int(kl_value and tau)}
 
 
 def entry_bytes(block_size: int, group: int, head_dim: int, deterministic: bool = False) -> int:
@@ -127,13 +129,14 @@ def tau_chunk(B: int, S: int, Hp: int, K: int, block_size: int, budget: int, per
 
 
 def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                      kl_grad, deterministic: bool = False, arch: str | None = None):
+                      kl_grad, deterministic: bool = False, arch: str | None = None, kl_rows: list | None = None):
     """(dq_proxy, dk_proxy, dq, dk, dv). grad_out (B, S, H, D) or None; kl_grad broadcastable to (B, Hp, S) or
     None (a missing gradient gives zeros). Tensors validated, 16-byte aligned, unit-stride head dim.
     deterministic: bitwise reproducible gradients (the tau path's deterministic variants; the device must have
     them: deterministic_refusal). arch: the device's unless given (the tuning policy's arch). k, v, k_proxy may hold
     Sk >= S keys (query row i at key position Sk - S + i, msa_forward_cuda's alignment): dk, dv, dk_proxy are
-    theirs."""
+    theirs. kl_rows: a list that receives the KL rows (B, Hp, S) where the tau path forms them (the proxy kernel's
+    kl_value variant; deferred KL mode), else stays empty."""
     B, S, H, D = q.shape
     Hp, Hk = q_proxy.shape[2], k.shape[2]
     G = H // Hp
@@ -150,10 +153,10 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
         grad_out = grad_out if grad_out is not None else torch.zeros_like(out)
         kl_grad = kl_grad if kl_grad is not None else torch.zeros((B, Hp, S), dtype=f32, device=dev)
         return _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size,
-                                  scale, grad_out, kl_grad, deterministic=True)
+                                  scale, grad_out, kl_grad, deterministic=True, kl_rows=kl_rows)
     if grad_out is not None and kl_grad is not None and t.tau_path:
         return _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size,
-                                  scale, grad_out, kl_grad)
+                                  scale, grad_out, kl_grad, kl_rows=kl_rows)
     flat, (dq_acc, dk_acc, dv_acc) = accumulators((q, k, v))
     plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, t.tiles_per_item, key_offset=k.shape[1] - S)
     if grad_out is not None:
@@ -296,7 +299,7 @@ class _ChunkGradients:
 
 
 def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
-                       grad_out, kl_grad, deterministic: bool = False):
+                       grad_out, kl_grad, deterministic: bool = False, kl_rows: list | None = None):
     """(dq_proxy, dk_proxy, dq, dk, dv): both backward kernels per chunk of proxy heads (and of queries, where one
     head's tau rows exceed the budget), tau passed from the main kernel to the proxy kernel. A chunk is the same
     problem on head-sliced views (strided; the kernels take any strides), with its own plan; its fp32 accumulators
@@ -305,7 +308,10 @@ def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, 
     Atomic path: the chunks' heads also fit accumulator_budget (accumulator_heads).
     deterministic: the kernels store dq / dq_p partial rows, which each chunk sums in slot order (the slot_sum
     kernel) straight into dq and dq_proxy, and add dk / dv / dk_p in item order (turns); chunks follow each other
-    on the stream."""
+    on the stream. kl_rows (a list): the proxy kernel's kl_value variant also adds each entry's KL share (log2
+    units) into a zeroed fp32 slot per (b, p, i, slot) of the chunk (its plan's entry_dest, as the deterministic
+    partial rows), and each chunk's rows are ln 2 times their slots' sum (KL = ln 2 sum A + lse_p sum T, as the
+    KL pass's merge); the (B, Hp, S) rows are appended to the list."""
     B, S, H, D = q.shape
     Hp, Hk, Hpk, K = q_proxy.shape[2], k.shape[2], k_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
@@ -314,7 +320,8 @@ def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, 
     f32 = torch.float32
     det = deterministic
     main = get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, t, True, det), dev)
-    proxy = get_kernel("sparse_bwd_proxy", proxy_config(dt, D, block_size, G, t, True, det), dev)
+    with_kl = kl_rows is not None
+    proxy = get_kernel("sparse_bwd_proxy", proxy_config(dt, D, block_size, G, t, True, det, with_kl), dev)
     delta = torch.empty((B, H, S), dtype=f32, device=dev)
     get_kernel("bwd_delta", delta_config(dt, D), dev)(dout=grad_out, out=out, delta=delta)
     if kl_grad.dtype != f32 or kl_grad.device != dev:  # a no-op .to still costs a torch op
@@ -337,6 +344,9 @@ def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, 
     plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, "list" if det else t.item_order, arch=arch,
                         key_offset=k.shape[1] - S)
     tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
+    if with_kl:
+        kl_slots = torch.empty(rows, dtype=f32, device=dev)
+        kl_out = torch.empty((B, Hp, S), dtype=f32, device=dev)
     chunks = sparse_fwd.head_chunks(Hp, Hk, Hpk, G, c)
     like = {"dk_proxy": (k_proxy, "proxy_key"), "dk": (k, "kv"), "dv": (v, "kv")}
     if det:
@@ -365,12 +375,21 @@ def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, 
                 main_args.update(sums.main_args(plan, c, hc.per_kv))
                 proxy_args.update(sums.proxy_args(proxy_plan, c, hc.per_pk))
             main(entry_query=plan.entry_query, items=plan.items, tau=tau_rows, **main_args)
+            if with_kl:
+                n_p = hc.proxy.stop - hc.proxy.start
+                slots = kl_slots[:B * n_p * (s1 - s0) * K]
+                slots.zero_()
+                proxy_args.update(kl_dest=proxy_plan.entry_dest, kl_slots=slots)
             proxy(tau=tau_rows, entry_query=proxy_plan.entry_query, items=proxy_plan.items, **proxy_args)
+            if with_kl:
+                torch.sum(slots.view(B, n_p, s1 - s0, K), -1, out=kl_out[:, hc.proxy, s0:s1])
             if det:
                 sums.sum_chunk(plan, sel, s0, s1, hc.main, hc.proxy)
         del acc, main_args, proxy_args  # the run accumulators that end here are grads' only references
         grads.end(n)
     g = grads.grads
+    if with_kl:
+        kl_rows.append(kl_out.mul_(math.log(2.0)))
     if det:
         return sums.dqp, g["dk_proxy"], sums.dq, g["dk"], g["dv"]
     return g["dq_proxy"], g["dk_proxy"], g["dq"], g["dk"], g["dv"]

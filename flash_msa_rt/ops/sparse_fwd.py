@@ -16,9 +16,11 @@ Internal layout (B, S, heads, D); the public API validates user input and routes
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
+from flash_msa_rt.errors import FlashMsaError
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops.device import arch_of
 from flash_msa_rt.ops.sparse_plan import chunk_plans, kl_groups, list_kernel_configs, sparse_plan
@@ -50,7 +52,15 @@ def combine_kl_config(block_size: int) -> dict:
 def kl_config(dtype: str, head_dim: int, block_size: int, group: int, t: SparseFwdTuning) -> dict:
     """The KL pass runs on the proxy backward's tiles (64 distinct queries x t.kl_tile_n keys per CTA)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": KL_TILE,
-            "tile_n": t.kl_tile_n, "threads": 256, "stages": t.kl_stages, "mma": t.kl_mma, "schedule": t.kl_schedule}
+            "tile_n": t.kl_tile_n, "threads": 256, "stages": t.kl_stages, "mma": t.kl_mma, "schedule": t.kl_schedule,
+            "kl_value": 1}
+
+
+def lse_config(dtype: str, head_dim: int, block_size: int) -> dict:
+    """The proxy lse alone (kernels_src/sparse_kl/lse.py): the ping-pong KL pass's tiles with the proxy head only,
+    one variant for every G (group 1), on any G's KL plan."""
+    return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": 1, "tile_m": KL_TILE,
+            "tile_n": block_size, "threads": 256, "stages": 1, "mma": "wgmma", "schedule": "pingpong", "kl_value": 0}
 
 
 def kl_part_groups(config: dict) -> int:
@@ -254,21 +264,42 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     return out, lse, lse_proxy, kl_rows
 
 
-def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan):
+def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan,
+              lse_only: bool = False):
     """The KL pass over queries [s0, s0 + sel.shape[2]) on kl_plan (the KL pass's tiles) given the final main lse:
-    writes lse_proxy and kl_rows (B, Hp, S) there (keys longer than queries: kl_plan's key_offset)."""
+    writes lse_proxy and kl_rows (B, Hp, S) there (keys longer than queries: kl_plan's key_offset). lse_only: kl is
+    the proxy lse kernel (lse_config), kl_rows come out 0."""
     kl_part = rows(kl_buf, 0, 0, kl_plan.E)
-    kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
+    if lse_only:
+        kl(q_proxy=q_proxy, k_proxy=k_proxy, kl_part=kl_part, scale=float(scale),
+           hp_per_hpk=q_proxy.shape[2] // k_proxy.shape[2], **_plan_args(kl_plan))
+    else:
+        kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
     s1 = s0 + sel.shape[2]
     combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=rows(lse_proxy, 2, s0, s1),
                kl_rows=rows(kl_rows, 2, s0, s1), query_offset=kl_plan.key_offset + s0)
 
 
-def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, arch: str | None = None):
+@functools.lru_cache(maxsize=None)
+def lse_built(dtype: str, head_dim: int, block_size: int, arch: str) -> bool:
+    """Whether the proxy lse kernel (lse_config) is in the artifacts for arch (looked up once per variant)."""
+    from flash_msa_rt.loader import find_variant
+
+    try:
+        find_variant("sparse_kl", lse_config(dtype, head_dim, block_size), arch)
+    except FlashMsaError:
+        return False
+    return True
+
+
+def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, arch: str | None = None,
+                with_kl: bool = True):
     """(lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) of a selection, given the main attention's final lse (B, H, S):
-    the KL pass alone, for a main attention computed elsewhere (warmup mode: cuDNN's dense attention). Queries run
-    in chunks whose (A, T, L) partials fit the choice's kl_partials_budget. k, k_proxy may be longer than the
-    queries (msa_forward_cuda's alignment)."""
+    the KL pass alone, for a main attention computed elsewhere (warmup mode: cuDNN's dense attention) or for the
+    backward of a forward that ran none. Queries run in chunks whose (A, T, L) partials fit the choice's
+    kl_partials_budget. k, k_proxy may be longer than the queries (msa_forward_cuda's alignment).
+    with_kl False: lse_proxy is what is asked for; where the proxy lse kernel is built it runs instead of the KL
+    pass (the same lse_proxy, bit for bit) and kl_rows are zeros."""
     B, S, H, D = q.shape
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
@@ -276,7 +307,11 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, a
     arch = arch or arch_of(dev)
     t = choice(arch, G, D, block_size, B, S, H)
     kl_cfg = kl_config(DTYPES[q.dtype], D, block_size, G, t)
-    kl = get_kernel("sparse_kl", kl_cfg, dev)
+    # The proxy lse kernel reads the ping-pong KL pass's plan (tiles of 64 distinct queries, the same entries).
+    lse_only = not with_kl and kl_cfg["schedule"] == "pingpong" and \
+        lse_built(DTYPES[q.dtype], D, block_size, arch)
+    kl = get_kernel("sparse_kl", lse_config(DTYPES[q.dtype], D, block_size) if lse_only else kl_cfg,
+                    dev)
     combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
     kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev)
@@ -303,5 +338,8 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, a
             sel = block_indices[:, :, s0:s1].contiguous()
             kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, t.kl_tiles_per_item, query_offset=s0,
                                   key_offset=key_offset)
-        _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan)
+        _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan,
+                  lse_only)
+    if lse_only:  # lse_proxy times a T of 0: NaN where lse_proxy is not finite
+        kl_rows.zero_()
     return lse_proxy, kl_rows

@@ -36,6 +36,9 @@ class Config(sparse_bwd.MmaConfig):
 
     heads: str = "stepped"
     deterministic: int = 0  # 1: heads "tau" storing partial rows instead of adding (sparse_bwd.MainConfig)
+    # 1 (heads "tau"): also each entry's share of its row's KL value (tau.py), for the deferred KL mode's
+    # backward, which then needs no KL pass
+    kl_value: int = 0
 
 
 def resident_ok(config) -> bool:
@@ -52,8 +55,8 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     resident, and at G = 1 with tau read."""
     base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.mma_configs(head_dims, block_sizes, dtypes)]
     return (base + [dataclasses.replace(c, heads="resident") for c in base if resident_ok(c)]
-            + [dataclasses.replace(c, heads="tau", deterministic=d, stages=TAU_STAGES) for d in (0, 1) for c in base
-               if tau_ok(c)])
+            + [dataclasses.replace(c, heads="tau", deterministic=d, stages=TAU_STAGES, kl_value=kl) for d in (0, 1)
+               for kl in (0, 1) for c in base if tau_ok(c)])
 
 
 def smem_bytes(config) -> int:
@@ -92,7 +95,10 @@ def can_implement(config, arch: str) -> tuple[bool, str]:
         return ok, reason
     heads = getattr(config, "heads", "stepped")
     det = getattr(config, "deterministic", 0)
-    if det not in (0, 1) or (det and heads != "tau"):
+    kl_value = getattr(config, "kl_value", 0)
+    if kl_value not in (0, 1) or (kl_value and heads != "tau"):
+        reason = f"kl_value {kl_value!r} with heads {heads!r}: supported kl_value 0, or 1 with heads 'tau'"
+    elif det not in (0, 1) or (det and heads != "tau"):
         reason = f"deterministic {det!r} with heads {heads!r}: supported deterministic 0, or 1 with heads 'tau'"
     elif heads not in HEADS:
         reason = f"heads {heads!r} not supported; supported: {', '.join(map(repr, HEADS))}"
@@ -133,7 +139,10 @@ def params(config) -> tuple:
     # The tau kernel needs no main rows, keys or lse; tau (E, block_size) follows the proxy keys.
     kept = [p for p in every if p.name not in ("q", "k", "lse", "hp_per_hk")]
     tau = sparse_bwd.tau_params(sparse_bwd.MainConfig(**dict(_mma_fields(c), tau_out=1)))
-    return (*kept[:2], *tau, *kept[2:-2], *sparse_bwd.turn_params(c), *kept[-2:])  # turns after dkp
+    # kl_value 1: each entry's row slot (the plan's entry_dest) and the fp32 slots its KL share is added into
+    kl = (TensorParam("kl_dest", "i32", ("E",), (1,), align=4),
+          TensorParam("kl_slots", "f32", ("R",), (1,), align=4)) if getattr(c, "kl_value", 0) else ()
+    return (*kept[:2], *tau, *kept[2:-2], *sparse_bwd.turn_params(c), *kl, *kept[-2:])  # turns after dkp
 
 
 def _mma_fields(config) -> dict:

@@ -12,7 +12,8 @@ def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entr
         from kernels_src.sparse_bwd_proxy.tau import SparseProxyBackwardTau
 
         kernel = SparseProxyBackwardTau(config)
-        entry = kernel.call_det if getattr(config, "deterministic", 0) else None
+        det, kl = getattr(config, "deterministic", 0), getattr(config, "kl_value", 0)
+        entry = {(0, 0): None, (1, 0): kernel.call_det, (0, 1): kernel.call_kl, (1, 1): kernel.call_det_kl}[det, kl]
     elif config.heads == "resident":
         from kernels_src.sparse_bwd_proxy.resident import SparseProxyBackwardResident
 

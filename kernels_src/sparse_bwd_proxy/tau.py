@@ -21,7 +21,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from kernels_src.constants import LOG2E
+from kernels_src.atomics import red_add_f32
+from kernels_src.constants import FLT_MIN, LOG2E
 from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
 from kernels_src.tiles import copy_row, copy_word, cp_async_word, load_rows, row_table, tile_storage
 
@@ -56,8 +57,27 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                     hp_per_hpk, stream, (entry_dest, item_prev, item_done))
 
     @cute.jit
+    def call_kl(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor, tau: cute.Tensor, entry_query: cute.Tensor,
+                items: cute.Tensor, lse_proxy: cute.Tensor, kl_grad: cute.Tensor, dqp_acc: cute.Tensor,
+                dkp_acc: cute.Tensor, kl_dest: cute.Tensor, kl_slots: cute.Tensor, scale: cutlass.Float32,
+                hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+        """kl_value = 1: also each entry's KL share into kl_slots[kl_dest[e]] (see tau_backward)."""
+        self.launch(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
+                    hp_per_hpk, stream, kl=(kl_dest, kl_slots))
+
+    @cute.jit
+    def call_det_kl(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor, tau: cute.Tensor, entry_query: cute.Tensor,
+                    items: cute.Tensor, lse_proxy: cute.Tensor, kl_grad: cute.Tensor, dqp_part: cute.Tensor,
+                    dkp_acc: cute.Tensor, entry_dest: cute.Tensor, item_prev: cute.Tensor, item_done: cute.Tensor,
+                    kl_dest: cute.Tensor, kl_slots: cute.Tensor, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
+                    stream: cuda.CUstream):
+        """call_det with kl_value = 1."""
+        self.launch(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc, scale,
+                    hp_per_hpk, stream, (entry_dest, item_prev, item_done), (kl_dest, kl_slots))
+
+    @cute.jit
     def launch(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
-               hp_per_hpk, stream, turns=None):
+               hp_per_hpk, stream, turns=None, kl=None):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
         l_p = self._smem_layout((self.tile_m, self.tile_n))
@@ -78,12 +98,18 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
         layouts = (l_kv, l_rows, l_p, l_dq, self._gmem_copy(), SharedStorage)
         launch = dict(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
                       stream=stream)
-        if cutlass.const_expr(turns is None):
+        if cutlass.const_expr(turns is None and kl is None):
             self.kernel_tau(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
                             hp_per_hpk, *layouts).launch(**launch)
-        else:
+        elif cutlass.const_expr(kl is None):
             self.kernel_tau_det(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
                                 *turns, scale, hp_per_hpk, *layouts).launch(**launch)
+        elif cutlass.const_expr(turns is None):
+            self.kernel_tau_kl(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
+                               *kl, scale, hp_per_hpk, *layouts).launch(**launch)
+        else:
+            self.kernel_tau_det_kl(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
+                                   *turns, *kl, scale, hp_per_hpk, *layouts).launch(**launch)
 
     @cute.kernel
     def kernel_tau(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
@@ -102,12 +128,34 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                           hp_per_hpk, l_kv, l_rows, l_p, l_dq, gcopy, SharedStorage,
                           (entry_dest, item_prev, item_done))
 
+    @cute.kernel
+    def kernel_tau_kl(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
+                      kl_dest, kl_slots, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
+                      l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
+                      l_dq: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+        self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
+                          hp_per_hpk, l_kv, l_rows, l_p, l_dq, gcopy, SharedStorage, kl=(kl_dest, kl_slots))
+
+    @cute.kernel
+    def kernel_tau_det_kl(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc,
+                          entry_dest, item_prev, item_done, kl_dest, kl_slots, scale: cutlass.Float32,
+                          hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout,
+                          l_p: cute.ComposedLayout, l_dq: cute.Layout, gcopy: cute.TiledCopy,
+                          SharedStorage: cutlass.Constexpr):
+        self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc, scale,
+                          hp_per_hpk, l_kv, l_rows, l_p, l_dq, gcopy, SharedStorage,
+                          (entry_dest, item_prev, item_done), (kl_dest, kl_slots))
+
     @cute.jit
     def tau_backward(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
                      scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout,
                      l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
-                     gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr, turns=None):
-        """The kernel body; turns (entry_dest, item_prev, item_done): the deterministic variant's."""
+                     gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr, turns=None, kl=None):
+        """The kernel body; turns (entry_dest, item_prev, item_done): the deterministic variant's; kl (kl_dest,
+        kl_slots): the kl_value variant's. It forms each entry's KL share in log2 units, sum over its keys of
+        tau (log2 tau - log2 pi) with log2 pi = s_p scale log2 e - lse_p log2 e (the KL pass's A + T lse_p log2 e,
+        from the tau rows as read: the input dtype), and adds it into kl_slots[kl_dest[e]]: a warpgroup's half of
+        the row's keys each, onto a zero (the runtime's), so either order gives the same sum."""
         tidx, _, _ = cute.arch.thread_idx()
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
@@ -157,6 +205,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             self.tile_queries_of(gcopy, entry_query, start, n_entries, ahead, tidx, g_query)
             for tile in cutlass.range(n_tiles, unroll=1):
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
+                e0 = start + tile * self.tile_queries
                 tb = tile % self.stages
                 s_qp = s_qp_all[None, None, tb]
                 cute.arch.cp_async_wait_group(ahead - 1)  # this tile's group; the later tiles' may fly on
@@ -189,11 +238,19 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                     lsep2 = s_rf[qi, tb, _LSE_P] * LOG2E
                     cg = s_rf[qi, tb, _KL_GRAD]
                     key_limit = self.visible_limit(s_ri[qi, tb, 0], q_t0)
+                    share = cutlass.Float32(0.0)
                     for c in cutlass.range_constexpr(cols):
                         pi = cutlass.Float32(0.0)
+                        log2_pi = sp_mn[r, c] * scale_log2 - lsep2
                         if coord_s[0, c][1] <= key_limit:
-                            pi = cute.math.exp2(sp_mn[r, c] * scale_log2 - lsep2, fastmath=True)
-                        sp_mn[r, c] = (pi - tau_mn[r, c].to(cutlass.Float32)) * cg
+                            pi = cute.math.exp2(log2_pi, fastmath=True)
+                        ts = tau_mn[r, c].to(cutlass.Float32)
+                        sp_mn[r, c] = (pi - ts) * cg
+                        if cutlass.const_expr(kl is not None):
+                            # tau = 0 (keys t > i, and underflow) adds 0, as the KL pass's kl_rows.kl_row_sums
+                            share += ts * (cute.math.log2(cute.arch.fmax(ts, FLT_MIN), fastmath=True) - log2_pi)
+                    if cutlass.const_expr(kl is not None):
+                        self.add_kl_share(kl, share, e0 + qi, qi < n_q, tidx)
                 self.store_scores(thr_s, acc_s, s_ds)
                 self.wait_rows_read(tidx < self.tile_m)  # the previous tile's dq_p rows left s_dq
                 self.publish_async_copies()  # dS_p, read next by the MMAs
@@ -212,6 +269,16 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             if cutlass.const_expr(turns is not None):
                 self.end_turn(turns, w, tidx)
             self.wait_rows_done(tidx < self.tile_m)
+
+    @cute.jit
+    def add_kl_share(self, kl, share, e, live, tidx):
+        """This thread's part of an entry's KL share summed over its quad (the row's keys of this warpgroup), and
+        the quad's first lane adds it into kl_slots[kl_dest[e]] (live: the row is one of the tile's entries)."""
+        share += cute.arch.shuffle_sync_bfly(share, offset=1)
+        share += cute.arch.shuffle_sync_bfly(share, offset=2)
+        if live and tidx % 4 == 0:
+            kl_dest, kl_slots = kl
+            red_add_f32(kl_slots.iterator.toint() + cutlass.Int64(kl_dest[e]) * 4, share)
 
     @cute.jit
     def reduce_tile(self, dqp_acc, s_dq, b, p, i_row, n_q, tidx):

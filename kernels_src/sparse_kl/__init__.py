@@ -30,6 +30,9 @@ class Config(sparse_bwd.MmaConfig):
     """The backward's tiles and MMA plus how the two warpgroups share the work (SCHEDULES)."""
 
     schedule: str = "lockstep"
+    # 1: each entry's (A, T, L); 0: L alone, A = T = 0 (lse.py: the proxy lse without the KL value, for the
+    # deferred and "none" KL modes; group 1, ping-pong, serves every G)
+    kl_value: int = 1
 
 
 STREAM_STAGES = 4  # ring slots per warpgroup of the streamed ping-pong kernel (G >= 8)
@@ -40,8 +43,9 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     heads (G <= 4) single-buffered (two warpgroups x (G + 1) tiles of 16 KB beside the 64 KB key block leave no
     room for a second stage), at G >= 8 with the heads streamed through STREAM_STAGES slots per warpgroup."""
     base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.mma_configs(head_dims, block_sizes, dtypes)]
-    return base + [dataclasses.replace(c, schedule="pingpong", stages=1 if resident_heads(c) else STREAM_STAGES)
-                   for c in base if c.mma == "wgmma" and c.tile_n == c.block_size]
+    pingpong = [dataclasses.replace(c, schedule="pingpong", stages=1 if resident_heads(c) else STREAM_STAGES)
+                for c in base if c.mma == "wgmma" and c.tile_n == c.block_size]
+    return base + pingpong + [dataclasses.replace(c, kl_value=0) for c in pingpong if c.group == 1]
 
 
 # wgmma on the whole block at these G gathers a tile's G main heads and the proxy at once (kernels_src.sparse_kl.
@@ -68,6 +72,8 @@ def smem_bytes(config) -> int:
     e = _ELEM_BYTES[config.dtype]
     a = sparse_bwd._align
     rows = config.stages * config.tile_m * config.head_dim * e
+    if not getattr(config, "kl_value", 1):  # sK_p, one proxy tile per warpgroup, their entry rings (lse.py)
+        return a(config.tile_n * config.head_dim * e, 1024) + a(2 * rows, 1024) + a(2 * 2 * config.tile_m * 4, 1024)
     kv = 2 * a(config.tile_n * config.head_dim * e, 1024)
     if getattr(config, "schedule", "lockstep") == "pingpong":
         if resident_heads(config):  # + each warpgroup's two slots of staged entries
@@ -86,7 +92,13 @@ def can_implement(config, arch: str) -> tuple[bool, str]:
     ok, reason = sparse_bwd.can_implement(tiles, arch)
     if not ok:
         return ok, reason
-    if schedule not in SCHEDULES:
+    kl_value = getattr(config, "kl_value", 1)
+    if kl_value not in (0, 1):
+        reason = f"kl_value {kl_value!r} not supported; supported: 0 (the proxy lse alone), 1 (A, T, L)"
+    elif not kl_value and (schedule, config.group, config.stages) != ("pingpong", 1, 1):
+        reason = (f"kl_value 0 (the proxy lse alone) is built for schedule 'pingpong', group 1, stages 1, not "
+                  f"{schedule!r}, group {config.group}, stages {config.stages}")
+    elif schedule not in SCHEDULES:
         reason = f"schedule {schedule!r} not supported; supported: {', '.join(map(repr, SCHEDULES))}"
     elif schedule == "pingpong" and not (config.mma == "wgmma" and config.tile_n == config.block_size and
                                          (config.stages == 1 if resident_heads(config) else config.stages >= 2)):
@@ -101,6 +113,17 @@ def params(config) -> tuple:
     c = config
     bshd = ("i64", "i64", "i64", 1)
     d = c.head_dim
+    if not getattr(c, "kl_value", 1):  # lse.py: the proxy alone
+        return (
+            TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", d), bshd, align=16),
+            TensorParam("k_proxy", c.dtype, ("B", "Sk", "Hpk", d), bshd, align=16),
+            TensorParam("entry_query", "i32", ("E",), (1,), align=4),
+            TensorParam("entry_dest", "i32", ("E",), (1,), align=4),
+            TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
+            TensorParam("kl_part", "f32", ("E", 3), (3, 1), align=4),
+            ScalarParam("scale", "f32"),
+            ScalarParam("hp_per_hpk", "i32"),
+        )
     return (
         TensorParam("q", c.dtype, ("B", "S", "H", d), bshd, align=16),
         TensorParam("k", c.dtype, ("B", "Sk", "Hk", d), bshd, align=16),

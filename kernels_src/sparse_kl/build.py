@@ -6,7 +6,9 @@ from kernels_src.spec import Compiled
 
 
 def compile(config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
-    if config.schedule == "pingpong" and resident_heads(config):
+    if not config.kl_value:
+        from kernels_src.sparse_kl.lse import SparseProxyLse as Kernel
+    elif config.schedule == "pingpong" and resident_heads(config):
         from kernels_src.sparse_kl.pingpong import SparseKLPingPong as Kernel
     elif config.schedule == "pingpong":
         from kernels_src.sparse_kl.streamed import SparseKLStreamed as Kernel
