@@ -127,8 +127,14 @@ if device_arch(0) == 'sm90a':  # G = 16: the KL pass's streamed ping-pong (its h
     msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl, True)
     o, lse, lsep, kl = msa_forward_cuda(q[:, 77:], q[:, :, :1], m[:, 77:], kv, kv, sel_c, 128, 0.1)  # the chunk
     msa_backward_cuda(q[:, 77:], q[:, :, :1], m[:, 77:], kv, kv, o, lse, lsep, sel_c, 128, 0.1, torch.randn_like(o), kl,
-                      True)
+                      True, kl_rows=[])
     torch.use_deterministic_algorithms(False)
+    # deferred KL mode: the proxy lse alone (sparse_kl kl_value 0), and the tau proxy backward forming the KL value
+    from flash_msa_rt.ops.sparse_fwd import msa_kl_cuda
+    msa_kl_cuda(q[:, 77:], q[:, :, :1], m[:, 77:], kv, lse, sel_c, 128, 0.1, with_kl=False)  # the chunk's lse
+    o, lse, lsep, kl = msa_forward_cuda(q, q[:, :, :1], m, kv, kv, sel, 128, 0.1)
+    msa_kl_cuda(q, q[:, :, :1], m, kv, lse, sel, 128, 0.1, with_kl=False)
+    msa_backward_cuda(q, q[:, :, :1], m, kv, kv, o, lse, lsep, sel, 128, 0.1, torch.randn_like(m), kl, kl_rows=[])
 if device_arch(0) == 'sm90a':  # the other wgmma builds (opt-in set): ping-pong with two q buffers, lockstep
     # warpgroups, the proxy backward's heads stepped and resident
     with tuning.override(sparse_fwd={'stages': 2}):
