@@ -93,10 +93,7 @@ class SparseProxyLse(SparseKLPingPong):
                 tile = wg + 2 * it
                 e0 = start + tile * self.tile_queries
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
-                if it > 0:
-                    cute.arch.cp_async_wait_group(0)
-                    self.publish_async_copies()
-                    cute.arch.barrier(barrier_id=Bar.ROWS + wg, number_of_threads=WARPGROUP_THREADS)
+                self.await_rows(it, wg)
                 s_this = ring[None, it % ENTRY_RING, wg]
                 # Entries are sorted by query: only a tile whose first query lies inside the block sees t > i.
                 masked = s_this[0] < q_t0 + self.block_size - 1

@@ -130,10 +130,7 @@ class SparseKLPingPong(SparseKLWG):
                 tile = wg + 2 * it
                 e0 = start + tile * self.tile_queries
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
-                if it > 0:
-                    cute.arch.cp_async_wait_group(0)
-                    self.publish_async_copies()
-                    cute.arch.barrier(barrier_id=Bar.ROWS + wg, number_of_threads=WARPGROUP_THREADS)
+                self.await_rows(it, wg)
                 # Read before this tile's slot takes tile + 4's entries below. Entries are sorted by query: only a
                 # tile whose first query lies inside the block sees t > i.
                 masked = ring[0, it % ENTRY_RING, wg] < q_t0 + self.block_size - 1
@@ -177,6 +174,15 @@ class SparseKLPingPong(SparseKLWG):
                     row_i[r] = next_i[r]
                     for g in cutlass.range_constexpr(self.group):
                         lse2[r, g] = next_lse2[r, g] * LOG2E
+
+    @cute.jit
+    def await_rows(self, it, wg):
+        """Warpgroup wg's it-th tile's gathered rows are in shared memory, visible to wgmma (the first tile's are
+        awaited before the loop, with the key block)."""
+        if it > 0:
+            cute.arch.cp_async_wait_group(0)
+            self.publish_async_copies()
+            cute.arch.barrier(barrier_id=Bar.ROWS + wg, number_of_threads=WARPGROUP_THREADS)
 
     @cute.jit
     def stage_entries(self, entry_query, s_slot, start, n_entries, tile, wg_tidx):
