@@ -32,7 +32,8 @@ def _choose(overrides: Overrides) -> KlValueTuning:
         # Small steps are host-bound, and the backward's own KL pass plans the selection again (~23 torch ops and
         # 3 launches more): (a) B = 1 on the H200, deferred forward + backward 2.94 / 4.04 ms against exact's 2.19 /
         # 3.95 at 8K / 16K (32K / 64K proxy rows), 8.31 / 8.25 at 32K, 19.23 / 19.60 at 64K (a run at d852150;
-        # benchmarks/results/msa_batch1.json, 10f00ac, has the figures with this policy: 2.63 against 2.36 at 8K).
+        # benchmarks/results/msa_batch1.json, c06d598, has the figures with this policy: 3.12 against 2.70 at 8K,
+        # 3.98 / 3.95 at 16K; from 32K the backward route, now the proxy lse alone: 7.71 against 8.49).
         # Above ~64K rows the device work is the same either way and the forward stays light.
         forward_pass_rows=o.get("forward_pass_rows", 1 << 16),
         # Where host time is the bound: the CUDA kernels. On the CPU reference the route changes nothing but
