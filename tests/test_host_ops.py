@@ -124,10 +124,12 @@ def test_plans_on_the_plan_kernels_issue_few_ops(order, most):
 
 
 def test_host_ops_of_one_chunk_on_the_plan_kernels(monkeypatch):
-    """The same call with its plans on the plan kernels (as on CUDA tensors): 16 forward and 20 backward compute
-    ops, the backward's five fp32 accumulators from one fill (sparse_bwd.accumulators)."""
+    """The same call with its plans on the plan kernels (as on CUDA tensors): 14 forward and 13 backward compute
+    ops (16 and 18 before the backward took the forward's sorted lists and this host-bound size dropped the
+    forward's longest-first sort), the backward's five fp32 accumulators from one fill (sparse_bwd.accumulators)
+    and no sort of its own."""
     fwd, bwd, launches = _calls(1, 8192, 16, 2, 4, None, monkeypatch, plan_kernels=True)
-    assert launches["count"] == launches["scatter"] == launches["items"] == 2
+    assert launches["count"] == launches["scatter"] == 1 and launches["items"] == 2
     assert launches["sparse_fwd"] == launches["sparse_bwd"] == launches["sparse_bwd_proxy"] == 1
-    assert sum(fwd.values()) <= 16 and sum(bwd.values()) <= 20, (fwd, bwd)
-    assert bwd["aten.zeros"] <= 3 and bwd["aten._to_copy"] == 5, bwd
+    assert sum(fwd.values()) <= 14 and sum(bwd.values()) <= 13, (fwd, bwd)
+    assert bwd["aten.zeros"] <= 1 and bwd["aten._to_copy"] == 5, bwd

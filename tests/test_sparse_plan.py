@@ -703,3 +703,49 @@ def test_chunk_plans_takes_the_kernel_path_with_its_chunk_keys(monkeypatch, tune
     for key in want:
         for g, w in zip(got[key], want[key]):
             assert torch.equal(g.items, w.items) and torch.equal(g.entry_dest, w.entry_dest), key
+
+
+def test_a_kept_selection_is_sorted_once_for_its_backward(monkeypatch, tuned):
+    """chunk_plans(keep_lists=True) (the MSA forward's) leaves its sorted lists on the selection tensor: the next
+    plan of the same selection and chunks takes them instead of sorting (the backward's, on other cuts) and gets
+    the plans the sort gives. A write to the selection, other chunks, a plan after the one that took them, or more
+    entries than keep_lists_entries sort again."""
+    from flash_msa_rt.ops import sparse_plan as sp
+    from tests.sparse_emulate import plan_lists_kernels
+
+    B, Hp, S, K, Bs = 2, 4, 333, 5, 32
+    idx = random_indices(torch.Generator().manual_seed(5), B, Hp, S, K, Bs)
+    tuned(plan={"tile_rows": 16})
+    sorts = []
+    sort = sp.sorted_lists_on_device
+    monkeypatch.setattr(sp, "lists_on_device", lambda sel, bs, g, heads, queries: sp.chunk_keys(
+        *sel.shape, heads, queries, bs))
+    monkeypatch.setattr(sp, "_lists_kernels", lambda *a: plan_lists_kernels(Bs, tile_rows=16))
+    monkeypatch.setattr(sp, "sorted_lists_on_device", lambda *a: sorts.append(a[3]) or sort(*a))
+    forward_cuts, backward_cuts = ((8, 2), (3, 5)), ((4, 3), (16, 1))
+
+    def plan(sel, cuts, queries=S, keep=False):
+        return sp.chunk_plans(sel, Bs, 4, Hp, queries, cuts, "list", keep_lists=keep)
+
+    plan(idx, forward_cuts, keep=True)
+    got = plan(idx, backward_cuts, queries=10 * S)  # one chunk of queries either way
+    assert len(sorts) == 1
+    want = plan(idx.clone(), backward_cuts)
+    assert len(sorts) == 2 and sorted(got) == sorted(want)
+    for key in want:
+        for g, w in zip(got[key], want[key]):
+            for field in ("entry_query", "entry_dest", "items", "item_count", "list_bounds"):
+                assert torch.equal(getattr(g, field), getattr(w, field)), (field, key)
+    plan(idx, backward_cuts)  # taken by the plan before
+    assert len(sorts) == 3
+    plan(idx, forward_cuts, keep=True)
+    idx[0, 0, -1, 0] = 0  # a write through torch bumps the version counter
+    plan(idx, backward_cuts)
+    assert len(sorts) == 5
+    plan(idx, forward_cuts, keep=True)
+    plan(idx, backward_cuts, queries=96)  # other chunks: other lists
+    assert len(sorts) == 7
+    tuned(plan={"tile_rows": 16, "keep_lists_entries": B * Hp * S * K - 1})
+    plan(idx, forward_cuts, keep=True)
+    plan(idx, backward_cuts)
+    assert len(sorts) == 9 and not hasattr(idx, sp._KEPT_LISTS)

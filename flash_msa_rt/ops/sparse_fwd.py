@@ -233,7 +233,9 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     # then its views and launches); planned before the partial buffers exist, so the sort's temporaries do not
     # add to the peak.
     cuts = ((TILE_M // G, t.tiles_per_item),) + (((KL_TILE, t.kl_tiles_per_item),) if proxy else ())
-    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, t.item_order, arch=arch, key_offset=key_offset)
+    # The MSA backward plans the same selection (its proxy lse pass too): the sorted lists stay for it.
+    plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, t.item_order, arch=arch, key_offset=key_offset,
+                        keep_lists=proxy)
     E_max = B * c * min(chunk, S) * K
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
@@ -329,7 +331,7 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, a
     plans = None
     if isinstance(block_indices, torch.Tensor):
         plans = chunk_plans(block_indices, block_size, G, Hp, chunk, ((KL_TILE, t.kl_tiles_per_item),), t.item_order,
-                            arch=arch, key_offset=key_offset)
+                            arch=arch, key_offset=key_offset, keep_lists=True)
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         if plans is not None:

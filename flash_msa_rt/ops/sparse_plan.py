@@ -208,7 +208,7 @@ ORDERS = ("list", "size", "query")
 
 def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads: int, queries: int,
                 cuts: tuple[tuple[int, int], ...], order: str = "list", arch: str = "",
-                key_offset: int = 0) -> dict[tuple[int, int], tuple[SparsePlan, ...]]:
+                key_offset: int = 0, keep_lists: bool = False) -> dict[tuple[int, int], tuple[SparsePlan, ...]]:
     """The plans of every chunk of `heads` proxy heads x `queries` queries of block_indices (B, Hp, S, K), from one
     stable sort: {(p0, s0): (plan, ...)} with one plan per (tile_queries, tiles_per_item) in cuts, each equal
     field for field (items up to its W) to sparse_plan(block_indices[:, p0:p0 + heads, s0:s1], block_size,
@@ -224,6 +224,8 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     its rows span a contiguous query range either way; the items themselves are the same in every order.
     key_offset: keys longer than the queries (sparse_plan's); such plans sort with torch (the plan_lists kernels'
     bitmaps are laid out for query rows that are key positions).
+    keep_lists: the plan_lists kernels' sorted lists are left on block_indices for the next plan of the same
+    selection, which takes them instead of sorting again (kept_lists: the MSA forward's for its backward).
 
     Why. The forward and the backward run in chunks (bounded partial buffers), and each sparse_plan is ~45 small
     torch ops on the host: at (a) S = 64K, B = 2 the host took 11-13 ms to enqueue the 8 forward chunks' plans,
@@ -240,7 +242,8 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     t = tuning_plan.choose(arch)
     ck = lists_on_device(block_indices, block_size, group, heads, queries) if not key_offset else None
     if ck is not None:
-        return _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, ck=ck)
+        return _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, ck=ck,
+                             keep_lists=keep_lists)
     if heads == Hp and queries >= S:  # one chunk: sparse_plan's sort (fewer torch ops), every cut in one pass
         entry_query, entry_dest, bounds, NB = _sorted_lists(block_indices, block_size, 0, key_offset)
         E, L, dev = B * Hp * S * K, bounds.shape[0] - 1, bounds.device
@@ -476,13 +479,18 @@ def sorted_lists_on_device(block_indices: torch.Tensor, block_size: int, heads: 
     return entry_query, entry_dest, lists, ck
 
 
-def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, kernels=None, ck=None):
+def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, kernels=None, ck=None,
+                  keep_lists: bool = False):
     """chunk_plans on the plan_lists kernels (kernels, ck: as sorted_lists_on_device's): the same plans, field for
-    field, as the torch sort's."""
+    field, as the torch sort's. keep_lists: as chunk_plans' (with the built kernels only)."""
     B, Hp, S, K = block_indices.shape
+    key = kept_lists_key(block_indices, block_size, heads, min(queries, S)) if kernels is None else None
     kernels = kernels or _lists_kernels(block_size, K, block_indices.device)
-    entry_query, entry_dest, lists, ck = sorted_lists_on_device(block_indices, block_size, heads, queries, kernels,
-                                                                ck)
+    sorted_lists = kept_lists(block_indices, key) or sorted_lists_on_device(block_indices, block_size, heads,
+                                                                            queries, kernels, ck)
+    entry_query, entry_dest, lists, ck = sorted_lists
+    if keep_lists and key is not None and sum(ck.E) <= tuning_plan.choose("").keep_lists_entries:
+        setattr(block_indices, _KEPT_LISTS, (key, sorted_lists))
     dev, n_ch = block_indices.device, len(ck.E)
     if len(cuts) <= ITEM_CUTS:
         cut = _cut_on_device(kernels[2], lists, ck, B * heads, cuts)
@@ -499,6 +507,28 @@ def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order,
     off_t = _chunk_offsets(ck, dev) if order == "query" else None
     return _chunk_plan_dict(entry_query, entry_dest, lists[:, 0], cut, off_t, ck.q_lo, ck.q_hi, ck.NB, ck.L, ck.E, B,
                             K, heads, ck.n_q, block_size, group, cuts, order)
+
+
+# The sorted lists a plan left on its selection tensor (chunk_plans' keep_lists): (kept_lists_key, the result of
+# sorted_lists_on_device). An attribute of the tensor object, so it lives exactly as long as the selection (autograd
+# keeps the object it saves for the backward) and no other tensor that reuses its memory can find it.
+_KEPT_LISTS = "_flash_msa_sorted_lists"
+
+
+def kept_lists_key(block_indices: torch.Tensor, block_size: int, heads: int, queries: int) -> tuple:
+    """What the sorted lists depend on besides the selection's values: its version counter (any in-place write
+    through torch bumps it), block size and chunks."""
+    return (block_indices._version, block_size, heads, queries)
+
+
+def kept_lists(block_indices: torch.Tensor, key: tuple | None):
+    """The sorted lists left on block_indices for key, taken off it (the next plan sorts again unless it keeps
+    them too), or None."""
+    kept = getattr(block_indices, _KEPT_LISTS, None) if key is not None else None
+    if kept is None:
+        return None
+    delattr(block_indices, _KEPT_LISTS)
+    return kept[1] if kept[0] == key else None
 
 
 def _cut_on_device(items_kernel, lists: torch.Tensor, ck: ChunkKeys, lists_per_block: int, cuts):

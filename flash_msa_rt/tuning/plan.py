@@ -17,6 +17,7 @@ class PlanTuning:
     batch_entries: int  # entries one torch sort may hold (its temporaries take ~16 bytes each)
     query_bin: int  # item order "query": queries per bin
     tile_rows: int  # query rows per plan_lists CTA (its count matrices' columns); the build makes 128
+    keep_lists_entries: int  # a selection of at most this many entries keeps its sorted lists for its backward
 
 
 register("plan", PlanTuning)
@@ -38,4 +39,9 @@ def _choose(arch: str, overrides: Overrides) -> PlanTuning:
         batch_entries=o.get("batch_entries", 1 << 26),
         query_bin=o.get("query_bin", 2048),  # the backward's query bins (sparse_bwd's item order)
         tile_rows=o.get("tile_rows", 128),  # tests: emulated plan kernels on smaller tiles
+        # The backward plans the forward's selection again: a sort of three launches and ~7 torch ops, ~0.15 ms of
+        # a host-bound step ((a) B = 1, S = 8K: ~2.4 ms of host against ~2.1 of device work on the H200). Kept up
+        # to 4M entries (32 MiB of lists held from the forward to the backward): B Hp S K of 64K proxy rows at
+        # K = 64, past the host-bound sizes.
+        keep_lists_entries=o.get("keep_lists_entries", 1 << 22),
     )

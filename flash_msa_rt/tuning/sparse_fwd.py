@@ -14,6 +14,7 @@ from flash_msa_rt.tuning.sparse_bwd import keys_per_cta, per_group_tiles
 KL_RESIDENT_GROUPS = (1, 2, 4)  # the ping-pong KL pass holds the G + 1 head tiles single-buffered up to G = 4
 KL_STREAM_STAGES = 4  # ... and streams them through a ring of this many slots at G = 8, 16
 COMBINE_LANE_ELEMENTS = 16  # the combine's widest lane: 2 x 16-byte loads per slot
+HOST_BOUND_ROWS = 1 << 16  # proxy rows B Hp S up to which an eager step's host time exceeds its device time
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,10 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseFwdTuning:
         # Chunks of heads keep every reverse list whole, so its items are full (query chunks cut each list in n).
         chunks=o.get("chunks", "heads"),
         # Longest items first against list order: forward (a) / (b) / (c) 64K 18.12 -> 17.30, 32.52 -> 32.23,
-        # 61.48 -> 60.31 ms.
-        item_order=o.get("item_order", "size"),
+        # 61.48 -> 60.31 ms. Up to 64K proxy rows B Hp S the step is host-bound and the order's sort (four torch
+        # ops) only adds host time: (a) B = 1, S = 8K, with the backward reusing the forward's sorted lists, an
+        # eager forward's host time 1.06-1.19 -> 0.81-0.90 ms on the H200's host.
+        item_order=o.get("item_order", "size" if p.batch * p.seqlen * (p.heads // G) > HOST_BOUND_ROWS else "list"),
         # At least 2 GiB (at (a) B = 1, S = 64K: 4 chunks 9.9-10.4 ms, 1 chunk 8.4-8.5), or dq_bytes = 4 B S H D:
         # (b) 64K B = 2 66.9 ms in 18 chunks of 1 GiB, 56.9 in 5 of 4 GiB. The backward adds at least dq_bytes
         # anyway (dq in the input dtype and the upstream dO, 2 B S H D each), so the forward's peak stays under
