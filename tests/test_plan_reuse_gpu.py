@@ -43,7 +43,7 @@ def test_the_backward_takes_the_forwards_sorted_lists(monkeypatch, tuned, kl_val
     monkeypatch.setattr(loader.Kernel, "__call__", recorded)
     g = torch.Generator(device="cuda").manual_seed(11)
     ins = [torch.randn(B, h, S, D, device="cuda", generator=g).to(torch.bfloat16) for h in (Hp, Hpk, H, Hk, Hk)]
-    dout = torch.randn(B, S, H * D, device="cuda", generator=g).view(B, S, H, D).transpose(1, 2)
+    dout = torch.randn(B, S, H * D, device="cuda", generator=g)  # flash_msa_func's out: (B, S, H * D)
     sorts = lambda: sum(n.startswith("plan_lists_") and "_phasecount_" in n for n in names)  # noqa: E731
     plans = lambda: sum(n.startswith("plan_items_") for n in names)  # noqa: E731
     torch.use_deterministic_algorithms(True)  # bitwise gradients
