@@ -37,7 +37,8 @@ class _Count(TorchDispatchMode):
 def _calls(B, S, H, Hk, Hp, budgets, monkeypatch, plan_kernels=False):
     """(forward ops, backward ops, launches) of one msa_forward_cuda + msa_backward_cuda on sm90a's kernels (the
     tau path), each ops a Counter by torch op, with the forward's partials and the backward's tau rows held to
-    budgets (bytes); plan_kernels: the plans on the plan kernels, as on CUDA tensors (recorded too)."""
+    budgets (bytes); plan_kernels: the plans on the plan kernels, as on CUDA tensors (recorded too). The forward
+    keeps its sorted lists for the backward, as the kernel backend calls it."""
     from flash_msa_rt.ops import sparse_bwd as sb
     from flash_msa_rt.ops import sparse_fwd as sf
     from flash_msa_rt.ops import sparse_plan as sp
@@ -64,7 +65,7 @@ def _calls(B, S, H, Hk, Hp, budgets, monkeypatch, plan_kernels=False):
         k, v = torch.empty(B, S, Hk, D, dtype=bf16), torch.empty(B, S, Hk, D, dtype=bf16)
         sel = torch.zeros(B, Hp, S, K, dtype=torch.int32)
         with tuning.override(**over), _Count() as fwd:  # sm90a's variants and choices, on fake CPU tensors
-            out, lse, lse_p, _ = sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, 0.1, arch="sm90a")
+            out, lse, lse_p, _ = sf.msa_forward_cuda(qp, kp, q, k, v, sel, 128, 0.1, arch="sm90a", keep_lists=True)
         with tuning.override(**over), _Count() as bwd:
             sb.msa_backward_cuda(qp, kp, q, k, v, out, lse, lse_p, sel, 128, 0.1, torch.empty_like(q),
                                  torch.full((), 1.0), arch="sm90a")

@@ -588,6 +588,7 @@ def _reference_at_received_width(monkeypatch, D: int):
             assert q_proxy.shape[-1] == k_proxy.shape[-1] == D, (op, q_proxy.shape, k_proxy.shape)
             kwargs.pop("deterministic", None)
             kwargs.pop("kl_rows", None)  # the reference forms no KL rows in its backward: the list stays empty
+            kwargs.pop("keep_lists", None)  # the plan's sorted lists, which the reference does not make
             return reference_impl(op)(q_proxy, k_proxy, *args, **kwargs)
         return run
 

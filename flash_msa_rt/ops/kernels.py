@@ -196,11 +196,12 @@ def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu
     if kl:
         q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
         return sparse_fwd.msa_forward_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v)),
-                                           block_indices.contiguous(), block_size, scale)
+                                           block_indices.contiguous(), block_size, scale, keep_lists=True)
     # The main attention alone (the same sparse_fwd and combine launches): lse_proxy and kl_rows come from msa_kl
     # in the backward.
+    # Its sorted lists stay on the selection for the backward's proxy lse pass and plan (sparse_plan.chunk_plans).
     out, lse, _, _ = sparse_fwd.msa_forward_cuda(None, None, *(_tma_ready(t) for t in (q, k, v)),
-                                                 block_indices.contiguous(), block_size, scale)
+                                                 block_indices.contiguous(), block_size, scale, keep_lists=True)
     return out, lse, *_no_kl(q_proxy)
 
 

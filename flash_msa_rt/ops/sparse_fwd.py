@@ -191,7 +191,8 @@ def equal_chunk(S: int, block_size: int, per_query: int, budget: int) -> int:
     return -(-blocks // chunks) * block_size
 
 
-def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, arch: str | None = None):
+def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, arch: str | None = None,
+                     keep_lists: bool = False):
     """(out (B, S, H, D), lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) on a CUDA device.
 
     k, v, k_proxy may hold Sk >= S keys: query row i then sits at key position Sk - S + i (bottom-right causal
@@ -204,6 +205,8 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     (O(B*Hp*S*K) int32) plus one chunk's partials, whatever S.
     q_proxy = k_proxy = None: the main attention alone over block_indices (B, Hp, S, K), G = H / Hp heads per
     index head (block_sparse_attention); lse_proxy and kl_rows are then None.
+    keep_lists: the plan's sorted lists stay on block_indices for the MSA backward's plan (chunk_plans'), which
+    takes them instead of sorting the selection again.
     """
     B, S, H, D = q.shape
     Hp, K = block_indices.shape[1], block_indices.shape[3]
@@ -233,9 +236,8 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     # then its views and launches); planned before the partial buffers exist, so the sort's temporaries do not
     # add to the peak.
     cuts = ((TILE_M // G, t.tiles_per_item),) + (((KL_TILE, t.kl_tiles_per_item),) if proxy else ())
-    # The MSA backward plans the same selection (its proxy lse pass too): the sorted lists stay for it.
     plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, t.item_order, arch=arch, key_offset=key_offset,
-                        keep_lists=proxy)
+                        keep_lists=keep_lists)
     E_max = B * c * min(chunk, S) * K
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
