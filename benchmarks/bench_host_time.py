@@ -9,6 +9,10 @@ and backward (torch.autograd.grad with an upstream gradient and a KL coefficient
     autograd), the runtime's own share;
   - per step: top-level torch ops of the forward and of the backward (profiler, CPU), kernel launches and
     packed-params misses (a miss packs params and may encode TMA descriptors: tens of us).
+  - the floor of any eager autograd op: an empty torch.autograd.Function with the same inputs and outputs (its
+    forward allocates the outputs, its backward the five gradients), issued the same way;
+  - --against: the eager step under the defaults and under the given tuning overrides, interleaved round by round
+    in one process (the host's speed drifts between runs by more than a policy changes it).
 Paths: "eager" (the default path of an eager call, flash_msa_rt.ops.eager) and "custom_op" (the torch.library ops
 that torch.compile sees, forced for the comparison by declaring the eager path unusable: a patch of this script's
 own, restored after).
@@ -65,6 +69,27 @@ def api_step(x: dict, kl_value: str):
         return torch.autograd.grad((out, kl), x["leaves"], (x["dout"], x["coef"]))
 
     return forward, backward
+
+
+class _Empty(torch.autograd.Function):
+    """flash_msa_func's inputs and outputs with no work: what torch's autograd costs an eager op by itself."""
+
+    @staticmethod
+    def forward(ctx, q_proxy, k_proxy, q, k, v):
+        ctx.save_for_backward(q_proxy, k_proxy, q, k, v)
+        return q.new_empty(q.shape[:2] + (q.shape[2] * q.shape[3],)), q.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_kl):
+        return tuple(torch.empty_like(t) for t in ctx.saved_tensors)
+
+
+def empty_step(x: dict):
+    """(forward, backward) of _Empty on the problem's leaves, as api_step's."""
+    def backward(out, kl):
+        return torch.autograd.grad((out, kl), x["leaves"], (x["dout"], x["coef"]))
+
+    return lambda: _Empty.apply(*x["leaves"]), backward
 
 
 def kernels_step(x: dict):
@@ -184,6 +209,29 @@ def counts(forward, backward) -> dict:
     return result
 
 
+def against_rounds(forward, backward, against: dict, rounds: int, reps: int, warmup: int) -> dict:
+    """The step under the defaults and under the tuning overrides `against`, interleaved round by round in this
+    process (the host's speed drifts between runs and machines by more than the differences measured): per
+    setting, each round's median host ms of a forward + backward on an idle device and its median CUDA-event ms
+    back to back with the L2 flushed between steps (bench_msa's timing), and the medians over the rounds."""
+    from benchmarks.common import flushed_event_times
+    from flash_msa_rt import tuning
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    settings = {"defaults": {}, "against": against}
+    out = {name: {"host_fwd_bwd_ms": [], "step_ms": []} for name in settings}
+    for _ in range(rounds):
+        for name, overrides in settings.items():
+            with tuning.override(**overrides):
+                host = host_times(forward, backward, max(1, reps // rounds), warmup)
+                step = flushed_event_times(lambda: backward(*forward()), max(1, reps // rounds), flush)
+            out[name]["host_fwd_bwd_ms"].append(host["host_fwd_bwd_ms"])
+            out[name]["step_ms"].append(statistics.median(step))
+    for row in out.values():
+        row.update({f"{k}_median": statistics.median(v) for k, v in list(row.items())})
+    return dict(out, overrides=against, rounds=rounds)
+
+
 def print_profile(forward, backward, reps: int, top: int = 45) -> None:
     """cProfile of reps steps (each on an idle device, as host_times), the functions by own time."""
     import cProfile
@@ -211,6 +259,10 @@ def main(argv=None):
     p.add_argument("--paths", default="eager,custom_op")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--against", type=json.loads, default=None,
+                   help='tuning overrides (JSON: {"policy": {"field": value}}) to time the eager step under, '
+                        'interleaved with the defaults over --rounds rounds')
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--profile", action="store_true",
                    help="also print a cProfile of --reps eager steps per kl_value, by own time (where the host goes)")
     args = p.parse_args(argv)
@@ -246,6 +298,10 @@ def main(argv=None):
             results["errors"].append(f"S={S} kernels: {traceback.format_exc()}")
             print(results["errors"][-1], flush=True)
         save()
+        row = dict(config=args.config, B=args.batch, S=S, level="empty autograd.Function (the floor of an eager op)",
+                   **host_times(*empty_step(x), args.reps, args.warmup))
+        results["rows"].append(row)
+        print(row, flush=True)
         for kl_value in args.kl_values.split(","):
             for path in args.paths.split(","):
                 try:
@@ -256,6 +312,10 @@ def main(argv=None):
                         row.update(device_and_back_to_back(lambda: backward(*forward()), args.reps))
                         row.update(counts(forward, backward))
                     row["meets_target"] = row["host_fwd_bwd_ms"] <= TARGET_MS
+                    if args.against and path == "eager":
+                        with op_path(path):
+                            row["against"] = against_rounds(forward, backward, args.against, args.rounds,
+                                                            args.reps, args.warmup)
                     if args.profile and path == "eager":
                         with op_path(path):
                             print_profile(forward, backward, args.reps)
