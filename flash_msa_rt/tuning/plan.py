@@ -39,9 +39,10 @@ def _choose(arch: str, overrides: Overrides) -> PlanTuning:
         batch_entries=o.get("batch_entries", 1 << 26),
         query_bin=o.get("query_bin", 2048),  # the backward's query bins (sparse_bwd's item order)
         tile_rows=o.get("tile_rows", 128),  # tests: emulated plan kernels on smaller tiles
-        # The backward plans the forward's selection again: a sort of three launches and ~7 torch ops, ~0.15 ms of
-        # a host-bound step ((a) B = 1, S = 8K: ~2.4 ms of host against ~2.1 of device work on the H200). Kept up
-        # to 4M entries (32 MiB of lists held from the forward to the backward): B Hp S K of 64K proxy rows at
-        # K = 64, past the host-bound sizes.
+        # The backward plans the forward's selection again: a sort of two launches and ~5 torch ops. Kept, with
+        # the forward's list order at host-bound sizes (tuning.sparse_fwd), an eager step at (a) B = 1, S = 8K
+        # issues in 2.35 ms against 2.88 (exact) and 2.55 against 2.90 (deferred) on the H200's host, timed
+        # interleaved (benchmarks/results/host_time.json, cb2af22). Up to 4M entries (32 MiB of lists held from
+        # the forward to the backward): B Hp S K of 64K proxy rows at K = 64, past the host-bound sizes.
         keep_lists_entries=o.get("keep_lists_entries", 1 << 22),
     )

@@ -72,8 +72,9 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseFwdTuning:
         chunks=o.get("chunks", "heads"),
         # Longest items first against list order: forward (a) / (b) / (c) 64K 18.12 -> 17.30, 32.52 -> 32.23,
         # 61.48 -> 60.31 ms. Up to 64K proxy rows B Hp S the step is host-bound and the order's sort (four torch
-        # ops) only adds host time: (a) B = 1, S = 8K, with the backward reusing the forward's sorted lists, an
-        # eager forward's host time 1.06-1.19 -> 0.81-0.90 ms on the H200's host.
+        # ops) only adds host time: with the backward taking the forward's sorted lists (tuning.plan), (a) B = 1,
+        # S = 8K issues a step in 2.35 ms against 2.88 (exact) on the H200's host, and at 16K, device-bound, the
+        # step takes 4.11 ms against 4.09 (host_time.json, cb2af22, interleaved).
         item_order=o.get("item_order", "size" if p.batch * p.seqlen * (p.heads // G) > HOST_BOUND_ROWS else "list"),
         # At least 2 GiB (at (a) B = 1, S = 64K: 4 chunks 9.9-10.4 ms, 1 chunk 8.4-8.5), or dq_bytes = 4 B S H D:
         # (b) 64K B = 2 66.9 ms in 18 chunks of 1 GiB, 56.9 in 5 of 4 GiB. The backward adds at least dq_bytes
