@@ -14,6 +14,7 @@ TILE_M = 64  # rows per tile of both backward kernels
 ITEM_ENTRIES = 2048  # the main kernel's shared entry table: an item's entries past it take a slower global read
 PRODUCER_THREADS = 384  # the warp-specialised main kernel: a producer warpgroup beside the two MMA warpgroups
 PRODUCER_GROUPS = (1, 2, 4)
+QUERY_BIN_ROWS = 1 << 21  # proxy rows B Hp S from which the backward's items run in query bins at every G
 RESIDENT_GROUPS = (1, 2, 4)  # the proxy kernel holds the G head tiles at once up to G = 4
 
 
@@ -72,8 +73,11 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseBwdTuning:
         tiles_per_item=o.get("tiles_per_item", max(1, min(64, ITEM_ENTRIES // max(1, TILE_M // G)))),
         # sweep at (b) 64K: sparse_bwd_proxy 20.13 / 19.52 / 19.30 ms at 8 / 16 / 32 tiles per item.
         proxy_tiles_per_item=o.get("proxy_tiles_per_item", per_group_tiles(128, G)),
-        # Query bins of 2048 against list order: (c) 64K (G = 16) 76.48 -> 73.57 ms; (a) 64K (G = 4) 2.5-5 % slower.
-        item_order=o.get("item_order", "query" if G >= 16 else "list"),
+        # Query bins of 2048 against list order: (c) 64K (G = 16) 76.48 -> 73.57 ms; (a) 64K (G = 4) 2.5-5 % slower;
+        # from 2M proxy rows B Hp S (the fp32 dq rows of a head chunk far past the L2) faster again: (b) B = 1
+        # 256K 89.2-91.9 -> 86.1-87.6 ms, 1M 394.5-398.8 -> 388.7-391.0 (msa_backward_cuda, interleaved, cf5c1b0).
+        item_order=o.get("item_order", "query" if G >= 16 or p.batch * p.seqlen * (p.heads // G) >= QUERY_BIN_ROWS
+                         else "list"),
         # 1 GiB floor and cap: at (a) B = 1, S = 64K 4 chunks took 12.3-13.0 ms, 1 chunk 11.0.
         tau_budget=o.get("tau_budget", max(1 << 30, min(1 << 30, p.dq_bytes // 2))),
         # The fp32 accumulators live for their head chunk only (sparse_bwd._ChunkGradients), so this bounds the
