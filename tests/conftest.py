@@ -123,6 +123,22 @@ def tuned():
 
 
 @pytest.fixture
+def launched_kernels(monkeypatch):
+    """A list that receives the variant name of every kernel the loader launches for the rest of the test."""
+    from flash_msa_rt import loader
+
+    names = []
+    call = loader.Kernel.__call__
+
+    def recorded(self, *args, **kwargs):
+        names.append(self.entry.name)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(loader.Kernel, "__call__", recorded)
+    return names
+
+
+@pytest.fixture
 def force_mma(tuned):
     """force_mma(kind): every kernel family runs on that MMA ("sync" or "wgmma") for the test, so both builds are
     checked whatever the runtime picks; wgmma skips off sm90a."""

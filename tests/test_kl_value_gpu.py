@@ -74,30 +74,15 @@ def test_deferred_value_and_gradients_match_exact_on_the_kernels(entry, determin
                 torch.testing.assert_close(other.float(), e.float(), rtol=2e-2, atol=2e-2 * e.float().abs().max())
 
 
-def _launched_kernels(monkeypatch) -> list[str]:
-    """A list that receives the variant name of every kernel launched from here on."""
-    from flash_msa_rt import loader
-
-    names = []
-    call = loader.Kernel.__call__
-
-    def recorded(self, *args, **kwargs):
-        names.append(self.entry.name)
-        return call(self, *args, **kwargs)
-
-    monkeypatch.setattr(loader.Kernel, "__call__", recorded)
-    return names
-
-
 @pytest.mark.parametrize("kl_value, metric, want, not_want", [
     ("deferred", True, ("warmup_kl_", "_kl0_"), ("warmup_kl_", "_kl1_")),
     ("none", False, ("warmup_kl_", "_kl0_"), ("warmup_kl_", "_kl1_")),
     ("exact", False, ("warmup_kl_", "_kl1_"), ("warmup_kl_", "_kl0_"))], ids=("deferred", "none", "exact"))
-def test_warmup_deferred_runs_the_proxy_lse_alone(monkeypatch, kl_value, metric, want, not_want):
+def test_warmup_deferred_runs_the_proxy_lse_alone(launched_kernels, kl_value, metric, want, not_want):
     """Where the proxy gradient needs lse_proxy and the KL value (if any) can come from the backward (G <= 4),
     deferred and none modes run the proxy lse alone (warmup_kl kl_value = 0), not the KL pass, and deferred's
     proxy backward is the kl_value = 1 variant; exact mode keeps the KL pass in its forward."""
-    names = _launched_kernels(monkeypatch)
+    names = launched_kernels
     ins = _inputs(2)
     dout = torch.randn(B, S, H * D, device="cuda")
     _step(F.flash_msa_warmup_func, ins, kl_value, torch.zeros((), device="cuda") if metric else None, dout)
@@ -110,12 +95,12 @@ def test_warmup_deferred_runs_the_proxy_lse_alone(monkeypatch, kl_value, metric,
 
 @pytest.mark.parametrize("kl_value, metric", [("deferred", True), ("deferred", False), ("none", False),
                                               ("exact", False)])
-def test_sparse_deferred_runs_the_proxy_lse_alone(monkeypatch, tuned, kl_value, metric):
+def test_sparse_deferred_runs_the_proxy_lse_alone(launched_kernels, tuned, kl_value, metric):
     """On a sparse step's backward route, deferred and none run the proxy lse alone (sparse_kl kl_value = 0), not
     the KL pass, and deferred with a kl_metric takes the value from the tau proxy backward's kl_value = 1 variant;
     exact mode keeps the KL pass (kl1) in its forward and the plain proxy backward."""
     tuned(kl_value={"forward_pass_rows": 0})
-    names = _launched_kernels(monkeypatch)
+    names = launched_kernels
     ins = _inputs(3)
     dout = torch.randn(B, S, H * D, device="cuda")
     _step(F.flash_msa_func, ins, kl_value, torch.zeros((), device="cuda") if metric else None, dout)

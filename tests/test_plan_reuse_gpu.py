@@ -28,19 +28,12 @@ def _step(ins, dout, kl_value):
 # pass and the backward plan the selection after the forward): tuning.kl_value.
 @pytest.mark.parametrize("kl_value, forward_pass_rows", [("exact", None), ("deferred", 1 << 30), ("deferred", 0)],
                          ids=("exact", "deferred-forward-route", "deferred-backward-route"))
-def test_the_backward_takes_the_forwards_sorted_lists(monkeypatch, tuned, kl_value, forward_pass_rows):
-    from flash_msa_rt import loader
-
+def test_the_backward_takes_the_forwards_sorted_lists(launched_kernels, tuned, kl_value, forward_pass_rows):
+    """One count-and-scatter sort per step (the forward's), the plans cut from it (two or three plan_items), and
+    gradients and KL value bitwise equal (deterministic mode) to a step whose every plan sorts again."""
     if forward_pass_rows is not None:
         tuned(kl_value={"forward_pass_rows": forward_pass_rows})
-    names = []
-    call = loader.Kernel.__call__
-
-    def recorded(self, *args, **kwargs):
-        names.append(self.entry.name)
-        return call(self, *args, **kwargs)
-
-    monkeypatch.setattr(loader.Kernel, "__call__", recorded)
+    names = launched_kernels
     g = torch.Generator(device="cuda").manual_seed(11)
     ins = [torch.randn(B, h, S, D, device="cuda", generator=g).to(torch.bfloat16) for h in (Hp, Hpk, H, Hk, Hk)]
     dout = torch.randn(B, S, H * D, device="cuda", generator=g)  # flash_msa_func's out: (B, S, H * D)
