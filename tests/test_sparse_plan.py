@@ -707,9 +707,10 @@ def test_chunk_plans_takes_the_kernel_path_with_its_chunk_keys(monkeypatch, tune
 
 def test_a_kept_selection_is_sorted_once_for_its_backward(monkeypatch, tuned):
     """chunk_plans(keep_lists=True) (the MSA forward's) leaves its sorted lists on the selection tensor: the next
-    plan of the same selection and chunks takes them instead of sorting (the backward's, on other cuts) and gets
-    the plans the sort gives. A write to the selection, other chunks, a plan after the one that took them, or more
-    entries than keep_lists_entries sort again."""
+    plan of the same selection and chunks that takes lists (the backward's, on other cuts) takes them instead of
+    sorting and gets the plans the sort gives. A plan that does not take (another forward), a write to the
+    selection, other chunks, a plan after the one that took them, or more entries than keep_lists_entries sort
+    again."""
     from flash_msa_rt.ops import sparse_plan as sp
     from tests.sparse_emulate import plan_lists_kernels
 
@@ -724,28 +725,33 @@ def test_a_kept_selection_is_sorted_once_for_its_backward(monkeypatch, tuned):
     monkeypatch.setattr(sp, "sorted_lists_on_device", lambda *a: sorts.append(a[3]) or sort(*a))
     forward_cuts, backward_cuts = ((8, 2), (3, 5)), ((4, 3), (16, 1))
 
-    def plan(sel, cuts, queries=S, keep=False):
-        return sp.chunk_plans(sel, Bs, 4, Hp, queries, cuts, "list", keep_lists=keep)
+    def forward(sel):
+        return sp.chunk_plans(sel, Bs, 4, Hp, S, forward_cuts, "size", keep_lists=True)
 
-    plan(idx, forward_cuts, keep=True)
-    got = plan(idx, backward_cuts, queries=10 * S)  # one chunk of queries either way
+    def backward(sel, queries=S):
+        return sp.chunk_plans(sel, Bs, 4, Hp, queries, backward_cuts, "list", take_lists=True)
+
+    forward(idx)
+    got = backward(idx, queries=10 * S)  # one chunk of queries either way
     assert len(sorts) == 1
-    want = plan(idx.clone(), backward_cuts)
+    want = backward(idx.clone())
     assert len(sorts) == 2 and sorted(got) == sorted(want)
     for key in want:
         for g, w in zip(got[key], want[key]):
             for field in ("entry_query", "entry_dest", "items", "item_count", "list_bounds"):
                 assert torch.equal(getattr(g, field), getattr(w, field)), (field, key)
-    plan(idx, backward_cuts)  # taken by the plan before
+    backward(idx)  # taken by the plan before
     assert len(sorts) == 3
-    plan(idx, forward_cuts, keep=True)
-    idx[0, 0, -1, 0] = 0  # a write through torch bumps the version counter
-    plan(idx, backward_cuts)
+    forward(idx)
+    forward(idx)  # a forward never takes
     assert len(sorts) == 5
-    plan(idx, forward_cuts, keep=True)
-    plan(idx, backward_cuts, queries=96)  # other chunks: other lists
-    assert len(sorts) == 7
+    idx[0, 0, -1, 0] = 0  # a write through torch bumps the version counter
+    backward(idx)
+    assert len(sorts) == 6
+    forward(idx)
+    backward(idx, queries=96)  # other chunks: other lists
+    assert len(sorts) == 8
     tuned(plan={"tile_rows": 16, "keep_lists_entries": B * Hp * S * K - 1})
-    plan(idx, forward_cuts, keep=True)
-    plan(idx, backward_cuts)
-    assert len(sorts) == 9 and not hasattr(idx, sp._KEPT_LISTS)
+    forward(idx)
+    backward(idx)
+    assert len(sorts) == 10 and not hasattr(idx, sp._KEPT_LISTS)

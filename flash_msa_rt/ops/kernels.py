@@ -198,8 +198,7 @@ def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu
         return sparse_fwd.msa_forward_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v)),
                                            block_indices.contiguous(), block_size, scale, keep_lists=True)
     # The main attention alone (the same sparse_fwd and combine launches): lse_proxy and kl_rows come from msa_kl
-    # in the backward.
-    # Its sorted lists stay on the selection for the backward's proxy lse pass and plan (sparse_plan.chunk_plans).
+    # in the backward, whose plans take the sorted lists this forward keeps (sparse_plan.chunk_plans).
     out, lse, _, _ = sparse_fwd.msa_forward_cuda(None, None, *(_tma_ready(t) for t in (q, k, v)),
                                                  block_indices.contiguous(), block_size, scale, keep_lists=True)
     return out, lse, *_no_kl(q_proxy)

@@ -333,7 +333,7 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, a
     plans = None
     if isinstance(block_indices, torch.Tensor):
         plans = chunk_plans(block_indices, block_size, G, Hp, chunk, ((KL_TILE, t.kl_tiles_per_item),), t.item_order,
-                            arch=arch, key_offset=key_offset, keep_lists=True)
+                            arch=arch, key_offset=key_offset, keep_lists=True, take_lists=True)
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
         if plans is not None:

@@ -208,7 +208,8 @@ ORDERS = ("list", "size", "query")
 
 def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads: int, queries: int,
                 cuts: tuple[tuple[int, int], ...], order: str = "list", arch: str = "",
-                key_offset: int = 0, keep_lists: bool = False) -> dict[tuple[int, int], tuple[SparsePlan, ...]]:
+                key_offset: int = 0, keep_lists: bool = False,
+                take_lists: bool = False) -> dict[tuple[int, int], tuple[SparsePlan, ...]]:
     """The plans of every chunk of `heads` proxy heads x `queries` queries of block_indices (B, Hp, S, K), from one
     stable sort: {(p0, s0): (plan, ...)} with one plan per (tile_queries, tiles_per_item) in cuts, each equal
     field for field (items up to its W) to sparse_plan(block_indices[:, p0:p0 + heads, s0:s1], block_size,
@@ -224,8 +225,10 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     its rows span a contiguous query range either way; the items themselves are the same in every order.
     key_offset: keys longer than the queries (sparse_plan's); such plans sort with torch (the plan_lists kernels'
     bitmaps are laid out for query rows that are key positions).
-    keep_lists: the plan_lists kernels' sorted lists are left on block_indices for the next plan of the same
-    selection, which takes them instead of sorting again (kept_lists: the MSA forward's for its backward).
+    keep_lists, take_lists: the plan_lists kernels' sorted lists are left on block_indices for a later plan of
+    the same selection, which takes them instead of sorting again (kept_lists). The MSA forward keeps, its
+    backward takes (and its proxy lse pass both); every other plan sorts. So the lists only cross from a forward to
+    the backward of the selection it saved, which nothing writes in between.
 
     Why. The forward and the backward run in chunks (bounded partial buffers), and each sparse_plan is ~45 small
     torch ops on the host: at (a) S = 64K, B = 2 the host took 11-13 ms to enqueue the 8 forward chunks' plans,
@@ -243,7 +246,7 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     ck = lists_on_device(block_indices, block_size, group, heads, queries) if not key_offset else None
     if ck is not None:
         return _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, ck=ck,
-                             keep_lists=keep_lists)
+                             keep_lists=keep_lists, take_lists=take_lists)
     if heads == Hp and queries >= S:  # one chunk: sparse_plan's sort (fewer torch ops), every cut in one pass
         entry_query, entry_dest, bounds, NB = _sorted_lists(block_indices, block_size, 0, key_offset)
         E, L, dev = B * Hp * S * K, bounds.shape[0] - 1, bounds.device
@@ -480,14 +483,14 @@ def sorted_lists_on_device(block_indices: torch.Tensor, block_size: int, heads: 
 
 
 def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, kernels=None, ck=None,
-                  keep_lists: bool = False):
+                  keep_lists: bool = False, take_lists: bool = False):
     """chunk_plans on the plan_lists kernels (kernels, ck: as sorted_lists_on_device's): the same plans, field for
-    field, as the torch sort's. keep_lists: as chunk_plans' (with the built kernels only)."""
+    field, as the torch sort's. keep_lists, take_lists: as chunk_plans' (with the built kernels only)."""
     B, Hp, S, K = block_indices.shape
     key = kept_lists_key(block_indices, block_size, heads, min(queries, S)) if kernels is None else None
     kernels = kernels or _lists_kernels(block_size, K, block_indices.device)
-    sorted_lists = kept_lists(block_indices, key) or sorted_lists_on_device(block_indices, block_size, heads,
-                                                                            queries, kernels, ck)
+    sorted_lists = (kept_lists(block_indices, key) if take_lists else None) or \
+        sorted_lists_on_device(block_indices, block_size, heads, queries, kernels, ck)
     entry_query, entry_dest, lists, ck = sorted_lists
     if keep_lists and key is not None and sum(ck.E) <= tuning_plan.choose("").keep_lists_entries:
         setattr(block_indices, _KEPT_LISTS, (key, sorted_lists))
