@@ -24,10 +24,15 @@ def selection(B, Hp, S, K, seed):
     return torch.cat([own, rest], -1).to(torch.int32).cuda()
 
 
-for threads in (128, 512):  # 128 rows per scatter CTA: an opt-in build variant
-    with tuning.override(plan={"scatter_threads": threads}):
-        for B, Hp, S, K, heads, queries in ((1, 2, 33_000, 4, 1, 33_000), (2, 4, 2333, 5, 2, 896),
-                                            (1, 1, 300, 9, 1, 300), (1, 2, 3000, 20, 2, 1024)):
-            sp.chunk_plans(selection(B, Hp, S, K, S + K), 128, 4, heads, queries, ((32, 64), (64, 32)), "size")
-torch.cuda.synchronize()
-print("plan kernels ran")
+def main():
+    for threads in (128, 512):  # 128 rows per scatter CTA: an opt-in build variant
+        with tuning.override(plan={"scatter_threads": threads}):
+            for B, Hp, S, K, heads, queries in ((1, 2, 33_000, 4, 1, 33_000), (2, 4, 2333, 5, 2, 896),
+                                                (1, 1, 300, 9, 1, 300), (1, 2, 3000, 20, 2, 1024)):
+                sp.chunk_plans(selection(B, Hp, S, K, S + K), 128, 4, heads, queries, ((32, 64), (64, 32)), "size")
+    torch.cuda.synchronize()
+    print("plan kernels ran")
+
+
+if __name__ == "__main__":
+    main()
