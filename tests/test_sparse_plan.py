@@ -755,3 +755,43 @@ def test_a_kept_selection_is_sorted_once_for_its_backward(monkeypatch, tuned):
     forward(idx)
     backward(idx)
     assert len(sorts) == 10 and not hasattr(idx, sp._KEPT_LISTS)
+
+
+@pytest.mark.parametrize("queries", [96, 1000])  # chunks of heads and queries; of heads only
+def test_chunk_plans_sort_one_head_group_at_a_time_past_max_cells(queries, monkeypatch, tuned):
+    """Where all chunks' count matrices would pass tuning.plan's max_cells but one head group's fit, chunk_plans
+    sorts each group of `heads` proxy heads on the plan kernels (here emulated on CPU) by itself: one sort per
+    group, and every chunk's plans equal the torch sort's field for field, under the whole selection's keys."""
+    from flash_msa_rt.ops import sparse_plan as sp
+    from tests.sparse_emulate import plan_lists_kernels
+
+    B, Hp, S, K, Bs, heads = 2, 6, 333, 5, 32, 2
+    idx = random_indices(torch.Generator().manual_seed(11), B, Hp, S, K, Bs)
+    cuts = ((8, 2), (3, 5))
+    want = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "size")
+    tuned(plan={"tile_rows": 16})
+    group_cells = sp.chunk_keys(B, heads, S, K, heads, queries, Bs).cells
+    tuned(plan={"tile_rows": 16, "max_cells": group_cells})
+    assert sp.chunk_keys(B, Hp, S, K, heads, queries, Bs).cells > group_cells
+
+    def on_device(sel, bs, group, h, q):  # lists_on_device's fit test, as on CUDA tensors
+        ck = sp.chunk_keys(*sel.shape, h, q, bs)
+        return ck if ck.cells <= sp.tuning_plan.choose("").max_cells else None
+
+    sorts = []
+    sort = sp.sorted_lists_on_device
+    monkeypatch.setattr(sp, "lists_on_device", on_device)
+    monkeypatch.setattr(sp, "_lists_kernels", lambda *a: plan_lists_kernels(Bs, tile_rows=16))
+    monkeypatch.setattr(sp, "sorted_lists_on_device", lambda *a: sorts.append(a[0].shape) or sort(*a))
+    got = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "size", keep_lists=True)
+    assert sorts == [(B, heads, S, K)] * (Hp // heads) and not hasattr(idx, sp._KEPT_LISTS)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        for g, w in zip(got[key], want[key]):
+            for field in ("E", "W", "K", "Hp", "S", "B", "NB", "tile_queries", "tiles_per_item", "query_offset"):
+                assert getattr(g, field) == getattr(w, field), (field, key)
+            for field in ("entry_query", "entry_dest", "items", "item_count", "list_bounds"):
+                assert torch.equal(getattr(g, field), getattr(w, field)), (field, key)
+    tuned(plan={"tile_rows": 16, "max_cells": group_cells - 1})  # not even one group fits: the torch sort
+    sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "size")
+    assert len(sorts) == Hp // heads

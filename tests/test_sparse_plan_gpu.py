@@ -65,3 +65,26 @@ def test_plans_on_the_list_kernels_from_a_strided_selection():
     for key in want:
         for g, w in zip(got[key], want[key]):
             assert torch.equal(g.entry_dest, w.entry_dest) and torch.equal(g.items, w.items)
+
+
+@pytest.mark.parametrize("heads, queries", [(1, 5000), (2, 1024)])
+def test_plans_one_head_group_at_a_time_equal_the_sort(heads, queries, tuned):
+    """Past max_cells for all chunks at once, the plan kernels sort each head group's view (strided across heads)
+    by itself: every chunk's plans equal the torch sort's."""
+    from flash_msa_rt.ops import sparse_plan as sp
+
+    B, Hp, S, K = 2, 4, 5000, 16
+    idx = random_indices(torch.Generator().manual_seed(17), B, Hp, S, K, 128).cuda()
+    group_cells = sp.chunk_keys(B, heads, S, K, heads, queries, 128).cells
+    tuned(plan={"max_cells": group_cells})
+    assert sp.lists_on_device(idx, 128, 4, heads, queries) is None
+    assert sp.lists_on_device(idx[:, :heads], 128, 4, heads, queries) is not None
+    got = sp.chunk_plans(idx, 128, 4, heads, queries, ((32, 64), (64, 32)), "query")
+    with tuning.override(plan={"lists_on_device": False}):
+        want = sp.chunk_plans(idx, 128, 4, heads, queries, ((32, 64), (64, 32)), "query")
+    assert sorted(got) == sorted(want)
+    for key in want:
+        for g, w in zip(got[key], want[key]):
+            assert (g.E, g.W, g.NB, g.S, g.Hp, g.query_offset) == (w.E, w.W, w.NB, w.S, w.Hp, w.query_offset), key
+            for field in ("entry_query", "entry_dest", "items", "item_count", "list_bounds"):
+                assert torch.equal(getattr(g, field), getattr(w, field)), (field, key)

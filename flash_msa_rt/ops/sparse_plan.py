@@ -247,6 +247,10 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     if ck is not None:
         return _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, ck=ck,
                              keep_lists=keep_lists, take_lists=take_lists)
+    group_ck = lists_on_device(block_indices[:, :heads], block_size, group, heads, queries) \
+        if heads < Hp and not key_offset else None
+    if group_ck is not None:
+        return _head_group_plans(block_indices, block_size, group, heads, queries, cuts, order, group_ck)
     if heads == Hp and queries >= S:  # one chunk: sparse_plan's sort (fewer torch ops), every cut in one pass
         entry_query, entry_dest, bounds, NB = _sorted_lists(block_indices, block_size, 0, key_offset)
         E, L, dev = B * Hp * S * K, bounds.shape[0] - 1, bounds.device
@@ -373,7 +377,8 @@ def _chunk_plan_dict(entry_query, entry_dest, starts, cut, off_t, q_lo, q_hi, NB
 
 LIST_BLOCK_SIZES = (128,)  # the plan_lists variants the build makes
 # The kernels' (key, tile) count matrix holds ~B Hp S^2 / (Bs 128) int32 cells (twice: counts and their cumsum);
-# past this many the torch sort, batched, takes less memory (S >= 512K at B = 1, Hp = 8).
+# past tuning.plan's max_cells chunk_plans sorts one head group at a time, and past it for one group the torch
+# sort, batched, takes less memory.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,6 +485,19 @@ def sorted_lists_on_device(block_indices: torch.Tensor, block_size: int, heads: 
     scatter(block_indices=sel, counts=counts, ends=ends, entry_query=entry_query, entry_dest=entry_dest, lists=lists,
             **scalars)
     return entry_query, entry_dest, lists, ck
+
+
+def _head_group_plans(block_indices, block_size, group, heads, queries, cuts, order, ck):
+    """chunk_plans on the plan_lists kernels, one sort per group of `heads` proxy heads (a head-sliced view, whose
+    chunks' plans are the whole selection's: a chunk's plan is its own slice's either way), for selections whose
+    count matrices of all chunks at once would pass tuning.plan's max_cells: at (b) S = 1M, B = 1 one head's are
+    67M cells where all eight heads' are 537M. ck: one group's ChunkKeys (every group has the same). No kept lists:
+    a view's attribute would not outlive the call, and such selections pass keep_lists_entries anyway."""
+    plans = {}
+    for p0 in range(0, block_indices.shape[1], heads):
+        part = _kernel_plans(block_indices[:, p0:p0 + heads], block_size, group, heads, queries, cuts, order, ck=ck)
+        plans.update({(p0 + p, s0): plan for (p, s0), plan in part.items()})
+    return plans
 
 
 def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, kernels=None, ck=None,

@@ -35,7 +35,10 @@ def _choose(arch: str, overrides: Overrides) -> PlanTuning:
         # and launches in 4.3-5.4 ms instead of 11-13.
         lists_on_device=o.get("lists_on_device", True),
         scatter_threads=o.get("scatter_threads", 512),  # 512 rows give each list ~4x longer runs of stores
-        max_cells=o.get("max_cells", 1 << 26),  # S >= 512K at B = 1, Hp = 8
+        # Past 2^27 cells (8 bytes each: the counts and their cumsum, 1 GiB) the batched torch sort's temporaries
+        # (batch_entries, ~16 bytes each) take less memory. Per head group (chunk_plans sorts one group at a time
+        # where all of them would pass): (b) S = 1M, B = 1 sorts one head's 67M cells at a time.
+        max_cells=o.get("max_cells", 1 << 27),
         batch_entries=o.get("batch_entries", 1 << 26),
         query_bin=o.get("query_bin", 2048),  # the backward's query bins (sparse_bwd's item order)
         tile_rows=o.get("tile_rows", 128),  # tests: emulated plan kernels on smaller tiles
