@@ -211,3 +211,63 @@ def test_the_kl_pass_alone_plans_every_chunk_at_once(monkeypatch, tuned):
     assert len(planned) == 1 and sorted(planned[0]) == [(0, 0), (0, 128), (0, 256)]
     torch.testing.assert_close(lsep, want_lsep.float(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(kl, want_kl.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_kl_pass_alone_sorts_one_head_group_at_a_time_past_max_cells(monkeypatch, tuned):
+    """Where the plan kernels cannot sort the whole selection at once (all chunks' count matrices past
+    tuning.plan's max_cells) but can one proxy head's, the KL pass alone runs in chunks of one head (head-sliced
+    views) on per-head sorts instead of the batched torch sort (at (b) S = 1M, B = 1 the deferred backward's proxy
+    lse pass); with the plan kernels and the pass emulated, lse_proxy and kl_rows are the reference forward's."""
+    from flash_msa_rt import reference
+    from flash_msa_rt.ops import sparse_fwd, sparse_plan as sp
+    from flash_msa_rt.ops.sparse_plan import combine_kl_lse, kl_groups
+    from tests.sparse_emulate import emulate_kl, plan_lists_kernels
+
+    gen = torch.Generator().manual_seed(34)
+    Bk, Sk, Hp_, Hk_, Hpk_, Dk, block = 2, 300, 4, 2, 1, 16, 128
+    qp, kp, q, k, v = (torch.randn(Bk, Sk, h, Dk, generator=gen, dtype=torch.float64)
+                       for h in (Hp_, Hpk_, 2 * Hp_, Hk_, Hk_))
+    scale = Dk ** -0.5
+    sel = reference.select_blocks(qp, kp, 2, block, scale)
+    _, lse, want_lsep, want_kl = reference.msa_forward(qp, kp, q, k, v, sel, block, scale)
+
+    tuned(plan={"tile_rows": 16})
+    chunk = 128
+    one_head = sp.chunk_keys(Bk, 1, Sk, 2, 1, chunk, block).cells
+    tuned(plan={"tile_rows": 16, "max_cells": one_head},
+          sparse_fwd={"kl_partials_budget": Bk * Hp_ * 2 * 4 * 3 * kl_groups(block) * chunk})  # 128-query chunks
+
+    def on_device(s, bs, group, heads, queries):  # lists_on_device's fit test, as on CUDA tensors
+        ck = sp.chunk_keys(*s.shape, heads, queries, bs)
+        return ck if ck.cells <= sp.tuning_plan.choose("").max_cells else None
+
+    sorted_shapes, sort = [], sp.sorted_lists_on_device
+    monkeypatch.setattr(sp, "lists_on_device", on_device)
+    monkeypatch.setattr(sparse_fwd, "lists_on_device", on_device)
+    monkeypatch.setattr(sp, "_lists_kernels", lambda *a: plan_lists_kernels(block, tile_rows=16))
+    monkeypatch.setattr(sp, "sorted_lists_on_device", lambda *a: sorted_shapes.append(a[0].shape) or sort(*a))
+    plan_by_entries, launched = {}, []
+    chunk_plans = sparse_fwd.chunk_plans
+
+    def recorded(*args, **kwargs):
+        plans = chunk_plans(*args, **kwargs)
+        plan_by_entries.update({id(p.entry_query): p for (p,) in plans.values()})
+        return plans
+
+    def emulated_kernel(op, config, device):
+        def launch(lse, kl_part, q, k, q_proxy, k_proxy, scale, entry_query, **_):
+            launched.append((plan_by_entries[id(entry_query)], q_proxy.shape[2], q.shape[2], k.shape[2]))
+            kl_part.copy_(emulate_kl(launched[-1][0], q, k, q_proxy, k_proxy, lse, scale))
+
+        def merge(block_indices, kl_part, lse_proxy, kl_rows, query_offset):  # the merge kernel's torch statement
+            lse_proxy[:], kl_rows[:] = combine_kl_lse(launched[-1][0], block_indices, kl_part)
+        return launch if op == "sparse_kl" else merge
+
+    monkeypatch.setattr(sparse_fwd, "chunk_plans", recorded)
+    monkeypatch.setattr(sparse_fwd, "get_kernel", emulated_kernel)
+    lsep, kl = sparse_fwd.msa_kl_cuda(qp, kp, q, k, lse, sel, block, scale)
+    assert sorted_shapes == [(Bk, 1, Sk, 2)] * Hp_  # one sort per head
+    assert [(p.Hp, p.query_offset, hp, h, hk) for p, hp, h, hk in launched] == \
+        [(1, s0, 1, 2, 1) for _ in range(Hp_) for s0 in (0, 128, 256)]
+    torch.testing.assert_close(lsep, want_lsep.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kl, want_kl.float(), rtol=1e-5, atol=1e-6)

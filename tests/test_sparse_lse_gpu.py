@@ -121,3 +121,22 @@ def test_modes_without_a_value_keep_exact_gradients(mode):
         torch.use_deterministic_algorithms(False)
     for name, a, b in zip(("dq_proxy", "dk_proxy", "dq", "dk", "dv"), grads["exact"], grads[mode]):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("with_kl", [False, True])
+def test_one_head_at_a_time_past_max_cells_is_bitwise_the_whole(with_kl, tuned):
+    """Past the plan kernels' max_cells for all heads at once, msa_kl_cuda runs chunks of one proxy head on
+    head-sliced views, each sorted by itself: lse_proxy and kl_rows bit for bit those of one chunk of every head."""
+    from flash_msa_rt.ops import sparse_fwd, sparse_plan as sp
+
+    B, S, H, Hk, Hp, Hpk, K = 2, 3000, 16, 4, 4, 1, 6
+    qp, kp, q, k, v = _inputs(B, S, S, H, Hk, Hp, Hpk, torch.bfloat16, seed=41)
+    scale = 128 ** -0.5
+    sel = _selection(qp, kp, K, scale)
+    lse = torch.randn(B, H, S, device="cuda") + 5.0
+    want_p, want_kl = sparse_fwd.msa_kl_cuda(qp, kp, q, k, lse, sel, BS, scale, with_kl=with_kl)
+    tuned(plan={"max_cells": sp.chunk_keys(B, 1, S, K, 1, S, BS).cells})
+    assert sparse_fwd.sorted_heads(sel, BS, H // Hp, S, Hk, Hpk) == 1
+    lse_p, kl_rows = sparse_fwd.msa_kl_cuda(qp, kp, q, k, lse, sel, BS, scale, with_kl=with_kl)
+    assert torch.equal(lse_p, want_p) and torch.equal(kl_rows, want_kl)
+    assert not with_kl or want_kl.abs().sum() > 0

@@ -23,7 +23,7 @@ import torch
 from flash_msa_rt.errors import FlashMsaError
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops.device import arch_of
-from flash_msa_rt.ops.sparse_plan import chunk_plans, kl_groups, list_kernel_configs, sparse_plan
+from flash_msa_rt.ops.sparse_plan import chunk_plans, kl_groups, list_kernel_configs, lists_on_device, sparse_plan
 from flash_msa_rt.tuning import sparse_fwd as tuning_fwd
 from flash_msa_rt.tuning.problem import Problem
 from flash_msa_rt.tuning.sparse_fwd import SparseFwdTuning
@@ -117,9 +117,26 @@ def heads_per_chunk(per_head: int, Hp: int, Hk: int, Hpk: int, budget: int, slac
     fraction slack of it), at least 1. The count divides Hp and is a multiple or a divisor of each
     proxy-heads-per-KV-head ratio, so a chunk's main, KV and proxy-key heads are contiguous head ranges
     (chunk_heads)."""
-    fits = [c for c in range(Hp, 0, -1) if Hp % c == 0
-            and all(c % r == 0 or r % c == 0 for r in (Hp // Hk, Hp // Hpk))]
-    return next((c for c in fits if c * per_head <= budget * (1 + slack)), 1)
+    return next((c for c in chunk_head_counts(Hp, Hk, Hpk) if c * per_head <= budget * (1 + slack)), 1)
+
+
+def chunk_head_counts(Hp: int, Hk: int, Hpk: int) -> list[int]:
+    """The proxy head counts a chunk may have, most first: divisors of Hp that are a multiple or a divisor of each
+    proxy-heads-per-KV-head ratio, so a chunk's main, KV and proxy-key heads are contiguous head ranges
+    (chunk_heads)."""
+    return [c for c in range(Hp, 0, -1) if Hp % c == 0 and all(c % r == 0 or r % c == 0 for r in (Hp // Hk, Hp // Hpk))]
+
+
+def sorted_heads(block_indices: torch.Tensor, block_size: int, G: int, queries: int, Hk: int, Hpk: int) -> int:
+    """Proxy heads per chunk of a pass over every head (the KL pass alone): all of them where the plan kernels sort
+    the whole selection at once, else the most whose head group they sort (chunk_plans then sorts one group at a
+    time), else all (the torch sort). (b) S = 1M, B = 1: the deferred backward's proxy lse pass sorts one head at a
+    time instead of 89M-entry batches of the torch sort."""
+    Hp = block_indices.shape[1]
+    if lists_on_device(block_indices, block_size, G, Hp, queries) is not None:
+        return Hp
+    return next((c for c in chunk_head_counts(Hp, Hk, Hpk)[1:]
+                 if lists_on_device(block_indices[:, :c], block_size, G, c, queries) is not None), Hp)
 
 
 def chunk_heads(p0: int, c: int, per: int) -> tuple[slice, int]:
@@ -324,26 +341,33 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, a
     groups = kl_part_groups(kl_cfg)
     per_query = B * Hp * K * 4 * 3 * groups
     chunk = max(block_size, t.kl_partials_budget // per_query // block_size * block_size)
-    kl_buf = torch.empty((B * Hp * min(chunk, S) * K, 3 * groups), dtype=torch.float32, device=dev)
     lse = lse.contiguous()
     key_offset = k.shape[1] - S
     # A selection tensor (kl_value "deferred": the backward's KL pass): every chunk's plan from one chunk_plans, on the
     # plan kernels as the forward's (a sparse_plan per chunk is the torch sort, ~35 torch ops). Warmup's
     # AllCausalBlocks makes its rows per chunk instead (the whole selection is O(S^2 / Bs)).
-    plans = None
+    plans, c = None, Hp
     if isinstance(block_indices, torch.Tensor):
-        plans = chunk_plans(block_indices, block_size, G, Hp, chunk, ((KL_TILE, t.kl_tiles_per_item),), t.item_order,
+        if not key_offset:
+            c = sorted_heads(block_indices, block_size, G, chunk, k.shape[2], k_proxy.shape[2])
+        plans = chunk_plans(block_indices, block_size, G, c, chunk, ((KL_TILE, t.kl_tiles_per_item),), t.item_order,
                             arch=arch, key_offset=key_offset, keep_lists=True, take_lists=True)
-    for s0 in range(0, S, chunk):
-        s1 = min(S, s0 + chunk)
-        if plans is not None:
-            sel, (kl_plan,) = rows(block_indices, 2, s0, s1), plans[(0, s0)]
-        else:
-            sel = block_indices[:, :, s0:s1].contiguous()
-            kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, t.kl_tiles_per_item, query_offset=s0,
-                                  key_offset=key_offset)
-        _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan,
-                  lse_only)
+    kl_buf = torch.empty((B * c * min(chunk, S) * K, 3 * groups), dtype=torch.float32, device=dev)
+    for hc in head_chunks(Hp, k.shape[2], k_proxy.shape[2], G, c):
+        # a chunk of heads is the same problem on head-sliced views (the kernels and merges take any strides)
+        views = dict(q_proxy=hc.view(q_proxy, 2, "proxy"), k_proxy=hc.view(k_proxy, 2, "proxy_key"),
+                     q=hc.view(q, 2, "main"), k=hc.view(k, 2, "kv"), lse=hc.view(lse, 1, "main"),
+                     lse_proxy=hc.view(lse_proxy, 1, "proxy"), kl_rows=hc.view(kl_rows, 1, "proxy"))
+        for s0 in range(0, S, chunk):
+            s1 = min(S, s0 + chunk)
+            if plans is not None:
+                sel, (kl_plan,) = rows(hc.view(block_indices, 1, "proxy"), 2, s0, s1), plans[(hc.p0, s0)]
+            else:
+                sel = block_indices[:, :, s0:s1].contiguous()
+                kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, t.kl_tiles_per_item, query_offset=s0,
+                                      key_offset=key_offset)
+            _kl_chunk(kl, combine_kl, sel=sel, s0=s0, kl_buf=kl_buf, scale=scale, kl_plan=kl_plan, lse_only=lse_only,
+                      **views)
     if lse_only:  # lse_proxy times a T of 0: NaN where lse_proxy is not finite
         kl_rows.zero_()
     return lse_proxy, kl_rows
