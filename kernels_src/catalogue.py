@@ -19,7 +19,7 @@ FAMILIES: tuple[str, ...] = (
     "kernels_src.block_scores", "kernels_src.select", "kernels_src.sparse_fwd", "kernels_src.sparse_kl",
     "kernels_src.sparse_combine", "kernels_src.sparse_bwd", "kernels_src.sparse_bwd_proxy", "kernels_src.bwd_delta",
     "kernels_src.warmup_kl", "kernels_src.warmup_bwd_proxy", "kernels_src.sparse_combine_kl", "kernels_src.slot_sum",
-    "kernels_src.plan_lists", "kernels_src.fp8_quant",
+    "kernels_src.plan_lists", "kernels_src.fp8_quant", "kernels_src.grad_cast",
 )
 
 

@@ -17,6 +17,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
+from kernels_src.constants import WARPGROUP_THREADS
+
 
 def smem_tile(dtype, shape):
     """K-major, 128B-swizzled smem layout of shape (rows, cols[, stages]): what cp.async / TMA write and ldmatrix
@@ -140,6 +142,11 @@ def item_word(g_vec: cute.Tensor, s_table: cute.Tensor, start, e):
 
 
 WARPGROUP_ROWS = 64
+
+
+def warpgroup_of(tidx):
+    """(warpgroup, thread within it) of CTA thread tidx."""
+    return tidx // WARPGROUP_THREADS, tidx % WARPGROUP_THREADS
 
 
 def wg_acc_rows_cols(t: cute.Tensor) -> cute.Tensor:

@@ -21,3 +21,11 @@ def item_slice(items, w, cta, halves: int, hp, block_size: int, tile_n: int):
     p = bp - b * hp
     t0 = j * block_size + (cta - w * halves) * tile_n
     return b, p, start, t0
+
+
+def keys_in_query_rows(t0, queries, keys):
+    """(Sk, q_t0): the keys' length and key position t0 in query rows. Keys may outnumber queries (a chunk against
+    its whole prefix): query row i sits at key position i + Sk - S, so a causal mask compares rows with
+    q_t0 = t0 - (Sk - S)."""
+    seqlen = keys.shape[1]
+    return seqlen, t0 - (seqlen - queries.shape[1])

@@ -27,7 +27,7 @@ from flash_msa_rt.errors import FlashMsaError
 from flash_msa_rt.ops import block_sparse, dense_main, packed, select, sparse_bwd, sparse_fwd, warmup_kl
 from flash_msa_rt.ops.backends import Backend, Problem, reference_impl
 from flash_msa_rt.ops.device import arch_of
-from flash_msa_rt.ops.layout import cast_like
+from flash_msa_rt.ops.grad_cast import cast_like
 from flash_msa_rt.tuning import packed as tuning_packed
 from flash_msa_rt.tuning import warmup as tuning_warmup
 

@@ -38,11 +38,3 @@ def cu_seqlens_from_document_list(document_list: torch.Tensor) -> torch.Tensor:
     end = torch.tensor([B * S], dtype=offsets.dtype, device=offsets.device)
     return torch.cat([offsets, end]).to(torch.int32)
 
-
-def cast_like(acc: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The fp32 accumulator of t's gradient cast to t's dtype, in t's layout (torch.empty_like): for a (B, S, heads,
-    D) view of a (B, heads, S, D) leaf, a contiguous gradient would make autograd copy it into the leaf's layout
-    (+8 GiB for q at (b) 1M); the cast writes that layout at no extra cost (rows of D stay contiguous)."""
-    if acc.stride() == t.stride():  # one op where the layouts agree (host time of small problems)
-        return acc.to(t.dtype)
-    return torch.empty_like(t).copy_(acc)

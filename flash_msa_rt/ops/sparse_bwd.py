@@ -25,7 +25,7 @@ import torch
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops import sparse_bwd_sums, sparse_fwd
 from flash_msa_rt.ops.device import arch_of
-from flash_msa_rt.ops.layout import cast_like
+from flash_msa_rt.ops.grad_cast import cast_into, cast_like
 from flash_msa_rt.ops.sparse_plan import chunk_plans, list_kernel_configs, recut, sparse_plan
 from flash_msa_rt.tuning import sparse_bwd as tuning_bwd
 from flash_msa_rt.tuning.problem import Problem
@@ -291,7 +291,7 @@ class _ChunkGradients:
                 continue
             if name not in self.grads:
                 self.grads[name] = torch.empty_like(t)
-            self._heads(name, heads, self.grads[name]).copy_(acc)
+            cast_into(acc, self._heads(name, heads, self.grads[name]))
 
     def _heads(self, name: str, heads: slice, t: torch.Tensor | None = None) -> torch.Tensor:
         t = self.like[name][0] if t is None else t

@@ -23,7 +23,7 @@ import torch
 from flash_msa_rt.errors import FlashMsaError
 from flash_msa_rt.loader import built_values, get_kernel
 from flash_msa_rt.ops.device import arch_of
-from flash_msa_rt.ops.layout import cast_like
+from flash_msa_rt.ops.grad_cast import cast_like
 from flash_msa_rt.tuning import warmup as tuning_warmup
 from flash_msa_rt.tuning.warmup import KL_SCHEDULE_THREADS, WarmupTuning
 

@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from kernels_src.constants import LOG2E
 from kernels_src.sparse_bwd.kernel import SparseBackward
 from kernels_src.tiles import copy_row, copy_word, cp_async_word, row_table, tile_storage, transposed
-from kernels_src.work_items import item_block, item_slice
+from kernels_src.work_items import item_block, item_slice, keys_in_query_rows
 
 
 # The staged row-scalar tables (rows = the tile's distinct queries): ints [query, ...], floats [lse_g of the step,
@@ -124,8 +124,7 @@ class SparseProxyBackward(SparseBackward):
             # independent).
             b, p, start, t0 = item_slice(items, w, cta, self.halves, q_proxy.shape[2], self.block_size, self.tile_n)
             pkh = p // hp_per_hpk
-            seqlen = k.shape[1]
-            q_t0 = t0 - (seqlen - q.shape[1])  # the keys in query rows: row i is key i + Sk - S
+            seqlen, q_t0 = keys_in_query_rows(t0, q, k)
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
             s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)

@@ -23,6 +23,7 @@ import cutlass.cute as cute
 from kernels_src.constants import LOG2E
 from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
 from kernels_src.tiles import copy_row, copy_word, cp_async_word, row_table, tile_storage
+from kernels_src.work_items import keys_in_query_rows
 
 _TILE_BUFFERS = 2  # proxy rows and row scalars: this tile's and the next one's
 
@@ -82,8 +83,7 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
             pkh = p // hp_per_hpk
-            seqlen = k.shape[1]
-            q_t0 = t0 - (seqlen - q.shape[1])  # the keys in query rows: row i is key i + Sk - S
+            seqlen, q_t0 = keys_in_query_rows(t0, q, k)
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k, s_kp = self.key_tiles(storage, l_kv, gcopy, k, k_proxy, b, p // hp_per_hk, pkh, t0, seqlen, tidx)
             s_heads = storage.s_q.get_tensor(l_heads.outer, swizzle=l_heads.inner)

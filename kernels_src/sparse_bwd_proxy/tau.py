@@ -25,6 +25,7 @@ from kernels_src.atomics import red_add_f32
 from kernels_src.constants import FLT_MIN, LOG2E
 from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
 from kernels_src.tiles import copy_row, copy_word, cp_async_word, load_rows, row_table, tile_storage
+from kernels_src.work_items import keys_in_query_rows
 
 _LSE_P, _KL_GRAD = 0, 1  # float fields
 
@@ -162,8 +163,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
             pkh = p // hp_per_hpk
-            seqlen = k_proxy.shape[1]
-            q_t0 = t0 - (seqlen - q_proxy.shape[1])  # the keys in query rows: row i is key i + Sk - S
+            seqlen, q_t0 = keys_in_query_rows(t0, q_proxy, k_proxy)
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
             s_qp_all = storage.s_qp.get_tensor(l_rows.outer, swizzle=l_rows.inner)

@@ -57,7 +57,7 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
-    hw, g, d = config.heads_per_warp, config.group, config.head_dim
+    g, d = config.group, config.head_dim
     splits = tuple(h for h in range(1, widest_heads(g, d) + 1) if g % h == 0)
     return verdict(refusal(config, arch, dtype=DTYPES, head_dim=(64, 128), block_size=(64, 128), group=GROUPS,
                            threads=(32 * ROWS_PER_CTA,), heads_per_warp=splits,

@@ -13,8 +13,6 @@ KL = sum_t tau (log tau - s_p) + lse_p * sum_t tau, which needs no lse_p while i
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as live objects.
-import math
-
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -23,7 +21,7 @@ from cutlass.cute.nvgpu import warp
 
 from kernels_src.constants import DTYPES, LN2, LOG2E
 from kernels_src.tiles import acc_as_frg_a, acc_rows_cols, copy_row, cp_async_rows, smem_tile, tile_storage, warp_mma
-from kernels_src.work_items import item_block
+from kernels_src.work_items import item_block, keys_in_query_rows
 
 
 class SparseAttention:
@@ -98,10 +96,7 @@ class SparseAttention:
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, hp)
-            seqlen = k.shape[1]
-            # Keys may outnumber queries (a chunk against its whole prefix): query row i sits at key position
-            # i + Sk - S, so the causal mask t <= that position compares rows with the block start in row units.
-            q_t0 = t0 - (seqlen - q.shape[1])
+            seqlen, q_t0 = keys_in_query_rows(t0, q, k)  # the causal mask compares rows with q_t0
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_q_all, s_k, s_v, s_vt = self.smem_views(storage, s_q_layout, s_k_layout)
             self.load_block(gcopy, k[b, None, p // hp_per_hk, None], s_k, t0, seqlen, tidx, zero_tail=False)

@@ -32,7 +32,8 @@ from cutlass.cute.nvgpu import warpgroup
 from kernels_src.barriers import SparseFwdPingPong as Bar
 from kernels_src.constants import LOG2E, WARPGROUP_THREADS
 from kernels_src.sparse_fwd.wgmma import SparseAttentionWG
-from kernels_src.tiles import WARPGROUP_ROWS, copy_row, cp_async_rows
+from kernels_src.tiles import WARPGROUP_ROWS, copy_row, cp_async_rows, warpgroup_of
+from kernels_src.work_items import keys_in_query_rows
 
 
 class SparseAttentionPingPong(SparseAttentionWG):
@@ -71,10 +72,8 @@ class SparseAttentionPingPong(SparseAttentionWG):
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, hp)
-            seqlen = k.shape[1]
-            q_t0 = t0 - (seqlen - q.shape[1])  # the block start in query rows (keys may outnumber queries)
-            wg = tidx // WARPGROUP_THREADS
-            wg_tidx = tidx % WARPGROUP_THREADS
+            seqlen, q_t0 = keys_in_query_rows(t0, q, k)
+            wg, wg_tidx = warpgroup_of(tidx)
             row0 = wg * WARPGROUP_ROWS  # this warpgroup's first row of every tile
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_q_all, s_k, s_v, s_vt = self.smem_views(storage, s_q_layout, s_k_layout)

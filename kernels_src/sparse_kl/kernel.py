@@ -21,6 +21,7 @@ import cutlass.cute as cute
 from kernels_src.constants import LOG2E
 from kernels_src.sparse_bwd_proxy.kernel import SparseProxyBackward
 from kernels_src.tiles import copy_row, tile_storage
+from kernels_src.work_items import keys_in_query_rows
 
 
 class SparseKL(SparseProxyBackward):
@@ -61,8 +62,7 @@ class SparseKL(SparseProxyBackward):
             p = bp - b * hp
             half = cta - w * self.halves
             t0 = j * self.block_size + half * self.tile_n
-            seqlen = k.shape[1]
-            q_t0 = t0 - (seqlen - q.shape[1])  # the slice start in query rows (keys may outnumber queries)
+            seqlen, q_t0 = keys_in_query_rows(t0, q, k)
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k = storage.s_k.get_tensor(l_kv.outer, swizzle=l_kv.inner)
             s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)

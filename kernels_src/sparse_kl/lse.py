@@ -24,7 +24,8 @@ from kernels_src.barriers import SparseKLPingPong as Bar
 from kernels_src.constants import LOG2E, WARPGROUP_THREADS
 from kernels_src.kl_rows import lse_row_part, scaled_row_max
 from kernels_src.sparse_kl.pingpong import ENTRY_RING, SparseKLPingPong
-from kernels_src.tiles import copy_row, cp_async_rows, load_rows, tile_storage
+from kernels_src.tiles import copy_row, cp_async_rows, load_rows, tile_storage, warpgroup_of
+from kernels_src.work_items import keys_in_query_rows
 
 
 class SparseProxyLse(SparseKLPingPong):
@@ -58,10 +59,8 @@ class SparseProxyLse(SparseKLPingPong):
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
-            seqlen = k_proxy.shape[1]
-            q_t0 = t0 - (seqlen - q_proxy.shape[1])  # the block start in query rows (keys may outnumber queries)
-            wg = tidx // WARPGROUP_THREADS
-            wg_tidx = tidx % WARPGROUP_THREADS
+            seqlen, q_t0 = keys_in_query_rows(t0, q_proxy, k_proxy)
+            wg, wg_tidx = warpgroup_of(tidx)
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
             # K_p rows past the sequence are zero (committed with the ring's group below).

@@ -30,7 +30,8 @@ from kernels_src import wgmma
 from kernels_src.barriers import SparseKLPingPong as Bar
 from kernels_src.constants import LOG2E, WARPGROUP_THREADS
 from kernels_src.sparse_kl.wgmma import SparseKLWG
-from kernels_src.tiles import WARPGROUP_ROWS, cp_async_rows, cp_async_word, tile_storage
+from kernels_src.tiles import WARPGROUP_ROWS, cp_async_rows, cp_async_word, tile_storage, warpgroup_of
+from kernels_src.work_items import keys_in_query_rows
 
 ENTRY_RING = 2  # entry slots per warpgroup: its next tile's and the one after
 _K = warpgroup.OperandMajorMode.K
@@ -88,10 +89,8 @@ class SparseKLPingPong(SparseKLWG):
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
-            seqlen = k.shape[1]
-            q_t0 = t0 - (seqlen - q.shape[1])  # the block start in query rows (keys may outnumber queries)
-            wg = tidx // WARPGROUP_THREADS
-            wg_tidx = tidx % WARPGROUP_THREADS
+            seqlen, q_t0 = keys_in_query_rows(t0, q, k)
+            wg, wg_tidx = warpgroup_of(tidx)
             heads = self.group + 1
             base = wg * heads  # this warpgroup's buffers
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)

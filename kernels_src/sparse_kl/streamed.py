@@ -21,7 +21,8 @@ import cutlass.cute as cute
 from kernels_src.barriers import SparseKLPingPong as Bar
 from kernels_src.constants import LOG2E, WARPGROUP_THREADS
 from kernels_src.sparse_kl.pingpong import SparseKLPingPong
-from kernels_src.tiles import copy_row, copy_word, cp_async_rows, cp_async_word, row_table, tile_storage
+from kernels_src.tiles import copy_row, copy_word, cp_async_rows, cp_async_word, row_table, tile_storage, warpgroup_of
+from kernels_src.work_items import keys_in_query_rows
 
 
 class SparseKLStreamed(SparseKLPingPong):
@@ -67,10 +68,8 @@ class SparseKLStreamed(SparseKLPingPong):
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
-            seqlen = k.shape[1]
-            q_t0 = t0 - (seqlen - q.shape[1])  # the block start in query rows (keys may outnumber queries)
-            wg = tidx // WARPGROUP_THREADS
-            wg_tidx = tidx % WARPGROUP_THREADS
+            seqlen, q_t0 = keys_in_query_rows(t0, q, k)
+            wg, wg_tidx = warpgroup_of(tidx)
             base = wg * self.stages  # this warpgroup's ring slots
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k, s_kp = self.key_tiles(storage, l_kv, gcopy, k, k_proxy, b, p // hp_per_hk, p // hp_per_hpk, t0,

@@ -24,6 +24,7 @@ from kernels_src.sparse_bwd.wgmma import WarpgroupTiles
 from kernels_src.sparse_kl import resident_heads
 from kernels_src.sparse_kl.kernel import SparseKL
 from kernels_src.tiles import copy_row, tile_storage
+from kernels_src.work_items import keys_in_query_rows
 
 
 class SparseKLWG(WarpgroupTiles, SparseKL):
@@ -66,8 +67,7 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
         n_entries = items[w, 3]
         if n_entries > 0:
             b, p, start, t0 = self.item_block(items, w, q_proxy.shape[2])
-            seqlen = k.shape[1]
-            q_t0 = t0 - (seqlen - q.shape[1])  # the block start in query rows (keys may outnumber queries)
+            seqlen, q_t0 = keys_in_query_rows(t0, q, k)
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_k, s_kp = self.key_tiles(storage, l_kv, gcopy, k, k_proxy, b, p // hp_per_hk, p // hp_per_hpk, t0,
                                        seqlen, tidx)

@@ -91,7 +91,6 @@ class WarmupKL:
 
         thr, accs, tau, tau_mn, coord = self.score_accumulators(tidx)
         rows = cute.size(tau_mn, mode=[0])
-        cols = cute.size(tau_mn, mode=[1])
         scale_log2 = scale * LOG2E
 
         # Per row: lse_g in log2 units (rows past S: +inf, so their P is 0), and the running statistics.
