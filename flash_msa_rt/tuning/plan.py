@@ -37,7 +37,9 @@ def _choose(arch: str, overrides: Overrides) -> PlanTuning:
         scatter_threads=o.get("scatter_threads", 512),  # 512 rows give each list ~4x longer runs of stores
         # Past 2^27 cells (8 bytes each: the counts and their cumsum, 1 GiB) the batched torch sort's temporaries
         # (batch_entries, ~16 bytes each) take less memory. Per head group (chunk_plans sorts one group at a time
-        # where all of them would pass): (b) S = 1M, B = 1 sorts one head's 67M cells at a time.
+        # where all of them would pass): (b) S = 1M, B = 1 sorts one head's 67M cells at a time, and its fwd + bwd
+        # step (deferred, fp8) kept the device busy 1,626.0 ms against 1,633.1 with the torch sort (traced, one
+        # process, 8359756); its wall time moved within run-to-run noise (0.997-0.999x, benchmarks/ab_tuning.py).
         max_cells=o.get("max_cells", 1 << 27),
         batch_entries=o.get("batch_entries", 1 << 26),
         query_bin=o.get("query_bin", 2048),  # the backward's query bins (sparse_bwd's item order)
