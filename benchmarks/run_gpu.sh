@@ -172,8 +172,10 @@ sel64 = select_blocks_cuda(q64, q64[:, :, :1], 3, 128, 0.1)
 o, lse, lsep, kl = kernels._msa_forward(q64, q64[:, :, :1], m, kv, kv, sel64, 128, 0.1)
 kernels._msa_backward(q64, q64[:, :, :1], m, kv, kv, o, lse, lsep, sel64, 128, 0.1, torch.randn_like(m), kl)
 from flash_msa_rt.ops.grad_cast import cast_into  # the gradient cast: a head slice (bf16, D 128), a bhsd view (f16)
-cast_into(torch.randn(2, 333, 3, 128, device='cuda'), torch.empty(2, 333, 6, 128, device='cuda', dtype=torch.bfloat16)[:, :, 2:5])
-cast_into(torch.randn(2, 333, 3, 64, device='cuda'), torch.empty(2, 3, 333, 64, device='cuda', dtype=torch.half).transpose(1, 2))
+g16 = torch.empty(2, 333, 6, 128, device='cuda', dtype=torch.bfloat16)
+cast_into(torch.randn(2, 333, 3, 128, device='cuda'), g16[:, :, 2:5])
+g16 = torch.empty(2, 3, 333, 64, device='cuda', dtype=torch.half)
+cast_into(torch.randn(2, 333, 3, 64, device='cuda'), g16.transpose(1, 2))
 torch.cuda.synchronize()
 " 2>&1 | tail -3 | sed "s/^/[$tool] /" | tee -a "$out/sanitizer.log" || status=1
       # the plan kernels at sizes the line above does not reach: two bitmap windows, 512-row scatter CTAs
