@@ -175,3 +175,27 @@ def tile_storage(dtype, layout):
     """A SharedStorage (cute.struct) field for one `layout` of dtype, 1024-byte aligned: the period of the 128-byte
     swizzle, so that every swizzled tile, TMA box and wgmma descriptor starts on an atom."""
     return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+
+
+class RowLanes:
+    """Base of the kernels that give each (b, i, h) row of D elements to D / 8 lanes (kernels_src.row_lanes:
+    bwd_delta, grad_cast): the row arithmetic and a lane's 16-byte-aligned slice of a row."""
+
+    def __init__(self, config):
+        from kernels_src.constants import DTYPES
+        from kernels_src.row_lanes import ELEMS_PER_LANE, lanes_per_row, rows_per_cta
+
+        self.dtype = DTYPES[config.dtype]
+        self.head_dim = config.head_dim
+        self.threads = config.threads
+        self.per_lane = ELEMS_PER_LANE
+        self.lanes = lanes_per_row(config)
+        self.rows = rows_per_cta(config)
+        self.traced = {"smem_bytes": 0}
+
+    @cute.jit
+    def lane_slice(self, dtype: cutlass.Constexpr, row_view, sub):
+        """Lane sub's per_lane elements of a row, on a 16-byte aligned pointer (vectorised access; the runtime
+        passes rows on 16-byte boundaries)."""
+        ptr = cute.make_ptr(dtype, row_view.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
+        return cute.local_tile(cute.make_tensor(ptr, cute.make_layout(self.head_dim)), (self.per_lane,), (sub,))

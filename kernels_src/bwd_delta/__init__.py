@@ -12,13 +12,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import TensorParam, variant_name
+from kernels_src.row_lanes import row_grid
 from kernels_src.spec import DEFAULT, BuildSpec, family_spec, refusal, verdict
 
 OP = "bwd_delta"
 
 DTYPES = ("bf16", "f16")
 HEAD_DIMS = (64, 128)
-ELEMS_PER_LANE = 8  # 16 bytes
 
 
 @dataclass(frozen=True)
@@ -29,14 +29,6 @@ class Config:
 
     def variant_name(self, arch: str) -> str:
         return variant_name(OP, dataclasses.asdict(self), arch)
-
-
-def lanes_per_row(config: Config) -> int:
-    return config.head_dim // ELEMS_PER_LANE
-
-
-def rows_per_cta(config: Config) -> int:
-    return config.threads // lanes_per_row(config)
 
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
@@ -67,5 +59,5 @@ def build_set(config: Config, arch: str) -> str:
 
 def build_spec(config: Config, arch: str) -> BuildSpec:
     return family_spec(OP, config, arch, can_implement, params=params(config),
-                       grid=(f"ceil_div(B * S * H, {rows_per_cta(config)})", "1", "1"),
+                       grid=row_grid(config),
                        compile_fn="kernels_src.bwd_delta.build:compile", smem_bytes=0)
