@@ -328,10 +328,20 @@ def _kl_route(kl_value: str, kl_metric, tensors, sparse: bool, packed: bool) -> 
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if kl_value == "deferred" and kl_metric is not None and not backward:
         return True, True
-    q_proxy, t = tensors[0], _tuning.kl_value.choose()
+    q_proxy, (rows, devices) = tensors[0], _kl_forward_pass_policy()
     B, S, Hp = q_proxy.shape[:3]
-    small = q_proxy.device.type in t.forward_pass_devices and B * Hp * S <= t.forward_pass_rows
+    small = q_proxy.device.type in devices and B * Hp * S <= rows
     return sparse and not packed and backward and small, False
+
+
+@torch.compiler.assume_constant_result
+def _kl_forward_pass_policy() -> tuple[int, tuple[str, ...]]:
+    """(forward_pass_rows, forward_pass_devices) of tuning.kl_value under the overrides in effect. Dynamo cannot
+    trace the overrides' ContextVar, so under torch.compile this runs once, when the graph is traced, and the graph
+    keeps that answer (no guard: torch._dynamo.reset() after changing an override). Only where the KL pass runs
+    depends on it, never a value or a gradient (tuning.kl_value)."""
+    t = _tuning.kl_value.choose()
+    return t.forward_pass_rows, t.forward_pass_devices
 
 
 def _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value,
