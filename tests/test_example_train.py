@@ -164,3 +164,15 @@ def test_context_parallel_run_matches_the_single_process_run(full, tmp_path):
     assert cp["history"]["mode"] == want["mode"]
     for key in ("lm_loss", "kl"):
         assert cp["history"][key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+
+
+def test_compile_default_is_cuda_only():
+    """--compile auto: on for CUDA, off on the CPU (TrainConfig.compile says why); a bad value names the flag."""
+    _train_main()
+    import train_msa
+
+    assert train_msa.resolved_compile(train_msa.TrainConfig(device="cuda"))
+    assert not train_msa.resolved_compile(train_msa.TrainConfig(device="cpu"))
+    assert train_msa.resolved_compile(train_msa.TrainConfig(device="cpu", compile="on"))
+    with pytest.raises(ValueError, match="compile"):
+        train_msa.TrainConfig(compile="yes").validate()
