@@ -88,6 +88,8 @@ class _ProxyIndexer(m3.MiniMaxM3VLIndexer):
     from the proxy it returns. Installed by swapping the instance's class (parameters and state dict unchanged)."""
 
     def forward(self, hidden_states, position_embeddings, cache, position_ids):
+        if self._flash_msa.detach_indexer_input:  # the KL then trains the indexer's own weights only
+            hidden_states = hidden_states.detach()
         idx_q, idx_k = indexer_proxy(self, hidden_states, position_embeddings)
         if cache is not None:  # keep the model's index cache coherent for a later decode
             idx_k = cache.layers[self.layer_idx].update_index(idx_k)
@@ -125,6 +127,7 @@ class MsaTraining:
     local_blocks: int | None
     select_precision: str
     packed: bool
+    detach_indexer_input: bool
     previous_attn_implementation: str
     # the last forward's differentiable kl_loss, per sparse layer index
     kl_losses: dict = field(default_factory=dict)
@@ -157,7 +160,7 @@ class MsaTraining:
 
 def enable_msa_training(model, mode: str = "sparse", kl_value: str = "deferred", proxy_scale: float | None = None,
                         *, local_blocks: int | None = None, select_precision: str = "bf16",
-                        packed: bool = True) -> MsaTraining:
+                        packed: bool = True, detach_indexer_input: bool = True) -> MsaTraining:
     """Switch a MiniMax-M3 model (MiniMaxM3VLForCausalLM, MiniMaxM3VLTextModel or the VL wrapper) to MSA training.
 
     mode: "sparse" (flash_msa_func: the indexer's top-K blocks, main attention over them) or "warmup"
@@ -168,6 +171,9 @@ def enable_msa_training(model, mode: str = "sparse", kl_value: str = "deferred",
     index_local_blocks (likewise; otherwise the query's own block). select_precision: "bf16" or "fp8".
     packed: True reads documents from position_ids (restarts), each selecting within itself; False treats each
     row as one sequence (no offsets at all, so no host read even for validation).
+    detach_indexer_input: True (default) feeds the indexer a detached copy of the layer's hidden states, so the
+    KL trains the indexer's weights only and the LM gradients are exactly the model's (DeepSeek-V3.2's lightning
+    indexer recipe); False lets the KL's gradient reach the backbone through the indexer's input.
     Returns the MsaTraining handle: loss = lm_loss + coef * handle.kl_loss().
     """
     fn = "enable_msa_training"
@@ -183,7 +189,8 @@ def enable_msa_training(model, mode: str = "sparse", kl_value: str = "deferred",
                            f"handle.set_mode(...) or call handle.disable() first")
     register()
     previous = model.config._attn_implementation
-    handle = MsaTraining(model, mode, kl_value, proxy_scale, local_blocks, select_precision, packed, previous)
+    handle = MsaTraining(model, mode, kl_value, proxy_scale, local_blocks, select_precision, packed,
+                          detach_indexer_input, previous)
     for indexer in indexers:
         indexer.__class__ = _ProxyIndexer
         indexer._flash_msa = handle
