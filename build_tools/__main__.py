@@ -61,6 +61,9 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--block-size", type=_csv(int), default=None, help="key block sizes, e.g. 64,128")
         s.add_argument("--dtype", type=_csv(str), default=None, help="dtypes, e.g. bf16")
         s.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"artifact root (default: {DEFAULT_OUT})")
+        s.add_argument("--into-installed", action="store_true",
+                       help="build into the installed flash-msa-rt's own artifacts (pip-installed runtime picks them "
+                            "up with no environment variable); overrides --out")
     b = sub.choices["build"]
     b.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
     b.add_argument("--force", action="store_true", help="rebuild even when the fingerprint is unchanged")
@@ -123,6 +126,19 @@ def cmd_build(args) -> int:
     return 1 if failed else 0
 
 
+def installed_artifacts() -> Path:
+    """The artifact folder inside the pip-installed flash-msa-rt (not this checkout's flash_msa_rt, which a run from
+    the checkout imports first)."""
+    import importlib.metadata as md
+
+    try:
+        dist = md.distribution("flash-msa-rt")
+    except md.PackageNotFoundError as e:
+        raise BuildError("--into-installed: flash-msa-rt is not pip-installed in this environment; build into "
+                         "--out DIR and point FLASH_MSA_ARTIFACT_DIR at it instead") from e
+    return Path(dist.locate_file("flash_msa_rt")).resolve() / "_artifacts"
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     for a in args.arch:
@@ -130,6 +146,8 @@ def main(argv=None) -> int:
             print(f"error: --arch {a!r} is not supported; supported: {', '.join(ARCHS)}", file=sys.stderr)
             return 2
     try:
+        if args.into_installed:
+            args.out = installed_artifacts()
         return {"build": cmd_build, "list": cmd_list}[args.verb](args)
     except (CatalogueError, BuildError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -46,8 +46,11 @@ def build_command(arch: str, config: dict[str, Any] | None = None, name: str | N
             parts.append(f"{flag} {config[field]}")
     if name:
         parts.append(f"--only '{name}'")
-    parts.append("--out artifacts")
-    return " ".join(parts) + f"  (from a flash-msa source checkout; then export {ENV_ARTIFACT_DIR}=$PWD/artifacts)"
+    if os.environ.get(ENV_ARTIFACT_DIR) or SOURCE_KERNELS.is_dir():  # a checkout, or artifacts of one's own
+        parts.append("--out artifacts")
+        return " ".join(parts) + f"  (from a flash-msa source checkout; then export {ENV_ARTIFACT_DIR}=$PWD/artifacts)"
+    parts.append("--into-installed")  # this pip-installed runtime then finds them where its own cubins are
+    return " ".join(parts) + "  (from a flash-msa source checkout of this version, in this environment)"
 
 
 @lru_cache(maxsize=None)

@@ -61,3 +61,17 @@ def test_runtime_message_names_the_build_command_or_the_limit():
     assert "python -m build_tools build --arch sm90a --dtype bf16 --head-dim 64 --block-size 64" in cmd
     assert "shared memory" in _how_to_get("sm90a", "bf16", 256, 128, 128)
     assert "Dp 128 > D 64" in _how_to_get("sm90a", "bf16", 64, 128, 128)
+
+
+def test_into_installed_names_the_installed_runtime_or_says_it_is_missing(monkeypatch, capsys):
+    """--into-installed builds where a pip-installed runtime keeps its own cubins; without one it says what to do."""
+    import importlib.metadata as md
+
+    from build_tools.__main__ import main
+
+    def missing(name):
+        raise md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(md, "distribution", missing)
+    assert main(["list", "--arch", "sm90a", "--into-installed"]) == 2
+    assert "FLASH_MSA_ARTIFACT_DIR" in capsys.readouterr().err
