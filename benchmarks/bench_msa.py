@@ -1,7 +1,7 @@
 """Whole-op MSA benchmark (issues 4 and 5): selection, sparse forward and backward, the public op, warmup mode and
 cuDNN dense attention on the same inputs, with effective TFLOPS, peak memory and the backend that ran each op.
 
-Configurations (D = Dp = 128, bf16, block 128, top_k 2048 tokens = K 16 blocks): (a) H=16, Hk=2, Hp=4, Hpk=1;
+Configurations (by default D = Dp = 128, bf16, block 128, top_k 2048 tokens = K 16 blocks): (a) H=16, Hk=2, Hp=4, Hpk=1;
 (b) H=32, Hk=8, Hp=8, Hpk=1; (c) H=64, Hk=4, Hp=4, Hpk=1; (b64) is (b) with a smaller proxy, Dp = 64 (issue 36:
 the other way to cheapen selection). B = tokens // S (128K tokens per step), or B = 1 with --batch1 (the shape of
 the flash-msa 0.1.1 / FSA figures published in docs/h200.md, config (a)).
@@ -15,6 +15,14 @@ Run: FLASH_MSA_ARTIFACT_DIR=artifacts PYTHONPATH=. python3 benchmarks/bench_msa.
          --seqlens 8192,16384,32768,65536 --out benchmarks/results/msa.json
 Dp = 64 beside Dp = 128: --configs b,b64 (e.g. --seqlens 65536,131072, and --batch1 --seqlens 262144,524288,1048576).
 Plot (CPU machine, matplotlib): python benchmarks/plot_msa.py benchmarks/results/msa.json
+
+Other head dims and key blocks (issue 53's matrix): --head-dim D (default 128), --proxy-head-dim Dp (default
+min(D, 128): 64 at D = 64), --block-size Bs (default 128); top_k stays 2048 tokens (K = 2048 // Bs). Each
+configuration writes its own JSON: --out, or --tag T (-> results/msa_T.json), or, when D / Dp / Bs differ from the
+defaults, results/msa_matrix_d{D}_b{Bs}[_dp{Dp}].json. Issue 53's use (configuration (b), deferred KL):
+    python benchmarks/bench_msa.py --configs b --kl-values deferred --seqlens 65536,131072 --ops sparse,dense \
+        --head-dim 64 --block-size 128 --out benchmarks/results/msa_matrix_d64_b128.json
+Speedup against S of several such files in one figure: python benchmarks/plot_matrix.py results/msa_matrix_*.json
 """
 
 from __future__ import annotations
@@ -61,10 +69,12 @@ FORMULAS = {
     "msa_backward": "10*D*nnz (main attention only; the proxy KL backward, 6*Dp*nnz_p, is not counted)",
     "msa_func.fwd": "4*D*nnz (main attention only; selection and KL not counted)",
     "msa_func.fwd+bwd": "3.5*4*D*nnz (h200.md's peer-table convention: main attention only)",
+    "msa_func.bwd": "10*D*nnz / (fwd+bwd ms - fwd ms) (the whole op's backward, derived: comparisons' modes)",
     "warmup_func.fwd": "4*D*H*B*S*(S+1)/2 (dense causal)",
     "warmup_func.fwd+bwd": "3.5*4*D*H*B*S*(S+1)/2 (forward + backward at 2.5x forward)",
     "cudnn_dense.fwd": "4*D*H*B*S*(S+1)/2",
     "cudnn_dense.fwd+bwd": "3.5*4*D*H*B*S*(S+1)/2 (backward 2.5x forward)",
+    "cudnn_dense.bwd": "10*D*H*B*S*(S+1)/2 / (fwd+bwd ms - fwd ms) (derived: comparisons' dense_bwd_tflops)",
     "x_dense": "cuDNN dense fwd+bwd ms / MSA whole-op fwd+bwd ms (> 1: MSA faster)",
     "x_published": "published ms / this run's ms (> 1: this run faster)",
 }
@@ -97,10 +107,33 @@ def dense_nnz(B: int, H: int, S: int) -> int:
     return B * H * causal_pairs(S)
 
 
-def shape_of(name: str) -> tuple[int, int, int, int, int]:
-    """(H, Hk, Hp, Hpk, Dp) of a configuration name (CONFIGS, or SMALL_PROXY's)."""
-    base, dp = SMALL_PROXY.get(name, (name, DP))
+def shape_of(name: str, proxy_head_dim: int = DP) -> tuple[int, int, int, int, int]:
+    """(H, Hk, Hp, Hpk, Dp) of a configuration name (CONFIGS, or SMALL_PROXY's, whose Dp wins over
+    proxy_head_dim, the run's --proxy-head-dim)."""
+    base, dp = SMALL_PROXY.get(name, (name, proxy_head_dim))
     return (*CONFIGS[base], dp)
+
+
+def default_proxy_head_dim(head_dim: int) -> int:
+    """Dp when --proxy-head-dim is not given: 64 at D = 64, else 128, capped at D."""
+    return min(head_dim, DP)
+
+
+def matrix_tag(head_dim: int, proxy_head_dim: int, block_size: int) -> str | None:
+    """The output's name for a non-default (D, Dp, Bs): matrix_d{D}_b{Bs}, _dp{Dp} added where Dp is not the
+    default for D; None for the defaults (results/msa.json as before)."""
+    if (head_dim, proxy_head_dim, block_size) == (D, DP, BLOCK):
+        return None
+    tag = f"matrix_d{head_dim}_b{block_size}"
+    return tag + (f"_dp{proxy_head_dim}" if proxy_head_dim != default_proxy_head_dim(head_dim) else "")
+
+
+def shape_record(args) -> dict:
+    """The JSON's 'shape': the run's D, Dp, Bs, top_k, K and per configuration its heads and Dp."""
+    return dict(D=args.head_dim, Dp=args.proxy_head_dim, block_size=args.block_size, top_k=TOP_K,
+                K=TOP_K // args.block_size, dtype="bfloat16", tag=args.tag,
+                configs={c: dict(zip(("H", "Hk", "Hp", "Hpk", "Dp"), shape_of(c, args.proxy_head_dim)))
+                         for c in args.configs})
 
 
 def selection_flops(B: int, S: int, Hp: int, Dp: int = DP) -> float:
@@ -197,8 +230,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "flash_msa_func, warmup mode and cuDNN dense attention; JSON + table.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--configs", type=_csv(str, tuple(CONFIGS) + tuple(SMALL_PROXY)), default=list(DEFAULT_CONFIGS),
-                   help="configurations: a (H16 Hk2 Hp4), b (H32 Hk8 Hp8), c (H64 Hk4 Hp4), all Hpk=1, D=Dp=128; "
-                        "b64: b with Dp=64")
+                   help="configurations: a (H16 Hk2 Hp4), b (H32 Hk8 Hp8), c (H64 Hk4 Hp4), all Hpk=1, D and Dp "
+                        "from --head-dim / --proxy-head-dim; b64: b with Dp=64")
+    p.add_argument("--head-dim", type=int, default=D, help="D of q, k, v (and of the cuDNN dense baseline)")
+    p.add_argument("--proxy-head-dim", type=int, default=None,
+                   help="Dp of q_proxy, k_proxy (default: 64 at D = 64, else 128, capped at D)")
+    p.add_argument("--block-size", type=int, default=BLOCK,
+                   help=f"key block Bs; top_k stays {TOP_K} tokens, K = {TOP_K} // Bs blocks")
+    p.add_argument("--tag", default=None,
+                   help="name of this configuration: recorded in shape.tag, and the output is results/msa_<tag>.json "
+                        "unless --out (default with D/Dp/Bs not the defaults: matrix_d{D}_b{Bs}[_dp{Dp}])")
     p.add_argument("--seqlens", type=_csv(int), default=list(SEQLENS), help="sequence lengths S")
     p.add_argument("--ops", type=_csv(str, OPS), default=list(OPS),
                    help="sparse: select/forward/backward ops and flash_msa_func; warmup: flash_msa_warmup_func; "
@@ -227,8 +268,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tokens < 1 or args.warmup < 0 or args.reps < 1 or args.max_seconds <= 0 or args.budget_seconds <= 0:
         p.error("--tokens and --reps must be >= 1, --warmup >= 0, --max-seconds and --budget-seconds > 0")
+    if args.proxy_head_dim is None:
+        args.proxy_head_dim = default_proxy_head_dim(args.head_dim)
+    if args.head_dim < 1 or args.proxy_head_dim < 1:
+        p.error("--head-dim and --proxy-head-dim must be >= 1")
+    if args.block_size < 1 or TOP_K % args.block_size:
+        p.error(f"--block-size must divide top_k = {TOP_K} tokens (64 or 128: K = 32 or 16 blocks)")
+    if args.tag is not None and (not args.tag or "/" in args.tag or args.tag.startswith(".")):
+        p.error(f"--tag {args.tag!r}: a file name part (no '/', not empty)")
+    if args.tag is None:
+        args.tag = matrix_tag(args.head_dim, args.proxy_head_dim, args.block_size)
     if args.out is None:
-        args.out = RESULTS / ("msa_batch1.json" if args.batch1 else "msa.json")
+        stem = f"msa_{args.tag}" if args.tag else "msa"
+        args.out = RESULTS / (f"{stem}_batch1.json" if args.batch1 else f"{stem}.json")
     return args
 
 
@@ -356,23 +408,26 @@ def backend_of(op: str, like: torch.Tensor, config: dict) -> str:
 class Case:
     """One (config, S): inputs, backends and the measurements."""
 
-    def __init__(self, name, args, S, timer, guard, rows):
+    def __init__(self, name, args, S, timer, guard, rows, device="cuda"):
         from flash_msa_rt.ops import library
 
         self.name, self.args, self.S, self.timer, self.guard, self.rows = name, args, S, timer, guard, rows
-        self.H, self.Hk, self.Hp, self.Hpk, self.Dp = shape_of(name)
+        self.device = device  # "cuda"; the CPU test runs tiny shapes on the reference with a host timer
+        self.H, self.Hk, self.Hp, self.Hpk, self.Dp = shape_of(name, args.proxy_head_dim)
+        # D and BLOCK below are this run's --head-dim and --block-size (locals over the module's defaults)
+        self.D, self.Bs = D, BLOCK = args.head_dim, args.block_size
         self.B = batch_of(args, S)
         self.K = TOP_K // BLOCK
         self.scale = D ** -0.5
         torch.manual_seed(args.seed)
         B, H, Hk, Hp, Hpk = self.B, self.H, self.Hk, self.Hp, self.Hpk
-        randn = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+        randn = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16)  # noqa: E731
         # (B, S, heads, D) tensors: the runtime's layout, passed to the public op with layout="bshd" (no copies).
         self.qp, self.kp = randn(B, S, Hp, self.Dp), randn(B, S, Hpk, self.Dp)
         self.q, self.k, self.v = randn(B, S, H, D), randn(B, S, Hk, D), randn(B, S, Hk, D)
         self.dout = randn(B, S, H, D)
-        self.kl_coef = torch.tensor(0.1, device="cuda")
-        self.kl_grad = torch.full((), 0.1 / (B * Hp * S), device="cuda")  # d(0.1 * mean kl_rows) / d kl_rows
+        self.kl_coef = torch.tensor(0.1, device=device)
+        self.kl_grad = torch.full((), 0.1 / (B * Hp * S), device=device)  # d(0.1 * mean kl_rows) / d kl_rows
         msa_cfg = library._msa_config(self.qp, self.q, self.k, BLOCK, None, None)
         self.backends = {
             "select_blocks": backend_of("select_blocks", self.qp, {"proxy_head_dim": self.Dp, "block_size": BLOCK,
@@ -390,8 +445,8 @@ class Case:
         self.block_indices = None
 
     def base(self, op: str, selection: str | None) -> dict:
-        return dict(config=self.name, H=self.H, Hk=self.Hk, Hp=self.Hp, Hpk=self.Hpk, D=D, Dp=self.Dp,
-                    block_size=BLOCK, K=self.K, top_k=TOP_K, B=self.B, S=self.S, tokens=self.B * self.S,
+        return dict(config=self.name, H=self.H, Hk=self.Hk, Hp=self.Hp, Hpk=self.Hpk, D=self.D, Dp=self.Dp,
+                    block_size=self.Bs, K=self.K, top_k=TOP_K, B=self.B, S=self.S, tokens=self.B * self.S,
                     batch_mode="B=1" if self.args.batch1 else f"B=tokens//S (tokens={self.args.tokens})",
                     op=op, selection=selection)
 
@@ -428,7 +483,8 @@ class Case:
         try:
             result = self.timer.run(fn, limit, reference=bool(on_reference))
         except Exception as e:  # noqa: BLE001 - a failed op is a row, not the end of the run
-            torch.cuda.synchronize()
+            if self.device != "cpu":
+                torch.cuda.synchronize()
             if isinstance(e, ReferenceTimeout) or self.timer.alarm.rang:
                 for key in [op, *on_reference]:
                     self.guard.record(self.key(key), self.B, self.S, math.inf)
@@ -459,7 +515,7 @@ class Case:
         qp, kp, q, k, v = self.qp, self.kp, self.q, self.k, self.v
 
         def select(precision="bf16"):
-            return ops.select_blocks(qp, kp, self.K, BLOCK, self.scale, None, None, None, precision)
+            return ops.select_blocks(qp, kp, self.K, self.Bs, self.scale, None, None, None, precision)
 
         with torch.no_grad():
             row = self.measure("select_blocks", select, ops_used=("select_blocks",),
@@ -477,20 +533,20 @@ class Case:
                                  flops=selection_flops(self.B, self.S, self.Hp, self.Dp), selection="proxy top-K",
                                  extra=dict(select_precision=precision))
             self.block_indices = select()
-        nnz = nnz_main(self.block_indices, self.H)
-        nnz_p = nnz_per_index_head(self.block_indices)
+        nnz = nnz_main(self.block_indices, self.H, self.Bs)
+        nnz_p = nnz_per_index_head(self.block_indices, self.Bs)
         self._per_op("proxy top-K", self.block_indices, nnz, nnz_p)
 
         qp_g, kp_g, q_g, k_g, v_g = (t.detach().requires_grad_() for t in (qp, kp, q, k, v))
-        dout = self.dout.view(self.B, self.S, self.H * D)
+        dout = self.dout.view(self.B, self.S, self.H * self.D)
         info = dict(nnz=nnz, nnz_fraction_of_dense=nnz / dense_nnz(self.B, self.H, self.S), layout="bshd")
 
         for precision, kl_value in [(p, m) for p in self.args.select_precisions for m in self.args.kl_values]:
-            metric = torch.zeros((), device="cuda") if kl_value == "deferred" else None
+            metric = torch.zeros((), device=self.device) if kl_value == "deferred" else None
 
             def whole_fwd():
                 return flash_msa_func(qp_g, kp_g, q_g, k_g, v_g, top_k=TOP_K, layout="bshd", kl_value=kl_value,
-                                      kl_metric=metric, select_precision=precision)
+                                      kl_metric=metric, select_precision=precision, block_size=self.Bs)
 
             def whole_fwd_bwd():
                 out, kl_loss = whole_fwd()
@@ -501,13 +557,13 @@ class Case:
             mode = "+".join(m for m in (kl_value, precision) if m not in ("exact", "bf16"))
             name = f"/{mode}" if mode else ""
             extra = dict(info, kl_value=kl_value, select_precision=precision)
-            self.measure(f"msa_func.fwd{name}", whole_fwd, ops_used=used[:2], flops=main_forward_flops(nnz),
-                         selection="proxy top-K", extra=extra)
-            self.measure(f"msa_func.fwd+bwd{name}", whole_fwd_bwd, ops_used=used, flops=whole_fwd_bwd_flops(nnz),
-                         selection="proxy top-K", extra=extra)
+            self.measure(f"msa_func.fwd{name}", whole_fwd, ops_used=used[:2],
+                         flops=main_forward_flops(nnz, self.D), selection="proxy top-K", extra=extra)
+            self.measure(f"msa_func.fwd+bwd{name}", whole_fwd_bwd, ops_used=used,
+                         flops=whole_fwd_bwd_flops(nnz, self.D), selection="proxy top-K", extra=extra)
         if self.args.skewed:
-            skewed = skewed_block_indices(self.B, self.Hp, self.S, self.K, device="cuda")
-            self._per_op("skewed", skewed, nnz_main(skewed, self.H), nnz_per_index_head(skewed))
+            skewed = skewed_block_indices(self.B, self.Hp, self.S, self.K, self.Bs, device=self.device)
+            self._per_op("skewed", skewed, nnz_main(skewed, self.H, self.Bs), nnz_per_index_head(skewed, self.Bs))
         self.block_indices = None
 
     def _per_op(self, selection, block_indices, nnz, nnz_p):
@@ -518,19 +574,19 @@ class Case:
         saved = {}
 
         def forward():
-            saved["fwd"] = ops.msa_forward(qp, kp, q, k, v, block_indices, BLOCK, self.scale, None)
+            saved["fwd"] = ops.msa_forward(qp, kp, q, k, v, block_indices, self.Bs, self.scale, None)
 
         def backward():
             out, lse, lse_proxy, _ = saved["fwd"]
-            return ops.msa_backward(qp, kp, q, k, v, out, lse, lse_proxy, block_indices, BLOCK, self.scale,
+            return ops.msa_backward(qp, kp, q, k, v, out, lse, lse_proxy, block_indices, self.Bs, self.scale,
                                     self.dout, self.kl_grad, None)
 
         with torch.no_grad():
-            row = self.measure("msa_forward", forward, ops_used=("msa_forward",), flops=main_forward_flops(nnz),
-                               selection=selection, extra=info)
+            row = self.measure("msa_forward", forward, ops_used=("msa_forward",),
+                               flops=main_forward_flops(nnz, self.D), selection=selection, extra=info)
             if row["status"] == "ok":
                 self.measure("msa_backward", backward, ops_used=("msa_backward",),
-                             flops=main_backward_flops(nnz), selection=selection, extra=info)
+                             flops=main_backward_flops(nnz, self.D), selection=selection, extra=info)
             else:
                 self._finish(dict(self.base("msa_backward", selection), backend=self.backends["msa_backward"],
                                   formula=FORMULAS["msa_backward"], **info),
@@ -543,15 +599,15 @@ class Case:
         from flash_msa_rt import flash_msa_warmup_func
 
         qp_g, kp_g, q_g, k_g, v_g = (t.detach().requires_grad_() for t in (self.qp, self.kp, self.q, self.k, self.v))
-        dout = self.dout.view(self.B, self.S, self.H * D)
+        dout = self.dout.view(self.B, self.S, self.H * self.D)
 
-        flops = dense_forward_flops(self.B, self.H, self.S)
+        flops = dense_forward_flops(self.B, self.H, self.S, self.D)
         for kl_value in self.args.kl_values:
-            metric = torch.zeros((), device="cuda") if kl_value == "deferred" else None
+            metric = torch.zeros((), device=self.device) if kl_value == "deferred" else None
 
             def fwd():
                 return flash_msa_warmup_func(qp_g, kp_g, q_g, k_g, v_g, top_k=TOP_K, layout="bshd",
-                                             kl_value=kl_value, kl_metric=metric)
+                                             kl_value=kl_value, kl_metric=metric, block_size=self.Bs)
 
             def fwd_bwd():
                 out, kl_loss = fwd()
@@ -578,7 +634,7 @@ class Case:
         gqa = {"enable_gqa": True}
         how = "enable_gqa=True on (B, H, S, D) transposed views of the (B, S, heads, D) inputs (no copies)"
         try:  # forward and backward on a small problem of the same heads: does cuDNN take GQA?
-            small = [torch.randn(1, h, 256, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            small = [torch.randn(1, h, 256, self.D, device=self.device, dtype=torch.bfloat16, requires_grad=True)
                      for h in (self.H, self.Hk, self.Hk)]
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 torch.autograd.grad(sdpa(*small, is_causal=True, **gqa).sum(), small)
@@ -596,16 +652,44 @@ class Case:
         def fwd_bwd():
             return torch.autograd.grad(fwd(), (q, k, v), dout)
 
-        flops = dense_forward_flops(self.B, self.H, self.S)
+        flops = dense_forward_flops(self.B, self.H, self.S, self.D)
         extra = dict(gqa=how)
         self.measure("cudnn_dense.fwd", fwd, flops=flops, selection="dense causal", backend="cudnn", extra=extra)
         self.measure("cudnn_dense.fwd+bwd", fwd_bwd, flops=3.5 * flops, selection="dense causal",
                      backend="cudnn", extra=extra)
 
 
+def _bwd_tflops(fwd: dict | None, fwd_bwd: dict | None) -> float | None:
+    """Effective TFLOP/s of a backward timed as fwd+bwd minus fwd: (fwd+bwd flops - fwd flops) / that time, i.e.
+    10*D*nnz (or 10*D*dense nnz) over it, the fwd+bwd rows counting 3.5x the forward's 4*D*nnz."""
+    if not (fwd and fwd_bwd and fwd.get("flops") and fwd_bwd.get("flops")) or fwd_bwd["ms"] <= fwd["ms"]:
+        return None
+    return tflops(fwd_bwd["flops"] - fwd["flops"], fwd_bwd["ms"] - fwd["ms"])
+
+
+def mode_names(rows: list[dict]) -> list[str]:
+    """The public op's modes measured: "exact" (bf16 selection, exact KL) and each "/<mode>" suffix
+    (deferred, none, fp8, deferred+fp8, ...), exact first."""
+    seen = {r["op"].split("/", 1)[1] if "/" in r["op"] else "exact" for r in rows
+            if r["op"].startswith("msa_func.fwd+bwd")}
+    return sorted(seen, key=lambda m: (m != "exact", m))
+
+
+def primary_mode(comp: dict) -> str | None:
+    """The mode a plot or the matrix's speedup uses: deferred (issue 53's) where measured, else exact, else the
+    first with a speedup."""
+    modes = comp.get("modes", {})
+    for m in ("deferred", "exact", *modes):
+        if modes.get(m, {}).get("x_dense"):
+            return m
+    return None
+
+
 def comparisons(rows: list[dict]) -> list[dict]:
     """Per (config, B, S): the whole op fwd+bwd against cuDNN dense of this run and, for config (a) at B=1, against
-    the published flash-msa 0.1.1 and FSA figures."""
+    the published flash-msa 0.1.1 and FSA figures. "modes": per kl_value / select_precision mode of the public op,
+    its fwd and fwd+bwd ms, speedup over dense (x_dense) and forward / backward effective TFLOP/s (FORMULAS'
+    msa_func.fwd and msa_func.bwd); dense_fwd_tflops / dense_bwd_tflops beside them."""
     def get(cfg, B, S, op, selection=None):
         for r in rows:
             if (r["config"], r["B"], r["S"], r["op"]) == (cfg, B, S, op) and r["status"] == "ok" and \
@@ -620,6 +704,16 @@ def comparisons(rows: list[dict]) -> list[dict]:
         warm = get(cfg, B, S, "warmup_func.fwd+bwd")
         warm_fwd, dense_fwd = get(cfg, B, S, "warmup_func.fwd"), get(cfg, B, S, "cudnn_dense.fwd")
         warm_d, warm_fwd_d = get(cfg, B, S, "warmup_func.fwd+bwd/deferred"), get(cfg, B, S, "warmup_func.fwd/deferred")
+        modes = {}
+        for mode in mode_names([r for r in rows if (r["config"], r["B"], r["S"]) == (cfg, B, S)]):
+            suffix = "" if mode == "exact" else f"/{mode}"
+            fb = get(cfg, B, S, f"msa_func.fwd+bwd{suffix}", "proxy top-K")
+            f = get(cfg, B, S, f"msa_func.fwd{suffix}", "proxy top-K")
+            modes[mode] = dict(msa_fwd_ms=f and f["ms"], msa_fwd_bwd_ms=fb and fb["ms"],
+                               x_dense=dense["ms"] / fb["ms"] if fb and dense else None,
+                               msa_fwd_tflops=f and f.get("tflops"), msa_bwd_tflops=_bwd_tflops(f, fb),
+                               msa_fwd_bwd_tflops=fb and fb.get("tflops"),
+                               msa_peak_mem_bytes=fb and fb.get("peak_mem_bytes"))
         c = dict(config=cfg, B=B, S=S, msa_fwd_bwd_ms=msa and msa["ms"], dense_fwd_bwd_ms=dense and dense["ms"],
                  warmup_fwd_bwd_ms=warm and warm["ms"],
                  x_dense=dense["ms"] / msa["ms"] if msa and dense else None,
@@ -635,7 +729,10 @@ def comparisons(rows: list[dict]) -> list[dict]:
                  dense_peak_mem_bytes=dense and dense["peak_mem_bytes"],
                  # the median SM clock while each was timed (the card caps its power: common.ClockSamples)
                  msa_sm_clock_mhz=msa and msa.get("sm_clock_mhz"),
-                 dense_sm_clock_mhz=dense and dense.get("sm_clock_mhz"))
+                 dense_sm_clock_mhz=dense and dense.get("sm_clock_mhz"),
+                 dense_fwd_tflops=dense_fwd and dense_fwd.get("tflops"),
+                 dense_bwd_tflops=_bwd_tflops(dense_fwd, dense), modes=modes)
+        c["primary_mode"] = primary_mode(c)  # what plot_matrix.py draws: deferred where measured, else exact
         if cfg == PUBLISHED["shape"]["config"] and B == 1:
             pub = {}
             if S in PUBLISHED["flash_msa_0.1.1"]:
@@ -719,6 +816,18 @@ def print_table(rows, comps):
                              for k in ("warmup_fwd_over_dense", "warmup_fwd_bwd_over_dense",
                                        "warmup_deferred_fwd_over_dense", "warmup_deferred_fwd_bwd_over_dense"))
             print(f"{c['config']:>3} {c['B']:>3} {c['S']:>6} {cells}")
+    if any(c.get("modes") for c in comps):
+        print("\nspeedup over cuDNN dense (dense fwd+bwd ms / op fwd+bwd ms) and effective TFLOP/s, op fwd / bwd "
+              "(msa_func.fwd, msa_func.bwd formulas) and dense fwd / bwd (cudnn_dense.fwd, cudnn_dense.bwd):")
+        print(f"{'cfg':>3} {'B':>3} {'S':>6} {'mode':>14} {'f+b ms':>8} {'x dense':>8} {'fwd TF':>7} {'bwd TF':>7} "
+              f"{'dense fwd TF':>12} {'dense bwd TF':>12}")
+        f = lambda x, spec: format(x, spec) if x is not None else "-"  # noqa: E731
+        for c in comps:
+            for mode, m in c.get("modes", {}).items():
+                xd = f"{m['x_dense']:.2f}x" if m["x_dense"] else "-"
+                print(f"{c['config']:>3} {c['B']:>3} {c['S']:>6} {mode:>14} {f(m['msa_fwd_bwd_ms'], '.2f'):>8} "
+                      f"{xd:>8} {f(m['msa_fwd_tflops'], '.0f'):>7} {f(m['msa_bwd_tflops'], '.0f'):>7} "
+                      f"{f(c.get('dense_fwd_tflops'), '.0f'):>12} {f(c.get('dense_bwd_tflops'), '.0f'):>12}")
     pubs = [c for c in comps if c.get("published")]
     if pubs:
         print(f"\nagainst figures {PUBLISHED['source']}:")
@@ -763,8 +872,7 @@ def main(argv=None) -> int:
         cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
         date=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:] if argv is None else list(argv),
         settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        shape=dict(D=D, Dp=DP, block_size=BLOCK, top_k=TOP_K, K=TOP_K // BLOCK, dtype="bfloat16",
-                   configs={c: dict(zip(("H", "Hk", "Hp", "Hpk", "Dp"), shape_of(c))) for c in args.configs}),
+        shape=shape_record(args),
         formulas=FORMULAS,
         method=("CUDA events; --warmup untimed calls, then the median of --reps timed calls (fewer when the calls "
                 "would exceed --budget-seconds); the L2 is flushed (256 MB zeroed) before every timed call, "
@@ -778,6 +886,8 @@ def main(argv=None) -> int:
     print("effective TFLOPS formulas (msa-semantics.md):")
     for k, v in FORMULAS.items():
         print(f"  {k}: {v}")
+    print(f"shape: D={args.head_dim}, Dp={args.proxy_head_dim} (b64: 64), Bs={args.block_size}, top_k={TOP_K} "
+          f"tokens = K {TOP_K // args.block_size} blocks, bf16" + (f", tag {args.tag}" if args.tag else ""))
     print(f"{payload['device']}, torch {torch.__version__}, commit {payload['commit'][:12]}")
 
     for name in args.configs:

@@ -21,6 +21,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 LINES = [  # op, label, style
     ("cudnn_dense.fwd+bwd", "cuDNN dense fwd+bwd", dict(color="black", marker="o")),
     ("msa_func.fwd+bwd", "flash_msa_func fwd+bwd", dict(color="tab:red", marker="o")),
+    ("msa_func.fwd+bwd/deferred", "flash_msa_func fwd+bwd, deferred KL", dict(color="tab:orange", marker="o")),
     ("warmup_func.fwd+bwd", "warmup fwd+bwd", dict(color="tab:purple", marker="s")),
     ("cudnn_dense.fwd", "cuDNN dense fwd", dict(color="black", marker="o", ls=":")),
     ("msa_func.fwd", "flash_msa_func fwd", dict(color="tab:red", marker="o", ls=":")),
@@ -80,6 +81,10 @@ def plot(data: dict, out: Path) -> Path:
         pts = sorted((c["S"], c["x_dense"]) for c in comps if c["config"] == cfg and c.get("x_dense"))
         if pts:
             bottom.plot(*zip(*pts), "o-", color="tab:red", label="flash_msa_func vs cuDNN (fwd+bwd)")
+        pts = sorted((c["S"], c["modes"]["deferred"]["x_dense"]) for c in comps if c["config"] == cfg
+                     and ((c.get("modes") or {}).get("deferred") or {}).get("x_dense"))
+        if pts:
+            bottom.plot(*zip(*pts), "o--", color="tab:orange", label="flash_msa_func deferred KL vs cuDNN (fwd+bwd)")
         pts = sorted((c["S"], c["warmup_x_dense"]) for c in comps if c["config"] == cfg and c.get("warmup_x_dense"))
         if pts:
             bottom.plot(*zip(*pts), "s-", color="tab:purple", label="warmup vs cuDNN (fwd+bwd)")
@@ -88,13 +93,15 @@ def plot(data: dict, out: Path) -> Path:
         if pub:
             bottom.plot(*zip(*pub), "x--", color="gray", label="flash-msa 0.1.1 vs cuDNN (published)")
         bottom.axhline(1.0, color="black", lw=0.8)
-        if not any(c["config"] == cfg and c.get("x_dense") for c in comps):
+        if not any(c["config"] == cfg and (c.get("x_dense") or c.get("primary_mode")) for c in comps):
             bottom.text(0.5, 0.5, "no MSA fwd+bwd measured in this run\n(see the rows' status in the JSON)",
                         transform=bottom.transAxes, ha="center", va="center", fontsize=8, color="gray")
         bottom.set_xlabel("sequence length S")
         bottom.set_ylabel("speed vs dense (dense ms / ms)")
         _legend(bottom)
-    fig.suptitle(f"MSA whole op vs cuDNN dense (bf16, D=128, top_k 2048)\n{data.get('device', '?')}, torch "
+    dims = data.get("shape", {})
+    fig.suptitle(f"MSA whole op vs cuDNN dense (bf16, D={dims.get('D', 128)}, Bs={dims.get('block_size', 128)}, "
+                 f"top_k 2048)\n{data.get('device', '?')}, torch "
                  f"{data.get('torch', '?')}, commit {str(data.get('commit', '?'))[:10]}", fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

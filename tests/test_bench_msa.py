@@ -251,3 +251,130 @@ def test_clock_samples_summary_parses_nvidia_smi_lines():
     got = c.summary()
     assert got == dict(sm_clock_mhz=1755.0, sm_clock_min_mhz=1400.0, power_w=699.0, power_capped=2 / 3,
                        clock_samples=3)
+
+
+# --- issue 53's matrix: --head-dim / --proxy-head-dim / --block-size / --tag ------------------------------------
+
+def test_matrix_options_defaults_and_derived_names(tmp_path):
+    a = bm.parse_args([])
+    assert (a.head_dim, a.proxy_head_dim, a.block_size, a.tag) == (128, 128, 128, None)
+    assert a.out.name == "msa.json" and bm.shape_record(a) == dict(
+        D=128, Dp=128, block_size=128, top_k=2048, K=16, dtype="bfloat16", tag=None,
+        configs={c: dict(zip(("H", "Hk", "Hp", "Hpk", "Dp"), (*bm.CONFIGS[c], 128))) for c in "abc"})
+    a = bm.parse_args(["--configs", "b,b64", "--head-dim", "64", "--block-size", "64"])
+    assert (a.head_dim, a.proxy_head_dim, a.block_size) == (64, 64, 64)  # Dp 64 at D 64
+    assert a.out.name == "msa_matrix_d64_b64.json" and a.tag == "matrix_d64_b64"
+    shape = bm.shape_record(a)
+    assert (shape["D"], shape["Dp"], shape["block_size"], shape["K"]) == (64, 64, 64, 32)
+    assert shape["configs"]["b"]["Dp"] == 64 and shape["configs"]["b64"]["Dp"] == 64
+    a = bm.parse_args(["--head-dim", "256"])
+    assert a.proxy_head_dim == 128 and a.out.name == "msa_matrix_d256_b128.json"
+    assert bm.parse_args(["--head-dim", "32"]).proxy_head_dim == 32  # capped at D
+    a = bm.parse_args(["--head-dim", "64", "--proxy-head-dim", "128"])
+    assert a.proxy_head_dim == 128 and a.out.name == "msa_matrix_d64_b128_dp128.json"
+    a = bm.parse_args(["--tag", "mine", "--batch1"])
+    assert a.out.name == "msa_mine_batch1.json" and bm.shape_record(a)["tag"] == "mine"
+    a = bm.parse_args(["--head-dim", "64", "--out", str(tmp_path / "x.json")])
+    assert a.out == tmp_path / "x.json" and a.tag == "matrix_d64_b128"
+    for argv in (["--block-size", "96"], ["--block-size", "0"], ["--head-dim", "0"], ["--tag", "a/b"]):
+        with pytest.raises(SystemExit):
+            bm.parse_args(argv)
+
+
+def test_matrix_flops_follow_head_dim():
+    assert bm.main_forward_flops(1000, 64) == 4 * 64 * 1000
+    assert bm.main_backward_flops(1000, 256) == 10 * 256 * 1000
+    assert bm.dense_fwd_bwd_flops(1, 32, 65536, 64) == 3.5 * 4 * 64 * 32 * 65536 * 65537 / 2
+
+
+class HostTimer:
+    """bench_msa.Timer's interface on the host clock: one call, no CUDA events (the CPU runs below)."""
+
+    def __init__(self, args=None):
+        self.alarm = bm.Alarm()
+
+    def run(self, fn, limit_s, reference=False):
+        import time
+
+        t0 = time.perf_counter()
+        fn()
+        ms = (time.perf_counter() - t0) * 1e3
+        return dict(ms=ms, times_ms=[ms], reps=1, first_call_s=ms / 1e3, peak_mem_bytes=0)
+
+
+def test_matrix_options_reach_the_ops_and_the_json_on_the_reference(tmp_path, monkeypatch):
+    """main() end to end on the CPU (reference backend, host timer, tiny shape): D 64, Dp 64, Bs 64 reach the
+    inputs, the selection (K = 32 blocks: every block of S = 128, so nnz is dense causal), the ops and the JSON's
+    shape, rows and per-mode comparison (deferred KL)."""
+    import functools
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu (test)")
+    monkeypatch.setattr(bm, "Timer", HostTimer)
+    monkeypatch.setattr(bm, "Case", functools.partial(bm.Case, device="cpu"))
+    monkeypatch.delenv("OUT", raising=False)
+    out = tmp_path / "m.json"
+    assert bm.main(["--configs", "a", "--seqlens", "128", "--tokens", "128", "--ops", "sparse", "--kl-values",
+                    "deferred", "--head-dim", "64", "--block-size", "64", "--tag", "t", "--out", str(out),
+                    "--max-seconds", "60"]) == 0
+    data = json.loads(out.read_text())
+    shape = data["shape"]
+    assert (shape["D"], shape["Dp"], shape["block_size"], shape["K"], shape["tag"]) == (64, 64, 64, 32, "t")
+    rows = {r["op"]: r for r in data["rows"]}
+    assert set(rows) == {"select_blocks", "msa_forward", "msa_backward", "msa_func.fwd/deferred",
+                         "msa_func.fwd+bwd/deferred"}
+    H = bm.CONFIGS["a"][0]
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert (r["D"], r["Dp"], r["block_size"], r["K"]) == (64, 64, 64, 32)
+    nnz = bm.dense_nnz(1, H, 128)
+    assert rows["msa_forward"]["nnz"] == nnz and rows["msa_forward"]["flops"] == 4 * 64 * nnz
+    assert rows["msa_func.fwd+bwd/deferred"]["flops"] == 3.5 * 4 * 64 * nnz
+    (comp,) = data["comparisons"]
+    m = comp["modes"]["deferred"]
+    assert m["msa_fwd_tflops"] == pytest.approx(4 * 64 * nnz / rows["msa_func.fwd/deferred"]["ms"] / 1e9)
+    assert m["msa_bwd_tflops"] == pytest.approx(10 * 64 * nnz / (rows["msa_func.fwd+bwd/deferred"]["ms"] -
+                                                                 rows["msa_func.fwd/deferred"]["ms"]) / 1e9)
+    assert m["x_dense"] is None and comp["primary_mode"] is None  # no dense on the CPU
+    assert "msa_func.bwd" in data["formulas"] and "cudnn_dense.bwd" in data["formulas"]
+
+
+def test_comparisons_per_mode_speedup_and_tflops():
+    rows = []
+    for op, ms, flops in (("msa_func.fwd/deferred", 10.0, 4e12), ("msa_func.fwd+bwd/deferred", 30.0, 14e12),
+                          ("msa_func.fwd", 12.0, 4e12), ("msa_func.fwd+bwd", 40.0, 14e12)):
+        rows.append(dict(_row("b", 2, 65536, op, ms, selection="proxy top-K"), flops=flops, tflops=flops / ms / 1e9))
+    for op, ms, flops in (("cudnn_dense.fwd", 100.0, 40e12), ("cudnn_dense.fwd+bwd", 300.0, 140e12)):
+        rows.append(dict(_row("b", 2, 65536, op, ms, selection="dense causal"), flops=flops, tflops=flops / ms / 1e9))
+    (c,) = bm.comparisons(rows)
+    assert list(c["modes"]) == ["exact", "deferred"] and c["primary_mode"] == "deferred"
+    d = c["modes"]["deferred"]
+    assert d["x_dense"] == pytest.approx(10.0) and c["modes"]["exact"]["x_dense"] == pytest.approx(7.5)
+    assert c["x_dense"] == pytest.approx(7.5)  # the exact op's, as before
+    assert d["msa_fwd_tflops"] == pytest.approx(400.0) and d["msa_bwd_tflops"] == pytest.approx(10e12 / 20 / 1e9)
+    assert c["dense_fwd_tflops"] == pytest.approx(400.0) and c["dense_bwd_tflops"] == pytest.approx(500.0)
+
+
+def test_plot_matrix_renders_several_configurations(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from benchmarks import plot_matrix
+
+    paths = []
+    for D, Bs, x in ((128, 128, 6.0), (64, 128, 5.4), (64, 64, 4.0)):
+        rows = []
+        for S, msa in ((65536, 80.0), (131072, 95.0)):
+            rows += [dict(_row("b", 131072 // S, S, "msa_func.fwd+bwd/deferred", msa, selection="proxy top-K"),
+                          flops=1e12, tflops=100.0),
+                     dict(_row("b", 131072 // S, S, "msa_func.fwd/deferred", msa / 3, selection="proxy top-K"),
+                          flops=1e12 / 3.5, tflops=100.0),
+                     _row("b", 131072 // S, S, "cudnn_dense.fwd+bwd", msa * x * S / 65536, selection="dense causal")]
+        data = dict(device="synthetic", commit="0123456789", rows=rows, comparisons=bm.comparisons(rows),
+                    shape=dict(D=D, Dp=min(D, 128), block_size=Bs, K=2048 // Bs, tag=f"matrix_d{D}_b{Bs}"))
+        p = tmp_path / f"msa_matrix_d{D}_b{Bs}.json"
+        p.write_text(json.dumps(data))
+        paths.append(p)
+    out = tmp_path / "matrix.png"
+    plot_matrix.main([*map(str, paths), "--out", str(out), "--baseline", str(paths[0])])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    text = capsys.readouterr().out
+    assert "D=64 Dp=64 Bs=128" in text and "90%" in text  # 5.4x of 6.0x
