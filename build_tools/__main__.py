@@ -1,7 +1,15 @@
 """python -m build_tools {build,list}: compile the kernel catalogue ahead of time (no GPU needed).
 
-  python -m build_tools build --arch sm90a,sm100a [--set SETS] [--only PATTERN] [--head-dim 64] [--out DIR] [-j N]
+  python -m build_tools build --arch sm90a,sm100a [--set SETS] [--only PATTERN] [--head-dim 64,128]
+                              [--block-size 64,128] [--dtype bf16,f16] [--out DIR] [-j N]
   python -m build_tools list  --arch sm90a [--set all] [--only PATTERN] [--out DIR]
+
+One command per configuration: `python -m build_tools build --arch sm90a --head-dim 64 --block-size 64` compiles
+every kernel the MSA op needs at D 64 with key blocks of 64 into artifacts/ (the runtime finds it there, or where
+FLASH_MSA_ARTIFACT_DIR points; `pip install .` takes the same choices from FLASH_MSA_HEAD_DIMS / FLASH_MSA_BLOCK_SIZES).
+Without --head-dim / --block-size a build compiles the default matrix (kernels_src/matrix.py: D 64 and 128, blocks
+of 128). A configuration that some main MSA kernel cannot implement is refused with the measured limit;
+`list` prints what each family implements.
 
 Build sets (kernels_src.spec): "default" (what the runtime's default paths launch), "hopper_sync_check" (on sm90a,
 the mma.sync variants of the sm100a paths), "opt_in" (alternates kept for A/B runs), "all". A build compiles
@@ -18,6 +26,7 @@ from pathlib import Path
 
 from build_tools.build import REPO, BuildError, build, build_fingerprint, common_hash, is_up_to_date, load_manifest
 from build_tools.build import variant_fingerprint
+from build_tools import coverage
 from kernels_src.catalogue import CatalogueError, parse_sets, variants
 from kernels_src.spec import ARCHS, DEFAULT_ARCHS, DEFAULT_SETS
 
@@ -65,6 +74,13 @@ def _select(args):
 
 
 def cmd_list(args) -> int:
+    for arch in args.arch:
+        print(f"what each family implements on {arch} (any variant):")
+        for line in coverage.family_table(arch):
+            print(f"  {line}")
+    why = coverage.refusal(args.arch, args.head_dim, args.block_size, args.dtype)
+    if why:
+        print(f"note: {why}")
     specs = _select(args)
     fp = build_fingerprint()
     common = common_hash()
@@ -81,6 +97,10 @@ def cmd_list(args) -> int:
 
 
 def cmd_build(args) -> int:
+    why = coverage.refusal(args.arch, args.head_dim, args.block_size, args.dtype)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     specs = _select(args)
     if not specs:
         print("no variant matches the selection; `python -m build_tools list --set all` shows the whole catalogue",

@@ -244,7 +244,7 @@ def build(specs: list[BuildSpec], out: Path, jobs: int = 1, force: bool = False,
             except Exception as e:  # noqa: BLE001 - reported per variant, the build goes on
                 outcomes.append(Outcome(spec.name, spec.arch, "failed", detail=f"{type(e).__name__}: {e}"))
             bar.update(1)
-            bar.set_postfix_str(spec.name[-40:])
+            bar.set_postfix_str(spec.name)
     bar.close()
     for arch, manifest in manifests.items():  # also refreshes the top-level fingerprint when all were current
         _atomic_write(out / arch / "manifest.json", manifest.dumps().encode())

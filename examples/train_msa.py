@@ -73,6 +73,11 @@ class TrainConfig:
     local_blocks: int = 1
     seed: int = 0
     max_corpus_bytes: int | None = None
+    # torch.compile of the model's training forward (its backward compiles with it): "auto" is on for CUDA and off
+    # on the CPU, where the run is bound by the pure-PyTorch reference's math, not by Python overhead, and inductor's
+    # C++ compilation of each graph (tens of seconds per graph and mode on the 2-core machine) outweighs a few-minute
+    # run; "on" / "off" force it. Compare tokens/s of a run with --compile on and one with --compile off.
+    compile: str = "auto"
     # MSA
     block_size: int = 64
     top_k: int = 256  # tokens, a multiple of block_size
@@ -116,6 +121,8 @@ class TrainConfig:
         if not 1 <= self.local_blocks <= self.top_k // self.block_size:
             raise ValueError(f"local_blocks = {self.local_blocks}; supported: 1 <= local_blocks <= top_k // block_size "
                              f"= {self.top_k // self.block_size}")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile = {self.compile!r}; supported: 'auto', 'on', 'off'")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype = {self.dtype!r}; supported: 'float32', 'bfloat16'")
         bad = [r for r in self.runs if r not in RUNS]
@@ -200,6 +207,11 @@ def resolved_kl_value(cfg: TrainConfig) -> str:
     if cfg.kl_value != "auto":
         return cfg.kl_value
     return "deferred" if msa_backend(cfg) == "kernels" else "exact"
+
+
+def resolved_compile(cfg: TrainConfig) -> bool:
+    """cfg.compile, "auto" on for CUDA only (TrainConfig.compile says why)."""
+    return cfg.compile == "on" or cfg.compile == "auto" and torch.device(cfg.device).type == "cuda"
 
 
 def msa_backend(cfg: TrainConfig) -> str:
@@ -319,6 +331,7 @@ class Trainer:
         self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16"
                          else nullcontext())
         self.kl_value = resolved_kl_value(cfg) if "msa" in cfg.runs else "exact"
+        self.compiled = resolved_compile(cfg)
 
     def mode(self, run: str, step: int) -> str:
         if run == "dense":
@@ -383,6 +396,8 @@ class Trainer:
     def train(self, run: str, finished: dict, resume: dict | None = None) -> dict:
         cfg = self.cfg
         model, opt = self.new_model()
+        # The training forward, compiled where cfg.compile says (the flash_msa_rt ops are custom ops: one graph).
+        forward = torch.compile(model) if self.compiled else model
         metrics, start = empty_run_metrics(), 0
         if resume is not None:
             model.load_state_dict(resume["model"])
@@ -409,8 +424,8 @@ class Trainer:
 
             sync(self.device)
             t0 = time.perf_counter()
-            with self.autocast:
-                logits, kl = model(x, attend)
+            with self.autocast:  # recall steps run eager: the capture hooks keep tensors from inside the forward
+                logits, kl = (model if want_recall else forward)(x, attend)
             lm = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
             loss = lm + cfg.kl_coef * kl if mode != "dense" else lm
             opt.zero_grad(set_to_none=True)
@@ -453,6 +468,7 @@ class Trainer:
                 bar.update(1)
         if bar is not None:
             bar.close()
+        metrics["compiled"] = self.compiled
         metrics["summary"] = summarize(run, metrics)
         return metrics
 
@@ -480,6 +496,7 @@ def summarize(run: str, m: dict) -> dict:
         "val_loss": m["val"]["val_loss"][-1] if m["val"]["val_loss"] else None,
         "tokens_per_s": tps[main_mode],
         "tokens_per_s_mode": main_mode,
+        "compiled": m.get("compiled", False),  # tokens/s with torch.compile (TrainConfig.compile)
     }
     if run == "msa":
         kls = [v for v in h["kl"] if v is not None]
@@ -500,7 +517,8 @@ def format_summary(metrics: dict) -> str:
     for name, run in metrics["runs"].items():
         s = run["summary"]
         rows.append((name, f(s["final_train_loss"], ".4f"), f(s["val_loss"], ".4f"),
-                     f(s["tokens_per_s"], ",.0f") + f" ({s['tokens_per_s_mode']})", f(s.get("final_kl"), ".4f"),
+                     f(s["tokens_per_s"], ",.0f") + f" ({s['tokens_per_s_mode']}"
+                     + (", compiled)" if s.get("compiled") else ", eager)"), f(s.get("final_kl"), ".4f"),
                      f(s.get("final_recall"), ".3f"), f(s.get("final_coverage"), ".3f")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))

@@ -180,7 +180,8 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
             raise NotImplementedError(f"{fn}: cu_seqlens under CUDA graph capture is not supported: its packs read "
                                       f"the offsets on the host; capture flash_msa_varlen_func, or run this call "
                                       f"outside the graph")
-        _v.check_cu_seqlens_values(fn, cu_seqlens, S)
+        if not torch.compiler.is_compiling():  # compiled: the custom op checks them when it runs (library)
+            _v.check_cu_seqlens_values(fn, cu_seqlens, S)
     if _eager.usable(q, k, v, block_indices, cu_seqlens, sinks):
         out, lse = _eager.block_sparse(q, k, v, block_indices, block_size, scale, cu_seqlens, sinks)
     else:
@@ -270,36 +271,41 @@ def _msa(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_
     if document_list is not None and cu_seqlens is not None:
         raise ValueError(f"{fn}: pass document_list or cu_seqlens, not both")
     if document_list is not None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise NotImplementedError(f"{fn}: document_list under CUDA graph capture is not supported: turning it "
-                                      f"into offsets reads the number of documents on the host; pass cu_seqlens "
-                                      f"(or use flash_msa_varlen_func) in a captured step")
+        if torch.compiler.is_compiling() or device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError(f"{fn}: document_list under CUDA graph capture or torch.compile is not "
+                                      f"supported: turning it into offsets reads the number of documents on the "
+                                      f"host; pass cu_seqlens (or use flash_msa_varlen_func) in a captured or "
+                                      f"compiled step")
         _v.check_document_list(fn, document_list, dims.B, dims.S, device)
         cu_seqlens = _layout.cu_seqlens_from_document_list(document_list)
-    invalid = None
+    invalid = bound = None
     if cu_seqlens is not None:
         _v.check_cu_seqlens(fn, cu_seqlens, device)
-        if _offsets.capturing(cu_seqlens):  # each sequence lies within a row: seqlen bounds it
-            invalid = _captured_offsets(fn, cu_seqlens, dims.B * dims.S, dims.S, False, row_len=dims.S)
+        if _offsets.planned_on_device(cu_seqlens):  # each sequence lies within a row: seqlen bounds it
+            invalid, bound = _captured_offsets(fn, cu_seqlens, dims.B * dims.S, dims.S, False, row_len=dims.S), dims.S
         else:
             _v.check_cu_seqlens_values(fn, cu_seqlens, dims.B * dims.S, row_len=dims.S)
         # batch rows become consecutive packed sequences of one row
         q_proxy, k_proxy, q, k, v = (_layout.flatten_batch(t) for t in (q_proxy, k_proxy, q, k, v))
-    out, kl_loss = _run(q_proxy, k_proxy, q, k, v, opts.replace(cu_seqlens=cu_seqlens))
+    out, kl_loss = _run(q_proxy, k_proxy, q, k, v, opts.replace(cu_seqlens=cu_seqlens, max_seqlen=bound))
     out = out.reshape(dims.B, dims.S, dims.H * dims.D)
     return (out, kl_loss) if invalid is None else (_poisoned(out, invalid), _poisoned(kl_loss, invalid))
 
 
 def _captured_offsets(fn, cu_seqlens, total, max_seqlen, separate, row_len=None):
-    """Offsets under CUDA graph capture, where nothing is read on the host and a replay may bring new values: the
-    ops plan the pack on the device from max_seqlen (flash_msa_rt.ops.packed, _DevicePadded), and the checks the
-    host makes otherwise run on the device. Returns their 0-dim bool verdict."""
-    if separate:
+    """Offsets under CUDA graph capture or torch.compile, where nothing is read on the host and a replay (or the
+    next call of the compiled graph) may bring new values: the ops plan the pack on the device from max_seqlen
+    (flash_msa_rt.ops.packed, _DevicePadded), and the checks the host makes otherwise run on the device. Returns
+    their 0-dim bool verdict. Under capture the eager path's ops find max_seqlen declared beside the offsets; under
+    torch.compile the custom ops take it as their max_seqlen argument (_run), since no Python state of this call
+    reaches the compiled graph."""
+    if separate and not torch.compiler.is_compiling():
         raise NotImplementedError(f"{fn}: cu_seqlens_k under CUDA graph capture is not supported: separate key "
                                   f"offsets run on the reference, which reads them on the host; capture without "
                                   f"cu_seqlens_k, or run this call outside the graph")
     _v.check_max_seqlen(fn, max_seqlen, 0)
-    _offsets.declare_max_seqlen(cu_seqlens, max_seqlen)
+    if not torch.compiler.is_compiling():
+        _offsets.declare_max_seqlen(cu_seqlens, max_seqlen)
     return _offsets.invalid_on_device(cu_seqlens, total, max_seqlen, row_len)
 
 
@@ -331,9 +337,14 @@ def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, t
     opts = _options(fn, sparse, dims, q.device, top_k, scale, block_size, kl_value, kl_metric, select_precision,
                     sinks, proxy_scale, local_blocks)
     _v.check_cu_seqlens(fn, cu_seqlens, q.device)
-    if _offsets.capturing(cu_seqlens):  # no host read: checked on the device, the outputs NaN if the check fails
+    if _offsets.planned_on_device(cu_seqlens):  # no host read: checked on the device, the outputs NaN if it fails
         invalid = _captured_offsets(fn, cu_seqlens, dims.S, max_seqlen, separate)
-        out, kl_loss = _run(q_proxy, k_proxy, q, k, v, opts.replace(cu_seqlens=cu_seqlens))
+        if separate:  # torch.compile only: the ops read the key offsets themselves (packed._separate_keys)
+            invalid = invalid | _compiled_key_offsets(fn, cu_seqlens, cu_seqlens_k, max_seqlen_k, seqused_k,
+                                                      k.shape[1], q.device)
+        out, kl_loss = _run(q_proxy, k_proxy, q, k, v,
+                            opts.replace(cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                                         max_seqlen=None if separate else max_seqlen))
         return _poisoned(out[0], invalid), _poisoned(kl_loss, invalid)
     longest = _v.check_cu_seqlens_values(fn, cu_seqlens, dims.S)
     _v.check_max_seqlen(fn, max_seqlen, longest)
@@ -344,6 +355,19 @@ def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, t
     out, kl_loss = _run(q_proxy, k_proxy, q, k, v,
                         opts.replace(cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k))
     return out[0], kl_loss
+
+
+def _compiled_key_offsets(fn, cu_seqlens, cu_seqlens_k, max_seqlen_k, seqused_k, total_k, device):
+    """Separate key offsets under torch.compile: the host checks of check_key_offsets that read no value (type,
+    shape, device), then the rest on the device (0-dim bool verdict)."""
+    _v.check_cu_seqlens(fn, cu_seqlens_k, device, name="cu_seqlens_k")
+    if cu_seqlens_k.shape[0] != cu_seqlens.shape[0]:
+        raise ValueError(f"{fn}: cu_seqlens_k has {cu_seqlens_k.shape[0]} entries but cu_seqlens has "
+                         f"{cu_seqlens.shape[0]}; both are (num_seqs + 1,), one entry per sequence boundary")
+    if seqused_k is not None:
+        _v.check_seqused_k(fn, seqused_k, cu_seqlens.shape[0] - 1, device)
+    _v.check_max_seqlen(fn, max_seqlen_k, 0, name="max_seqlen_k")
+    return _offsets.keys_invalid_on_device(cu_seqlens, cu_seqlens_k, seqused_k, total_k, max_seqlen_k)
 
 
 def _kl_route(kl_value: str, kl_metric, tensors, sparse: bool, packed: bool) -> tuple[bool, bool]:
@@ -357,17 +381,29 @@ def _kl_route(kl_value: str, kl_metric, tensors, sparse: bool, packed: bool) -> 
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if kl_value == "deferred" and kl_metric is not None and not backward:
         return True, True
-    q_proxy, t = tensors[0], _tuning.kl_value.choose()
+    q_proxy, (rows, devices) = tensors[0], _kl_forward_pass_policy()
     B, S, Hp = q_proxy.shape[:3]
-    small = q_proxy.device.type in t.forward_pass_devices and B * Hp * S <= t.forward_pass_rows
+    small = q_proxy.device.type in devices and B * Hp * S <= rows
     return sparse and not packed and backward and small, False
+
+
+@torch.compiler.assume_constant_result
+def _kl_forward_pass_policy() -> tuple[int, tuple[str, ...]]:
+    """(forward_pass_rows, forward_pass_devices) of tuning.kl_value under the overrides in effect. Dynamo cannot
+    trace the overrides' ContextVar, so under torch.compile this runs once, when the graph is traced, and the graph
+    keeps that answer (no guard: torch._dynamo.reset() after changing an override). Only where the KL pass runs
+    depends on it, never a value or a gradient (tuning.kl_value)."""
+    t = _tuning.kl_value.choose()
+    return t.forward_pass_rows, t.forward_pass_devices
 
 
 def _run(q_proxy, k_proxy, q, k, v, opts: MsaOptions):
     """The ops on (B, S, heads, D) views; kl_loss = mean of kl_rows, formed here so its upstream gradient reaches the
     backward as a device tensor (no host read of the loss coefficient). Without the KL pass in the forward, kl_rows
     are zeros (kl_loss's value 0, its gradient unchanged) and the backward writes kl_metric; where the forward runs
-    the pass for a value that waits (_kl_route), kl_loss is a zero-valued mean of its rows."""
+    the pass for a value that waits (_kl_route), kl_loss is a zero-valued mean of its rows. opts.max_seqlen: the
+    packs' bound where the offsets are planned on the device (the custom ops' argument; the eager path, under
+    capture, finds it declared beside the offsets)."""
     # the sinks stay out of the route: the KL does not depend on them, so their gradient alone runs no KL backward
     kl, value_now = _kl_route(opts.kl_value, opts.kl_metric, (q_proxy, k_proxy, q, k, v), opts.sparse,
                               opts.cu_seqlens is not None)
@@ -378,12 +414,14 @@ def _run(q_proxy, k_proxy, q, k, v, opts: MsaOptions):
     deferred_metric = None if value_now else opts.kl_metric
     if opts.sparse:
         block_indices = _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), opts.K, opts.block_size,
-                                           opts.selection_scale, *offsets, opts.select_precision, opts.local_blocks)
+                                           opts.selection_scale, *offsets, opts.select_precision, opts.local_blocks,
+                                           opts.max_seqlen)
         out, _, _, kl_rows = _ops.msa_forward(q_proxy, k_proxy, q, k, v, block_indices, opts.block_size, opts.scale,
-                                              *offsets, kl, deferred_metric, opts.sinks, opts.proxy_scale)
+                                              *offsets, kl, deferred_metric, opts.sinks, opts.proxy_scale,
+                                              opts.max_seqlen)
     else:
         out, _, _, kl_rows = _ops.warmup_forward(q_proxy, k_proxy, q, k, v, opts.scale, *offsets, kl,
-                                                 deferred_metric, opts.sinks, opts.proxy_scale)
+                                                 deferred_metric, opts.sinks, opts.proxy_scale, opts.max_seqlen)
     if kl and not value_now:
         return out, _ZeroValuedMean.apply(kl_rows)
     kl_loss = kl_rows.sum() / max(kl_rows.numel(), 1)

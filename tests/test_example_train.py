@@ -185,3 +185,15 @@ def test_sinks_and_local_blocks_flags_reach_the_model_and_the_api():
     assert len(sinks) == cfg.n_layers and all(p.grad is not None and p.grad.abs().sum() > 0 for p in sinks)
     with pytest.raises(ValueError, match="local_blocks"):
         train_msa.build_config(train_msa.parse_args(["--local-blocks", str(cfg.top_k // cfg.block_size + 1)]))
+
+
+def test_compile_default_is_cuda_only():
+    """--compile auto: on for CUDA, off on the CPU (TrainConfig.compile says why); a bad value names the flag."""
+    _train_main()
+    import train_msa
+
+    assert train_msa.resolved_compile(train_msa.TrainConfig(device="cuda"))
+    assert not train_msa.resolved_compile(train_msa.TrainConfig(device="cpu"))
+    assert train_msa.resolved_compile(train_msa.TrainConfig(device="cpu", compile="on"))
+    with pytest.raises(ValueError, match="compile"):
+        train_msa.TrainConfig(compile="yes").validate()

@@ -565,7 +565,7 @@ def test_proxy_head_dim_64_below_d_is_accepted_on_the_default_build(catalogue_ar
             assert kernels._warmup_supports(_problem(op, dtype, proxy_head_dim=64, deterministic=False)) is None
     for dp in (32, 96, 256):
         reason = kernels._msa_supports(_problem(proxy_head_dim=dp))
-        assert reason is not None and f"Dp {dp}" in reason and "Dp in (64,) below D" in reason, reason
+        assert reason is not None and f"Dp {dp}" in reason and "Dp in (64, 128) below D" in reason, reason
     reason = kernels._select_supports(_problem("select_blocks", proxy_head_dim=32, top_k_blocks=16))
     assert "proxy head dim 32" in reason and "(64, 128)" in reason, reason
 

@@ -70,3 +70,146 @@ def test_fixed_length_api_reads_no_tensor_value():
     assert out.shape == (B, S, H * D) and kl.shape == () and kl.dtype == torch.float32
     assert out_w.shape == (B, S, H * D) and bsa.shape == q.shape and sel.shape == (B, Hp, S, 2)
     assert qp.grad.shape == qp.shape and v.grad.shape == v.shape
+
+
+# --- every entry point in every mode, fullgraph, inductor and aot_eager, against eager -----------------------------
+
+import pytest  # noqa: E402
+import torch._dynamo.testing  # noqa: E402
+
+from flash_msa_rt import flash_msa_varlen_func, flash_msa_warmup_varlen_func, tuning  # noqa: E402
+
+KL_VALUES = ("exact", "deferred", "none")
+BACKENDS = ("aot_eager", "inductor")
+# Row-aligned offsets over the B * S = 22 flattened tokens (flash_msa_func's cu_seqlens), and packs of the same
+# tokens for the varlen functions; keys longer than queries: each sequence's queries are its last tokens.
+CU_ROWS = (0, 5, 11, 16, 22)
+CU_PACK = (0, 7, 11, 22)
+CU_KEYS, Q_TOKENS, CU_QUERIES = (0, 11, 22), list(range(4, 11)) + list(range(13, 22)), (0, 7, 16)
+
+
+def _flat(t):
+    """(B, heads, S, D) -> (B * S, heads, D): the packed layout of the varlen functions."""
+    return t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[3])
+
+
+class EveryEntryPoint(torch.nn.Module):
+    """Every public function in one kl_value mode: fixed length (both select_precision), warmup, row-aligned
+    cu_seqlens, varlen with and without cu_seqlens_k, block-sparse with and without cu_seqlens, select_blocks."""
+
+    def __init__(self, kl_value):
+        super().__init__()
+        self.kl_value = kl_value
+
+    def forward(self, q_proxy, k_proxy, q, k, v, block_indices, cu_rows, cu_pack, cu_keys, cu_queries, metrics):
+        kw = {"block_size": BS, "kl_value": self.kl_value}
+        m = metrics if self.kl_value != "none" else (None,) * len(metrics)
+        five = (q_proxy, k_proxy, q, k, v)
+        flat = [_flat(t) for t in five]
+        queries = torch.tensor(Q_TOKENS)
+        separate = (flat[0][queries], flat[1], flat[2][queries], flat[3], flat[4])
+        results = [
+            *flash_msa_func(*five, 2 * BS, kl_metric=m[0], **kw),
+            *flash_msa_func(*five, 2 * BS, select_precision="fp8", **kw),
+            *flash_msa_warmup_func(*five, 2 * BS, kl_metric=m[1], **kw),
+            *flash_msa_func(*five, 2 * BS, cu_seqlens=cu_rows, **kw),
+            *flash_msa_varlen_func(*flat, cu_pack, 11, 2 * BS, kl_metric=m[2], **kw),
+            *flash_msa_warmup_varlen_func(*flat, cu_pack, 11, 2 * BS, **kw),
+            *flash_msa_varlen_func(*separate, cu_queries, 9, 2 * BS, cu_seqlens_k=cu_keys, max_seqlen_k=11, **kw),
+            *block_sparse_attention(q, k, v, block_indices, BS, scale=0.3, return_lse=True),
+            block_sparse_attention(q[:1], k[:1], v[:1], block_indices[:1].clamp(max=1), BS,
+                                   cu_seqlens=cu_rows[:3]),  # blocks of the 5-token sequence
+            select_blocks(q_proxy, k_proxy, 2 * BS, block_size=BS),
+            select_blocks(q_proxy, k_proxy, 2 * BS, block_size=BS, select_precision="fp8"),
+        ]
+        return results
+
+
+def _offsets(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _step(fn, tensors, idx, cus, seed=3):
+    """fn's results, the KL metrics and the five leaves' gradients of a loss over every differentiable result."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
+    metrics = tuple(torch.zeros(()) for _ in range(3))
+    results = fn(*leaves, idx, *cus, metrics)
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((r * torch.randn(r.shape, generator=g)).sum() for r in results
+               if r.is_floating_point() and r.requires_grad)
+    loss.backward()
+    return [r.detach() for r in results] + list(metrics) + [t.grad for t in leaves]
+
+
+def _assert_same(got, want, tol):
+    assert len(got) == len(want)
+    for n, (g_, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g_, w, rtol=tol, atol=tol, equal_nan=True, msg=lambda m: f"result {n}: {m}")
+
+
+def _indices():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(-1, -(-S // BS), (B, Hk, S, 2), generator=g, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kl_value", KL_VALUES)
+def test_every_entry_point_compiles_fullgraph(kl_value, backend):
+    """fullgraph=True fails on any graph break; the results, KL metrics and gradients equal eager (inductor fuses
+    the loss's reductions: a few ulps)."""
+    torch._dynamo.reset()
+    tensors, idx = _inputs(4), _indices()
+    cus = tuple(_offsets(c) for c in (CU_ROWS, CU_PACK, CU_KEYS, CU_QUERIES))
+    module = EveryEntryPoint(kl_value)
+    want = _step(module, tensors, idx, cus)
+    got = _step(torch.compile(module, backend=backend, fullgraph=True), tensors, idx, cus)
+    _assert_same(got, want, 1e-6 if backend == "aot_eager" else 1e-4)
+    if kl_value != "none":
+        assert all(m > 0 for m in want[-8:-5]), "every KL metric written (deferred: by the backward)"
+
+
+def test_deferred_forward_pass_route_compiles():
+    """kl_value="deferred" where tuning.kl_value has the forward run the KL pass (kl_loss still 0, the backward
+    writes kl_metric from the forward's rows): the override is read once at trace time, outside the graph."""
+    torch._dynamo.reset()
+    tensors, idx = _inputs(5), _indices()
+    cus = tuple(_offsets(c) for c in (CU_ROWS, CU_PACK, CU_KEYS, CU_QUERIES))
+    module = EveryEntryPoint("deferred")
+    with tuning.override(kl_value={"forward_pass_devices": ("cpu",)}):
+        want = _step(module, tensors, idx, cus)
+        got = _step(torch.compile(module, backend="aot_eager", fullgraph=True), tensors, idx, cus)
+    _assert_same(got, want, 1e-6)
+
+
+def test_no_graph_break_explained():
+    """torch._dynamo.explain agrees: one graph, no break, for the deferred mode (the one that broke on the tuning
+    overrides' ContextVar)."""
+    torch._dynamo.reset()
+    tensors, idx = _inputs(6), _indices()
+    cus = tuple(_offsets(c) for c in (CU_ROWS, CU_PACK, CU_KEYS, CU_QUERIES))
+    explained = torch._dynamo.explain(EveryEntryPoint("deferred"))(*tensors, idx, *cus,
+                                                                   tuple(torch.zeros(()) for _ in range(3)))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+
+
+def _packed_call(q_proxy, k_proxy, q, k, v, cu):
+    return flash_msa_varlen_func(q_proxy, k_proxy, q, k, v, cu, 11, 2 * BS, block_size=BS, kl_value="deferred")
+
+
+def test_compiled_varlen_takes_new_offsets_without_host_read():
+    """The compiled graph holds no offsets' values: new offsets of the same count give eager's results on the next
+    call (no recompilation, no stale plan). Offsets that break the contract: the graph's device check makes the
+    outputs NaN (as under CUDA graph capture); on the CPU the reference inside the op reads them first and raises,
+    naming cu_seqlens (no synchronisation: they are host memory)."""
+    torch._dynamo.reset()
+    flat = [_flat(t) for t in _inputs(7)]
+    counts = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(_packed_call, backend=counts, fullgraph=True)
+    for cu in ((0, 7, 11, 22), (0, 11, 11, 22), (0, 2, 13, 22)):
+        cu = _offsets(cu)
+        got, want = compiled(*flat, cu), _packed_call(*flat, cu)
+        _assert_same(list(got), list(want), 1e-6)
+    assert counts.frame_count == 1
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        compiled(*flat, _offsets((0, 5, 23, 22)))  # decreasing, past the tokens, longer than max_seqlen
+    assert counts.frame_count == 1

@@ -66,6 +66,9 @@ def test_distribution_names_and_extras():
     # the compiler pin is one version everywhere: build requirement, test extra
     pins = {r for r in PYPROJECT["tool"]["flash-msa"]["kernel-build-requires"] if r.startswith("nvidia-cutlass-dsl")}
     assert len(pins) == 1 and pins <= set(extras["test"])
+    # the MiniMax-M3 integration's extra, and the test extra runs its tests (never a runtime requirement)
+    assert extras["transformers"] == ["transformers>=5.23"] and set(extras["transformers"]) <= set(extras["test"])
+    assert not [r for r in project["dependencies"] if r.startswith("transformers")]
 
 
 def test_pyproject_is_reproducible_and_pure():

@@ -5,6 +5,8 @@ buffer the loader refuses)."""
 
 import pytest
 
+from kernels_src import matrix
+
 from flash_msa_rt import tuning
 from flash_msa_rt.manifest import variant_name
 from flash_msa_rt.ops import block_scores as rt_scores
@@ -93,11 +95,13 @@ def test_dense_warmup_variants_are_the_catalogues():
     catalogue builds (a group not claimed would silently
     keep the slow sparse kernels)."""
     t = tuning.warmup.choose("sm90a")
-    launches = {"warmup_kl": [rt_warmup_kl.kernel_config(dt, 128, G, sc) for dt in DTYPES for G in warmup_kl.GROUPS
+    dims = matrix.DEFAULT_HEAD_DIMS  # the default build's head dims
+    launches = {"warmup_kl": [rt_warmup_kl.kernel_config(dt, d, G, sc) for dt in DTYPES for d in dims
+                              for G in warmup_kl.GROUPS
                               for sc in tuning.warmup.KL_SCHEDULE_THREADS]  # the policy's schedule, or a test's
-                + [rt_warmup_kl.lse_config(dt, 128) for dt in DTYPES],  # deferred mode's proxy lse alone
-                "warmup_bwd_proxy": [rt_warmup_kl.backward_config(dt, 128, rt_warmup_kl.backward_chunk(G, t), kv)
-                                     for dt in DTYPES for G in GROUPS for kv in (0, 1)
+                + [rt_warmup_kl.lse_config(dt, d) for dt in DTYPES for d in dims],  # deferred mode's proxy lse alone
+                "warmup_bwd_proxy": [rt_warmup_kl.backward_config(dt, d, rt_warmup_kl.backward_chunk(G, t), kv)
+                                     for dt in DTYPES for d in dims for G in GROUPS for kv in (0, 1)
                                      if not kv or rt_warmup_kl.backward_chunk(G, t) == G]}  # the KL value: G <= 4
     for op, configs in launches.items():
         built = {s.name for s in variants(("sm90a",), sets="all") if s.op == op}  # lockstep: opt-in

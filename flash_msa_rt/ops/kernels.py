@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from flash_msa_rt import loader
+from flash_msa_rt import artifacts, loader
 from flash_msa_rt.errors import FlashMsaError
 from flash_msa_rt.ops import block_sparse, dense_main, packed, select, sparse_bwd, sparse_fwd, warmup_kl
 from flash_msa_rt.ops.backends import Backend, Problem, reference_impl
@@ -111,10 +111,11 @@ def _msa_supports(problem: Problem) -> str | None:
     if kv_group % g:
         return (f"H / Hk = {kv_group} is not a multiple of G = H / Hp = {g}: the sparse forward kernel needs "
                 f"Hp >= Hk with Hp a multiple of Hk")
-    # The proxy reaches these kernels at D (_proxy_at): their variants are D's whatever Dp is.
+    # The proxy reaches the forward's KL pass and the recomputing proxy backward at D (_proxy_at), the tau path's
+    # proxy kernel at its own Dp (sparse_bwd.tau_path_runs).
     if problem.op == "msa_forward":
         return _built(problem, sparse_fwd.variants(_DTYPE_NAMES[problem.dtype], d, d, bs, g, _arch(problem)))
-    return _built(problem, sparse_bwd.variants(_DTYPE_NAMES[problem.dtype], d, d, bs, g, _arch(problem),
+    return _built(problem, sparse_bwd.variants(_DTYPE_NAMES[problem.dtype], d, dp or d, bs, g, _arch(problem),
                                                deterministic))
 
 
@@ -129,8 +130,30 @@ def _sparse_limits(problem: Problem, d: int, bs: int, g: int, dp: int | None = N
         have = (f"D in {dims} with Dp = D or Dp in {PADDED_PROXY_HEAD_DIMS} below D" if dp is not None
                 else f"D in {dims}")
         return (f"D {d}, {'' if dp is None else f'Dp {dp}, '}block_size {bs}, G {g} (sparse kernels built for {arch}, "
-                f"{dt}: {have}, block_size {sizes}, G in {groups})")
+                f"{dt}: {have}, block_size {sizes}, G in {groups}); {_how_to_get(arch, dt, d, bs, dp)}")
     return None
+
+
+# Points of the contract's matrix no kernel build reaches, with the measurement (kernels_src's can_implement
+# refuses them; tests/test_matrix_cpu.py checks that this table and the catalogue agree). The runtime never imports
+# the catalogue, so it keeps the facts here.
+UNREACHABLE_HEAD_DIMS = {
+    256: ("at D 256 the sparse backward (sparse_bwd) needs 288768 bytes of shared memory per CTA with its smallest "
+          "tiles, as does the exact KL pass (sparse_kl) at blocks of 128 (sm90a allows 232448), so D 256 runs on "
+          "the pure-PyTorch reference; the nearest point on kernels is D 128"),
+}
+
+
+def _how_to_get(arch: str, dt: str, d: int, bs: int, dp: int | None) -> str:
+    """The command that builds a configuration's kernels, or why none can."""
+    if d in UNREACHABLE_HEAD_DIMS:
+        return UNREACHABLE_HEAD_DIMS[d]
+    if dp is not None and dp > d:
+        return (f"a proxy wider than the heads (Dp {dp} > D {d}) is not built: the KL pass takes the proxy at D; "
+                f"use Dp <= D")
+    if dp is not None and not _proxy_dim_ok(d, dp):
+        return f"proxy head dim {dp} is not one the kernels are written for (Dp in {PADDED_PROXY_HEAD_DIMS})"
+    return "build them: " + artifacts.build_command(arch, {"dtype": dt, "head_dim": d, "block_size": bs})
 
 
 # Proxy head dims below D that the KL pass and the proxy backward (sparse and warmup kernels, built for Dp = D)
@@ -140,7 +163,7 @@ def _sparse_limits(problem: Problem, d: int, bs: int, g: int, dp: int | None = N
 # S = 64K, Hp = 8, Hpk = 1 in bf16: 302 MB written, 151 MB read, ~0.1 ms at 4 TB/s), proxy gradients made D wide
 # before the cut, and D / Dp times the proxy MMA work a native Dp kernel would do in those kernels; the selection,
 # the only quadratic proxy work outside warmup, runs at Dp (docs/kernel-notes.md, "A proxy head dim below D").
-PADDED_PROXY_HEAD_DIMS = (64,)
+PADDED_PROXY_HEAD_DIMS = (64, 128)
 
 
 def _proxy_dim_ok(d: int, dp: int | None) -> bool:
@@ -235,18 +258,23 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
     """kl_metric: also the mean KL value into it (deferred mode): from the proxy backward where its kl_value
     variant runs (the tau path), else from the KL pass."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
-    qp, kp = _proxy_at(q_proxy, k_proxy, q.shape[3])
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    D, G = q.shape[3], q.shape[2] // q_proxy.shape[2]
+    # The tau path's proxy kernel reads the proxy alone, at its own head dim; the others take it at D.
+    native = sparse_bwd.tau_path_runs(arch_of(q.device), G, D, block_size,
+                                      grad_out is not None and kl_grad is not None, deterministic)
+    qp, kp = (q_proxy, k_proxy) if native else _proxy_at(q_proxy, k_proxy, D)
     qp, kp, q_, k_, v_, out = (_tma_ready(t) for t in (qp, kp, q, k, v, out))
     grad_out = _tma_ready(grad_out) if grad_out is not None else None
     kl_rows = [] if kl_metric is not None else None  # the backward appends the rows when it forms them
     grads = sparse_bwd.msa_backward_cuda(qp, kp, q_, k_, v_, out, lse, lse_proxy, block_indices.contiguous(),
-                                         block_size, scale, grad_out, kl_grad,
-                                         deterministic=torch.are_deterministic_algorithms_enabled(), kl_rows=kl_rows)
+                                         block_size, scale, grad_out, kl_grad, deterministic=deterministic,
+                                         kl_rows=kl_rows)
     if kl_metric is not None:
         rows = kl_rows[0] if kl_rows else _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size,
                                                   scale)[1]
         kl_metric.copy_(rows.sum() / max(rows.numel(), 1))  # flash_msa_rt.api's kl_loss
-    return _proxy_grads(grads, q_proxy, k_proxy, q.shape[3])
+    return grads if native else _proxy_grads(grads, q_proxy, k_proxy, D)
 
 
 # Warmup's KL pass and proxy backward run on the dense kernels where they are built (flash_msa_rt.ops.warmup_kl:

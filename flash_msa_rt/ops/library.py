@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from flash_msa_rt import tuning
-from flash_msa_rt.ops import dispatch
+from flash_msa_rt.ops import dispatch, offsets, sparse_plan, validation
 from flash_msa_rt.ops import sinks as _sinks
 
 NAMESPACE = "flash_msa"
@@ -153,10 +153,24 @@ def _impl(op: str, like: Tensor, config: dict):
     return dispatch.implementation(op, like.device, like.dtype, **config)
 
 
+def _planned(max_seqlen: int | None, impl, *args, **kwargs):
+    """impl(*args, **kwargs), with a max_seqlen (the ops' packed-offsets bound, given under torch.compile: api) the
+    packs planned on the device from it, as under CUDA graph capture (flash_msa_rt.ops.packed), no host read."""
+    if max_seqlen is None:
+        return impl(*args, **kwargs)
+    with offsets.planned_with(max_seqlen):
+        return impl(*args, **kwargs)
+
+
+def _bound(max_seqlen: int | None) -> dict:
+    """The max_seqlen keyword for an op (or a body) where there is one: the eager path's bodies never get it."""
+    return {} if max_seqlen is None else {"max_seqlen": max_seqlen}
+
+
 # --- selection ---------------------------------------------------------------------------------------------------
 
 def select_blocks_body(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
-                       seqused_k=None, precision="bf16", local_blocks=1):
+                       seqused_k=None, precision="bf16", local_blocks=1, max_seqlen=None):
     """select_blocks' body (the custom op's and the eager path's)."""
     config = {"proxy_head_dim": q_proxy.shape[-1], "block_size": block_size, "top_k_blocks": top_k_blocks,
               "varlen": cu_seqlens is not None or cu_seqlens_k is not None, "separate_keys": cu_seqlens_k is not None,
@@ -167,24 +181,27 @@ def select_blocks_body(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seq
     if local_blocks != 1:
         config["local_blocks"] = extra["local_blocks"] = local_blocks
     impl = _impl("select_blocks", q_proxy, config)
-    return _fresh(_as(impl(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens, **extra,
-                           **_key_offsets("select_blocks", cu_seqlens, cu_seqlens_k, seqused_k)), torch.int32))
+    return _fresh(_as(_planned(max_seqlen, impl, q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens,
+                               **extra, **_key_offsets("select_blocks", cu_seqlens, cu_seqlens_k, seqused_k)),
+                      torch.int32))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::select_blocks", mutates_args=())
 def select_blocks(q_proxy: Tensor, k_proxy: Tensor, top_k_blocks: int, block_size: int, scale: float,
                   cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-                  seqused_k: Optional[Tensor] = None, precision: str = "bf16", local_blocks: int = 1) -> Tensor:
+                  seqused_k: Optional[Tensor] = None, precision: str = "bf16", local_blocks: int = 1,
+                  max_seqlen: Optional[int] = None) -> Tensor:
     """int32 (B, Hp, S, K) selected key blocks per (b, p, i), -1 for empty slots. Not differentiable. precision
     "fp8": scores from the e4m3-quantised proxy pair (flash_msa_rt.reference.fp8). scale: the proxy scale.
-    local_blocks: the L most recent blocks always selected (1 <= L <= K)."""
+    local_blocks: the L most recent blocks always selected (1 <= L <= K). max_seqlen: given, packs are planned on
+    the device from it (the other ops' too; torch.compile passes it, flash_msa_rt.api)."""
     return select_blocks_body(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k,
-                              precision, local_blocks)
+                              precision, local_blocks, max_seqlen)
 
 
 @select_blocks.register_fake
 def _(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None,
-      precision="bf16", local_blocks=1):
+      precision="bf16", local_blocks=1, max_seqlen=None):
     B, S, Hp, _ = q_proxy.shape
     return q_proxy.new_empty((B, Hp, S, top_k_blocks), dtype=torch.int32)
 
@@ -196,14 +213,16 @@ def msa_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tenso
                 block_size: int, scale: float, cu_seqlens: Optional[Tensor] = None,
                 cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None, kl: bool = True,
                 kl_metric: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-                proxy_scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                proxy_scale: Optional[float] = None,
+                max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out (B, S, H, D) q.dtype, lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)); statistics float32
     (float64 for float64 inputs). S counts the queries (q's dim 1). kl=False: lse_proxy and kl_rows are zeros and
     the backward forms them (writing the KL value into kl_metric, which the forward does not touch). kl=True with a
     kl_metric: the backward writes the mean of this forward's kl_rows into it. sinks (H,): out includes them, lse
     does not (lse0; the softmax's lse is logaddexp(lse, sinks)). proxy_scale: the proxy scores' (None: scale)."""
-    return msa_forward_body(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, cu_seqlens_k,
-                            seqused_k, kl, sinks, proxy_scale)
+    with sparse_plan.ops_keep_no_lists():  # what the backward needs is in its saved tensors, or recomputed
+        return msa_forward_body(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens,
+                                cu_seqlens_k, seqused_k, kl, sinks, proxy_scale, max_seqlen)
 
 
 def _with_sinks(outputs: tuple, sinks) -> tuple:
@@ -215,12 +234,13 @@ def _with_sinks(outputs: tuple, sinks) -> tuple:
 
 
 def msa_forward_body(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
-                     seqused_k=None, kl=True, sinks=None, proxy_scale=None):
+                     seqused_k=None, kl=True, sinks=None, proxy_scale=None, max_seqlen=None):
     """msa_forward's body (the custom op's and the eager path's)."""
     impl = _impl("msa_forward", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k, proxy_scale))
-    return _with_sinks(_stats(q, *impl(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens,
-                                       **_kl_flag(kl), **_proxy_scale(proxy_scale),
-                                       **_key_offsets("msa_forward", cu_seqlens, cu_seqlens_k, seqused_k))), sinks)
+    return _with_sinks(_stats(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, block_indices, block_size,
+                                           scale, cu_seqlens, **_kl_flag(kl), **_proxy_scale(proxy_scale),
+                                           **_key_offsets("msa_forward", cu_seqlens, cu_seqlens_k, seqused_k))),
+                       sinks)
 
 
 def _msa_outputs_fake(q_proxy, q):
@@ -233,7 +253,7 @@ def _msa_outputs_fake(q_proxy, q):
 
 @msa_forward.register_fake
 def _(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
-      seqused_k=None, kl=True, kl_metric=None, sinks=None, proxy_scale=None):
+      seqused_k=None, kl=True, kl_metric=None, sinks=None, proxy_scale=None, max_seqlen=None):
     return _msa_outputs_fake(q_proxy, q)
 
 
@@ -241,23 +261,25 @@ def _(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=No
 def msa_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, block_indices: Tensor,
            block_size: int, scale: float, cu_seqlens: Optional[Tensor] = None,
            cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
-           with_kl: bool = True, proxy_scale: Optional[float] = None) -> tuple[Tensor, Tensor]:
+           with_kl: bool = True, proxy_scale: Optional[float] = None,
+           max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """(lse_proxy, kl_rows) of msa_forward given its lse (lse0 with sinks): the KL pass alone (kl=False's
     backward). with_kl False: only lse_proxy is wanted (kl_rows may hold zeros), which the kernels form at ~1 / 5
     of the pass's work."""
-    return msa_kl_body(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens, cu_seqlens_k,
-                       seqused_k, with_kl, proxy_scale)
+    with sparse_plan.ops_keep_no_lists():  # as msa_forward
+        return msa_kl_body(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens,
+                           cu_seqlens_k, seqused_k, with_kl, proxy_scale, max_seqlen)
 
 
 def msa_kl_body(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
-                seqused_k=None, with_kl=True, proxy_scale=None):
+                seqused_k=None, with_kl=True, proxy_scale=None, max_seqlen=None):
     """msa_kl's body (the custom op's and the eager path's)."""
     impl = _impl("msa_kl", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k, proxy_scale))
     keys = dict(_key_offsets("msa_kl", cu_seqlens, cu_seqlens_k, seqused_k), **_proxy_scale(proxy_scale))
     if not with_kl:
         keys["with_kl"] = False
-    return _stats_only(q, *impl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens,
-                                **keys))
+    return _stats_only(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, lse, block_indices, block_size,
+                                    scale, cu_seqlens, **keys))
 
 
 def _kl_fake(q_proxy, q):
@@ -266,7 +288,7 @@ def _kl_fake(q_proxy, q):
 
 @msa_kl.register_fake
 def _(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
-      seqused_k=None, with_kl=True, proxy_scale=None):
+      seqused_k=None, with_kl=True, proxy_scale=None, max_seqlen=None):
     return _kl_fake(q_proxy, q)
 
 
@@ -291,12 +313,13 @@ def msa_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tens
                  lse_proxy: Tensor, block_indices: Tensor, block_size: int, scale: float, grad_out: Optional[Tensor],
                  kl_grad: Optional[Tensor], cu_seqlens: Optional[Tensor] = None,
                  cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
-                 sinks: Optional[Tensor] = None,
-                 proxy_scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 sinks: Optional[Tensor] = None, proxy_scale: Optional[float] = None,
+                 max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq_proxy, dk_proxy, dq, dk, dv). kl_grad is d(loss)/d(kl_rows), broadcastable to (B, Hp, S), or None.
     With sinks, out is msa_forward's (sink-adjusted) and lse its lse0; d sinks is the autograd rule's."""
     return msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
-                             grad_out, kl_grad, cu_seqlens, cu_seqlens_k, seqused_k, sinks, proxy_scale)
+                             grad_out, kl_grad, cu_seqlens, cu_seqlens_k, seqused_k, sinks, proxy_scale,
+                             max_seqlen=max_seqlen)
 
 
 # The backward that also writes the KL value (deferred mode) is an op of its own whose kl_metric is required:
@@ -308,24 +331,25 @@ def msa_backward_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: T
                     grad_out: Optional[Tensor], kl_grad: Optional[Tensor], kl_metric: Tensor,
                     cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                     seqused_k: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-                    proxy_scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    proxy_scale: Optional[float] = None,
+                    max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """msa_backward that also writes the mean KL value into kl_metric (deferred KL mode, one sequence), which the
     kernels form inside the proxy backward."""
     return msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
                              grad_out, kl_grad, cu_seqlens, cu_seqlens_k, seqused_k, sinks, proxy_scale,
-                             kl_metric=kl_metric)
+                             kl_metric=kl_metric, max_seqlen=max_seqlen)
 
 
-def _msa_backward_op(*args, kl_metric=None):
+def _msa_backward_op(*args, kl_metric=None, **bound):
     """The custom op for a backward with or without the KL value (the autograd rule's `backward`)."""
     if kl_metric is None:
-        return msa_backward(*args)
-    return msa_backward_kl(*args[:13], kl_metric, *args[13:])
+        return msa_backward(*args, **bound)
+    return msa_backward_kl(*args[:13], kl_metric, *args[13:], **bound)
 
 
 def msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
                       kl_grad, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None, *,
-                      kl_metric=None):
+                      kl_metric=None, max_seqlen=None):
     """msa_backward's body (the custom op's and the eager path's)."""
     # The kernels' backward sums with fp32 atomics; under torch.use_deterministic_algorithms(True) dispatch
     # must be able to decline it, so the flag belongs to the problem.
@@ -336,8 +360,8 @@ def msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
 
     def run(lse_rows, grad_out, kl_grad, metric):
         extra = dict(keys, kl_metric=metric) if metric is not None else keys
-        return impl(q_proxy, k_proxy, q, k, v, out, lse_rows, lse_proxy, block_indices, block_size, scale, grad_out,
-                    kl_grad, cu_seqlens, **extra)
+        return _planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, out, lse_rows, lse_proxy, block_indices,
+                        block_size, scale, grad_out, kl_grad, cu_seqlens, **extra)
 
     return _grads_like((q_proxy, k_proxy, q, k, v), _sink_split(run, lse, sinks, grad_out, kl_grad, kl_metric,
                                                                 (q_proxy, k_proxy, q, k, v)))
@@ -360,23 +384,24 @@ def _sink_split(run, lse, sinks, grad_out, kl_grad, kl_metric, inputs) -> tuple:
 
 @msa_backward.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out, kl_grad,
-      cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None):
+      cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None, max_seqlen=None):
     return _fake_grads(q_proxy, k_proxy, q, k, v)
 
 
 @msa_backward_kl.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out, kl_grad, kl_metric,
-      cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None):
+      cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None, max_seqlen=None):
     return _fake_grads(q_proxy, k_proxy, q, k, v)
 
 
 def _msa_setup_context(ctx, inputs, output):
     (q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl,
-     kl_metric, sinks, proxy_scale) = inputs
+     kl_metric, sinks, proxy_scale, max_seqlen) = inputs
     out, lse, lse_proxy, kl_rows = output
     ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens, cu_seqlens_k,
                           seqused_k, sinks)
     ctx.block_size, ctx.scale, ctx.proxy_scale, ctx.tuning = block_size, scale, proxy_scale, tuning.current()
+    ctx.max_seqlen = max_seqlen
     # kl_metric is written, not read: held as is, outside save_for_backward's version check; with kl, from the
     # forward's rows (an output of this op, which nothing else writes).
     ctx.kl, ctx.kl_metric = kl, kl_metric
@@ -400,24 +425,25 @@ def msa_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
     backward: msa_kl and msa_backward, the custom ops (their autograd rule) or their bodies (the eager path)."""
     q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens, cu_seqlens_k, seqused_k, sinks = \
         ctx.saved_tensors
-    metric = {}
+    metric, bound = {}, _bound(getattr(ctx, "max_seqlen", None))
     if not ctx.kl and grad_kl_rows is not None and cu_seqlens is None:
         # The proxy gradient needs lse_proxy before the backward, the KL value (if asked for) does not: the proxy
         # lse alone here, and the backward forms the value from the tau and pi it computes anyway (on the tau
         # path; where it cannot, it runs the KL pass itself). Packs keep the whole pass (one mean per pack).
         lse_proxy = kl_pass(q_proxy, k_proxy, q, k, v, lse, block_indices, ctx.block_size, ctx.scale, cu_seqlens,
-                            cu_seqlens_k, seqused_k, with_kl=False, proxy_scale=ctx.proxy_scale)[0]
+                            cu_seqlens_k, seqused_k, with_kl=False, proxy_scale=ctx.proxy_scale, **bound)[0]
         if ctx.kl_metric is not None:
             metric["kl_metric"] = ctx.kl_metric
     else:
         lse_proxy = _deferred_kl(ctx, lambda: kl_pass(q_proxy, k_proxy, q, k, v, lse, block_indices, ctx.block_size,
                                                       ctx.scale, cu_seqlens, cu_seqlens_k, seqused_k,
-                                                      proxy_scale=ctx.proxy_scale),
+                                                      proxy_scale=ctx.proxy_scale, **bound),
                                  grad_kl_rows, lse_proxy)
     if grad_out is None and grad_kl_rows is None:
         return (None,) * 6
     grads = backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, ctx.block_size, ctx.scale,
-                     grad_out, grad_kl_rows, cu_seqlens, cu_seqlens_k, seqused_k, sinks, ctx.proxy_scale, **metric)
+                     grad_out, grad_kl_rows, cu_seqlens, cu_seqlens_k, seqused_k, sinks, ctx.proxy_scale, **metric,
+                     **bound)
     return _arrived(grads, grad_out, grad_kl_rows) + (_sink_grad(out, lse, grad_out, sinks),)
 
 
@@ -429,7 +455,7 @@ def _sink_grad(out, lse0, grad_out, sinks):
 def _msa_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
     *grads, d_sinks = under_forward_tuning(ctx, msa_gradients, ctx, grad_out, grad_kl_rows, msa_kl,
                                            _msa_backward_op)
-    return (*grads,) + (None,) * 8 + (d_sinks, None)
+    return (*grads,) + (None,) * 8 + (d_sinks, None, None)
 
 
 def _arrived(grads, grad_out, grad_kl_rows):
@@ -453,24 +479,26 @@ def warmup_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Te
                    cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                    seqused_k: Optional[Tensor] = None, kl: bool = True,
                    kl_metric: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-                   proxy_scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """msa_forward's outputs with every causal key allowed (no selection); kl, kl_metric, sinks (lse is lse0) and
-    proxy_scale as msa_forward's."""
+                   proxy_scale: Optional[float] = None,
+                   max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """msa_forward's outputs with every causal key allowed (no selection); kl, kl_metric, sinks (lse is lse0),
+    proxy_scale and max_seqlen as msa_forward's."""
     return warmup_forward_body(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl, sinks,
-                               proxy_scale)
+                               proxy_scale, max_seqlen)
 
 
 def warmup_forward_body(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None,
-                        kl=True, sinks=None, proxy_scale=None):
+                        kl=True, sinks=None, proxy_scale=None, max_seqlen=None):
     """warmup_forward's body (the custom op's and the eager path's)."""
     impl = _impl("warmup_forward", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k, proxy_scale))
     keys = dict(_key_offsets("warmup_forward", cu_seqlens, cu_seqlens_k, seqused_k), **_proxy_scale(proxy_scale))
-    return _with_sinks(_stats(q, *impl(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, **_kl_flag(kl), **keys)), sinks)
+    return _with_sinks(_stats(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, scale, cu_seqlens,
+                                           **_kl_flag(kl), **keys)), sinks)
 
 
 @warmup_forward.register_fake
 def _(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, kl=True,
-      kl_metric=None, sinks=None, proxy_scale=None):
+      kl_metric=None, sinks=None, proxy_scale=None, max_seqlen=None):
     return _msa_outputs_fake(q_proxy, q)
 
 
@@ -478,26 +506,26 @@ def _(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, cu_seqlens_k=None, sequ
 def warmup_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, scale: float,
               cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
               seqused_k: Optional[Tensor] = None, with_kl: bool = True,
-              proxy_scale: Optional[float] = None) -> tuple[Tensor, Tensor]:
+              proxy_scale: Optional[float] = None, max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """(lse_proxy, kl_rows) of warmup_forward given its lse (lse0): the KL pass alone (kl=False's backward). with_kl
     False: only lse_proxy is wanted (kl_rows may hold zeros), which the kernels form at ~1 / 5 of the pass's work."""
     return warmup_kl_body(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens, cu_seqlens_k, seqused_k, with_kl,
-                          proxy_scale)
+                          proxy_scale, max_seqlen)
 
 
 def warmup_kl_body(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None,
-                   with_kl=True, proxy_scale=None):
+                   with_kl=True, proxy_scale=None, max_seqlen=None):
     """warmup_kl's body (the custom op's and the eager path's)."""
     impl = _impl("warmup_kl", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k, proxy_scale))
     keys = dict(_key_offsets("warmup_kl", cu_seqlens, cu_seqlens_k, seqused_k), **_proxy_scale(proxy_scale))
     if not with_kl:
         keys["with_kl"] = False
-    return _stats_only(q, *impl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens, **keys))
+    return _stats_only(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens, **keys))
 
 
 @warmup_kl.register_fake
 def _(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, with_kl=True,
-      proxy_scale=None):
+      proxy_scale=None, max_seqlen=None):
     return _kl_fake(q_proxy, q)
 
 
@@ -506,10 +534,11 @@ def warmup_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: T
                     lse_proxy: Tensor, scale: float, grad_out: Optional[Tensor], kl_grad: Optional[Tensor],
                     cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                     seqused_k: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-                    proxy_scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    proxy_scale: Optional[float] = None,
+                    max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq_proxy, dk_proxy, dq, dk, dv) of warmup_forward (sinks as msa_backward's)."""
     return warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
-                                cu_seqlens_k, seqused_k, sinks, proxy_scale)
+                                cu_seqlens_k, seqused_k, sinks, proxy_scale, max_seqlen=max_seqlen)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::warmup_backward_kl", mutates_args=("kl_metric",))
@@ -517,23 +546,25 @@ def warmup_backward_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v
                        lse_proxy: Tensor, scale: float, grad_out: Optional[Tensor], kl_grad: Optional[Tensor],
                        kl_metric: Tensor, cu_seqlens: Optional[Tensor] = None,
                        cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
-                       sinks: Optional[Tensor] = None,
-                       proxy_scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       sinks: Optional[Tensor] = None, proxy_scale: Optional[float] = None,
+                       max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """warmup_backward that also writes the mean KL value into kl_metric (deferred KL mode, one sequence), which
     the kernels form inside the proxy backward (msa_backward_kl says why it is an op of its own)."""
     return warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
-                                cu_seqlens_k, seqused_k, sinks, proxy_scale, kl_metric=kl_metric)
+                                cu_seqlens_k, seqused_k, sinks, proxy_scale, kl_metric=kl_metric,
+                                max_seqlen=max_seqlen)
 
 
-def _warmup_backward_op(*args, kl_metric=None):
+def _warmup_backward_op(*args, kl_metric=None, **bound):
     """The custom op for a warmup backward with or without the KL value (the autograd rule's `backward`)."""
     if kl_metric is None:
-        return warmup_backward(*args)
-    return warmup_backward_kl(*args[:11], kl_metric, *args[11:])  # args: warmup_backward's, sinks included
+        return warmup_backward(*args, **bound)
+    return warmup_backward_kl(*args[:11], kl_metric, *args[11:], **bound)  # args: warmup_backward's, sinks included
 
 
 def warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None,
-                         cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None, *, kl_metric=None):
+                         cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None, *, kl_metric=None,
+                         max_seqlen=None):
     """warmup_backward's body (the custom op's and the eager path's)."""
     config = dict(_msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k, proxy_scale),
                   deterministic=torch.are_deterministic_algorithms_enabled())  # as msa_backward
@@ -542,8 +573,8 @@ def warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, 
 
     def run(lse_rows, grad_out, kl_grad, metric):
         extra = dict(keys, kl_metric=metric) if metric is not None else keys
-        return impl(q_proxy, k_proxy, q, k, v, out, lse_rows, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
-                    **extra)
+        return _planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, out, lse_rows, lse_proxy, scale, grad_out,
+                        kl_grad, cu_seqlens, **extra)
 
     return _grads_like((q_proxy, k_proxy, q, k, v), _sink_split(run, lse, sinks, grad_out, kl_grad, kl_metric,
                                                                 (q_proxy, k_proxy, q, k, v)))
@@ -551,21 +582,22 @@ def warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, 
 
 @warmup_backward.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None, cu_seqlens_k=None,
-      seqused_k=None, sinks=None, proxy_scale=None):
+      seqused_k=None, sinks=None, proxy_scale=None, max_seqlen=None):
     return _fake_grads(q_proxy, k_proxy, q, k, v)
 
 
 @warmup_backward_kl.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, kl_metric, cu_seqlens=None,
-      cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None):
+      cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None, max_seqlen=None):
     return _fake_grads(q_proxy, k_proxy, q, k, v)
 
 
 def _warmup_setup_context(ctx, inputs, output):
-    q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl, kl_metric, sinks, proxy_scale = inputs
+    (q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl, kl_metric, sinks, proxy_scale,
+     max_seqlen) = inputs
     out, lse, lse_proxy, kl_rows = output
     ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k, sinks)
-    ctx.scale, ctx.proxy_scale, ctx.tuning = scale, proxy_scale, tuning.current()
+    ctx.scale, ctx.proxy_scale, ctx.tuning, ctx.max_seqlen = scale, proxy_scale, tuning.current(), max_seqlen
     ctx.kl, ctx.kl_metric = kl, kl_metric  # as _msa_setup_context
     ctx.kl_rows = kl_rows if kl and kl_metric is not None else None
     ctx.mark_non_differentiable(lse, lse_proxy)
@@ -576,30 +608,30 @@ def warmup_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
     """msa_gradients of a warmup forward (_warmup_setup_context's ctx): kl_pass and backward are warmup_kl and
     warmup_backward, the custom ops or their bodies."""
     q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k, sinks = ctx.saved_tensors
-    metric = {}
+    metric, bound = {}, _bound(getattr(ctx, "max_seqlen", None))
     if not ctx.kl and grad_kl_rows is not None and cu_seqlens is None:
         # The proxy gradient needs lse_proxy before the backward, the KL value (if asked for) does not: the proxy
         # lse alone here, and the backward forms the value from the tau and pi it computes anyway (on the
         # kernels; where it cannot, it runs the KL pass itself). Packs keep the whole pass (one mean per pack).
         lse_proxy = kl_pass(q_proxy, k_proxy, q, k, v, lse, ctx.scale, cu_seqlens, cu_seqlens_k, seqused_k,
-                            with_kl=False, proxy_scale=ctx.proxy_scale)[0]
+                            with_kl=False, proxy_scale=ctx.proxy_scale, **bound)[0]
         if ctx.kl_metric is not None:
             metric["kl_metric"] = ctx.kl_metric
     else:
         lse_proxy = _deferred_kl(ctx, lambda: kl_pass(q_proxy, k_proxy, q, k, v, lse, ctx.scale, cu_seqlens,
-                                                      cu_seqlens_k, seqused_k, proxy_scale=ctx.proxy_scale),
+                                                      cu_seqlens_k, seqused_k, proxy_scale=ctx.proxy_scale, **bound),
                                  grad_kl_rows, lse_proxy)
     if grad_out is None and grad_kl_rows is None:
         return (None,) * 6
     grads = backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, ctx.scale, grad_out, grad_kl_rows, cu_seqlens,
-                     cu_seqlens_k, seqused_k, sinks, ctx.proxy_scale, **metric)
+                     cu_seqlens_k, seqused_k, sinks, ctx.proxy_scale, **metric, **bound)
     return _arrived(grads, grad_out, grad_kl_rows) + (_sink_grad(out, lse, grad_out, sinks),)
 
 
 def _warmup_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
     *grads, d_sinks = under_forward_tuning(ctx, warmup_gradients, ctx, grad_out, grad_kl_rows, warmup_kl,
                                            _warmup_backward_op)
-    return (*grads,) + (None,) * 6 + (d_sinks, None)
+    return (*grads,) + (None,) * 6 + (d_sinks, None, None)
 
 
 warmup_forward.register_autograd(_warmup_backward_rule, setup_context=_warmup_setup_context)
@@ -619,6 +651,8 @@ def block_sparse_forward(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor,
                          sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out (B, S, H, D) q.dtype, lse (B, H, S) float32 (float64 for float64 inputs)) over the causal tokens of each
     row's listed blocks. sinks (H,): both include them (a row with no allowed key: out 0, lse = sink)."""
+    if cu_seqlens is not None:  # the check block_sparse_attention leaves to the op under torch.compile (a host read)
+        validation.check_cu_seqlens_values("block_sparse_attention", cu_seqlens, q.shape[1])
     return block_sparse_forward_body(q, k, v, block_indices, block_size, scale, cu_seqlens, sinks)
 
 

@@ -12,6 +12,8 @@ Host tensors are read every time (cheap, and numpy can write them without a vers
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
 
 import torch
@@ -70,6 +72,33 @@ def capturing(cu: torch.Tensor) -> bool:
     return cu.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def planned_on_device(cu: torch.Tensor) -> bool:
+    """Whether the API must not read cu on the host: under CUDA graph capture, or while torch.compile traces (the
+    graph holds no value of cu, and a later call, or a CUDA graph replay of reduce-overhead, brings new ones)."""
+    return torch.compiler.is_compiling() or capturing(cu)
+
+
+# Under torch.compile the API's Python state (declare_max_seqlen's table, keyed on the tensor object) does not
+# reach the compiled graph, which runs the custom ops on whatever tensors come: the bound travels as the ops'
+# max_seqlen argument instead, and the op bodies hold it here while their implementation runs.
+_PLAN_BOUND: contextvars.ContextVar[int | None] = contextvars.ContextVar("flash_msa_packed_bound", default=None)
+
+
+@contextlib.contextmanager
+def planned_with(max_seqlen: int):
+    """Within the block, the packed ops plan every pack on the device, as under capture, bounded by max_seqlen."""
+    token = _PLAN_BOUND.set(int(max_seqlen))
+    try:
+        yield
+    finally:
+        _PLAN_BOUND.reset(token)
+
+
+def plan_bound() -> int | None:
+    """The bound planned_with set, or None (the ops then read the offsets, or under capture their declared bound)."""
+    return _PLAN_BOUND.get()
+
+
 def invalid_on_device(cu: torch.Tensor, total: int, max_seqlen: int, row_len: int | None = None) -> torch.Tensor:
     """0-dim bool on the device, no host read: cu breaks what validation.check_cu_seqlens_values and
     check_max_seqlen check on the host (starts at 0, ends at total, never decreases, no sequence longer than
@@ -81,3 +110,17 @@ def invalid_on_device(cu: torch.Tensor, total: int, max_seqlen: int, row_len: in
         rows = torch.arange(0, total + 1, row_len, device=cu.device)
         bad = bad | ~torch.isin(rows, c).all()
     return bad
+
+
+def keys_invalid_on_device(cu: torch.Tensor, cu_k: torch.Tensor, used_k: torch.Tensor | None, total_k: int,
+                           max_seqlen_k: int) -> torch.Tensor:
+    """0-dim bool on the device, no host read: the separate key offsets break what
+    validation.check_key_offsets and check_max_seqlen(max_seqlen_k) check on the host (cu_seqlens_k from 0 to
+    total_k, non-decreasing; seqused_k non-negative and within the keys; L_q <= L_k <= max_seqlen_k)."""
+    c, k = cu.long(), cu_k.long()
+    bad = (k[0] != 0) | (k[-1] != total_k) | (k[1:] < k[:-1]).any()
+    key_len = k[1:] - k[:-1]
+    if used_k is not None:
+        key_len = used_k.long()
+        bad = bad | (key_len < 0).any() | (k[:-1] + key_len > total_k).any()
+    return bad | (c[1:] - c[:-1] > key_len).any() | (key_len > max_seqlen_k).any()

@@ -22,7 +22,8 @@ class MsaOptions:
     scale: the main softmax scale; proxy_scale: the proxy scores' (None: scale, today's behaviour bit for bit).
     local_blocks: the L most recent blocks always selected. sinks: float32 (H,) sink logits or None; it is also
     an input of the autograd graph (its gradient flows), passed alongside, never read from here by autograd.
-    kl: whether the forward runs the KL pass; value_now: whether kl_loss (and kl_metric) hold the value after the
+    max_seqlen: the packs' bound where the offsets are planned on the device under torch.compile (the custom ops'
+    argument; None otherwise). kl: whether the forward runs the KL pass; value_now: whether kl_loss (and kl_metric) hold the value after the
     forward (flash_msa_rt.api._kl_route decides both).
     """
 
@@ -39,6 +40,7 @@ class MsaOptions:
     cu_seqlens: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     seqused_k: torch.Tensor | None = None
+    max_seqlen: int | None = None
     kl: bool = True
     value_now: bool = True
 

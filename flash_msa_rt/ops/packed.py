@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from flash_msa_rt.ops.device import arch_of
-from flash_msa_rt.ops.offsets import capturing, declared_max_seqlen, host_offsets
+from flash_msa_rt.ops.offsets import capturing, declared_max_seqlen, host_offsets, plan_bound
 from flash_msa_rt.tuning import packed as tuning_packed
 
 
@@ -253,9 +253,11 @@ class _DevicePadded(_Padded):
         return flat.index_select(2, self.inverse)
 
 
-def _on_device_plan(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu: torch.Tensor, total: int):
-    """The op on the pack as one padded batch planned on the device (_DevicePadded)."""
-    bound = declared_max_seqlen(cu)
+def _on_device_plan(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu: torch.Tensor, total: int,
+                    bound: int | None = None):
+    """The op on the pack as one padded batch planned on the device (_DevicePadded), bounded by `bound` (the op's
+    max_seqlen argument: torch.compile) or else the bound declared beside cu (CUDA graph capture)."""
+    bound = bound if bound is not None else declared_max_seqlen(cu)
     if bound is None:
         raise RuntimeError("flash_msa: packed sequences under CUDA graph capture need the longest sequence's bound: "
                            "call flash_msa_varlen_func / flash_msa_warmup_varlen_func (max_seqlen), or "
@@ -446,9 +448,10 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
             args[spec.cu] = cu  # no query: the reference gives the keys their zero gradients
             offsets = {"cu_seqlens_k": cu_k, **({"seqused_k": used_k} if used_k is not None else {})}
             return fallback(*args, **kwargs, **offsets)
-        if capturing(cu) and total:
+        bound = plan_bound()
+        if (bound is not None or capturing(cu)) and total:
             args[spec.cu] = None
-            return _on_device_plan(spec, impl, args, kwargs, cu, total)
+            return _on_device_plan(spec, impl, args, kwargs, cu, total, bound)
         spans = sequence_spans(cu)
         if not spans:
             args[spec.cu] = cu

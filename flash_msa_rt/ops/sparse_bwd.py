@@ -97,7 +97,7 @@ def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, gr
     t = choice(arch, group, head_dim, block_size)
     if deterministic:
         return [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, t, True, True)),
-                ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, t, True, True)),
+                ("sparse_bwd_proxy", proxy_config(dtype, proxy_head_dim, block_size, group, t, True, True)),
                 ("bwd_delta", delta_config(dtype, head_dim)),
                 ("slot_sum", slot_sum_config(dtype, head_dim, block_size, group)),
                 ("slot_sum", slot_sum_config(dtype, proxy_head_dim, block_size, 1))] + \
@@ -107,8 +107,16 @@ def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, gr
            ("bwd_delta", delta_config(dtype, head_dim))] + list_kernel_configs(block_size, arch=arch)
     if t.tau_path:
         out += [("sparse_bwd", kernel_config(dtype, head_dim, block_size, group, t, tau_out=True)),
-                ("sparse_bwd_proxy", proxy_config(dtype, head_dim, block_size, group, t, tau=True))]
+                ("sparse_bwd_proxy", proxy_config(dtype, proxy_head_dim, block_size, group, t, tau=True))]
     return out
+
+
+def tau_path_runs(arch: str, group: int, head_dim: int, block_size: int, both_gradients: bool,
+                  deterministic: bool) -> bool:
+    """Whether msa_backward_cuda runs the tau path, whose proxy kernel reads tau and the proxy alone: it then takes
+    the proxy at its own head dim Dp (the recomputing proxy kernels read the main heads too, so they take the
+    proxy zero-padded to D: flash_msa_rt.ops.kernels._proxy_at)."""
+    return deterministic or (both_gradients and choice(arch, group, head_dim, block_size).tau_path)
 
 
 def deterministic_refusal(arch: str) -> str | None:
@@ -321,7 +329,9 @@ def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, 
     det = deterministic
     main = get_kernel("sparse_bwd", kernel_config(dt, D, block_size, G, t, True, det), dev)
     with_kl = kl_rows is not None
-    proxy = get_kernel("sparse_bwd_proxy", proxy_config(dt, D, block_size, G, t, True, det, with_kl), dev)
+    # the tau kernel reads the proxy and tau only: it runs at the proxy's own head dim (tau_path_runs)
+    proxy = get_kernel("sparse_bwd_proxy", proxy_config(dt, q_proxy.shape[3], block_size, G, t, True, det, with_kl),
+                       dev)
     delta = torch.empty((B, H, S), dtype=f32, device=dev)
     get_kernel("bwd_delta", delta_config(dt, D), dev)(dout=grad_out, out=out, delta=delta)
     if kl_grad.dtype != f32 or kl_grad.device != dev:  # a no-op .to still costs a torch op
@@ -405,7 +415,7 @@ class _DeterministicSums:
         Hp, dev, f32 = q_proxy.shape[2], q.device, torch.float32
         G, dt = H // Hp, sparse_fwd.DTYPES[q.dtype]
         self.dq_part = torch.empty((rows, G, D), dtype=f32, device=dev)
-        self.dqp_part = torch.empty((rows, 1, D), dtype=f32, device=dev)
+        self.dqp_part = torch.empty((rows, 1, q_proxy.shape[3]), dtype=f32, device=dev)
         self.dq = torch.empty_like(q)  # the inputs' layouts: cast_like
         self.dqp = torch.empty_like(q_proxy)
         self.sum_dq = get_kernel("slot_sum", slot_sum_config(dt, D, block_size, G), dev)

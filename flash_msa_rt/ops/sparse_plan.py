@@ -32,6 +32,8 @@ same predicate (torch.where, never boolean indexing): their partial rows are nev
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -510,7 +512,8 @@ def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order,
     sorted_lists = (kept_lists(block_indices, key) if take_lists else None) or \
         sorted_lists_on_device(block_indices, block_size, heads, queries, kernels, ck)
     entry_query, entry_dest, lists, ck = sorted_lists
-    if keep_lists and key is not None and sum(ck.E) <= tuning_plan.choose("").keep_lists_entries:
+    if keep_lists and key is not None and sum(ck.E) <= tuning_plan.choose("").keep_lists_entries \
+            and _KEEP_ACROSS_OPS.get():
         setattr(block_indices, _KEPT_LISTS, (key, sorted_lists))
     dev, n_ch = block_indices.device, len(ck.E)
     if len(cuts) <= ITEM_CUTS:
@@ -534,6 +537,24 @@ def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order,
 # sorted_lists_on_device). An attribute of the tensor object, so it lives exactly as long as the selection (autograd
 # keeps the object it saves for the backward) and no other tensor that reuses its memory can find it.
 _KEPT_LISTS = "_flash_msa_sorted_lists"
+
+
+# Whether a plan may leave its sorted lists on the selection for a later op (keep_lists). The eager path's one
+# autograd.Function may: its backward node holds the selection, and so the lists, until the backward takes them.
+# The custom ops may not (ops_keep_no_lists): under torch.compile the lists would outlive the graph that made them
+# as tensors that no graph output or saved tensor accounts for, which CUDA graph trees (mode="reduce-overhead")
+# refuse ("tensors in the cudagraph pool not tracked as outputs"); their backward sorts the selection again.
+_KEEP_ACROSS_OPS: contextvars.ContextVar[bool] = contextvars.ContextVar("flash_msa_keep_lists", default=True)
+
+
+@contextlib.contextmanager
+def ops_keep_no_lists():
+    """Within the block, no plan leaves its sorted lists on a selection (a custom op's body: library)."""
+    token = _KEEP_ACROSS_OPS.set(False)
+    try:
+        yield
+    finally:
+        _KEEP_ACROSS_OPS.reset(token)
 
 
 def kept_lists_key(block_indices: torch.Tensor, block_size: int, heads: int, queries: int) -> tuple:

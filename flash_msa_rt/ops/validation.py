@@ -298,17 +298,7 @@ def check_key_offsets(fn: str, cu_seqlens: torch.Tensor, cu_seqlens_k, seqused_k
     k_offs = cu_seqlens_k.tolist()
     starts, ends = k_offs[:-1], k_offs[1:]
     if seqused_k is not None:
-        num_seqs = len(starts)
-        if not isinstance(seqused_k, torch.Tensor):
-            raise TypeError(f"{fn}: seqused_k must be a torch.Tensor of int32 key counts or None, got "
-                            f"{type(seqused_k).__name__}")
-        if seqused_k.dtype != torch.int32:
-            raise TypeError(f"{fn}: seqused_k must have dtype torch.int32, got {seqused_k.dtype}")
-        if tuple(seqused_k.shape) != (num_seqs,):
-            raise ValueError(f"{fn}: seqused_k must have shape (num_seqs,) = ({num_seqs},), got "
-                             f"{tuple(seqused_k.shape)}")
-        if seqused_k.device != device:
-            raise ValueError(f"{fn}: seqused_k is on {seqused_k.device} but the inputs are on {device}")
+        check_seqused_k(fn, seqused_k, len(starts), device)
         used = seqused_k.tolist()
         for s, (a, n) in enumerate(zip(starts, used)):
             if n < 0 or a + n > total_k:
@@ -323,6 +313,20 @@ def check_key_offsets(fn: str, cu_seqlens: torch.Tensor, cu_seqlens_k, seqused_k
                              f"(cu_seqlens_k{' / seqused_k' if seqused_k is not None else ''}); L_q <= L_k is "
                              f"required: the queries are the last L_q of the sequence's L_k positions")
     return max(b - a for a, b in zip(starts, ends))
+
+
+def check_seqused_k(fn: str, seqused_k, num_seqs: int, device: torch.device) -> None:
+    """seqused_k's type, dtype, shape (num_seqs,) and device (no value read)."""
+    if not isinstance(seqused_k, torch.Tensor):
+        raise TypeError(f"{fn}: seqused_k must be a torch.Tensor of int32 key counts or None, got "
+                        f"{type(seqused_k).__name__}")
+    if seqused_k.dtype != torch.int32:
+        raise TypeError(f"{fn}: seqused_k must have dtype torch.int32, got {seqused_k.dtype}")
+    if tuple(seqused_k.shape) != (num_seqs,):
+        raise ValueError(f"{fn}: seqused_k must have shape (num_seqs,) = ({num_seqs},), got "
+                         f"{tuple(seqused_k.shape)}")
+    if seqused_k.device != device:
+        raise ValueError(f"{fn}: seqused_k is on {seqused_k.device} but the inputs are on {device}")
 
 
 def check_document_list(fn: str, document_list, B: int, S: int, device: torch.device) -> None:

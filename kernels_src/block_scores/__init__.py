@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, TmaCoordParam, TmaParam, variant_name
+from kernels_src import matrix
 from kernels_src.spec import BuildSpec, family_spec, mma_set, refusal, smem_refusal, verdict
 
 OP = "block_scores"
@@ -85,8 +86,8 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     """The variant matrix; the default set (every choice None) is bf16, Dp in (128, 64), Bs 128, on both MMAs
     (can_implement keeps wgmma to sm90a)."""
     dts = tuple(dtypes) if dtypes else ("bf16",)
-    dps = tuple(head_dims) if head_dims else (128, 64)
-    bss = tuple(block_sizes) if block_sizes else (128,)
+    dps = matrix.proxy_head_dims(head_dims)
+    bss = matrix.block_sizes(block_sizes)
     return [Config(dtype=dt, head_dim=dp, block_size=bs, mma=m) for dt in dts for dp in dps for bs in bss
             for m in MMAS]
 

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import TensorParam, variant_name
+from kernels_src import matrix
 from kernels_src.spec import DEFAULT, OPT_IN, BuildSpec, family_spec, refusal, verdict
 
 OP = "fp8_quant"
@@ -62,8 +63,8 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     """The rows variant and the key-block variants of the selection's block sizes (default Bs 128), Dp 64 and 128
     (small kernels: Dp 64 selection is on its way)."""
     dts = tuple(dtypes) if dtypes else DTYPES
-    ds = tuple(head_dims) if head_dims else HEAD_DIMS
-    bss = (1, *(tuple(block_sizes) if block_sizes else (128,)))
+    ds = matrix.proxy_head_dims(head_dims)
+    bss = (1, *matrix.block_sizes(block_sizes))
     return [Config(dtype=dt, head_dim=d, block_size=bs) for dt in dts for d in ds for bs in bss]
 
 

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 from flash_msa_rt.manifest import TensorParam, variant_name
 from kernels_src.row_lanes import row_grid
+from kernels_src import matrix
 from kernels_src.spec import DEFAULT, BuildSpec, family_spec, refusal, verdict
 
 OP = "grad_cast"
 
 DTYPES = ("bf16", "f16")
-HEAD_DIMS = (64, 128)  # main heads D and the proxy's Dp (64 is built by default: a proxy of Dp 64)
+HEAD_DIMS = matrix.HEAD_DIMS  # main heads D and the proxy's Dp (64 is built by default: a proxy of Dp 64)
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Config:
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     """block_sizes: accepted for the catalogue's common signature; the cast does not depend on it."""
     dts = tuple(dtypes) if dtypes else DTYPES
-    ds = tuple(head_dims) if head_dims else HEAD_DIMS
+    ds = matrix.head_dims(head_dims)
     return [Config(dtype=dt, head_dim=d) for dt in dts for d in ds]
 
 

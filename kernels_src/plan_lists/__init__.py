@@ -34,6 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from kernels_src import matrix
 from kernels_src.spec import DEFAULT, OPT_IN, BuildSpec, family_spec, refusal, verdict
 
 OP = "plan_lists"
@@ -66,7 +67,7 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list:
     if head_dims and not set(head_dims) & set(sparse_fwd.HEAD_DIMS) or \
             dtypes and not set(dtypes) & set(sparse_fwd.DTYPES):
         return []
-    bss = tuple(block_sizes) if block_sizes else (128,)
+    bss = matrix.block_sizes(block_sizes)
     return [Config(block_size=bs, max_k=mk, phase=ph, threads=t) for bs in bss for mk in MAX_KS for ph in PHASES
             for t in (SCATTER_THREADS if ph == "scatter" else (TILE_ROWS,)) if t == TILE_ROWS or mk == MAX_KS[0]] + \
         [ItemsConfig(block_size=bs) for bs in bss]

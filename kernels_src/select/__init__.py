@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
 from kernels_src.block_scores import ELEM_BYTES, proxy_operands
+from kernels_src import matrix
 from kernels_src.spec import OPT_IN, BuildSpec, family_spec, mma_set, refusal, smem_refusal, verdict
 
 OP = "select"
@@ -79,8 +80,8 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else DTYPES
     if dtypes and "e4m3" not in dts:
         dts += ("e4m3",)
-    dps = tuple(head_dims) if head_dims else (128, 64)
-    bss = tuple(block_sizes) if block_sizes else (128,)
+    dps = matrix.proxy_head_dims(head_dims)
+    bss = matrix.block_sizes(block_sizes)
     base = [Config(dtype=dt, head_dim=dp, block_size=bs, max_k=k, mma=m)
             for dt in dts for dp in dps for bs in bss for k in (16, 64) for m in MMAS
             if not (dt == "e4m3" and m != "wgmma")]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
 from kernels_src import sparse_combine
+from kernels_src import matrix
 from kernels_src.spec import DEFAULT, OPT_IN, BuildSpec, family_spec, refusal, verdict
 
 OP = "slot_sum"
@@ -43,14 +44,14 @@ class Config:
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else sparse_combine.DTYPES
-    ds = tuple(head_dims) if head_dims else (128,)
-    bss = tuple(block_sizes) if block_sizes else (128,)
+    ds = matrix.head_dims(head_dims)
+    bss = matrix.block_sizes(block_sizes)
     return [Config(dtype=dt, head_dim=d, block_size=bs, group=g) for dt in dts for d in ds for bs in bss
             for g in sparse_combine.GROUPS]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
-    return verdict(refusal(config, arch, dtype=sparse_combine.DTYPES, head_dim=(64, 128), block_size=(64, 128),
+    return verdict(refusal(config, arch, dtype=sparse_combine.DTYPES, head_dim=matrix.HEAD_DIMS, block_size=matrix.BLOCK_SIZES,
                            group=sparse_combine.GROUPS, threads=(32 * ROWS_PER_CTA,),
                            notes={"head_dim": "32 lanes x 2 or 4 elements", "threads": "one warp per row"}))
 

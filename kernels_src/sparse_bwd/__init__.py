@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from kernels_src import matrix
 from kernels_src.spec import OPT_IN, BuildSpec, family_spec, mma_set, refusal, smem_refusal, verdict
 
 OP = "sparse_bwd"
@@ -81,8 +82,8 @@ def _align(x: int, a: int) -> int:
 
 def tile_configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else DTYPES
-    ds = tuple(head_dims) if head_dims else (128,)
-    bss = tuple(block_sizes) if block_sizes else (128,)
+    ds = matrix.head_dims(head_dims)
+    bss = matrix.block_sizes(block_sizes)
     return [Config(dtype=dt, head_dim=d, block_size=bs, group=g) for dt in dts for d in ds for bs in bss
             for g in GROUPS]
 
@@ -154,7 +155,7 @@ def mma_refusal(config, arch: str) -> str | None:
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
     producer = hasattr(c, "tau_out")  # sparse_bwd's own configs (sparse_bwd_proxy and sparse_kl check theirs)
-    reason = refusal(c, arch, dtype=DTYPES, head_dim=(128,), block_size=(128,), group=GROUPS, tile_m=(64,),
+    reason = refusal(c, arch, dtype=DTYPES, head_dim=matrix.HEAD_DIMS, block_size=matrix.BLOCK_SIZES, group=GROUPS, tile_m=(64,),
                      tile_n=(64, 128), threads=(256, PRODUCER_THREADS) if producer else (256,),
                      stages=(1, 2)) or mma_refusal(c, arch)
     tau_out, det = getattr(c, "tau_out", 0), getattr(c, "deterministic", 0)

@@ -46,8 +46,7 @@ def resident_ok(config) -> bool:
 
 
 def tau_ok(config) -> bool:
-    return (config.mma == "wgmma" and config.tile_n == config.block_size == config.head_dim
-            and config.group == 1)
+    return config.mma == "wgmma" and config.tile_n == config.block_size and config.group == 1
 
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
@@ -68,8 +67,9 @@ def smem_bytes(config) -> int:
     keys = 2 * a(config.tile_n * config.head_dim * e, 1024)
     tile = config.tile_m * config.head_dim * e
     heads = getattr(config, "heads", "stepped")
-    if heads == "tau":  # sK_p only; proxy rows and tau rows per stage; ints [query], floats [lse_p, kl_grad]
-        return (keys // 2 + 2 * a(config.stages * tile, 1024) + a(config.tile_m * config.tile_n * e, 1024)
+    if heads == "tau":  # sK_p only; proxy rows (Dp wide) and tau rows (Bs wide) per stage; ints [query], floats
+        tau = config.tile_m * config.tile_n * e  # [lse_p, kl_grad]
+        return (keys // 2 + a(config.stages * tile, 1024) + a(config.stages * tau, 1024) + a(tau, 1024)
                 + sparse_bwd.dq_staging_bytes(config) + row_table_bytes(config, ints=1, floats=2))
     if heads == "resident":
         rows = a(config.group * tile, 1024) + a(config.stages * tile, 1024)
@@ -107,9 +107,9 @@ def can_implement(config, arch: str) -> tuple[bool, str]:
                   f"and stages 2; got mma {config.mma!r}, tile_n {config.tile_n}, G {config.group}, "
                   f"stages {config.stages}")
     elif heads == "tau" and not (tau_ok(config) and config.stages == TAU_STAGES):
-        reason = (f"heads 'tau' needs wgmma on the whole block (tile_n = block_size = head_dim), group 1 (one "
-                  f"variant serves every G) and stages {TAU_STAGES}; got mma {config.mma!r}, tile_n {config.tile_n}, "
-                  f"head_dim {config.head_dim}, G {config.group}, stages {config.stages}")
+        reason = (f"heads 'tau' needs wgmma on the whole block (tile_n = block_size), group 1 (one variant serves "
+                  f"every G) and stages {TAU_STAGES}; got mma {config.mma!r}, tile_n {config.tile_n}, "
+                  f"G {config.group}, stages {config.stages}")
     return verdict(reason or smem_refusal(smem_bytes(config), arch))
 
 

@@ -24,7 +24,7 @@ import cutlass.cute as cute
 from kernels_src.atomics import red_add_f32
 from kernels_src.constants import FLT_MIN, LOG2E
 from kernels_src.sparse_bwd_proxy.wgmma import SparseProxyBackwardWG
-from kernels_src.tiles import copy_row, copy_word, cp_async_word, load_rows, row_table, tile_storage
+from kernels_src.tiles import copy_row, copy_word, cp_async_rows, cp_async_word, load_rows, row_table, tile_storage
 from kernels_src.work_items import keys_in_query_rows
 
 _LSE_P, _KL_GRAD = 0, 1  # float fields
@@ -33,10 +33,13 @@ _LSE_P, _KL_GRAD = 0, 1  # float fields
 class SparseProxyBackwardTau(SparseProxyBackwardWG):
     def __init__(self, config):
         super().__init__(config)
-        if self.tile_n != self.block_size or self.head_dim != self.block_size:
-            raise ValueError(f"sparse_bwd_proxy heads 'tau': the whole key block per CTA, and tau rows of block_size "
-                             f"keys copied like rows of head_dim (tile_n = head_dim = block_size); got tile_n "
-                             f"{self.tile_n}, head_dim {self.head_dim}, block_size {self.block_size}")
+        if self.tile_n != self.block_size:
+            raise ValueError(f"sparse_bwd_proxy heads 'tau': the whole key block per CTA (tile_n = block_size); got "
+                             f"tile_n {self.tile_n}, block_size {self.block_size}")
+
+    def _tau_copy(self):
+        """The tau rows' copy: rows of block_size keys, whatever the proxy's head dim (its rows take _gmem_copy)."""
+        return cp_async_rows(self.dtype, self.tile_n, self.threads, self.ROW_THREADS)
 
     def _tau_tables(self):
         return row_table(self.tile_m, self.stages, 1), row_table(self.tile_m, self.stages, 2)
@@ -81,6 +84,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                hp_per_hpk, stream, turns=None, kl=None):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
+        l_tau = self._smem_layout((self.tile_m, self.tile_n, self.stages))
         l_p = self._smem_layout((self.tile_m, self.tile_n))
         l_dq = self._dq_layout()
         l_ri, l_rf = self._tau_tables()
@@ -89,14 +93,14 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
         class SharedStorage:
             s_kp: tile_storage(self.dtype, l_kv)
             s_qp: tile_storage(self.dtype, l_rows)
-            s_tau: tile_storage(self.dtype, l_rows)
+            s_tau: tile_storage(self.dtype, l_tau)
             s_ds: tile_storage(self.dtype, l_p)
             s_dq: tile_storage(cutlass.Float32, l_dq)
             s_ri: tile_storage(cutlass.Int32, l_ri)
             s_rf: tile_storage(cutlass.Float32, l_rf)
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        layouts = (l_kv, l_rows, l_p, l_dq, self._gmem_copy(), SharedStorage)
+        layouts = (l_kv, l_rows, l_tau, l_p, l_dq, self._gmem_copy(), self._tau_copy(), SharedStorage)
         launch = dict(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
                       stream=stream)
         if cutlass.const_expr(turns is None and kl is None):
@@ -115,43 +119,43 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
     @cute.kernel
     def kernel_tau(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
                    scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout,
-                   l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout, gcopy: cute.TiledCopy,
+                   l_rows: cute.ComposedLayout, l_tau: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout, gcopy: cute.TiledCopy, tcopy: cute.TiledCopy,
                    SharedStorage: cutlass.Constexpr):
         self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
-                          hp_per_hpk, l_kv, l_rows, l_p, l_dq, gcopy, SharedStorage)
+                          hp_per_hpk, l_kv, l_rows, l_tau, l_p, l_dq, gcopy, tcopy, SharedStorage)
 
     @cute.kernel
     def kernel_tau_det(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc,
                        entry_dest, item_prev, item_done, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
-                       l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
-                       l_dq: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+                       l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_tau: cute.ComposedLayout, l_p: cute.ComposedLayout,
+                       l_dq: cute.Layout, gcopy: cute.TiledCopy, tcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc, scale,
-                          hp_per_hpk, l_kv, l_rows, l_p, l_dq, gcopy, SharedStorage,
+                          hp_per_hpk, l_kv, l_rows, l_tau, l_p, l_dq, gcopy, tcopy, SharedStorage,
                           (entry_dest, item_prev, item_done))
 
     @cute.kernel
     def kernel_tau_kl(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
                       kl_dest, kl_slots, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
-                      l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
-                      l_dq: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+                      l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_tau: cute.ComposedLayout, l_p: cute.ComposedLayout,
+                      l_dq: cute.Layout, gcopy: cute.TiledCopy, tcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
-                          hp_per_hpk, l_kv, l_rows, l_p, l_dq, gcopy, SharedStorage, kl=(kl_dest, kl_slots))
+                          hp_per_hpk, l_kv, l_rows, l_tau, l_p, l_dq, gcopy, tcopy, SharedStorage, kl=(kl_dest, kl_slots))
 
     @cute.kernel
     def kernel_tau_det_kl(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc,
                           entry_dest, item_prev, item_done, kl_dest, kl_slots, scale: cutlass.Float32,
-                          hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout,
-                          l_p: cute.ComposedLayout, l_dq: cute.Layout, gcopy: cute.TiledCopy,
+                          hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_tau: cute.ComposedLayout,
+                          l_p: cute.ComposedLayout, l_dq: cute.Layout, gcopy: cute.TiledCopy, tcopy: cute.TiledCopy,
                           SharedStorage: cutlass.Constexpr):
         self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc, scale,
-                          hp_per_hpk, l_kv, l_rows, l_p, l_dq, gcopy, SharedStorage,
+                          hp_per_hpk, l_kv, l_rows, l_tau, l_p, l_dq, gcopy, tcopy, SharedStorage,
                           (entry_dest, item_prev, item_done), (kl_dest, kl_slots))
 
     @cute.jit
     def tau_backward(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
                      scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout,
-                     l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
-                     gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr, turns=None, kl=None):
+                     l_rows: cute.ComposedLayout, l_tau: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
+                     gcopy: cute.TiledCopy, tcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr, turns=None, kl=None):
         """The kernel body; turns (entry_dest, item_prev, item_done): the deterministic variant's; kl (kl_dest,
         kl_slots): the kl_value variant's. It forms each entry's KL share in log2 units, sum over its keys of
         tau (log2 tau - log2 pi) with log2 pi = s_p scale log2 e - lse_p log2 e (the KL pass's A + T lse_p log2 e,
@@ -167,7 +171,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
             s_kp = storage.s_kp.get_tensor(l_kv.outer, swizzle=l_kv.inner)
             s_qp_all = storage.s_qp.get_tensor(l_rows.outer, swizzle=l_rows.inner)
-            s_tau_all = storage.s_tau.get_tensor(l_rows.outer, swizzle=l_rows.inner)
+            s_tau_all = storage.s_tau.get_tensor(l_tau.outer, swizzle=l_tau.inner)
             s_ds = storage.s_ds.get_tensor(l_p.outer, swizzle=l_p.inner)
             s_dq = storage.s_dq.get_tensor(l_dq)
             l_ri, l_rf = self._tau_tables()
@@ -200,7 +204,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             ahead = self.stages - 1  # tiles gathered ahead: one cp.async group each, empty past the item's tiles
             for t in cutlass.range_constexpr(ahead):
                 self.tile_queries_of(gcopy, entry_query, start, n_entries, t, tidx, g_query)
-                self.gather_tile(gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
+                self.gather_tile(gcopy, tcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
                                  start, n_entries, t, tidx, g_query)
             self.tile_queries_of(gcopy, entry_query, start, n_entries, ahead, tidx, g_query)
             for tile in cutlass.range(n_tiles, unroll=1):
@@ -215,7 +219,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                 # S_p, with tile + ahead's rows in flight into the buffers tile - 1 left under it.
                 self.gemm(mma_s, thr_s, acc_s, s_qp, s_kp, tidx, False, False, wait=False)
                 if tile + ahead < n_tiles:
-                    self.gather_tile(gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
+                    self.gather_tile(gcopy, tcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p,
                                      start, n_entries, tile + ahead, tidx, g_query)
                     self.tile_queries_of(gcopy, entry_query, start, n_entries, tile + ahead + 1, tidx, g_query)
                 else:
@@ -314,7 +318,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                 g_query[m] = entry_query[e0 + qi]
 
     @cute.jit
-    def gather_tile(self, gcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p, start,
+    def gather_tile(self, gcopy, tcopy, q_proxy, tau, s_qp_all, s_tau_all, s_ri, s_rf, lse_proxy, kl_grad, b, p, start,
                     n_entries, tile, tidx, g_query):
         """cp.async, as one group, into buffer tile % stages: row r of `tile`'s proxy rows from query i_r (g_query,
         from tile_queries_of) and its tau row e0 + r (contiguous rows: no plan load), and the lead thread of a row
@@ -327,12 +331,19 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
         thr = gcopy.get_slice(tidx)
         t_c = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
         t_sqp = thr.partition_D(s_qp_all[None, None, tb])
-        t_stau = thr.partition_D(s_tau_all[None, None, tb])
+        # tau rows (block_size keys, contiguous from entry e0): their own copy, as wide as the key block
+        tthr = tcopy.get_slice(tidx)
+        t_ct = tthr.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        t_stau = tthr.partition_D(s_tau_all[None, None, tb])
+        for m in cutlass.range_constexpr(cute.size(t_ct, mode=[1])):
+            if t_ct[0, m, 0][0] < n_q:
+                copy_row(tcopy, self.dtype, tau[e0 + t_ct[0, m, 0][0], None], t_stau, t_ct, m)
+            else:
+                t_stau[None, m, None].fill(0)
         for m in cutlass.range_constexpr(cute.size(t_c, mode=[1])):
             qi = t_c[0, m, 0][0]
             lead = t_c[0, m, 0][1] == 0
             if qi < n_q:
-                copy_row(gcopy, self.dtype, tau[e0 + qi, None], t_stau, t_c, m)
                 i = g_query[m]
                 copy_row(gcopy, self.dtype, q_proxy[b, i, p, None], t_sqp, t_c, m)
                 if lead:
@@ -340,7 +351,6 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                     copy_word(word, lse_proxy[b, p, None], i, s_rf, qi, tb, _LSE_P)
                     copy_word(word, kl_grad[b, p, None], i, s_rf, qi, tb, _KL_GRAD)
             else:
-                t_stau[None, m, None].fill(0)
                 t_sqp[None, m, None].fill(0)
                 if lead:
                     s_ri[qi, tb, 0] = -1

@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from kernels_src import matrix
 from kernels_src.spec import DEFAULT, OPT_IN, BuildSpec, family_spec, refusal, verdict
 
 OP = "sparse_combine"
@@ -49,8 +50,8 @@ class Config:
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else DTYPES
-    ds = tuple(head_dims) if head_dims else (128,)
-    bss = tuple(block_sizes) if block_sizes else (128,)
+    ds = matrix.head_dims(head_dims)
+    bss = matrix.block_sizes(block_sizes)
     # The widest split ships; one head per warp stays built for A/B runs (sparse_fwd.COMBINE_HEADS_PER_WARP = 1).
     return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, heads_per_warp=hw) for dt in dts for d in ds
             for bs in bss for g in GROUPS for hw in sorted({1, widest_heads(g, d)})]
@@ -59,7 +60,7 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     g, d = config.group, config.head_dim
     splits = tuple(h for h in range(1, widest_heads(g, d) + 1) if g % h == 0)
-    return verdict(refusal(config, arch, dtype=DTYPES, head_dim=(64, 128), block_size=(64, 128), group=GROUPS,
+    return verdict(refusal(config, arch, dtype=DTYPES, head_dim=matrix.HEAD_DIMS, block_size=matrix.BLOCK_SIZES, group=GROUPS,
                            threads=(32 * ROWS_PER_CTA,), heads_per_warp=splits,
                            notes={"head_dim": "32 lanes x a whole number of elements", "threads": "one warp per row",
                                   "heads_per_warp": f"divisors of G with at most {LANE_ELEMENTS} elements per lane "

@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from kernels_src import matrix
 from kernels_src.spec import DEFAULT, BuildSpec, family_spec, refusal, verdict
 
 OP = "sparse_combine_kl"
@@ -49,7 +50,7 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     if head_dims and not set(head_dims) & set(sparse_fwd.HEAD_DIMS) or \
             dtypes and not set(dtypes) & set(sparse_fwd.DTYPES):
         return []
-    bss = tuple(block_sizes) if block_sizes else (128,)
+    bss = matrix.block_sizes(block_sizes)
     return [Config(block_size=bs) for bs in bss]
 
 

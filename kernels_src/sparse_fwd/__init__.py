@@ -17,12 +17,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from kernels_src import matrix
 from kernels_src.spec import OPT_IN, BuildSpec, family_spec, mma_set, refusal, smem_refusal, verdict
 
 OP = "sparse_fwd"
 
 DTYPES = ("bf16", "f16")
-HEAD_DIMS = (128,)
+HEAD_DIMS = matrix.HEAD_DIMS
 GROUPS = (1, 2, 4, 8, 16)  # G = H / Hp: a power of two that divides the 16 rows of one warp's MMA slab
 MMAS = ("sync", "wgmma")
 SCHEDULES = {"sync": ("lockstep",), "wgmma": ("lockstep", "pingpong")}  # built per MMA
@@ -65,8 +66,8 @@ def _align(x: int, a: int) -> int:
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     """The default set: bf16 and f16, D = 128, Bs 128, every G."""
     dts = tuple(dtypes) if dtypes else DTYPES
-    ds = tuple(head_dims) if head_dims else (128,)
-    bss = tuple(block_sizes) if block_sizes else (128,)
+    ds = matrix.head_dims(head_dims)
+    bss = matrix.block_sizes(block_sizes)
     return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, mma=m, schedule=sc, stages=st)
             for dt in dts for d in ds for bs in bss for g in GROUPS for m in MMAS for sc in SCHEDULES[m]
             for st in STAGES[sc] if st == 2 or g >= 2]
@@ -74,7 +75,7 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     c = config
-    reason = refusal(c, arch, dtype=DTYPES, head_dim=HEAD_DIMS, block_size=(128,), group=GROUPS, tile_m=(128,),
+    reason = refusal(c, arch, dtype=DTYPES, head_dim=HEAD_DIMS, block_size=matrix.BLOCK_SIZES, group=GROUPS, tile_m=(128,),
                      threads=(256,), mma=MMAS, stages=(1, 2),
                      notes={"block_size": "one key block = one MMA tile", "group": "G = H / Hp",
                             "tile_m": "8 warps x 16 rows", "threads": "8 warps x 16 rows"})

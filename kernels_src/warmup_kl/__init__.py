@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam, variant_name
+from kernels_src import matrix
 from kernels_src.spec import DEFAULT, OPT_IN, BuildSpec, family_spec, refusal, smem_refusal, verdict
 
 OP = "warmup_kl"
@@ -71,7 +72,7 @@ def _align(x: int, a: int) -> int:
 def dense_configs(config_cls, head_dims=None, dtypes=None) -> list:
     """The default variants of a dense warmup family (this one and warmup_bwd_proxy): every dtype, head dim and G."""
     dts = tuple(dtypes) if dtypes else DTYPES
-    ds = tuple(head_dims) if head_dims else (128,)
+    ds = matrix.head_dims(head_dims)
     return [config_cls(dtype=dt, head_dim=d, group=g) for dt in dts for d in ds for g in GROUPS]
 
 
@@ -79,7 +80,7 @@ def dense_verdict(op: str, config, arch: str, threads=(256,), **fields) -> tuple
     """can_implement of a dense warmup family: its fixed tile fields (plus `fields`), wgmma on sm90a only, and the
     shared memory the G + 1 resident query tiles take."""
     reason = refusal(config, arch, {"group": "G + 1 query tiles of 32 KB stay in shared memory"}, dtype=DTYPES,
-                     head_dim=(128,), group=GROUPS, tile_m=(128,), tile_n=(64,), threads=threads, **fields)
+                     head_dim=matrix.HEAD_DIMS, group=GROUPS, tile_m=(128,), tile_n=(64,), threads=threads, **fields)
     if reason is None and arch != "sm90a":
         reason = f"{op} runs on Hopper's warpgroup MMA: sm90a only, not {arch}"
     return verdict(reason or smem_refusal(config.smem_bytes(), arch))
