@@ -23,8 +23,8 @@ class MsaOptions:
     local_blocks: the L most recent blocks always selected. sinks: float32 (H,) sink logits or None; it is also
     an input of the autograd graph (its gradient flows), passed alongside, never read from here by autograd.
     max_seqlen: the packs' bound where the offsets are planned on the device under torch.compile (the custom ops'
-    argument; None otherwise). kl: whether the forward runs the KL pass; value_now: whether kl_loss (and kl_metric) hold the value after the
-    forward (flash_msa_rt.api._kl_route decides both).
+    argument; None otherwise). kl: whether the forward runs the KL pass; value_now: whether kl_loss (and
+    kl_metric) hold the value after the forward (flash_msa_rt.api._kl_route decides both).
     """
 
     sparse: bool
