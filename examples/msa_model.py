@@ -36,6 +36,7 @@ class ModelConfig:
     proxy_dim: int = 64  # Dp
     mlp_ratio: int = 4
     rope_base: float = 10000.0
+    sinks: bool = False  # a learned sink logit per main head (gpt-oss style), for the MSA attention
 
     def __post_init__(self):
         for name in ("d_model", "n_layers", "heads", "kv_heads", "head_dim", "proxy_heads", "proxy_kv_heads",
@@ -98,6 +99,8 @@ class Attention(nn.Module):
         self.wk_proxy = nn.Linear(c.d_model, c.proxy_kv_heads * c.proxy_dim, bias=False)
         self.rope = Rotary(c.head_dim, c.rope_base)
         self.rope_proxy = self.rope if c.proxy_dim == c.head_dim else Rotary(c.proxy_dim, c.rope_base)
+        # One float32 sink logit per head, learned (flash_msa_func's sinks; starts at 0: exp(0) = one key's worth).
+        self.sinks = nn.Parameter(torch.zeros(c.heads)) if c.sinks else None
         # Set by the trainer to a list to receive (q_proxy, k_proxy, q, k) of batch row 0 for the recall metric.
         self.capture: list | None = None
 
@@ -114,7 +117,7 @@ class Attention(nn.Module):
         k_proxy = self.rope_proxy(self.wk_proxy(xp).view(B, S, c.proxy_kv_heads, c.proxy_dim), positions)
         if self.capture is not None:
             self.capture.append(tuple(t[:1].detach() for t in (q_proxy, k_proxy, q, k)))
-        out, kl = attend(q_proxy, k_proxy, q, k, v)
+        out, kl = attend(q_proxy, k_proxy, q, k, v, **({} if self.sinks is None else {"sinks": self.sinks}))
         return self.wo(out), kl
 
 
@@ -178,8 +181,10 @@ class ByteLM(nn.Module):
 
 # --- attention backends -------------------------------------------------------------------------------------
 
-def dense_attend(q_proxy, k_proxy, q, k, v):
-    """The baseline: dense causal attention through torch SDPA; no proxy, so the KL is zero.
+def dense_attend(q_proxy, k_proxy, q, k, v, sinks=None):
+    """The baseline: dense causal attention through torch SDPA; no proxy, so the KL is zero. sinks is taken and
+    not used: the baseline is the plain-softmax model, whose sink parameters (--sinks) receive no gradient, as its
+    proxy projections.
 
     KV heads are repeated explicitly rather than with enable_gqa so that every SDPA backend (flash on the GPU)
     accepts the call.
@@ -194,11 +199,12 @@ def dense_attend(q_proxy, k_proxy, q, k, v):
 
 
 def msa_attend(mode: str, top_k: int, block_size: int, kl_value: str = "exact",
-               kl_metrics: list | None = None, select_precision: str = "bf16") -> AttendFn:
+               kl_metrics: list | None = None, select_precision: str = "bf16", local_blocks: int = 1) -> AttendFn:
     """MSA through the public flash_msa_rt API: mode "warmup" (dense main attention, proxy trained by KL over
     the causal prefix) or "sparse" (main attention over the proxy's top-k blocks). kl_value as the API's; with
     kl_metrics (a list) each call appends the 0-dim tensor its KL value lands in ("deferred": after the backward).
-    select_precision: the sparse mode's (warmup selects nothing)."""
+    select_precision: the sparse mode's (warmup selects nothing); local_blocks: the recent blocks every query
+    always selects. attend's sinks (a layer's sink parameter) reach the API as they are."""
     import flash_msa_rt
 
     if mode not in ("warmup", "sparse"):
@@ -206,7 +212,7 @@ def msa_attend(mode: str, top_k: int, block_size: int, kl_value: str = "exact",
     fn = flash_msa_rt.flash_msa_warmup_func if mode == "warmup" else flash_msa_rt.flash_msa_func
     selection = {"select_precision": select_precision} if mode == "sparse" else {}
 
-    def attend(q_proxy, k_proxy, q, k, v):
+    def attend(q_proxy, k_proxy, q, k, v, sinks=None):
         # The API's default layout is (B, heads, S, D); the transposes are free views.
         qp, kp, qt, kt, vt = (t.transpose(1, 2) for t in (q_proxy, k_proxy, q, k, v))
         metric = None
@@ -214,6 +220,6 @@ def msa_attend(mode: str, top_k: int, block_size: int, kl_value: str = "exact",
             metric = torch.zeros((), dtype=torch.float32, device=q.device)
             kl_metrics.append(metric)
         return fn(qp, kp, qt, kt, vt, top_k, block_size=block_size, kl_value=kl_value, kl_metric=metric,
-                  **selection)
+                  sinks=sinks, local_blocks=local_blocks, **selection)
 
     return attend

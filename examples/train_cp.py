@@ -24,12 +24,13 @@ def _cp_attend(mode: str, cfg, kl_value: str, group, kl_metrics: list):
 
     fn = flash_msa_warmup_cp_func if mode == "warmup" else flash_msa_cp_func
 
-    def attend(q_proxy, k_proxy, q, k, v):  # (B, S_local, heads, dim)
+    def attend(q_proxy, k_proxy, q, k, v, sinks=None):  # (B, S_local, heads, dim)
         metric = torch.zeros((), dtype=torch.float32, device=q.device)
         kl_metrics.append(metric)
         with torch.autocast(q.device.type, enabled=False):
             return fn(q_proxy, k_proxy, q, k, v, cfg.top_k, group=group, layout="bshd", block_size=cfg.block_size,
-                      kl_value=kl_value, kl_metric=metric, seqlen=cfg.seq_len)
+                      kl_value=kl_value, kl_metric=metric, seqlen=cfg.seq_len, sinks=sinks,
+                      local_blocks=cfg.local_blocks)
     return attend
 
 

@@ -67,6 +67,10 @@ class TrainConfig:
     # The sparse steps' selection scores: "bf16" (the inputs' precision) or "fp8" (e4m3 proxy scores, docs/msa-
     # semantics.md "Selection precision"); recall is measured for both either way (recall_bf16, recall_fp8).
     select_precision: str = "bf16"
+    # Issue 58's options on the MSA runs: a learned sink logit per head and layer (gpt-oss-style models; the
+    # dense baseline stays plain softmax), and the number of recent blocks every query always selects.
+    sinks: bool = False
+    local_blocks: int = 1
     seed: int = 0
     max_corpus_bytes: int | None = None
     # torch.compile of the model's training forward (its backward compiles with it): "auto" is on for CUDA and off
@@ -102,7 +106,7 @@ class TrainConfig:
     def model_config(self) -> ModelConfig:
         return ModelConfig(d_model=self.d_model, n_layers=self.n_layers, heads=self.heads, kv_heads=self.kv_heads,
                            head_dim=self.head_dim, proxy_heads=self.proxy_heads, proxy_kv_heads=self.proxy_kv_heads,
-                           proxy_dim=self.proxy_dim, rope_base=self.rope_base)
+                           proxy_dim=self.proxy_dim, rope_base=self.rope_base, sinks=self.sinks)
 
     def validate(self) -> None:
         if self.top_k % self.block_size or self.top_k < self.block_size:
@@ -114,6 +118,9 @@ class TrainConfig:
                              f"KL)")
         if self.select_precision not in ("bf16", "fp8"):
             raise ValueError(f"select_precision = {self.select_precision!r}; supported: 'bf16', 'fp8'")
+        if not 1 <= self.local_blocks <= self.top_k // self.block_size:
+            raise ValueError(f"local_blocks = {self.local_blocks}; supported: 1 <= local_blocks <= top_k // block_size "
+                             f"= {self.top_k // self.block_size}")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"compile = {self.compile!r}; supported: 'auto', 'on', 'off'")
         if self.dtype not in ("float32", "bfloat16"):
@@ -157,6 +164,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         flag = "--" + f.name.replace("_", "-")
         if f.name == "runs":
             p.add_argument(flag, default=None, help=f"comma-separated subset of {','.join(RUNS)}")
+        elif f.type in (bool, "bool"):
+            p.add_argument(flag, action="store_const", const=True, default=None, help=f"default {f.default!r}")
         else:
             kind = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], None)
             kind = int if f.name == "max_corpus_bytes" else kind
@@ -332,7 +341,8 @@ class Trainer:
     def attend_fn(self, mode: str, kl_metrics: list | None = None):
         cfg = self.cfg
         inner = dense_attend if mode == "dense" else msa_attend(mode, cfg.top_k, cfg.block_size, self.kl_value,
-                                                                kl_metrics, cfg.select_precision)
+                                                                kl_metrics, cfg.select_precision,
+                                                                cfg.local_blocks)
 
         def attend(*tensors):
             # Attention runs outside autocast: it receives the bf16 (or fp32) tensors exactly as produced.

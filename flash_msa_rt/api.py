@@ -24,6 +24,7 @@ from flash_msa_rt.ops import layout as _layout
 from flash_msa_rt.ops import library as _ops
 from flash_msa_rt.ops import offsets as _offsets
 from flash_msa_rt.ops import validation as _v
+from flash_msa_rt.ops.options import MsaOptions
 
 __all__ = ["flash_msa_func", "flash_msa_warmup_func", "flash_msa_func_warmup", "flash_msa_varlen_func",
            "flash_msa_warmup_varlen_func", "block_sparse_attention", "select_blocks"]
@@ -32,7 +33,8 @@ _MSA_NAMES = ("q_proxy", "k_proxy", "q", "k", "v")
 
 
 def flash_msa_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, document_list=None, *, cu_seqlens=None,
-                   kl_metric=None, layout="bhsd", block_size=128, kl_value="exact", select_precision="bf16"):
+                   kl_metric=None, layout="bhsd", block_size=128, kl_value="exact", select_precision="bf16",
+                   sinks=None, proxy_scale=None, local_blocks=1):
     """MiniMax Sparse Attention: proxy top-K block selection, sparse causal attention and the proxy KL loss.
 
     q_proxy (B, Hp, S, Dp), k_proxy (B, Hpk, S, Dp), q (B, H, S, D), k and v (B, Hk, S, D) for layout="bhsd";
@@ -56,24 +58,31 @@ def flash_msa_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, document_list=N
     ranked by scores of q_proxy (per token) and k_proxy (per key block) quantised to float8 e4m3 with power-of-two
     scales, accumulated in float32 (about twice the selection rate on Hopper; docs/msa-semantics.md, "FP8
     selection"). Only the ranking changes: the KL, its gradients and the main attention use the unquantised inputs.
+    sinks: optional float32 (H,) tensor on q's device, one learned sink logit per main head (gpt-oss; usually an
+    nn.Parameter, its gradient flows): an extra softmax term with no value. The KL target ignores it.
+    proxy_scale: the scale of the proxy scores in the KL and its gradient (None: scale; MiniMax-M3's indexer: 1.0).
+    The selection's ranking does not depend on it.
+    local_blocks: the L most recent blocks every query always selects (its own and the L - 1 before it), 1 <= L <= K.
 
     Returns (out (B, S, H * D) in q's dtype, kl_loss): kl_loss is a 0-dim float32 tensor (float64 for float64
     inputs) holding the true KL, mean over (b, p, i) of KL(tau || pi); its gradient reaches q_proxy and k_proxy
     only, scaled by whatever multiplies it in the loss (read on the device: no host synchronisation).
     """
     return _msa("flash_msa_func", True, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_seqlens,
-                kl_metric, layout, block_size, kl_value, select_precision)
+                kl_metric, layout, block_size, kl_value, select_precision, sinks, proxy_scale, local_blocks)
 
 
 def flash_msa_warmup_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, document_list=None, *, cu_seqlens=None,
-                          kl_metric=None, layout="bhsd", block_size=128, kl_value="exact"):
+                          kl_metric=None, layout="bhsd", block_size=128, kl_value="exact", sinks=None,
+                          proxy_scale=None, local_blocks=1):
     """Warmup mode of flash_msa_func: dense causal main attention, the proxy trained by the KL over every causal key.
 
-    Same arguments and returns as flash_msa_func. top_k and block_size are validated for compatibility and
-    otherwise unused (no selection happens in warmup).
+    Same arguments and returns as flash_msa_func. top_k, block_size and local_blocks are validated for
+    compatibility (a model switches modes with the same arguments) and otherwise unused (no selection happens in
+    warmup); sinks and proxy_scale apply as there.
     """
     return _msa("flash_msa_warmup_func", False, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_seqlens,
-                kl_metric, layout, block_size, kl_value)
+                kl_metric, layout, block_size, kl_value, "bf16", sinks, proxy_scale, local_blocks)
 
 
 flash_msa_func_warmup = flash_msa_warmup_func  # the published alias
@@ -81,7 +90,7 @@ flash_msa_func_warmup = flash_msa_warmup_func  # the published alias
 
 def flash_msa_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale=None, *, block_size=128,
                           kl_metric=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_k=None, kl_value="exact",
-                          select_precision="bf16"):
+                          select_precision="bf16", sinks=None, proxy_scale=None, local_blocks=1):
     """flash_msa_func over packed sequences, FlashAttention varlen style.
 
     q_proxy (total, Hp, Dp), k_proxy (total, Hpk, Dp), q (total, H, D), k and v (total, Hk, D); cu_seqlens int32
@@ -98,24 +107,26 @@ def flash_msa_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top
     sequence s reads the L_k = seqused_k[s] keys from cu_seqlens_k[s] on, so key ranges may overlap: one rank's
     two zigzag chunks of a sequence are two query sequences over one gathered key tensor, without a copy
     (docs/msa-semantics.md); key gradients sum over every sequence that reads a key. Separate key lengths run on
-    the reference (the kernels take a sequence's queries and keys alike). kl_value and select_precision as
-    flash_msa_func's (fp8 key blocks restart at each sequence's key start).
+    the reference (the kernels take a sequence's queries and keys alike). kl_value, select_precision, sinks,
+    proxy_scale and local_blocks as flash_msa_func's (fp8 key blocks restart at each sequence's key start).
     """
     return _msa_varlen("flash_msa_varlen_func", True, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k,
-                       scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k, kl_value, select_precision)
+                       scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k, kl_value, select_precision,
+                       sinks, proxy_scale, local_blocks)
 
 
 def flash_msa_warmup_varlen_func(q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale=None, *,
                                  block_size=128, kl_metric=None, cu_seqlens_k=None, max_seqlen_k=None,
-                                 seqused_k=None, kl_value="exact"):
-    """Warmup mode of flash_msa_varlen_func (dense causal per sequence; top_k validated, unused); cu_seqlens_k,
-    max_seqlen_k, seqused_k and kl_value as there."""
+                                 seqused_k=None, kl_value="exact", sinks=None, proxy_scale=None, local_blocks=1):
+    """Warmup mode of flash_msa_varlen_func (dense causal per sequence; top_k and local_blocks validated, unused);
+    cu_seqlens_k, max_seqlen_k, seqused_k, kl_value, sinks and proxy_scale as there."""
     return _msa_varlen("flash_msa_warmup_varlen_func", False, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen,
-                       top_k, scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k, kl_value)
+                       top_k, scale, block_size, kl_metric, cu_seqlens_k, max_seqlen_k, seqused_k, kl_value, "bf16",
+                       sinks, proxy_scale, local_blocks)
 
 
 def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *, layout="bhsd", return_lse=False,
-                           cu_seqlens=None):
+                           cu_seqlens=None, sinks=None):
     """Causal attention of each query over the key blocks listed for it (NSA / FSA selected attention).
 
     q (B, H, S, D), k and v (B, Hk, S, D) ("bhsd"; (B, S, heads, D) for "bshd"); block_indices int32
@@ -132,6 +143,9 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
     cu_seqlens: optional int32 (num_seqs + 1,) offsets of packed sequences along S of a batch of one row (B = 1;
     0, ..., S, non-decreasing): each sequence is causal within itself and an index j of one of its queries names
     block j of that sequence (its keys start + j * block_size onward). Validating it synchronises the host.
+
+    sinks: optional float32 (H,) sink logits (as flash_msa_func's): lse includes them, and a row with no allowed
+    key then gets out = 0 and lse = sink[h].
     """
     fn = "block_sparse_attention"
     _v.check_layout(fn, layout)
@@ -156,6 +170,7 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
     block_size = _v.check_block_size(fn, block_size)
     _v.check_block_indices(fn, block_indices, B, S, H, q.device)
     scale = _v.resolve_scale(fn, scale, D)
+    sinks = _v.check_sinks(fn, sinks, H, q.device)
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"{fn}: cu_seqlens packs sequences along S of a batch of one row, but q has batch {B}; "
@@ -167,20 +182,22 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
                                       f"outside the graph")
         if not torch.compiler.is_compiling():  # compiled: the custom op checks them when it runs (library)
             _v.check_cu_seqlens_values(fn, cu_seqlens, S)
-    if _eager.usable(q, k, v, block_indices, cu_seqlens):
-        out, lse = _eager.block_sparse(q, k, v, block_indices, block_size, scale, cu_seqlens)
+    if _eager.usable(q, k, v, block_indices, cu_seqlens, sinks):
+        out, lse = _eager.block_sparse(q, k, v, block_indices, block_size, scale, cu_seqlens, sinks)
     else:
-        out, lse = _ops.block_sparse_forward(q, k, v, block_indices, block_size, scale, cu_seqlens)
+        out, lse = _ops.block_sparse_forward(q, k, v, block_indices, block_size, scale, cu_seqlens, sinks)
     out = _layout.from_bshd(out, layout)
     return (out, lse) if return_lse else out
 
 
-def select_blocks(q_proxy, k_proxy, top_k, scale=None, *, layout="bhsd", block_size=128, select_precision="bf16"):
+def select_blocks(q_proxy, k_proxy, top_k, scale=None, *, layout="bhsd", block_size=128, select_precision="bf16",
+                  proxy_scale=None, local_blocks=1):
     """The blocks MSA selects: int32 (B, Hp, S, K), K = top_k // block_size, ascending per row with -1 last.
 
     q_proxy (B, Hp, S, Dp), k_proxy (B, Hpk, S, Dp) ("bhsd"; "bshd" as flash_msa_func). scale defaults to
     Dp ** -0.5; the selection does not depend on it (top-K of scaled scores) except through rounding. No gradient.
-    select_precision as flash_msa_func's.
+    proxy_scale: as flash_msa_func's, the scale the proxy scores are ranked with (None: scale); the same blocks up
+    to rounding. select_precision and local_blocks as flash_msa_func's.
     """
     fn = "select_blocks"
     select_precision = _v.check_select_precision(fn, select_precision)
@@ -193,12 +210,13 @@ def select_blocks(q_proxy, k_proxy, top_k, scale=None, *, layout="bhsd", block_s
     _v.check_proxy_dims(fn, q_proxy, k_proxy)
     block_size = _v.check_block_size(fn, block_size)
     K = _v.check_top_k(fn, top_k, block_size)
+    local_blocks = _v.check_local_blocks(fn, local_blocks, K)
     scale = _v.resolve_scale(fn, scale, q_proxy.shape[-1])
-    if _eager.usable(q_proxy, k_proxy):  # the body itself: no gradient to record
-        return _ops.select_blocks_body(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, None, None, None,
-                                       select_precision)
-    return _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, None, None, None,
-                              select_precision)
+    proxy_scale = _v.resolve_proxy_scale(fn, proxy_scale, scale)
+    scale = scale if proxy_scale is None else proxy_scale
+    select = _ops.select_blocks_body if _eager.usable(q_proxy, k_proxy) else _ops.select_blocks  # no gradient
+    return select(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, None, None, None, select_precision,
+                  local_blocks)
 
 
 # --- shared bodies -------------------------------------------------------------------------------------------------
@@ -222,20 +240,34 @@ def _check_five(fn, tensors, ndim, dims_text):
     _v.check_same_dtype_device(fn, dict(zip(_MSA_NAMES, tensors)))
 
 
-def _msa(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_seqlens, kl_metric, layout,
-         block_size, kl_value, select_precision="bf16"):
+def _options(fn, sparse, dims, device, top_k, scale, block_size, kl_value, kl_metric, select_precision, sinks,
+             proxy_scale, local_blocks) -> MsaOptions:
+    """Every option of an MSA call validated (errors name the argument, its value and what is supported), as the
+    one frozen object the layers below take; offsets and the KL route are added by the caller."""
     kl_value = _v.check_kl_value(fn, kl_value, kl_metric)
     select_precision = _v.check_select_precision(fn, select_precision)
+    block_size = _v.check_block_size(fn, block_size)
+    K = _v.check_top_k(fn, top_k, block_size)
+    scale = _v.resolve_scale(fn, scale, dims.D)
+    _v.check_kl_metric(fn, kl_metric, device)
+    return MsaOptions(sparse=sparse, K=K, block_size=block_size, scale=scale,
+                      proxy_scale=_v.resolve_proxy_scale(fn, proxy_scale, scale),
+                      local_blocks=_v.check_local_blocks(fn, local_blocks, K),
+                      sinks=_v.check_sinks(fn, sinks, dims.H, device), select_precision=select_precision,
+                      kl_value=kl_value, kl_metric=kl_metric)
+
+
+def _msa(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_seqlens, kl_metric, layout,
+         block_size, kl_value, select_precision="bf16", sinks=None, proxy_scale=None, local_blocks=1):
+    _v.check_kl_value(fn, kl_value, kl_metric)
     _v.check_layout(fn, layout)
     _check_five(fn, (q_proxy, k_proxy, q, k, v), 4, _v.LAYOUTS[layout])
     q_proxy, k_proxy, q, k, v = (_layout.to_bshd(t, layout) for t in (q_proxy, k_proxy, q, k, v))
     _check_seqlen_in_layout(fn, layout, {"q": q, "q_proxy": q_proxy, "k_proxy": k_proxy, "k": k, "v": v})
     dims = _v.check_msa_dims(fn, q_proxy, k_proxy, q, k, v)
-    block_size = _v.check_block_size(fn, block_size)
-    K = _v.check_top_k(fn, top_k, block_size)
-    scale = _v.resolve_scale(fn, scale, dims.D)
     device = q.device
-    _v.check_kl_metric(fn, kl_metric, device)
+    opts = _options(fn, sparse, dims, device, top_k, scale, block_size, kl_value, kl_metric, select_precision, sinks,
+                    proxy_scale, local_blocks)
     if document_list is not None and cu_seqlens is not None:
         raise ValueError(f"{fn}: pass document_list or cu_seqlens, not both")
     if document_list is not None:
@@ -255,8 +287,7 @@ def _msa(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, document_list, cu_
             _v.check_cu_seqlens_values(fn, cu_seqlens, dims.B * dims.S, row_len=dims.S)
         # batch rows become consecutive packed sequences of one row
         q_proxy, k_proxy, q, k, v = (_layout.flatten_batch(t) for t in (q_proxy, k_proxy, q, k, v))
-    out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value,
-                        select_precision=select_precision, max_seqlen=bound)
+    out, kl_loss = _run(q_proxy, k_proxy, q, k, v, opts.replace(cu_seqlens=cu_seqlens, max_seqlen=bound))
     out = out.reshape(dims.B, dims.S, dims.H * dims.D)
     return (out, kl_loss) if invalid is None else (_poisoned(out, invalid), _poisoned(kl_loss, invalid))
 
@@ -285,9 +316,10 @@ def _poisoned(t, invalid):
 
 
 def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, top_k, scale, block_size, kl_metric,
-                cu_seqlens_k=None, max_seqlen_k=None, seqused_k=None, kl_value="exact", select_precision="bf16"):
-    kl_value = _v.check_kl_value(fn, kl_value, kl_metric)
-    select_precision = _v.check_select_precision(fn, select_precision)
+                cu_seqlens_k=None, max_seqlen_k=None, seqused_k=None, kl_value="exact", select_precision="bf16",
+                sinks=None, proxy_scale=None, local_blocks=1):
+    _v.check_kl_value(fn, kl_value, kl_metric)
+    _v.check_select_precision(fn, select_precision)
     separate = cu_seqlens_k is not None
     if not separate:
         for name, value in (("max_seqlen_k", max_seqlen_k), ("seqused_k", seqused_k)):
@@ -302,18 +334,17 @@ def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, t
     _check_five(fn, (q_proxy, k_proxy, q, k, v), 3, "(total_tokens, heads, head_dim)")
     q_proxy, k_proxy, q, k, v = (t.unsqueeze(0) for t in (q_proxy, k_proxy, q, k, v))
     dims = _v.check_msa_dims(fn, q_proxy, k_proxy, q, k, v, seq_dim_name="total_tokens", separate_keys=separate)
-    block_size = _v.check_block_size(fn, block_size)
-    K = _v.check_top_k(fn, top_k, block_size)
-    scale = _v.resolve_scale(fn, scale, dims.D)
-    _v.check_kl_metric(fn, kl_metric, q.device)
+    opts = _options(fn, sparse, dims, q.device, top_k, scale, block_size, kl_value, kl_metric, select_precision,
+                    sinks, proxy_scale, local_blocks)
     _v.check_cu_seqlens(fn, cu_seqlens, q.device)
     if _offsets.planned_on_device(cu_seqlens):  # no host read: checked on the device, the outputs NaN if it fails
         invalid = _captured_offsets(fn, cu_seqlens, dims.S, max_seqlen, separate)
         if separate:  # torch.compile only: the ops read the key offsets themselves (packed._separate_keys)
             invalid = invalid | _compiled_key_offsets(fn, cu_seqlens, cu_seqlens_k, max_seqlen_k, seqused_k,
                                                       k.shape[1], q.device)
-        out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value,
-                            cu_seqlens_k, seqused_k, select_precision, None if separate else max_seqlen)
+        out, kl_loss = _run(q_proxy, k_proxy, q, k, v,
+                            opts.replace(cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                                         max_seqlen=None if separate else max_seqlen))
         return _poisoned(out[0], invalid), _poisoned(kl_loss, invalid)
     longest = _v.check_cu_seqlens_values(fn, cu_seqlens, dims.S)
     _v.check_max_seqlen(fn, max_seqlen, longest)
@@ -321,8 +352,8 @@ def _msa_varlen(fn, sparse, q_proxy, k_proxy, q, k, v, cu_seqlens, max_seqlen, t
         longest_k = _v.check_key_offsets(fn, cu_seqlens, cu_seqlens_k, seqused_k, k.shape[1], q.device)
         _v.check_max_seqlen(fn, max_seqlen_k, longest_k, name="max_seqlen_k",
                             offsets="cu_seqlens_k / seqused_k" if seqused_k is not None else "cu_seqlens_k")
-    out, kl_loss = _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value,
-                        cu_seqlens_k, seqused_k, select_precision)
+    out, kl_loss = _run(q_proxy, k_proxy, q, k, v,
+                        opts.replace(cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k))
     return out[0], kl_loss
 
 
@@ -366,32 +397,36 @@ def _kl_forward_pass_policy() -> tuple[int, tuple[str, ...]]:
     return t.forward_pass_rows, t.forward_pass_devices
 
 
-def _run(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, kl_metric, kl_value,
-         cu_seqlens_k=None, seqused_k=None, select_precision="bf16", max_seqlen=None):
+def _run(q_proxy, k_proxy, q, k, v, opts: MsaOptions):
     """The ops on (B, S, heads, D) views; kl_loss = mean of kl_rows, formed here so its upstream gradient reaches the
     backward as a device tensor (no host read of the loss coefficient). Without the KL pass in the forward, kl_rows
     are zeros (kl_loss's value 0, its gradient unchanged) and the backward writes kl_metric; where the forward runs
-    the pass for a value that waits (_kl_route), kl_loss is a zero-valued mean of its rows. max_seqlen: the packs'
-    bound where the offsets are planned on the device (the custom ops' argument; the eager path, under capture,
-    finds it declared beside the offsets)."""
-    kl, value_now = _kl_route(kl_value, kl_metric, (q_proxy, k_proxy, q, k, v), sparse, cu_seqlens is not None)
-    if _eager.usable(q_proxy, k_proxy, q, k, v, kl_metric, cu_seqlens, cu_seqlens_k, seqused_k):
-        return _eager.msa(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, cu_seqlens_k,
-                          seqused_k, kl, kl_metric, select_precision, value_now)
-    deferred_metric = None if value_now else kl_metric
-    if sparse:
-        block_indices = _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), K, block_size, scale, cu_seqlens,
-                                           cu_seqlens_k, seqused_k, select_precision, max_seqlen)
-        out, _, _, kl_rows = _ops.msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale,
-                                              cu_seqlens, cu_seqlens_k, seqused_k, kl, deferred_metric, max_seqlen)
+    the pass for a value that waits (_kl_route), kl_loss is a zero-valued mean of its rows. opts.max_seqlen: the
+    packs' bound where the offsets are planned on the device (the custom ops' argument; the eager path, under
+    capture, finds it declared beside the offsets)."""
+    # the sinks stay out of the route: the KL does not depend on them, so their gradient alone runs no KL backward
+    kl, value_now = _kl_route(opts.kl_value, opts.kl_metric, (q_proxy, k_proxy, q, k, v), opts.sparse,
+                              opts.cu_seqlens is not None)
+    opts = opts.replace(kl=kl, value_now=value_now)
+    offsets = (opts.cu_seqlens, opts.cu_seqlens_k, opts.seqused_k)
+    if _eager.usable(q_proxy, k_proxy, q, k, v, opts.kl_metric, opts.sinks, *offsets):
+        return _eager.msa(q_proxy, k_proxy, q, k, v, opts)
+    deferred_metric = None if value_now else opts.kl_metric
+    if opts.sparse:
+        block_indices = _ops.select_blocks(q_proxy.detach(), k_proxy.detach(), opts.K, opts.block_size,
+                                           opts.selection_scale, *offsets, opts.select_precision, opts.local_blocks,
+                                           opts.max_seqlen)
+        out, _, _, kl_rows = _ops.msa_forward(q_proxy, k_proxy, q, k, v, block_indices, opts.block_size, opts.scale,
+                                              *offsets, kl, deferred_metric, opts.sinks, opts.proxy_scale,
+                                              opts.max_seqlen)
     else:
-        out, _, _, kl_rows = _ops.warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k,
-                                                 seqused_k, kl, deferred_metric, max_seqlen)
+        out, _, _, kl_rows = _ops.warmup_forward(q_proxy, k_proxy, q, k, v, opts.scale, *offsets, kl,
+                                                 deferred_metric, opts.sinks, opts.proxy_scale, opts.max_seqlen)
     if kl and not value_now:
         return out, _ZeroValuedMean.apply(kl_rows)
     kl_loss = kl_rows.sum() / max(kl_rows.numel(), 1)
-    if kl_metric is not None and value_now:
-        kl_metric.copy_(kl_loss.detach())
+    if opts.kl_metric is not None and value_now:
+        opts.kl_metric.copy_(kl_loss.detach())
     return out, kl_loss
 
 

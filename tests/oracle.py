@@ -26,8 +26,9 @@ class Result:
     grads: dict | None = None  # name of each input -> gradient
 
 
-def select(q_proxy, k_proxy, top_k_blocks, block_size, scale):
-    """(B, Hp, S, K) int64: local block, then the K - 1 best earlier blocks by a stable sort of (-score, j)."""
+def select(q_proxy, k_proxy, top_k_blocks, block_size, scale, local_blocks=1):
+    """(B, Hp, S, K) int64: the L = local_blocks forced blocks ending at the local one, then the K - L best
+    earlier blocks by a stable sort of (-score, j)."""
     B, S, Hp, _ = q_proxy.shape
     Bs, K = block_size, top_k_blocks
     NB = -(-S // Bs)
@@ -38,9 +39,9 @@ def select(q_proxy, k_proxy, top_k_blocks, block_size, scale):
     for b in range(B):
         for p in range(Hp):
             for i in range(S):
-                L = i // Bs
-                best = sorted(range(L), key=lambda j: (-c[b][p][i][j], j))[:K - 1]
-                chosen = sorted([L, *best])
+                first = max(0, i // Bs - local_blocks + 1)
+                best = sorted(range(first), key=lambda j: (-c[b][p][i][j], j))[:K - local_blocks]
+                chosen = sorted([*range(first, i // Bs + 1), *best])
                 out[b, p, i, :len(chosen)] = torch.tensor(chosen)
     return out.to(q_proxy.device)
 
@@ -52,16 +53,28 @@ def allowed_from_indices(block_indices, S, block_size):
     return listed & _causal(S, block_indices.device)
 
 
-def attention(q, k, v, allowed, scale):
-    """Masked softmax attention -> out (B, S, H, D), lse (B, H, S), P (B, H, S, S). allowed: (B|1, Hi, S, S)."""
+def attention(q, k, v, allowed, scale, sinks=None):
+    """Masked softmax attention -> out (B, S, H, D), lse (B, H, S), P0 (B, H, S, S). allowed: (B|1, Hi, S, S).
+
+    sinks (H,) or None: one extra logit per head with no value joins each row's softmax (a column appended to the
+    scores, so autograd gives d sinks); lse and out include it, the returned P0 is the sink-free softmax (the KL
+    target's)."""
     H = q.shape[2]
     Hk, Hi = k.shape[2], allowed.shape[1]
     kk = k.repeat_interleave(H // Hk, dim=2)
     vv = v.repeat_interleave(H // Hk, dim=2)
     mask = allowed.repeat_interleave(H // Hi, dim=1)
     s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
-    p, lse = _masked_softmax(s, mask)
-    return torch.einsum("bhij,bjhd->bihd", p, vv), lse, p
+    p0, lse0 = _masked_softmax(s, mask)
+    if sinks is None:
+        return torch.einsum("bhij,bjhd->bihd", p0, vv), lse0, p0
+    B, H, S, _ = s.shape
+    sink_col = sinks.to(s.dtype).view(1, H, 1, 1).expand(B, H, S, 1)
+    full = torch.cat([s.masked_fill(~mask, NEG_INF), sink_col], dim=-1)
+    lse = torch.logsumexp(full, -1)
+    p = torch.where(torch.cat([mask.expand(B, H, S, S), torch.ones_like(sink_col, dtype=torch.bool)], -1),
+                    torch.exp(full - lse.unsqueeze(-1)), 0)[..., :S]
+    return torch.einsum("bhij,bjhd->bihd", p, vv), lse, p0
 
 
 def proxy_kl(q_proxy, k_proxy, p_main, allowed, scale):
@@ -80,29 +93,32 @@ def proxy_kl(q_proxy, k_proxy, p_main, allowed, scale):
 
 
 def msa(q_proxy, k_proxy, q, k, v, top_k_blocks, block_size, scale, grad_out=None, kl_upstream=None,
-        block_indices=None):
+        block_indices=None, *, proxy_scale=None, local_blocks=1, sinks=None):
     """Everything MSA computes, and the five gradients.
 
     block_indices None: selected here (the proxy's top-K). grad_out: upstream dO of out or None. kl_upstream:
     a 0-dim tensor (upstream grad of kl_loss = mean KL) or a (B, Hp, S) tensor (upstream grad of each KL_p(i)),
-    or None.
+    or None. proxy_scale (None: scale) scales the proxy scores; local_blocks forces that many recent blocks;
+    sinks (H,) adds a sink logit per head (grads["sinks"] then holds d sinks).
     """
     S = q.shape[1]
+    proxy_scale = scale if proxy_scale is None else proxy_scale
     if block_indices is None:
         with torch.no_grad():
-            block_indices = select(q_proxy, k_proxy, top_k_blocks, block_size, scale)
+            block_indices = select(q_proxy, k_proxy, top_k_blocks, block_size, proxy_scale, local_blocks)
     return _with_grads(q_proxy, k_proxy, q, k, v, allowed_from_indices(block_indices, S, block_size), scale,
-                       grad_out, kl_upstream, block_indices)
+                       grad_out, kl_upstream, block_indices, proxy_scale, sinks)
 
 
-def warmup(q_proxy, k_proxy, q, k, v, scale, grad_out=None, kl_upstream=None):
+def warmup(q_proxy, k_proxy, q, k, v, scale, grad_out=None, kl_upstream=None, *, proxy_scale=None, sinks=None):
     allowed = _causal(q.shape[1], q.device).view(1, 1, q.shape[1], q.shape[1])
-    return _with_grads(q_proxy, k_proxy, q, k, v, allowed, scale, grad_out, kl_upstream, None)
+    return _with_grads(q_proxy, k_proxy, q, k, v, allowed, scale, grad_out, kl_upstream, None,
+                       scale if proxy_scale is None else proxy_scale, sinks)
 
 
-def block_sparse(q, k, v, block_indices, block_size, scale, grad_out=None):
+def block_sparse(q, k, v, block_indices, block_size, scale, grad_out=None, *, sinks=None):
     return _with_grads(None, None, q, k, v, allowed_from_indices(block_indices, q.shape[1], block_size), scale,
-                       grad_out, None, block_indices)
+                       grad_out, None, block_indices, None, sinks)
 
 
 def rows(q_proxy, k_proxy, q, k, v, query_rows, scale, block_indices=None, block_size=128):
@@ -140,19 +156,23 @@ def rows(q_proxy, k_proxy, q, k, v, query_rows, scale, block_indices=None, block
     return Result(out=out, lse=lse, lse_proxy=lse_p, kl_rows=kl)
 
 
-def _with_grads(q_proxy, k_proxy, q, k, v, allowed, scale, grad_out, kl_upstream, block_indices):
+def _with_grads(q_proxy, k_proxy, q, k, v, allowed, scale, grad_out, kl_upstream, block_indices, proxy_scale=None,
+                sinks=None):
     named = {"q": q, "k": k, "v": v}
     if q_proxy is not None:
         named = {"q_proxy": q_proxy, "k_proxy": k_proxy, **named}
+    if sinks is not None:
+        named["sinks"] = sinks.to(q.dtype)
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in named.items()}
     with torch.enable_grad():
-        out, lse, p = attention(leaves["q"], leaves["k"], leaves["v"], allowed, scale)
+        out, lse, p = attention(leaves["q"], leaves["k"], leaves["v"], allowed, scale, leaves.get("sinks"))
         res = Result(out=out, lse=lse, block_indices=block_indices)
         loss = out.new_zeros(())
         if grad_out is not None:
             loss = loss + (out * grad_out).sum()
         if q_proxy is not None:
-            res.kl_rows, res.lse_proxy = proxy_kl(leaves["q_proxy"], leaves["k_proxy"], p, allowed, scale)
+            res.kl_rows, res.lse_proxy = proxy_kl(leaves["q_proxy"], leaves["k_proxy"], p, allowed,
+                                                  scale if proxy_scale is None else proxy_scale)
             res.kl_loss = res.kl_rows.mean()
             if kl_upstream is not None:
                 if kl_upstream.dim() == 0:

@@ -262,3 +262,64 @@ def test_bhsd_tensors_passed_as_bshd_get_a_layout_hint(fn):
     msg = str(info.value)
     assert msg.startswith(f"{fn}: ") and "seqlen" in msg, msg
     assert "layout='bshd'" in msg and "pass layout='bhsd'" in msg, msg
+
+
+# --- issue 58: sinks, proxy_scale, local_blocks --------------------------------------------------------------------
+
+_NEW_ENTRY_POINTS = [api.flash_msa_func, api.flash_msa_warmup_func]
+
+
+@pytest.mark.parametrize("fn", _NEW_ENTRY_POINTS)
+@pytest.mark.parametrize("sinks, error, words", [
+    (torch.zeros(H + 1), ValueError, "shape (5,)"),
+    (torch.zeros(1, H), ValueError, "shape (1, 4)"),
+    (torch.zeros(H, dtype=torch.float64), ValueError, "torch.float64"),
+    (torch.zeros(H, dtype=torch.bfloat16), ValueError, "torch.bfloat16"),
+    ([0.0] * H, TypeError, "list"),
+])
+def test_bad_sinks_are_named(fn, sinks, error, words):
+    with pytest.raises(error, match="sinks") as e:
+        call_msa(fn, sinks=sinks)
+    assert words in str(e.value)
+
+
+def test_sinks_on_another_device_are_named():
+    with pytest.raises(ValueError, match="sinks is on meta but the inputs are on cpu"):
+        call_msa(sinks=torch.zeros(H, device="meta"))
+
+
+@pytest.mark.parametrize("fn", _NEW_ENTRY_POINTS)
+@pytest.mark.parametrize("value, error", [(0.0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                                          (float("inf"), ValueError), ("1", TypeError), (True, TypeError)])
+def test_bad_proxy_scale_is_named(fn, value, error):
+    with pytest.raises(error, match="proxy_scale") as e:
+        call_msa(fn, proxy_scale=value)
+    assert type(value).__name__ in str(e.value) or repr(value) in str(e.value)
+
+
+@pytest.mark.parametrize("fn", _NEW_ENTRY_POINTS)
+@pytest.mark.parametrize("value, error", [(0, ValueError), (3, ValueError), (-1, ValueError), (1.0, TypeError),
+                                          (None, TypeError)])
+def test_bad_local_blocks_is_named(fn, value, error):
+    with pytest.raises(error, match="local_blocks") as e:
+        call_msa(fn, local_blocks=value)  # K = top_k // block_size = 2
+    if error is ValueError:
+        assert f"local_blocks = {value}" in str(e.value) and "1 <= local_blocks <= K" in str(e.value)
+
+
+def test_select_blocks_and_block_sparse_check_the_new_arguments():
+    a = msa_args()
+    with pytest.raises(ValueError, match="select_blocks: local_blocks = 3"):
+        api.select_blocks(a["q_proxy"], a["k_proxy"], 2 * BS, block_size=BS, local_blocks=3)
+    with pytest.raises(ValueError, match="select_blocks: proxy_scale"):
+        api.select_blocks(a["q_proxy"], a["k_proxy"], 2 * BS, block_size=BS, proxy_scale=-2.0)
+    idx = torch.zeros(B, 1, S, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_sparse_attention: sinks has shape"):
+        api.block_sparse_attention(a["q"], a["k"], a["v"], idx, BS, sinks=torch.zeros(2 * H))
+
+
+def test_varlen_checks_the_new_arguments():
+    with pytest.raises(ValueError, match="flash_msa_varlen_func: local_blocks = 2"):
+        call_varlen(local_blocks=2)  # K = 1
+    with pytest.raises(ValueError, match="flash_msa_warmup_varlen_func: sinks has shape"):
+        call_varlen(api.flash_msa_warmup_varlen_func, sinks=torch.zeros(H + 1))

@@ -166,6 +166,27 @@ def test_context_parallel_run_matches_the_single_process_run(full, tmp_path):
         assert cp["history"][key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
 
 
+def test_sinks_and_local_blocks_flags_reach_the_model_and_the_api():
+    """--sinks gives every layer a learned (H,) sink that the MSA attention trains; --local-blocks reaches the call."""
+    import torch
+
+    _train_main()  # puts examples/ on sys.path
+    import msa_model
+    import train_msa
+
+    cfg = train_msa.build_config(train_msa.parse_args(["--sinks", "--local-blocks", "2"]))
+    assert cfg.sinks and cfg.local_blocks == 2
+    torch.manual_seed(0)
+    model = msa_model.ByteLM(cfg.model_config())
+    attend = msa_model.msa_attend("sparse", cfg.top_k, cfg.block_size, local_blocks=cfg.local_blocks)
+    logits, kl = model(torch.randint(0, 256, (1, 3 * cfg.block_size)), attend)
+    logits.float().square().mean().backward()
+    sinks = [p for n, p in model.named_parameters() if n.endswith("sinks")]
+    assert len(sinks) == cfg.n_layers and all(p.grad is not None and p.grad.abs().sum() > 0 for p in sinks)
+    with pytest.raises(ValueError, match="local_blocks"):
+        train_msa.build_config(train_msa.parse_args(["--local-blocks", str(cfg.top_k // cfg.block_size + 1)]))
+
+
 def test_compile_default_is_cuda_only():
     """--compile auto: on for CUDA, off on the CPU (TrainConfig.compile says why); a bad value names the flag."""
     _train_main()

@@ -213,3 +213,74 @@ def test_compiled_varlen_takes_new_offsets_without_host_read():
     with pytest.raises(ValueError, match="cu_seqlens"):
         compiled(*flat, _offsets((0, 5, 23, 22)))  # decreasing, past the tokens, longer than max_seqlen
     assert counts.frame_count == 1
+
+
+# --- issue 58's options (sinks, proxy_scale, local_blocks) under torch.compile -------------------------------------
+
+PROXY_SCALE = 0.9  # != Dp ** -0.5 (the main scale is D ** -0.5)
+
+
+class EveryEntryPointWithOptions(torch.nn.Module):
+    """Every public function with sinks (a leaf: its gradient flows), proxy_scale != scale and local_blocks = 2
+    where each applies: fixed length (bf16 and fp8 selection, row-aligned cu_seqlens), warmup, varlen with and
+    without cu_seqlens_k, block-sparse with and without cu_seqlens, select_blocks."""
+
+    def __init__(self, kl_value):
+        super().__init__()
+        self.kl_value = kl_value
+
+    def forward(self, q_proxy, k_proxy, q, k, v, sinks, block_indices, cu_rows, cu_pack, cu_keys, cu_queries,
+                metrics):
+        kw = {"block_size": BS, "kl_value": self.kl_value, "sinks": sinks, "proxy_scale": PROXY_SCALE,
+              "local_blocks": 2}
+        m = metrics if self.kl_value != "none" else (None,) * len(metrics)
+        five = (q_proxy, k_proxy, q, k, v)
+        flat = [_flat(t) for t in five]
+        queries = torch.tensor(Q_TOKENS)
+        separate = (flat[0][queries], flat[1], flat[2][queries], flat[3], flat[4])
+        return [
+            *flash_msa_func(*five, 2 * BS, kl_metric=m[0], **kw),
+            *flash_msa_func(*five, 2 * BS, select_precision="fp8", **kw),
+            *flash_msa_func(*five, 2 * BS, cu_seqlens=cu_rows, **kw),
+            *flash_msa_warmup_func(*five, 2 * BS, kl_metric=m[1], **kw),
+            *flash_msa_varlen_func(*flat, cu_pack, 11, 2 * BS, kl_metric=m[2], **kw),
+            *flash_msa_warmup_varlen_func(*flat, cu_pack, 11, 2 * BS, **kw),
+            *flash_msa_varlen_func(*separate, cu_queries, 9, 2 * BS, cu_seqlens_k=cu_keys, max_seqlen_k=11, **kw),
+            *block_sparse_attention(q, k, v, block_indices, BS, scale=0.3, return_lse=True, sinks=sinks),
+            block_sparse_attention(q[:1], k[:1], v[:1], block_indices[:1].clamp(max=1), BS, cu_seqlens=cu_rows[:3],
+                                   sinks=sinks),
+            select_blocks(q_proxy, k_proxy, 2 * BS, block_size=BS, proxy_scale=PROXY_SCALE, local_blocks=2),
+            select_blocks(q_proxy, k_proxy, 2 * BS, block_size=BS, select_precision="fp8", local_blocks=2),
+        ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kl_value", ("exact", "deferred"))
+def test_sinks_proxy_scale_local_blocks_compile_fullgraph(kl_value, backend):
+    """fullgraph=True with sinks, proxy_scale and local_blocks given: results, KL metrics and every gradient (d sinks
+    included) equal eager."""
+    torch._dynamo.reset()
+    tensors, idx = _inputs(8), _indices()
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(9))
+    cus = tuple(_offsets(c) for c in (CU_ROWS, CU_PACK, CU_KEYS, CU_QUERIES))
+    module = EveryEntryPointWithOptions(kl_value)
+
+    def step(fn):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (*tensors, sinks)]
+        metrics = tuple(torch.zeros(()) for _ in range(3))
+        results = fn(*leaves, idx, *cus, metrics)
+        g = torch.Generator().manual_seed(3)
+        loss = sum((r * torch.randn(r.shape, generator=g)).sum() for r in results
+                   if r.is_floating_point() and r.requires_grad)
+        loss.backward()
+        return [r.detach() for r in results] + list(metrics) + [t.grad for t in leaves]
+
+    want = step(module)
+    got = step(torch.compile(module, backend=backend, fullgraph=True))
+    _assert_same(got, want, 1e-6 if backend == "aot_eager" else 1e-4)
+    assert want[-1] is not None and want[-1].abs().sum() > 0, "d sinks flows"
+    assert all(m > 0 for m in want[-9:-6]), "every KL metric written (deferred: by the backward)"
+    # the options reach the compiled graph: they change the results against the defaults
+    plain = EveryEntryPoint(kl_value)(*[t.detach() for t in tensors], idx, *cus,
+                                      tuple(torch.zeros(()) for _ in range(3)))
+    assert not torch.allclose(got[0], plain[0])

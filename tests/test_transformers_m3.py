@@ -6,8 +6,9 @@ dense MLP and a MoE), 64-token blocks over 256 to 512 tokens:
   (B, H, S, S) block mask) within float32 rounding;
 - the blocks flash-msa selects from the indexer's idx_q / idx_k equal the indexer's own except near ties
   (counted);
-- training mode (enable_msa_training): sparse equals the "sdpa" path, warmup equals dense attention, the KL
-  trains the indexer only, and a packed batch (position_ids restarting per document) equals each document alone.
+- training mode (enable_msa_training): sparse equals the "sdpa" path (index_local_blocks 1 and 2), warmup equals
+  dense attention, proxy_scale / local_blocks reach flash_msa_func, the KL trains the indexer only, and a packed
+  batch (position_ids restarting per document) equals each document alone.
 The GPU forms are in test_transformers_m3_gpu.py.
 """
 
@@ -275,15 +276,40 @@ def test_errors_name_the_argument_and_what_is_supported():
         fmt.enable_msa_training(model)
 
 
-def test_an_unsupported_proxy_scale_says_so():
-    import inspect
+def test_training_passes_proxy_scale_and_local_blocks(monkeypatch):
+    """flash_msa_func gets M3's indexer scale and index_local_blocks by default, the handle's where given."""
+    calls = []
+    for name in ("flash_msa_func", "flash_msa_varlen_func", "flash_msa_warmup_func", "flash_msa_warmup_varlen_func"):
+        real = getattr(flash_msa_rt, name)
+        monkeypatch.setattr(flash_msa_rt, name,
+                            lambda *a, _real=real, **kw: calls.append(kw) or _real(*a, **kw))
+    model = m3_model(m3_config(index_head_dim=32, topk_blocks=3, local_blocks=2))
+    ids = _tokens(1, 256)
+    msa = fmt.enable_msa_training(model, mode="sparse", kl_value="exact")
+    model(ids)
+    assert calls[-1]["proxy_scale"] == 32 ** -0.5 and calls[-1]["local_blocks"] == 2
+    kl_default = msa.kl_loss().item()
+    msa.disable()
+    msa = fmt.enable_msa_training(model, mode="warmup", kl_value="exact", proxy_scale=0.25, local_blocks=1,
+                                  packed=False)
+    model(ids)
+    assert calls[-1]["proxy_scale"] == 0.25 and calls[-1]["local_blocks"] == 1
+    msa.disable()
+    msa = fmt.enable_msa_training(model, mode="sparse", kl_value="exact", proxy_scale=0.25)
+    model(ids)
+    assert calls[-1]["proxy_scale"] == 0.25 and calls[-1]["local_blocks"] == 2
+    assert msa.kl_loss().item() != pytest.approx(kl_default)  # the proxy scale reaches the KL
 
-    if "proxy_scale" in inspect.signature(flash_msa_rt.flash_msa_varlen_func).parameters:
-        pytest.skip("this flash_msa_rt takes proxy_scale")
-    model = m3_model()
-    fmt.enable_msa_training(model, proxy_scale=0.5)
-    with pytest.raises(ValueError, match="proxy_scale=0.5"):
-        model(_tokens(1, 128))
+
+def test_training_sparse_with_two_local_blocks_equals_the_sdpa_path():
+    """index_local_blocks = 2: M3 forces the query's block and the one before; so does local_blocks."""
+    model = m3_model(m3_config(topk_blocks=3, local_blocks=2))
+    ids = _tokens(2, 256)
+    logits_sdpa, grads_sdpa = _step(model, ids)
+    fmt.enable_msa_training(model, mode="sparse", kl_value="exact")
+    logits, grads = _step(model, ids)
+    _assert_close(logits, logits_sdpa, "logits")
+    _assert_grads_equal(grads, grads_sdpa, _main_parameters(grads_sdpa))
 
 
 def test_only_the_integrations_import_transformers():

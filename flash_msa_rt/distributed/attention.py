@@ -23,7 +23,7 @@ _NAMES = ("q_proxy", "k_proxy", "q", "k", "v")
 
 def flash_msa_cp_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, *, group=None, scheme="zigzag", layout="bhsd",
                       kl_value="exact", kl_metric=None, block_size=128, seqlen=None, select_precision="bf16",
-                      cu_seqlens=None):
+                      cu_seqlens=None, sinks=None, proxy_scale=None, local_blocks=1):
     """flash_msa_func over this rank's shards of one batch of sequences (context parallelism).
 
     The five tensors are this rank's shards (shard_sequence's order: its chunks concatenated along the sequence
@@ -44,29 +44,37 @@ def flash_msa_cp_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, *, group=Non
     cu_seqlens: packed sequences, int32 offsets over the full stream (B = 1; every rank passes the same, read on the
     host): each sequence is split over the ranks on its own (shard_sequence(..., cu_seqlens=)), and the result is
     flash_msa_func(..., cu_seqlens=) on the full pack, kl_loss the mean over every (p, token) of the pack.
+
+    sinks, proxy_scale, local_blocks as flash_msa_func's. sinks is the same (H,) tensor on every rank (a replicated
+    parameter); each rank's gradient of it covers its own rows, so the group's gradient all-reduce (the one that
+    sums the proxy's parameter gradients) gives the single-process d sinks.
     """
     return _cp("flash_msa_cp_func", True, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layout, kl_value,
-               kl_metric, block_size, seqlen, select_precision, cu_seqlens)
+               kl_metric, block_size, seqlen, select_precision, cu_seqlens,
+               options=dict(sinks=sinks, proxy_scale=proxy_scale, local_blocks=local_blocks))
 
 
 def flash_msa_warmup_cp_func(q_proxy, k_proxy, q, k, v, top_k, scale=None, *, group=None, scheme="zigzag",
                              layout="bhsd", kl_value="exact", kl_metric=None, block_size=128, seqlen=None,
-                             cu_seqlens=None):
+                             cu_seqlens=None, sinks=None, proxy_scale=None, local_blocks=1):
     """flash_msa_warmup_func over this rank's shards: dense causal main attention over the whole prefix, the proxy
     trained by the KL over it; arguments and returns as flash_msa_cp_func's."""
     return _cp("flash_msa_warmup_cp_func", False, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layout,
-               kl_value, kl_metric, block_size, seqlen, cu_seqlens=cu_seqlens)
+               kl_value, kl_metric, block_size, seqlen, cu_seqlens=cu_seqlens,
+               options=dict(sinks=sinks, proxy_scale=proxy_scale, local_blocks=local_blocks))
 
 
 def rank_attention(sparse, q_proxy, k_proxy_full, q, k_full, v_full, spans, top_k, scale=None, *, block_size=128,
-                   kl_value="exact", kl_metric=None, select_precision="bf16", starts=None):
+                   kl_value="exact", kl_metric=None, select_precision="bf16", starts=None, sinks=None,
+                   proxy_scale=None, local_blocks=1):
     """One rank's compute, no communication: its query shards (B, L, heads, D) in shard order, covering `spans`
     (its [start, end) chunks of each row), against the gathered keys (B, S, heads, D). Each chunk of each row is a
     query sequence whose keys are its row's first `end` tokens (bottom-right causal: the chunk's queries are the
     last of them), one varlen call with separate key offsets, so no key is copied per chunk. Returns
     (out (B L, H, D), kl_loss over this rank's rows). flash_msa_cp_func calls it between the gather and the KL
     all-reduce; tests run it per rank on one device. starts: where each span's sequence starts when the row is a
-    pack (sharding.pack_starts): a chunk's keys are its own sequence's, from that start to the chunk's end."""
+    pack (sharding.pack_starts): a chunk's keys are its own sequence's, from that start to the chunk's end.
+    sinks, proxy_scale and local_blocks as flash_msa_func's."""
     B, S = k_full.shape[0], k_full.shape[1]
     device = q.device
     starts = [0] * len(spans) if starts is None else starts
@@ -81,7 +89,8 @@ def rank_attention(sparse, q_proxy, k_proxy_full, q, k_full, v_full, spans, top_
     flat = lambda t: t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])  # noqa: E731 - (B, S, h, d) -> (B S, h, d)
     return varlen(flat(q_proxy), flat(k_proxy_full), flat(q), flat(k_full), flat(v_full), cu_q,
                   max(q_lens, default=0), top_k, scale, block_size=block_size, cu_seqlens_k=cu_k,
-                  max_seqlen_k=max(S, 1), seqused_k=used_k, kl_value=kl_value, kl_metric=kl_metric, **selection)
+                  max_seqlen_k=max(S, 1), seqused_k=used_k, kl_value=kl_value, kl_metric=kl_metric, sinks=sinks,
+                  proxy_scale=proxy_scale, local_blocks=local_blocks, **selection)
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -100,7 +109,7 @@ class _AfterBackward(torch.autograd.Function):
 
 
 def _cp(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layout, kl_value, kl_metric, block_size,
-        seqlen, select_precision="bf16", cu_seqlens=None):
+        seqlen, select_precision="bf16", cu_seqlens=None, options=None):
     check_scheme(fn, scheme)
     select_precision = _v.check_select_precision(fn, select_precision)
     _v.check_layout(fn, layout)
@@ -162,7 +171,7 @@ def _cp(fn, sparse, q_proxy, k_proxy, q, k, v, top_k, scale, group, scheme, layo
     out, kl_local = rank_attention(sparse, qp, kp_full, qq, k_full, v_full, mine, top_k, scale,
                                    block_size=block_size, kl_value=kl_value, kl_metric=local_metric,
                                    select_precision=select_precision,
-                                   starts=None if bounds is None else pack_starts(bounds, scheme))
+                                   starts=None if bounds is None else pack_starts(bounds, scheme), **(options or {}))
     # kl_local = (sum of this rank's KL rows) / (Hp B L): its share of the whole mean is L / S of it.
     part = kl_local * (L / S) if S else kl_local * 0.0
     total = part.detach().clone()

@@ -28,16 +28,14 @@ Two ways in:
 M3 -> flash-msa: q_proxy = idx_q (B, index_n_heads, S, index_head_dim), k_proxy = idx_k (B, 1, S, index_head_dim),
 top_k = index_topk_blocks * index_block_size tokens, block_size = index_block_size (64 or 128), index head i
 serving query heads [i * H / index_n_heads, (i + 1) * H / index_n_heads) as M3's build_block_mask does. M3 ranks
-blocks by unscaled scores; flash-msa by scaled ones: the same ranking (up to rounding: near ties). Where the
-installed flash_msa_func has no proxy_scale / local_blocks argument (the semantics issue adds them), the proxy's
-softmax in the KL uses the main scale (head_dim ** -0.5, equal to M3's index_head_dim ** -0.5 at M3's shape) and the
-one local block is the query's own (M3's index_local_blocks = 1); other values warn once.
+blocks by unscaled scores; flash-msa by scaled ones: the same ranking (up to rounding: near ties). The proxy's
+softmax in the KL uses proxy_scale = index_head_dim ** -0.5 (M3's indexer scale; the main attention keeps
+head_dim ** -0.5) and each query always selects its index_local_blocks most recent blocks (local_blocks), both
+passed to flash_msa_func / flash_msa_warmup_func (docs/msa-semantics.md); enable_msa_training overrides either.
 """
 
 from __future__ import annotations
 
-import inspect
-import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -166,9 +164,9 @@ def enable_msa_training(model, mode: str = "sparse", kl_value: str = "deferred",
     mode: "sparse" (flash_msa_func: the indexer's top-K blocks, main attention over them) or "warmup"
     (flash_msa_warmup_func: dense main attention, the indexer trained by the KL over every causal key).
     kl_value: flash_msa_func's ("deferred": the backward writes each layer's KL into kl_metric, kl_loss's value 0).
-    proxy_scale: the proxy's softmax scale in the KL, default index_head_dim ** -0.5 (passed where flash_msa_func
-    takes proxy_scale; otherwise only None or the main scale is accepted). local_blocks: default
-    index_local_blocks (likewise; otherwise the query's own block). select_precision: "bf16" or "fp8".
+    proxy_scale: the proxy's softmax scale in the KL (flash_msa_func's proxy_scale), default
+    index_head_dim ** -0.5. local_blocks: the recent blocks every query selects (flash_msa_func's local_blocks),
+    default index_local_blocks. select_precision: "bf16" or "fp8".
     packed: True reads documents from position_ids (restarts), each selecting within itself; False treats each
     row as one sequence (no offsets at all, so no host read even for validation).
     detach_indexer_input: True (default) feeds the indexer a detached copy of the layer's hidden states, so the
@@ -273,7 +271,7 @@ def _msa_training(module, query, key, value, scaling, proxy: IndexerProxy):
     fn = _msa_function(sparse, handle.packed)
     options = dict(block_size=indexer.block_size, kl_value=handle.kl_value,
                    kl_metric=_kl_metric(handle, indexer.layer_idx, query.device),
-                   **_semantics_options(fn, handle, indexer, scaling))
+                   **_semantics_options(handle, indexer))
     if sparse:
         options["select_precision"] = handle.select_precision
     top_k = indexer.topk_blocks * indexer.block_size
@@ -310,38 +308,11 @@ def _kl_metric(handle: MsaTraining, layer_idx: int, device):
     return metric
 
 
-def _semantics_options(fn, handle: MsaTraining, indexer, scaling) -> dict:
-    """proxy_scale and local_blocks where fn takes them; where it does not, the values it implies (the main
-    scale, the query's own block) and a warning for a setting that would differ."""
-    accepts = inspect.signature(fn).parameters
-    options = {}
-    proxy_scale = handle.proxy_scale if handle.proxy_scale is not None else indexer.head_dim ** -0.5
-    if "proxy_scale" in accepts:
-        options["proxy_scale"] = proxy_scale
-    elif handle.proxy_scale is not None and handle.proxy_scale != scaling:
-        raise ValueError(f"enable_msa_training: proxy_scale={handle.proxy_scale} needs a flash_msa_rt whose "
-                         f"{fn.__name__} takes proxy_scale; this one uses the main scale {scaling} for the proxy "
-                         f"(supported: None or {scaling})")
-    elif proxy_scale != scaling:
-        _warn_once("proxy_scale", f"flash_msa training mode: {fn.__name__} has no proxy_scale argument, so the "
-                                  f"indexer's KL uses the main scale {scaling:.6g} instead of index_head_dim ** -0.5 "
-                                  f"= {proxy_scale:.6g} (the selection is unchanged)")
-    local_blocks = handle.local_blocks if handle.local_blocks is not None else indexer.local_blocks
-    if "local_blocks" in accepts:
-        options["local_blocks"] = local_blocks
-    elif local_blocks != 1:
-        _warn_once("local_blocks", f"flash_msa training mode: {fn.__name__} has no local_blocks argument, so each "
-                                   f"query forces its own block only, not index_local_blocks = {local_blocks}")
-    return options
-
-
-_WARNED: set = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, stacklevel=3)
+def _semantics_options(handle: MsaTraining, indexer) -> dict:
+    """proxy_scale and local_blocks of flash_msa_func: the handle's, else the indexer's own (M3's unscaled-score
+    indexer as a softmax at index_head_dim ** -0.5; its index_local_blocks)."""
+    return {"proxy_scale": handle.proxy_scale if handle.proxy_scale is not None else indexer.head_dim ** -0.5,
+            "local_blocks": handle.local_blocks if handle.local_blocks is not None else indexer.local_blocks}
 
 
 # --- registration ----------------------------------------------------------------------------------------------------

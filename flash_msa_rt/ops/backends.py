@@ -91,11 +91,12 @@ def _ref():
 # cu_seqlens_k / seqused_k (separate key offsets, flash_msa_rt.reference.varlen), passed only where given.
 
 def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, *, precision="bf16",
-                   **key_offsets):
+                   local_blocks=1, **key_offsets):
     if cu_seqlens is None:
-        return _ref().select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, precision)
+        return _ref().select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, precision, local_blocks)
     return _ref().select_blocks_varlen(q_proxy, k_proxy, cu_seqlens=cu_seqlens, top_k_blocks=top_k_blocks,
-                                       block_size=block_size, scale=scale, precision=precision, **key_offsets)
+                                       block_size=block_size, scale=scale, precision=precision,
+                                       local_blocks=local_blocks, **key_offsets)
 
 
 def _without_kl(outputs, kl: bool):
@@ -105,10 +106,13 @@ def _without_kl(outputs, kl: bool):
     return outputs if kl else (out, lse, torch.zeros_like(lse_proxy), torch.zeros_like(kl_rows))
 
 
+# proxy_scale (the proxy scores' scale, given only where it is not the main scale) travels in key_offsets' keywords.
+
 def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, *, kl=True,
                  **key_offsets):
     if cu_seqlens is None:
-        return _without_kl(_ref().msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale), kl)
+        return _without_kl(_ref().msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale,
+                                              **key_offsets), kl)
     return _without_kl(_ref().msa_forward_varlen(q_proxy, k_proxy, q, k, v, block_indices, cu_seqlens=cu_seqlens,
                                                  block_size=block_size, scale=scale, **key_offsets), kl)
 
@@ -129,14 +133,14 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
         kl_metric.copy_(kl_rows.sum() / max(kl_rows.numel(), 1))  # flash_msa_rt.api's kl_loss
     args = (q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale)
     if cu_seqlens is None:
-        return _ref().msa_backward(*args, grad_out, kl_grad)
+        return _ref().msa_backward(*args, grad_out, kl_grad, **key_offsets)
     return _ref().msa_backward_varlen(*args, grad_out=grad_out, cu_seqlens=cu_seqlens, kl_grad=kl_grad,
                                       **key_offsets)
 
 
 def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, *, kl=True, **key_offsets):
     if cu_seqlens is None:
-        return _without_kl(_ref().warmup_forward(q_proxy, k_proxy, q, k, v, scale), kl)
+        return _without_kl(_ref().warmup_forward(q_proxy, k_proxy, q, k, v, scale, **key_offsets), kl)
     return _without_kl(_ref().warmup_forward_varlen(q_proxy, k_proxy, q, k, v, cu_seqlens=cu_seqlens, scale=scale,
                                                     **key_offsets), kl)
 
@@ -154,7 +158,7 @@ def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad
         kl_metric.copy_(kl_rows.sum() / max(kl_rows.numel(), 1))  # flash_msa_rt.api's kl_loss
     args = (q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale)
     if cu_seqlens is None:
-        return _ref().warmup_backward(*args, grad_out, kl_grad)
+        return _ref().warmup_backward(*args, grad_out, kl_grad, **key_offsets)
     return _ref().warmup_backward_varlen(*args, grad_out=grad_out, cu_seqlens=cu_seqlens, kl_grad=kl_grad,
                                          **key_offsets)
 

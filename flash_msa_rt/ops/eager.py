@@ -88,33 +88,34 @@ def _kl_mean(kl_rows: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 class _Msa(torch.autograd.Function):
     """flash_msa_func's forward (sparse: selection then msa_forward; else warmup_forward) and its backward:
-    (out (B, S, H, D), kl_loss)."""
+    (out (B, S, H, D), kl_loss). sinks is an input of its own (its gradient flows); every other option comes in
+    opts (flash_msa_rt.ops.options.MsaOptions)."""
 
     @staticmethod
-    def forward(ctx, q_proxy, k_proxy, q, k, v, sparse, K, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k,
-                kl, kl_metric, select_precision, value_now):
-        deferred_metric = None if value_now else kl_metric
-        if sparse:
-            block_indices = library.select_blocks_body(q_proxy, k_proxy, K, block_size, scale, cu_seqlens,
-                                                       cu_seqlens_k, seqused_k, select_precision)
+    def forward(ctx, q_proxy, k_proxy, q, k, v, sinks, opts):
+        deferred_metric = None if opts.value_now else opts.kl_metric
+        offsets = (opts.cu_seqlens, opts.cu_seqlens_k, opts.seqused_k)
+        if opts.sparse:
+            block_indices = library.select_blocks_body(q_proxy, k_proxy, opts.K, opts.block_size,
+                                                       opts.selection_scale, *offsets, opts.select_precision,
+                                                       opts.local_blocks)
             out, lse, lse_proxy, kl_rows = library.msa_forward_body(q_proxy, k_proxy, q, k, v, block_indices,
-                                                                    block_size, scale, cu_seqlens, cu_seqlens_k,
-                                                                    seqused_k, kl)
-            ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens,
-                                  cu_seqlens_k, seqused_k)
+                                                                    opts.block_size, opts.scale, *offsets, opts.kl,
+                                                                    sinks, opts.proxy_scale)
+            ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, *offsets, sinks)
         else:
-            out, lse, lse_proxy, kl_rows = library.warmup_forward_body(q_proxy, k_proxy, q, k, v, scale, cu_seqlens,
-                                                                       cu_seqlens_k, seqused_k, kl)
-            ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k,
-                                  seqused_k)
+            out, lse, lse_proxy, kl_rows = library.warmup_forward_body(q_proxy, k_proxy, q, k, v, opts.scale,
+                                                                       *offsets, opts.kl, sinks, opts.proxy_scale)
+            ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, *offsets, sinks)
         kl_loss, ctx.kl_count = _kl_mean(kl_rows)
-        if not value_now and kl:  # the pass ran for a value that waits for the backward (api._kl_route): 0 here
+        if not opts.value_now and opts.kl:  # the pass ran for a value that waits for the backward (api._kl_route)
             kl_loss = kl_loss.new_zeros(())
-        elif kl_metric is not None and value_now:
-            kl_metric.copy_(kl_loss)
-        ctx.sparse, ctx.block_size, ctx.scale, ctx.tuning = sparse, block_size, scale, tuning.current()
-        ctx.kl, ctx.kl_metric = kl, deferred_metric  # as library._msa_setup_context
-        ctx.kl_rows = kl_rows if kl and deferred_metric is not None else None
+        elif opts.kl_metric is not None and opts.value_now:
+            opts.kl_metric.copy_(kl_loss)
+        ctx.sparse, ctx.block_size, ctx.scale, ctx.tuning = opts.sparse, opts.block_size, opts.scale, tuning.current()
+        ctx.proxy_scale = opts.proxy_scale
+        ctx.kl, ctx.kl_metric = opts.kl, deferred_metric  # as library._msa_setup_context
+        ctx.kl_rows = kl_rows if opts.kl and deferred_metric is not None else None
         ctx.set_materialize_grads(False)
         return out, kl_loss
 
@@ -128,25 +129,23 @@ class _Msa(torch.autograd.Function):
                                             library.warmup_backward_body)
         grads = _first_order(library.under_forward_tuning, ctx, gradients, ctx, grad_out, grad_kl_rows, kl_pass,
                              backward)
-        return (*grads,) + (None,) * 11
+        return (*grads, None)  # the five inputs' and the sinks' gradients; none for opts
 
 
-def msa(sparse, q_proxy, k_proxy, q, k, v, K, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl, kl_metric,
-        select_precision="bf16", value_now=None):
-    """(out (B, S, H, D), kl_loss) of flash_msa_rt.api's _run on the eager path: kl and value_now as there (whether
-    the forward runs the KL pass, whether kl_loss holds its value; default: kl); kl_metric the caller's, written
-    here when value_now, else by the backward; select_precision the selection's."""
-    return _Msa.apply(q_proxy, k_proxy, q, k, v, sparse, K, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k,
-                      kl, kl_metric, select_precision, kl if value_now is None else value_now)
+def msa(q_proxy, k_proxy, q, k, v, opts):
+    """(out (B, S, H, D), kl_loss) of flash_msa_rt.api's _run on the eager path; opts (MsaOptions) as there: kl and
+    value_now say whether the forward runs the KL pass and whether kl_loss holds its value, kl_metric is the
+    caller's, written here when value_now, else by the backward."""
+    return _Msa.apply(q_proxy, k_proxy, q, k, v, opts.sinks, opts)
 
 
 class _BlockSparse(torch.autograd.Function):
     """block_sparse_forward and its backward: (out (B, S, H, D), lse (B, H, S), not differentiable)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, block_indices, block_size, scale, cu_seqlens):
-        out, lse = library.block_sparse_forward_body(q, k, v, block_indices, block_size, scale, cu_seqlens)
-        ctx.save_for_backward(q, k, v, out, lse, block_indices, cu_seqlens)
+    def forward(ctx, q, k, v, sinks, block_indices, block_size, scale, cu_seqlens):
+        out, lse = library.block_sparse_forward_body(q, k, v, block_indices, block_size, scale, cu_seqlens, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, block_indices, cu_seqlens, sinks)
         ctx.block_size, ctx.scale, ctx.tuning = block_size, scale, tuning.current()
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -156,9 +155,9 @@ class _BlockSparse(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         grads = _first_order(library.under_forward_tuning, ctx, library.block_sparse_gradients, ctx, grad_out,
                              library.block_sparse_backward_body)
-        return (*grads,) + (None,) * 4
+        return (*grads,) + (None,) * 4  # (dq, dk, dv, d sinks), then the non-tensor arguments'
 
 
-def block_sparse(q, k, v, block_indices, block_size, scale, cu_seqlens):
+def block_sparse(q, k, v, block_indices, block_size, scale, cu_seqlens, sinks=None):
     """(out, lse) of flash_msa_rt.api's block_sparse_attention on the eager path."""
-    return _BlockSparse.apply(q, k, v, block_indices, block_size, scale, cu_seqlens)
+    return _BlockSparse.apply(q, k, v, sinks, block_indices, block_size, scale, cu_seqlens)

@@ -53,8 +53,18 @@ def _built(problem: Problem, variants: list[tuple[str, dict]]) -> str | None:
     return None
 
 
+# Options of issue 58 the kernels do not take yet: those calls run on the reference (dispatch warns once). The
+# sinks never reach a backend (flash_msa_rt.ops.library applies them around the sink-free kernels).
+_LOCAL_BLOCKS = ("local_blocks = {L} (the selection kernel forces the local block alone: kernels_src/select); "
+                 "this selection runs on the pure-PyTorch reference, the attention on the kernels")
+_PROXY_SCALE = ("a proxy_scale other than scale (the KL pass and proxy backward kernels score the proxy with the "
+                "main scale)")
+
+
 def _select_supports(problem: Problem) -> str | None:
     c = problem.config
+    if c.get("local_blocks", 1) != 1:
+        return _LOCAL_BLOCKS.format(L=c["local_blocks"])
     if _separate_keys_declined(problem):
         return _SEPARATE_KEYS
     if problem.dtype not in _DTYPE_NAMES:
@@ -88,6 +98,8 @@ def _msa_supports(problem: Problem) -> str | None:
     why = sparse_bwd.deterministic_refusal(_arch(problem)) if deterministic else None
     if why:
         return _decline_deterministic(why)
+    if c.get("proxy_scale"):
+        return _PROXY_SCALE
     if _separate_keys_declined(problem):
         return _SEPARATE_KEYS
     if problem.dtype not in _DTYPE_NAMES:

@@ -15,6 +15,15 @@ detached); lse and lse_proxy are saved for the backward and marked non-different
 are passed to the backward op as None instead of materialised zeros. A backward runs under the tuning overrides
 its forward ran under (flash_msa_rt.tuning.override): autograd runs it on its own threads.
 
+Options of issue 58 (docs/msa-semantics.md): local_blocks reaches the selection; proxy_scale (None: the main
+scale) the KL pass and the proxy backward; sinks (float32 (H,) or None) never reach a backend: the forwards'
+bodies scale the backend's out by 1 - p_sink (flash_msa_rt.ops.sinks) and return the sink-free lse0 as `lse` (the
+KL target's; the softmax's lse is logaddexp(lse, sinks)), except block_sparse_forward, which returns the
+sink-including lse (it has no KL). The backward bodies run the backend's main backward on the sink-including lse
+and its proxy backward on lse0, and the autograd rules add d sinks. A backend sees proxy_scale (and select
+local_blocks) only where it differs from the default, and its config says so, so a kernel backend that lacks
+one declines exactly those calls.
+
 KL value modes (kl_value of the public API): with kl=False the forwards skip the KL pass and return zeros for
 lse_proxy and kl_rows; their backward runs the KL pass (msa_kl, warmup_kl: the same kernels on the same lse, so the
 same lse_proxy and gradients) where the proxy's gradient or the caller's kl_metric needs it, and writes the KL value
@@ -30,6 +39,7 @@ from torch import Tensor
 
 from flash_msa_rt import tuning
 from flash_msa_rt.ops import dispatch, offsets, sparse_plan, validation
+from flash_msa_rt.ops import sinks as _sinks
 
 NAMESPACE = "flash_msa"
 
@@ -84,11 +94,20 @@ def _fake_grads(*tensors: Tensor):
     return tuple(torch.empty_like(t) for t in tensors)
 
 
-def _msa_config(q_proxy: Tensor, q: Tensor, k: Tensor, block_size: int | None, cu_seqlens, cu_seqlens_k) -> dict:
+def _msa_config(q_proxy: Tensor, q: Tensor, k: Tensor, block_size: int | None, cu_seqlens, cu_seqlens_k,
+                proxy_scale=None) -> dict:
     # Separate key offsets are a varlen call: a backend that declines varlen declines them too.
-    return {"head_dim": q.shape[-1], "proxy_head_dim": q_proxy.shape[-1], "block_size": block_size,
-            "group": q.shape[2] // q_proxy.shape[2], "kv_group": q.shape[2] // k.shape[2],
-            "varlen": cu_seqlens is not None or cu_seqlens_k is not None, "separate_keys": cu_seqlens_k is not None}
+    config = {"head_dim": q.shape[-1], "proxy_head_dim": q_proxy.shape[-1], "block_size": block_size,
+              "group": q.shape[2] // q_proxy.shape[2], "kv_group": q.shape[2] // k.shape[2],
+              "varlen": cu_seqlens is not None or cu_seqlens_k is not None, "separate_keys": cu_seqlens_k is not None}
+    if proxy_scale is not None:  # only where given: the default's dispatch key (and answer) stays today's
+        config["proxy_scale"] = True
+    return config
+
+
+def _proxy_scale(proxy_scale) -> dict:
+    """proxy_scale for an implementation, only where given (None: the main scale, which every backend takes)."""
+    return {} if proxy_scale is None else {"proxy_scale": float(proxy_scale)}
 
 
 def _key_offsets(op: str, cu_seqlens, cu_seqlens_k, seqused_k) -> dict:
@@ -151,34 +170,38 @@ def _bound(max_seqlen: int | None) -> dict:
 # --- selection ---------------------------------------------------------------------------------------------------
 
 def select_blocks_body(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
-                       seqused_k=None, precision="bf16", max_seqlen=None):
+                       seqused_k=None, precision="bf16", local_blocks=1, max_seqlen=None):
     """select_blocks' body (the custom op's and the eager path's)."""
     config = {"proxy_head_dim": q_proxy.shape[-1], "block_size": block_size, "top_k_blocks": top_k_blocks,
               "varlen": cu_seqlens is not None or cu_seqlens_k is not None, "separate_keys": cu_seqlens_k is not None,
               "select_precision": precision}
+    # An implementation takes precision only where it is fp8 (as forwards take kl only where it is off), and
+    # local_blocks only where it is not 1.
+    extra = {"precision": precision} if precision != "bf16" else {}
+    if local_blocks != 1:
+        config["local_blocks"] = extra["local_blocks"] = local_blocks
     impl = _impl("select_blocks", q_proxy, config)
-    # An implementation takes precision only where it is fp8 (as forwards take kl only where it is off).
-    fp8 = {"precision": precision} if precision != "bf16" else {}
     return _fresh(_as(_planned(max_seqlen, impl, q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens,
-                               **fp8, **_key_offsets("select_blocks", cu_seqlens, cu_seqlens_k, seqused_k)),
+                               **extra, **_key_offsets("select_blocks", cu_seqlens, cu_seqlens_k, seqused_k)),
                       torch.int32))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::select_blocks", mutates_args=())
 def select_blocks(q_proxy: Tensor, k_proxy: Tensor, top_k_blocks: int, block_size: int, scale: float,
                   cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-                  seqused_k: Optional[Tensor] = None, precision: str = "bf16",
+                  seqused_k: Optional[Tensor] = None, precision: str = "bf16", local_blocks: int = 1,
                   max_seqlen: Optional[int] = None) -> Tensor:
     """int32 (B, Hp, S, K) selected key blocks per (b, p, i), -1 for empty slots. Not differentiable. precision
-    "fp8": scores from the e4m3-quantised proxy pair (flash_msa_rt.reference.fp8). max_seqlen: given, packs are
-    planned on the device from it (the other ops' too; torch.compile passes it, flash_msa_rt.api)."""
+    "fp8": scores from the e4m3-quantised proxy pair (flash_msa_rt.reference.fp8). scale: the proxy scale.
+    local_blocks: the L most recent blocks always selected (1 <= L <= K). max_seqlen: given, packs are planned on
+    the device from it (the other ops' too; torch.compile passes it, flash_msa_rt.api)."""
     return select_blocks_body(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k,
-                              precision, max_seqlen)
+                              precision, local_blocks, max_seqlen)
 
 
 @select_blocks.register_fake
 def _(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None,
-      precision="bf16", max_seqlen=None):
+      precision="bf16", local_blocks=1, max_seqlen=None):
     B, S, Hp, _ = q_proxy.shape
     return q_proxy.new_empty((B, Hp, S, top_k_blocks), dtype=torch.int32)
 
@@ -189,24 +212,35 @@ def _(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, cu_seq
 def msa_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor,
                 block_size: int, scale: float, cu_seqlens: Optional[Tensor] = None,
                 cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None, kl: bool = True,
-                kl_metric: Optional[Tensor] = None,
+                kl_metric: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                proxy_scale: Optional[float] = None,
                 max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out (B, S, H, D) q.dtype, lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)); statistics float32
     (float64 for float64 inputs). S counts the queries (q's dim 1). kl=False: lse_proxy and kl_rows are zeros and
     the backward forms them (writing the KL value into kl_metric, which the forward does not touch). kl=True with a
-    kl_metric: the backward writes the mean of this forward's kl_rows into it."""
+    kl_metric: the backward writes the mean of this forward's kl_rows into it. sinks (H,): out includes them, lse
+    does not (lse0; the softmax's lse is logaddexp(lse, sinks)). proxy_scale: the proxy scores' (None: scale)."""
     with sparse_plan.ops_keep_no_lists():  # what the backward needs is in its saved tensors, or recomputed
         return msa_forward_body(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens,
-                                cu_seqlens_k, seqused_k, kl, max_seqlen)
+                                cu_seqlens_k, seqused_k, kl, sinks, proxy_scale, max_seqlen)
+
+
+def _with_sinks(outputs: tuple, sinks) -> tuple:
+    """A forward's (out, lse0, ...) with out scaled by 1 - p_sink (lse stays lse0: the backward and KL need it)."""
+    if sinks is None:
+        return outputs
+    out, lse0, *rest = outputs
+    return (_sinks.scale_out_(out, lse0, _sinks.lse_with(lse0, sinks)), lse0, *rest)
 
 
 def msa_forward_body(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
-                     seqused_k=None, kl=True, max_seqlen=None):
+                     seqused_k=None, kl=True, sinks=None, proxy_scale=None, max_seqlen=None):
     """msa_forward's body (the custom op's and the eager path's)."""
-    impl = _impl("msa_forward", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k))
-    return _stats(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, block_indices, block_size, scale,
-                               cu_seqlens, **_kl_flag(kl),
-                               **_key_offsets("msa_forward", cu_seqlens, cu_seqlens_k, seqused_k)))
+    impl = _impl("msa_forward", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k, proxy_scale))
+    return _with_sinks(_stats(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, block_indices, block_size,
+                                           scale, cu_seqlens, **_kl_flag(kl), **_proxy_scale(proxy_scale),
+                                           **_key_offsets("msa_forward", cu_seqlens, cu_seqlens_k, seqused_k))),
+                       sinks)
 
 
 def _msa_outputs_fake(q_proxy, q):
@@ -219,7 +253,7 @@ def _msa_outputs_fake(q_proxy, q):
 
 @msa_forward.register_fake
 def _(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
-      seqused_k=None, kl=True, kl_metric=None, max_seqlen=None):
+      seqused_k=None, kl=True, kl_metric=None, sinks=None, proxy_scale=None, max_seqlen=None):
     return _msa_outputs_fake(q_proxy, q)
 
 
@@ -227,19 +261,21 @@ def _(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=No
 def msa_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, block_indices: Tensor,
            block_size: int, scale: float, cu_seqlens: Optional[Tensor] = None,
            cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
-           with_kl: bool = True, max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    """(lse_proxy, kl_rows) of msa_forward given its lse: the KL pass alone (kl=False's backward). with_kl False:
-    only lse_proxy is wanted (kl_rows may hold zeros), which the kernels form at ~1 / 5 of the pass's work."""
+           with_kl: bool = True, proxy_scale: Optional[float] = None,
+           max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """(lse_proxy, kl_rows) of msa_forward given its lse (lse0 with sinks): the KL pass alone (kl=False's
+    backward). with_kl False: only lse_proxy is wanted (kl_rows may hold zeros), which the kernels form at ~1 / 5
+    of the pass's work."""
     with sparse_plan.ops_keep_no_lists():  # as msa_forward
         return msa_kl_body(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens,
-                           cu_seqlens_k, seqused_k, with_kl, max_seqlen)
+                           cu_seqlens_k, seqused_k, with_kl, proxy_scale, max_seqlen)
 
 
 def msa_kl_body(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
-                seqused_k=None, with_kl=True, max_seqlen=None):
+                seqused_k=None, with_kl=True, proxy_scale=None, max_seqlen=None):
     """msa_kl's body (the custom op's and the eager path's)."""
-    impl = _impl("msa_kl", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k))
-    keys = _key_offsets("msa_kl", cu_seqlens, cu_seqlens_k, seqused_k)
+    impl = _impl("msa_kl", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k, proxy_scale))
+    keys = dict(_key_offsets("msa_kl", cu_seqlens, cu_seqlens_k, seqused_k), **_proxy_scale(proxy_scale))
     if not with_kl:
         keys["with_kl"] = False
     return _stats_only(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, lse, block_indices, block_size,
@@ -252,7 +288,7 @@ def _kl_fake(q_proxy, q):
 
 @msa_kl.register_fake
 def _(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
-      seqused_k=None, with_kl=True, max_seqlen=None):
+      seqused_k=None, with_kl=True, proxy_scale=None, max_seqlen=None):
     return _kl_fake(q_proxy, q)
 
 
@@ -277,10 +313,13 @@ def msa_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tens
                  lse_proxy: Tensor, block_indices: Tensor, block_size: int, scale: float, grad_out: Optional[Tensor],
                  kl_grad: Optional[Tensor], cu_seqlens: Optional[Tensor] = None,
                  cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+                 sinks: Optional[Tensor] = None, proxy_scale: Optional[float] = None,
                  max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq_proxy, dk_proxy, dq, dk, dv). kl_grad is d(loss)/d(kl_rows), broadcastable to (B, Hp, S), or None."""
+    """(dq_proxy, dk_proxy, dq, dk, dv). kl_grad is d(loss)/d(kl_rows), broadcastable to (B, Hp, S), or None.
+    With sinks, out is msa_forward's (sink-adjusted) and lse its lse0; d sinks is the autograd rule's."""
     return msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
-                             grad_out, kl_grad, cu_seqlens, cu_seqlens_k, seqused_k, max_seqlen=max_seqlen)
+                             grad_out, kl_grad, cu_seqlens, cu_seqlens_k, seqused_k, sinks, proxy_scale,
+                             max_seqlen=max_seqlen)
 
 
 # The backward that also writes the KL value (deferred mode) is an op of its own whose kl_metric is required:
@@ -291,12 +330,14 @@ def msa_backward_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: T
                     lse_proxy: Tensor, block_indices: Tensor, block_size: int, scale: float,
                     grad_out: Optional[Tensor], kl_grad: Optional[Tensor], kl_metric: Tensor,
                     cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-                    seqused_k: Optional[Tensor] = None,
+                    seqused_k: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                    proxy_scale: Optional[float] = None,
                     max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """msa_backward that also writes the mean KL value into kl_metric (deferred KL mode, one sequence), which the
     kernels form inside the proxy backward."""
     return msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
-                             grad_out, kl_grad, cu_seqlens, cu_seqlens_k, seqused_k, kl_metric, max_seqlen)
+                             grad_out, kl_grad, cu_seqlens, cu_seqlens_k, seqused_k, sinks, proxy_scale,
+                             kl_metric=kl_metric, max_seqlen=max_seqlen)
 
 
 def _msa_backward_op(*args, kl_metric=None, **bound):
@@ -307,40 +348,60 @@ def _msa_backward_op(*args, kl_metric=None, **bound):
 
 
 def msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                      kl_grad, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, kl_metric=None, max_seqlen=None):
+                      kl_grad, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None, *,
+                      kl_metric=None, max_seqlen=None):
     """msa_backward's body (the custom op's and the eager path's)."""
     # The kernels' backward sums with fp32 atomics; under torch.use_deterministic_algorithms(True) dispatch
     # must be able to decline it, so the flag belongs to the problem.
-    config = dict(_msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k),
+    config = dict(_msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k, proxy_scale),
                   deterministic=torch.are_deterministic_algorithms_enabled())
     impl = _impl("msa_backward", q, config)
-    keys = _key_offsets("msa_backward", cu_seqlens, cu_seqlens_k, seqused_k)
-    if kl_metric is not None:
-        keys["kl_metric"] = kl_metric
-    return _grads_like((q_proxy, k_proxy, q, k, v), _planned(
-        max_seqlen, impl, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-        kl_grad, cu_seqlens, **keys))
+    keys = dict(_key_offsets("msa_backward", cu_seqlens, cu_seqlens_k, seqused_k), **_proxy_scale(proxy_scale))
+
+    def run(lse_rows, grad_out, kl_grad, metric):
+        extra = dict(keys, kl_metric=metric) if metric is not None else keys
+        return _planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, out, lse_rows, lse_proxy, block_indices,
+                        block_size, scale, grad_out, kl_grad, cu_seqlens, **extra)
+
+    return _grads_like((q_proxy, k_proxy, q, k, v), _sink_split(run, lse, sinks, grad_out, kl_grad, kl_metric,
+                                                                (q_proxy, k_proxy, q, k, v)))
+
+
+def _sink_split(run, lse, sinks, grad_out, kl_grad, kl_metric, inputs) -> tuple:
+    """run(lse, grad_out, kl_grad, kl_metric) -> (dq_proxy, dk_proxy, dq, dk, dv) of a backend's backward. Without
+    sinks, one call. With them the main gradients need the sink-including lse (with the sink-adjusted out they are
+    then exact) and the KL target tau needs lse0, which a backend's backward reads from one lse: two calls, the main
+    one without the KL's gradient and the proxy one without grad_out, each part taken from its call."""
+    if sinks is None:
+        return run(lse, grad_out, kl_grad, kl_metric)
+    main = run(_sinks.lse_with(lse, sinks), grad_out, None, None) if grad_out is not None else None
+    proxy = run(lse, None, kl_grad, kl_metric) if kl_grad is not None or kl_metric is not None else None
+    zeros = [torch.zeros_like(t) for t in inputs]
+    proxy_part = tuple(proxy[:2]) if proxy is not None else tuple(zeros[:2])
+    main_part = tuple(main[2:]) if main is not None else tuple(zeros[2:])
+    return proxy_part + main_part
 
 
 @msa_backward.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out, kl_grad,
-      cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, max_seqlen=None):
+      cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None, max_seqlen=None):
     return _fake_grads(q_proxy, k_proxy, q, k, v)
 
 
 @msa_backward_kl.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out, kl_grad, kl_metric,
-      cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, max_seqlen=None):
+      cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None, max_seqlen=None):
     return _fake_grads(q_proxy, k_proxy, q, k, v)
 
 
 def _msa_setup_context(ctx, inputs, output):
     (q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl,
-     kl_metric, max_seqlen) = inputs
+     kl_metric, sinks, proxy_scale, max_seqlen) = inputs
     out, lse, lse_proxy, kl_rows = output
     ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens, cu_seqlens_k,
-                          seqused_k)
-    ctx.block_size, ctx.scale, ctx.tuning, ctx.max_seqlen = block_size, scale, tuning.current(), max_seqlen
+                          seqused_k, sinks)
+    ctx.block_size, ctx.scale, ctx.proxy_scale, ctx.tuning = block_size, scale, proxy_scale, tuning.current()
+    ctx.max_seqlen = max_seqlen
     # kl_metric is written, not read: held as is, outside save_for_backward's version check; with kl, from the
     # forward's rows (an output of this op, which nothing else writes).
     ctx.kl, ctx.kl_metric = kl, kl_metric
@@ -359,10 +420,10 @@ def under_forward_tuning(ctx, gradients, *args):
 
 
 def msa_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
-    """(dq_proxy, dk_proxy, dq, dk, dv) of an MSA forward whose ctx holds _msa_setup_context's saved tensors and
-    attributes, None for a gradient that does not arrive; kl_pass and backward: msa_kl and msa_backward, the custom
-    ops (their autograd rule) or their bodies (the eager path)."""
-    q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens, cu_seqlens_k, seqused_k = \
+    """(dq_proxy, dk_proxy, dq, dk, dv, d sinks) of an MSA forward whose ctx holds _msa_setup_context's saved
+    tensors and attributes, None for a gradient that does not arrive (d sinks: None without sinks); kl_pass and
+    backward: msa_kl and msa_backward, the custom ops (their autograd rule) or their bodies (the eager path)."""
+    q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens, cu_seqlens_k, seqused_k, sinks = \
         ctx.saved_tensors
     metric, bound = {}, _bound(getattr(ctx, "max_seqlen", None))
     if not ctx.kl and grad_kl_rows is not None and cu_seqlens is None:
@@ -370,23 +431,31 @@ def msa_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
         # lse alone here, and the backward forms the value from the tau and pi it computes anyway (on the tau
         # path; where it cannot, it runs the KL pass itself). Packs keep the whole pass (one mean per pack).
         lse_proxy = kl_pass(q_proxy, k_proxy, q, k, v, lse, block_indices, ctx.block_size, ctx.scale, cu_seqlens,
-                            cu_seqlens_k, seqused_k, with_kl=False, **bound)[0]
+                            cu_seqlens_k, seqused_k, with_kl=False, proxy_scale=ctx.proxy_scale, **bound)[0]
         if ctx.kl_metric is not None:
             metric["kl_metric"] = ctx.kl_metric
     else:
         lse_proxy = _deferred_kl(ctx, lambda: kl_pass(q_proxy, k_proxy, q, k, v, lse, block_indices, ctx.block_size,
-                                                      ctx.scale, cu_seqlens, cu_seqlens_k, seqused_k, **bound),
+                                                      ctx.scale, cu_seqlens, cu_seqlens_k, seqused_k,
+                                                      proxy_scale=ctx.proxy_scale, **bound),
                                  grad_kl_rows, lse_proxy)
     if grad_out is None and grad_kl_rows is None:
-        return (None,) * 5
+        return (None,) * 6
     grads = backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, ctx.block_size, ctx.scale,
-                     grad_out, grad_kl_rows, cu_seqlens, cu_seqlens_k, seqused_k, **metric, **bound)
-    return _arrived(grads, grad_out, grad_kl_rows)
+                     grad_out, grad_kl_rows, cu_seqlens, cu_seqlens_k, seqused_k, sinks, ctx.proxy_scale, **metric,
+                     **bound)
+    return _arrived(grads, grad_out, grad_kl_rows) + (_sink_grad(out, lse, grad_out, sinks),)
+
+
+def _sink_grad(out, lse0, grad_out, sinks):
+    """d sinks from the sink-adjusted out and the softmax's lse (flash_msa_rt.ops.sinks), None without sinks."""
+    return None if sinks is None else _sinks.sink_gradient(out, _sinks.lse_with(lse0, sinks), grad_out, sinks)
 
 
 def _msa_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
-    return under_forward_tuning(ctx, msa_gradients, ctx, grad_out, grad_kl_rows, msa_kl,
-                                _msa_backward_op) + (None,) * 9
+    *grads, d_sinks = under_forward_tuning(ctx, msa_gradients, ctx, grad_out, grad_kl_rows, msa_kl,
+                                           _msa_backward_op)
+    return (*grads,) + (None,) * 8 + (d_sinks, None, None)
 
 
 def _arrived(grads, grad_out, grad_kl_rows):
@@ -409,25 +478,27 @@ msa_forward.register_autograd(_msa_backward_rule, setup_context=_msa_setup_conte
 def warmup_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float,
                    cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                    seqused_k: Optional[Tensor] = None, kl: bool = True,
-                   kl_metric: Optional[Tensor] = None,
+                   kl_metric: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                   proxy_scale: Optional[float] = None,
                    max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """msa_forward's outputs with every causal key allowed (no selection); kl, kl_metric and max_seqlen as
-    msa_forward's."""
-    return warmup_forward_body(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl, max_seqlen)
+    """msa_forward's outputs with every causal key allowed (no selection); kl, kl_metric, sinks (lse is lse0),
+    proxy_scale and max_seqlen as msa_forward's."""
+    return warmup_forward_body(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl, sinks,
+                               proxy_scale, max_seqlen)
 
 
 def warmup_forward_body(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None,
-                        kl=True, max_seqlen=None):
+                        kl=True, sinks=None, proxy_scale=None, max_seqlen=None):
     """warmup_forward's body (the custom op's and the eager path's)."""
-    impl = _impl("warmup_forward", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k))
-    keys = _key_offsets("warmup_forward", cu_seqlens, cu_seqlens_k, seqused_k)
-    return _stats(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, scale, cu_seqlens, **_kl_flag(kl),
-                               **keys))
+    impl = _impl("warmup_forward", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k, proxy_scale))
+    keys = dict(_key_offsets("warmup_forward", cu_seqlens, cu_seqlens_k, seqused_k), **_proxy_scale(proxy_scale))
+    return _with_sinks(_stats(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, scale, cu_seqlens,
+                                           **_kl_flag(kl), **keys)), sinks)
 
 
 @warmup_forward.register_fake
 def _(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, kl=True,
-      kl_metric=None, max_seqlen=None):
+      kl_metric=None, sinks=None, proxy_scale=None, max_seqlen=None):
     return _msa_outputs_fake(q_proxy, q)
 
 
@@ -435,18 +506,18 @@ def _(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, cu_seqlens_k=None, sequ
 def warmup_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, scale: float,
               cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
               seqused_k: Optional[Tensor] = None, with_kl: bool = True,
-              max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    """(lse_proxy, kl_rows) of warmup_forward given its lse: the KL pass alone (kl=False's backward). with_kl
+              proxy_scale: Optional[float] = None, max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """(lse_proxy, kl_rows) of warmup_forward given its lse (lse0): the KL pass alone (kl=False's backward). with_kl
     False: only lse_proxy is wanted (kl_rows may hold zeros), which the kernels form at ~1 / 5 of the pass's work."""
     return warmup_kl_body(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens, cu_seqlens_k, seqused_k, with_kl,
-                          max_seqlen)
+                          proxy_scale, max_seqlen)
 
 
 def warmup_kl_body(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None,
-                   with_kl=True, max_seqlen=None):
+                   with_kl=True, proxy_scale=None, max_seqlen=None):
     """warmup_kl's body (the custom op's and the eager path's)."""
-    impl = _impl("warmup_kl", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k))
-    keys = _key_offsets("warmup_kl", cu_seqlens, cu_seqlens_k, seqused_k)
+    impl = _impl("warmup_kl", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k, proxy_scale))
+    keys = dict(_key_offsets("warmup_kl", cu_seqlens, cu_seqlens_k, seqused_k), **_proxy_scale(proxy_scale))
     if not with_kl:
         keys["with_kl"] = False
     return _stats_only(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens, **keys))
@@ -454,7 +525,7 @@ def warmup_kl_body(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, cu_se
 
 @warmup_kl.register_fake
 def _(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, cu_seqlens_k=None, seqused_k=None, with_kl=True,
-      max_seqlen=None):
+      proxy_scale=None, max_seqlen=None):
     return _kl_fake(q_proxy, q)
 
 
@@ -462,64 +533,71 @@ def _(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, cu_seqlens_k=None,
 def warmup_backward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     lse_proxy: Tensor, scale: float, grad_out: Optional[Tensor], kl_grad: Optional[Tensor],
                     cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-                    seqused_k: Optional[Tensor] = None,
+                    seqused_k: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                    proxy_scale: Optional[float] = None,
                     max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq_proxy, dk_proxy, dq, dk, dv) of warmup_forward."""
+    """(dq_proxy, dk_proxy, dq, dk, dv) of warmup_forward (sinks as msa_backward's)."""
     return warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
-                                cu_seqlens_k, seqused_k, max_seqlen=max_seqlen)
+                                cu_seqlens_k, seqused_k, sinks, proxy_scale, max_seqlen=max_seqlen)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::warmup_backward_kl", mutates_args=("kl_metric",))
 def warmup_backward_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        lse_proxy: Tensor, scale: float, grad_out: Optional[Tensor], kl_grad: Optional[Tensor],
                        kl_metric: Tensor, cu_seqlens: Optional[Tensor] = None,
-                       cu_seqlens_k: Optional[Tensor] = None,
-                       seqused_k: Optional[Tensor] = None,
+                       cu_seqlens_k: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+                       sinks: Optional[Tensor] = None, proxy_scale: Optional[float] = None,
                        max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """warmup_backward that also writes the mean KL value into kl_metric (deferred KL mode, one sequence), which
     the kernels form inside the proxy backward (msa_backward_kl says why it is an op of its own)."""
     return warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
-                                cu_seqlens_k, seqused_k, kl_metric, max_seqlen)
+                                cu_seqlens_k, seqused_k, sinks, proxy_scale, kl_metric=kl_metric,
+                                max_seqlen=max_seqlen)
 
 
 def _warmup_backward_op(*args, kl_metric=None, **bound):
     """The custom op for a warmup backward with or without the KL value (the autograd rule's `backward`)."""
     if kl_metric is None:
         return warmup_backward(*args, **bound)
-    return warmup_backward_kl(*args[:11], kl_metric, *args[11:], **bound)
+    return warmup_backward_kl(*args[:11], kl_metric, *args[11:], **bound)  # args: warmup_backward's, sinks included
 
 
 def warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None,
-                         cu_seqlens_k=None, seqused_k=None, kl_metric=None, max_seqlen=None):
+                         cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None, *, kl_metric=None,
+                         max_seqlen=None):
     """warmup_backward's body (the custom op's and the eager path's)."""
-    config = dict(_msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k),
+    config = dict(_msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k, proxy_scale),
                   deterministic=torch.are_deterministic_algorithms_enabled())  # as msa_backward
     impl = _impl("warmup_backward", q, config)
-    keys = _key_offsets("warmup_backward", cu_seqlens, cu_seqlens_k, seqused_k)
-    if kl_metric is not None:
-        keys["kl_metric"] = kl_metric
-    return _grads_like((q_proxy, k_proxy, q, k, v), _planned(
-        max_seqlen, impl, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens,
-        **keys))
+    keys = dict(_key_offsets("warmup_backward", cu_seqlens, cu_seqlens_k, seqused_k), **_proxy_scale(proxy_scale))
+
+    def run(lse_rows, grad_out, kl_grad, metric):
+        extra = dict(keys, kl_metric=metric) if metric is not None else keys
+        return _planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, out, lse_rows, lse_proxy, scale, grad_out,
+                        kl_grad, cu_seqlens, **extra)
+
+    return _grads_like((q_proxy, k_proxy, q, k, v), _sink_split(run, lse, sinks, grad_out, kl_grad, kl_metric,
+                                                                (q_proxy, k_proxy, q, k, v)))
 
 
 @warmup_backward.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None, cu_seqlens_k=None,
-      seqused_k=None, max_seqlen=None):
+      seqused_k=None, sinks=None, proxy_scale=None, max_seqlen=None):
     return _fake_grads(q_proxy, k_proxy, q, k, v)
 
 
 @warmup_backward_kl.register_fake
 def _(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, kl_metric, cu_seqlens=None,
-      cu_seqlens_k=None, seqused_k=None, max_seqlen=None):
+      cu_seqlens_k=None, seqused_k=None, sinks=None, proxy_scale=None, max_seqlen=None):
     return _fake_grads(q_proxy, k_proxy, q, k, v)
 
 
 def _warmup_setup_context(ctx, inputs, output):
-    q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl, kl_metric, max_seqlen = inputs
+    (q_proxy, k_proxy, q, k, v, scale, cu_seqlens, cu_seqlens_k, seqused_k, kl, kl_metric, sinks, proxy_scale,
+     max_seqlen) = inputs
     out, lse, lse_proxy, kl_rows = output
-    ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k)
-    ctx.scale, ctx.tuning, ctx.max_seqlen = scale, tuning.current(), max_seqlen
+    ctx.save_for_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k, sinks)
+    ctx.scale, ctx.proxy_scale, ctx.tuning, ctx.max_seqlen = scale, proxy_scale, tuning.current(), max_seqlen
     ctx.kl, ctx.kl_metric = kl, kl_metric  # as _msa_setup_context
     ctx.kl_rows = kl_rows if kl and kl_metric is not None else None
     ctx.mark_non_differentiable(lse, lse_proxy)
@@ -529,30 +607,31 @@ def _warmup_setup_context(ctx, inputs, output):
 def warmup_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
     """msa_gradients of a warmup forward (_warmup_setup_context's ctx): kl_pass and backward are warmup_kl and
     warmup_backward, the custom ops or their bodies."""
-    q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k = ctx.saved_tensors
+    q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k, sinks = ctx.saved_tensors
     metric, bound = {}, _bound(getattr(ctx, "max_seqlen", None))
     if not ctx.kl and grad_kl_rows is not None and cu_seqlens is None:
         # The proxy gradient needs lse_proxy before the backward, the KL value (if asked for) does not: the proxy
         # lse alone here, and the backward forms the value from the tau and pi it computes anyway (on the
         # kernels; where it cannot, it runs the KL pass itself). Packs keep the whole pass (one mean per pack).
         lse_proxy = kl_pass(q_proxy, k_proxy, q, k, v, lse, ctx.scale, cu_seqlens, cu_seqlens_k, seqused_k,
-                            with_kl=False, **bound)[0]
+                            with_kl=False, proxy_scale=ctx.proxy_scale, **bound)[0]
         if ctx.kl_metric is not None:
             metric["kl_metric"] = ctx.kl_metric
     else:
         lse_proxy = _deferred_kl(ctx, lambda: kl_pass(q_proxy, k_proxy, q, k, v, lse, ctx.scale, cu_seqlens,
-                                                      cu_seqlens_k, seqused_k, **bound),
+                                                      cu_seqlens_k, seqused_k, proxy_scale=ctx.proxy_scale, **bound),
                                  grad_kl_rows, lse_proxy)
     if grad_out is None and grad_kl_rows is None:
-        return (None,) * 5
+        return (None,) * 6
     grads = backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, ctx.scale, grad_out, grad_kl_rows, cu_seqlens,
-                     cu_seqlens_k, seqused_k, **metric, **bound)
-    return _arrived(grads, grad_out, grad_kl_rows)
+                     cu_seqlens_k, seqused_k, sinks, ctx.proxy_scale, **metric, **bound)
+    return _arrived(grads, grad_out, grad_kl_rows) + (_sink_grad(out, lse, grad_out, sinks),)
 
 
 def _warmup_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
-    return under_forward_tuning(ctx, warmup_gradients, ctx, grad_out, grad_kl_rows, warmup_kl,
-                                _warmup_backward_op) + (None,) * 7
+    *grads, d_sinks = under_forward_tuning(ctx, warmup_gradients, ctx, grad_out, grad_kl_rows, warmup_kl,
+                                           _warmup_backward_op)
+    return (*grads,) + (None,) * 6 + (d_sinks, None, None)
 
 
 warmup_forward.register_autograd(_warmup_backward_rule, setup_context=_warmup_setup_context)
@@ -568,22 +647,28 @@ def _block_sparse_config(q: Tensor, k: Tensor, block_indices: Tensor, block_size
 
 @torch.library.custom_op(f"{NAMESPACE}::block_sparse_forward", mutates_args=())
 def block_sparse_forward(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, block_size: int, scale: float,
-                         cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                         cu_seqlens: Optional[Tensor] = None,
+                         sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out (B, S, H, D) q.dtype, lse (B, H, S) float32 (float64 for float64 inputs)) over the causal tokens of each
-    row's listed blocks."""
+    row's listed blocks. sinks (H,): both include them (a row with no allowed key: out 0, lse = sink)."""
     if cu_seqlens is not None:  # the check block_sparse_attention leaves to the op under torch.compile (a host read)
         validation.check_cu_seqlens_values("block_sparse_attention", cu_seqlens, q.shape[1])
-    return block_sparse_forward_body(q, k, v, block_indices, block_size, scale, cu_seqlens)
+    return block_sparse_forward_body(q, k, v, block_indices, block_size, scale, cu_seqlens, sinks)
 
 
-def block_sparse_forward_body(q, k, v, block_indices, block_size, scale, cu_seqlens=None):
+def block_sparse_forward_body(q, k, v, block_indices, block_size, scale, cu_seqlens=None, sinks=None):
     """block_sparse_forward's body (the custom op's and the eager path's)."""
     config = _block_sparse_config(q, k, block_indices, block_size, cu_seqlens)
-    return _stats(q, *_impl("block_sparse_forward", q, config)(q, k, v, block_indices, block_size, scale, cu_seqlens))
+    out, lse0 = _stats(q, *_impl("block_sparse_forward", q, config)(q, k, v, block_indices, block_size, scale,
+                                                                    cu_seqlens))
+    if sinks is None:
+        return out, lse0
+    lse = _sinks.lse_with(lse0, sinks)  # no KL here: the sink-including lse is all the backward needs
+    return _sinks.scale_out_(out, lse0, lse), lse
 
 
 @block_sparse_forward.register_fake
-def _(q, k, v, block_indices, block_size, scale, cu_seqlens=None):
+def _(q, k, v, block_indices, block_size, scale, cu_seqlens=None, sinks=None):
     B, S, H, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, H, S), dtype=stat_dtype(q.dtype))
 
@@ -610,25 +695,28 @@ def _(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens=
 
 
 def _block_sparse_setup_context(ctx, inputs, output):
-    q, k, v, block_indices, block_size, scale, cu_seqlens = inputs
+    q, k, v, block_indices, block_size, scale, cu_seqlens, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, block_indices, cu_seqlens)
+    ctx.save_for_backward(q, k, v, out, lse, block_indices, cu_seqlens, sinks)
     ctx.block_size, ctx.scale, ctx.tuning = block_size, scale, tuning.current()
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
 
 def block_sparse_gradients(ctx, grad_out, backward):
-    """(dq, dk, dv) of a block-sparse forward (_block_sparse_setup_context's ctx), None without grad_out; backward:
-    block_sparse_backward, the custom op or its body."""
+    """(dq, dk, dv, d sinks) of a block-sparse forward (_block_sparse_setup_context's ctx), None without grad_out
+    (d sinks: None without sinks); backward: block_sparse_backward, the custom op or its body. With sinks the saved
+    out and lse include them, which makes the sink-free backward's dq, dk, dv exact."""
     if grad_out is None:
-        return (None,) * 3
-    q, k, v, out, lse, block_indices, cu_seqlens = ctx.saved_tensors
-    return tuple(backward(q, k, v, out, lse, block_indices, ctx.block_size, ctx.scale, grad_out, cu_seqlens))
+        return (None,) * 4
+    q, k, v, out, lse, block_indices, cu_seqlens, sinks = ctx.saved_tensors
+    grads = tuple(backward(q, k, v, out, lse, block_indices, ctx.block_size, ctx.scale, grad_out, cu_seqlens))
+    return grads + (None if sinks is None else _sinks.sink_gradient(out, lse, grad_out, sinks),)
 
 
 def _block_sparse_backward_rule(ctx, grad_out, grad_lse):
-    return under_forward_tuning(ctx, block_sparse_gradients, ctx, grad_out, block_sparse_backward) + (None,) * 4
+    *grads, d_sinks = under_forward_tuning(ctx, block_sparse_gradients, ctx, grad_out, block_sparse_backward)
+    return (*grads,) + (None,) * 4 + (d_sinks,)
 
 
 block_sparse_forward.register_autograd(_block_sparse_backward_rule, setup_context=_block_sparse_setup_context)

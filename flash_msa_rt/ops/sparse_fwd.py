@@ -292,7 +292,7 @@ def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scal
     the proxy lse kernel (lse_config), kl_rows come out 0."""
     kl_part = rows(kl_buf, 0, 0, kl_plan.E)
     if lse_only:
-        kl(q_proxy=q_proxy, k_proxy=k_proxy, kl_part=kl_part, scale=float(scale),
+        kl(q_proxy=q_proxy, k_proxy=k_proxy, kl_part=kl_part, proxy_scale=float(scale),  # the proxy's one scale
            hp_per_hpk=q_proxy.shape[2] // k_proxy.shape[2], **_plan_args(kl_plan))
     else:
         kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))

@@ -156,6 +156,46 @@ def resolve_scale(fn: str, scale, head_dim: int) -> float:
     return float(scale)
 
 
+def resolve_proxy_scale(fn: str, proxy_scale, scale: float) -> float | None:
+    """The proxy scores' scale, None where it is the main scale (today's path, bit for bit, on every backend)."""
+    if proxy_scale is None:
+        return None
+    if not isinstance(proxy_scale, (int, float)) or isinstance(proxy_scale, bool):
+        raise TypeError(f"{fn}: proxy_scale must be a Python float or None (the main scale), got "
+                        f"{type(proxy_scale).__name__}")
+    if not (math.isfinite(proxy_scale) and proxy_scale > 0):
+        raise ValueError(f"{fn}: proxy_scale must be finite and positive (or None: the main scale), got "
+                         f"{proxy_scale!r}")
+    return None if float(proxy_scale) == scale else float(proxy_scale)
+
+
+def check_local_blocks(fn: str, local_blocks, K: int) -> int:
+    """1 <= local_blocks <= K: the forced recent blocks are part of the K selected ones."""
+    if not _is_int(local_blocks):
+        raise TypeError(f"{fn}: local_blocks must be an int, got {type(local_blocks).__name__}")
+    if not 1 <= local_blocks <= K:
+        raise ValueError(f"{fn}: local_blocks = {local_blocks} is not supported with K = top_k // block_size = {K} "
+                         f"selected blocks; supported: 1 <= local_blocks <= K")
+    return int(local_blocks)
+
+
+def check_sinks(fn: str, sinks, H: int, device: torch.device) -> torch.Tensor | None:
+    """None, or a float32 (H,) tensor on the inputs' device (usually an nn.Parameter: its gradient flows)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"{fn}: sinks must be a float32 tensor of shape (H,) = ({H},) or None, got "
+                        f"{type(sinks).__name__}")
+    if tuple(sinks.shape) != (H,):
+        raise ValueError(f"{fn}: sinks has shape {tuple(sinks.shape)}; supported: (H,) = ({H},), one sink logit per "
+                         f"main query head")
+    if sinks.dtype != torch.float32:
+        raise ValueError(f"{fn}: sinks has dtype {sinks.dtype}; supported: torch.float32")
+    if sinks.device != device:
+        raise ValueError(f"{fn}: sinks is on {sinks.device} but the inputs are on {device}")
+    return sinks
+
+
 def check_kl_metric(fn: str, kl_metric, device: torch.device) -> None:
     if kl_metric is None:
         return

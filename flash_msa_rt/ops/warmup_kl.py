@@ -103,9 +103,10 @@ def _built(op: str, dtype: str, D: int, group: int, schedule: str, index: int) -
     return None
 
 
-def warmup_kl_cuda(q_proxy, k_proxy, q, k, lse, scale):
+def warmup_kl_cuda(q_proxy, k_proxy, q, k, lse, scale, proxy_scale=None):
     """(lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) of warmup mode given the main attention's final lse (B, H, S).
-    Inputs in the internal layout (B, S, heads, D), 16-byte aligned rows with a unit-stride head dim."""
+    Inputs in the internal layout (B, S, heads, D), 16-byte aligned rows with a unit-stride head dim. scale: the
+    main scores' (tau); proxy_scale: the proxy scores' (None: scale)."""
     B, S, H, D = q.shape
     Hp = q_proxy.shape[2]
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=q.device)
@@ -115,28 +116,33 @@ def warmup_kl_cuda(q_proxy, k_proxy, q, k, lse, scale):
     t = tuning_warmup.choose(arch_of(q.device))
     kernel = get_kernel("warmup_kl", kernel_config(DTYPES[q.dtype], D, H // Hp, t.kl_schedule), q.device)
     kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, lse=lse.contiguous(), lse_proxy=lse_proxy, kl_rows=kl_rows,
-           scale=float(scale), hp_per_hk=Hp // k.shape[2], hp_per_hpk=Hp // k_proxy.shape[2])
+           scale=float(scale), proxy_scale=_proxy_scale(scale, proxy_scale), hp_per_hk=Hp // k.shape[2],
+           hp_per_hpk=Hp // k_proxy.shape[2])
     return lse_proxy, kl_rows
 
 
-def warmup_lse_cuda(q_proxy, k_proxy, scale):
+def _proxy_scale(scale, proxy_scale) -> float:
+    return float(scale if proxy_scale is None else proxy_scale)
+
+
+def warmup_lse_cuda(q_proxy, k_proxy, proxy_scale):
     """lse_proxy (B, Hp, S) of warmup mode alone (the KL pass's lse_proxy, bit for bit: the same row statistics over
-    the same tiles). Inputs as warmup_kl_cuda's."""
+    the same tiles), the proxy scores at proxy_scale. Inputs as warmup_kl_cuda's."""
     B, S, Hp, D = q_proxy.shape
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=q_proxy.device)
     if B == 0 or S == 0:
         return lse_proxy
     kernel = get_kernel("warmup_kl", lse_config(DTYPES[q_proxy.dtype], D), q_proxy.device)
-    kernel(q_proxy=q_proxy, k_proxy=k_proxy, lse_proxy=lse_proxy, scale=float(scale),
+    kernel(q_proxy=q_proxy, k_proxy=k_proxy, lse_proxy=lse_proxy, proxy_scale=float(proxy_scale),
            hp_per_hpk=Hp // k_proxy.shape[2])
     return lse_proxy
 
 
-def warmup_proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, scale, kl_grad, kl_rows=None):
+def warmup_proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, scale, kl_grad, kl_rows=None, proxy_scale=None):
     """(dq_proxy, dk_proxy) of warmup mode: (pi - tau) * kl_grad over every causal key. kl_grad broadcastable to
     (B, Hp, S); lse (B, H, S) and lse_proxy (B, Hp, S) the forward's. Inputs as warmup_kl_cuda's. kl_rows: a
     (B, Hp, S) f32 tensor that receives each row's KL value (the KL pass's kl_rows), where usable(...,
-    "warmup_bwd_proxy_kl") allows it (the caller asks)."""
+    "warmup_bwd_proxy_kl") allows it (the caller asks). proxy_scale: the proxy scores' (None: scale)."""
     B, S, H, D = q.shape
     Hp = q_proxy.shape[2]
     G = H // Hp
@@ -156,6 +162,6 @@ def warmup_proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, scale, kl
             # The kl_value = 0 variant never touches kl_rows: lse_proxy stands in (same shape, no allocation).
             kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, lse=lse, lse_proxy=lse_proxy, kl_grad=grad,
                    dqp_acc=dqp_acc, dkp_acc=dkp_acc, kl_rows=lse_proxy if kl_rows is None else kl_rows,
-                   scale=float(scale), hp_per_hk=Hp // k.shape[2],
+                   scale=float(scale), proxy_scale=_proxy_scale(scale, proxy_scale), hp_per_hk=Hp // k.shape[2],
                    hp_per_hpk=Hp // k_proxy.shape[2], group_heads=G, head0=head0)
     return cast_like(dqp_acc, q_proxy), cast_like(dkp_acc, k_proxy)

@@ -115,8 +115,29 @@ def group_mean(p: torch.Tensor, Hp: int) -> torch.Tensor:
     return p.view(B, Hp, H // Hp, R, T).mean(dim=2)
 
 
-def forward(q, k, v, keys_of_rows: KeysOfRows, scale: float, q_proxy=None, k_proxy=None):
+def with_sink(lse0: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """lse of the softmax with each head's sink term: logaddexp(lse0, sink[h]); lse0 (B, H, R), sinks (H,)."""
+    if sinks is None:
+        return lse0
+    return torch.logaddexp(lse0, sinks.to(lse0.dtype).view(1, -1, 1))
+
+
+def sink_gradient(lse: torch.Tensor, delta: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d sink[h] = - sum over (b, i) of exp(sink[h] - lse) * delta (msa-semantics.md, "Attention sinks"); lse and
+    delta (B, H, S). A sink of -inf has probability 0 everywhere (its rows' lse may be -inf too: no 0 * NaN)."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    p_sink = torch.where(sink == float("-inf"), torch.zeros((), dtype=lse.dtype, device=lse.device),
+                         torch.exp(sink - lse))
+    return -(p_sink * delta).sum(dim=(0, 2))
+
+
+def forward(q, k, v, keys_of_rows: KeysOfRows, scale: float, q_proxy=None, k_proxy=None, *, proxy_scale=None,
+            sinks=None):
     """Masked attention, and with the proxy tensors the KL of the proxy against the group-mean attention.
+
+    proxy_scale: the proxy scores' scale (default scale). sinks (H,) or None: each head's sink logit joins its rows'
+    softmax (lse includes it, out is scaled by 1 - p_sink) while the KL target tau stays the sink-free P (from
+    lse0, the logsumexp over the allowed keys alone).
 
     q (B, H, S, D) and q_proxy hold the queries, k, v and k_proxy (B, heads, S_k, D) the keys, S_k >= S (query row
     i at position i + S_k - S). Returns out (B, H, S, D), lse (B, H, S) and, with a proxy, lse_proxy and kl_rows
@@ -126,6 +147,7 @@ def forward(q, k, v, keys_of_rows: KeysOfRows, scale: float, q_proxy=None, k_pro
     """
     B, H, S, _ = q.shape
     off = k.shape[2] - S
+    proxy_scale = scale if proxy_scale is None else proxy_scale
     out = torch.empty_like(q)
     lse = q.new_empty(B, H, S)
     with_proxy = q_proxy is not None
@@ -139,18 +161,20 @@ def forward(q, k, v, keys_of_rows: KeysOfRows, scale: float, q_proxy=None, k_pro
             keys = keys_of_rows(i0, i1)
             t1 = off + i1  # the causal key prefix of rows [i0, i1)
             s = masked_scores(q[:, :, i0:i1], k[:, :, :t1], keys, scale)
-            lse_c = torch.logsumexp(s, dim=-1)
+            lse0_c = torch.logsumexp(s, dim=-1)
+            lse_c = with_sink(lse0_c, sinks)
             p = probabilities(s, lse_c)
             out_c = grouped_matmul(p, v[:, :, :t1])
             if v_nan is not None:
                 out_c = nan_where(out_c, grouped_matmul((s > float("-inf")).to(s.dtype), v_nan[:, :, :t1]))
+            s_main = s if sinks is not None else None  # tau's sink-free P is formed from the scores again
             del s
             out[:, :, i0:i1] = out_c
             lse[:, :, i0:i1] = lse_c
             if with_proxy:
-                tau = group_mean(p, Hp)
+                tau = group_mean(p if sinks is None else probabilities(s_main, lse0_c), Hp)
                 del p
-                sp = masked_scores(q_proxy[:, :, i0:i1], k_proxy[:, :, :t1], keys, scale)
+                sp = masked_scores(q_proxy[:, :, i0:i1], k_proxy[:, :, :t1], keys, proxy_scale)
                 lse_pc = torch.logsumexp(sp, dim=-1)
                 log_pi = sp - empty_rows_zero(lse_pc).unsqueeze(-1)
                 # KL terms with tau = 0 are 0 (they would be 0 * -inf where pi is masked too); a NaN tau (from a
@@ -165,7 +189,7 @@ def forward(q, k, v, keys_of_rows: KeysOfRows, scale: float, q_proxy=None, k_pro
 
 
 def backward(q, k, v, out, lse, keys_of_rows: KeysOfRows, scale: float, grad_out,
-             q_proxy=None, k_proxy=None, lse_proxy=None, kl_weights=None):
+             q_proxy=None, k_proxy=None, lse_proxy=None, kl_weights=None, *, proxy_scale=None, sinks=None):
     """Gradients from the explicit formulas (P recomputed from the saved lse; no autograd).
 
     main, when grad_out is given: delta = rowsum(dO * O); dP = dO V^T; dS = P (dP - delta);
@@ -174,21 +198,29 @@ def backward(q, k, v, out, lse, keys_of_rows: KeysOfRows, scale: float, grad_out
       P; dS_p = (pi - tau) * kl_weights; dq_proxy = scale dS_p K_p; dk_proxy = scale dS_p^T Q_p (summed likewise).
     Shapes as forward() (keys may outnumber queries). Returns (dq, dk, dv, dq_proxy, dk_proxy) in the compute dtype;
     a part without upstream gradient is zeros.
+    proxy_scale: the proxy scores' scale (default scale; it also scales dq_proxy and dk_proxy). sinks (H,) or None:
+      lse then includes the sink (forward's lse), so P above is the sink-adjusted one and out the sink-adjusted
+      output: dq, dk, dv are exact as written; tau is the sink-free P, from lse0 recomputed from the scores. With
+      sinks a sixth result: d sinks (H,) in the compute dtype (sink_gradient; zeros without grad_out).
     dS and dS_p are exactly 0 on the keys a row cannot see, and the matmuls that sum over rows or keys run on
     NaN-free operands, so a NaN reaches the gradients of the rows and keys that depend on it and no others.
     """
     B, H, S, _ = q.shape
     Hk = k.shape[1]
     off = k.shape[2] - S
+    proxy_scale = scale if proxy_scale is None else proxy_scale
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     main = grad_out is not None
     with_proxy = q_proxy is not None and kl_weights is not None
     dq_proxy = torch.zeros_like(q_proxy) if q_proxy is not None else None
     dk_proxy = torch.zeros_like(k_proxy) if k_proxy is not None else None
+    d_sinks = None if sinks is None else torch.zeros(H, dtype=q.dtype, device=q.device)
     if not (main or with_proxy):
-        return dq, dk, dv, dq_proxy, dk_proxy
+        return (dq, dk, dv, dq_proxy, dk_proxy) + (() if sinks is None else (d_sinks,))
     if main:
         delta = (grad_out * out).sum(dim=-1)  # (B, H, S)
+        if sinks is not None:
+            d_sinks = sink_gradient(lse, delta, sinks)
         grad_out, do_nan = without_nan(grad_out)
     # A NaN in q (k) already makes dS NaN on every key (row) that depends on it; the cleaned copies only keep
     # masked zeros from turning into NaN in dk = dS^T q and dq = dS k.
@@ -207,7 +239,8 @@ def backward(q, k, v, out, lse, keys_of_rows: KeysOfRows, scale: float, grad_out
             s = masked_scores(q_rows, k_pre, keys, scale)
             p = probabilities(s, lse[:, :, i0:i1])
             allowed = s > float("-inf")
-            del s
+            if sinks is None or not with_proxy:
+                del s
             if main:
                 do = grad_out[:, :, i0:i1]
                 dp = grouped_matmul(do, v_pre.transpose(-1, -2))
@@ -221,24 +254,24 @@ def backward(q, k, v, out, lse, keys_of_rows: KeysOfRows, scale: float, grad_out
                 del ds
             if with_proxy:
                 Hp, Hpk = q_proxy.shape[1], k_proxy.shape[1]
-                tau = group_mean(p, Hp)
+                tau = group_mean(p if sinks is None else probabilities(s, torch.logsumexp(s, dim=-1)), Hp)
                 del p
                 qp_rows, kp_pre = q_proxy[:, :, i0:i1], k_proxy[:, :, :t1]
-                sp = masked_scores(qp_rows, kp_pre, keys, scale)
+                sp = masked_scores(qp_rows, kp_pre, keys, proxy_scale)
                 pi = probabilities(sp, lse_proxy[:, :, i0:i1])
                 dsp = torch.where(sp > float("-inf"), (pi - tau) * kl_weights[:, :, i0:i1].unsqueeze(-1), zero)
-                dq_proxy[:, :, i0:i1] = scale * grouped_matmul(dsp, kp_pre)
-                dk_proxy[:, :, :t1] += scale * grouped_sum_matmul(dsp, qp_rows, Hpk)
+                dq_proxy[:, :, i0:i1] = proxy_scale * grouped_matmul(dsp, kp_pre)
+                dk_proxy[:, :, :t1] += proxy_scale * grouped_sum_matmul(dsp, qp_rows, Hpk)
     if main:
         dv = nan_where(dv, dv_hits)
-    return dq, dk, dv, dq_proxy, dk_proxy
+    return (dq, dk, dv, dq_proxy, dk_proxy) + (() if sinks is None else (d_sinks,))
 
 
 def proxied_backward(fn, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, grad_out, kl_grad, scale, dt,
-                     keys_of_rows):
+                     keys_of_rows, proxy_scale=None, sinks=None):
     """MSA and warmup backward on (B, S, heads, D) tensors: check the saved ones, run backward(), cast back.
 
-    -> (dq_proxy, dk_proxy, dq, dk, dv) in their inputs' dtypes.
+    -> (dq_proxy, dk_proxy, dq, dk, dv) in their inputs' dtypes, and with sinks a sixth, d sinks (H,) float32.
     """
     B, S, H, D = q.shape
     Hp = q_proxy.shape[2]
@@ -250,8 +283,9 @@ def proxied_backward(fn, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, grad_ou
     weights = checks.kl_weights(fn, kl_grad, (B, Hp, S), dt, q.device)
     hf = [heads_first(x, dt) for x in (q_proxy, k_proxy, q, k, v, out)]
     do = heads_first(grad_out, dt) if grad_out is not None else None
-    dq, dk, dv, dqp, dkp = backward(
-        *hf[2:], lse.to(dt), keys_of_rows, scale, do,
-        q_proxy=hf[0], k_proxy=hf[1], lse_proxy=lse_proxy.to(dt), kl_weights=weights)
-    return (seq_first(dqp, q_proxy.dtype), seq_first(dkp, k_proxy.dtype),
-            seq_first(dq, q.dtype), seq_first(dk, k.dtype), seq_first(dv, v.dtype))
+    dq, dk, dv, dqp, dkp, *d_sinks = backward(
+        *hf[2:], lse.to(dt), keys_of_rows, scale, do, q_proxy=hf[0], k_proxy=hf[1], lse_proxy=lse_proxy.to(dt),
+        kl_weights=weights, proxy_scale=proxy_scale, sinks=checks.sinks(fn, sinks, H, q.device))
+    grads = (seq_first(dqp, q_proxy.dtype), seq_first(dkp, k_proxy.dtype),
+             seq_first(dq, q.dtype), seq_first(dk, k.dtype), seq_first(dv, v.dtype))
+    return grads + tuple(g.float() for g in d_sinks)

@@ -85,6 +85,36 @@ def scale(fn: str, s) -> float:
     return s
 
 
+def proxy_scale(fn: str, s, scale: float) -> float:
+    """The proxy scores' scale: scale when None, else a positive real number."""
+    if s is None:
+        return scale
+    try:
+        s = float(s)
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}: proxy_scale must be a real number or None, got {s!r}") from None
+    if not s > 0:
+        raise ValueError(f"{fn}: proxy_scale must be > 0, got {s!r}")
+    return s
+
+
+def local_blocks(fn: str, n, K: int) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= K:
+        raise ValueError(f"{fn}: local_blocks must be an int with 1 <= local_blocks <= K = {K}, got {n!r}")
+    return n
+
+
+def sinks(fn: str, t, H: int, device) -> torch.Tensor | None:
+    """None, or (H,) floating sink logits on device (float32 or float64 on the reference)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != H or not t.is_floating_point():
+        shown = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{fn}: sinks must be a float tensor of shape (H,) = ({H},), got {shown}")
+    same_device(fn, sinks=t, q=torch.empty(0, device=device))
+    return t
+
+
 def top_k_blocks(fn: str, k) -> int:
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"{fn}: top_k_blocks must be an int >= 1 (selected blocks per query), got {k!r}")

@@ -13,11 +13,13 @@ PRECISIONS = ("bf16", "fp8")
 
 
 def select_blocks(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: int, block_size: int,
-                  scale: float, precision: str = "bf16") -> torch.Tensor:
+                  scale: float, precision: str = "bf16", local_blocks: int = 1) -> torch.Tensor:
     """Selected key blocks, int32 (B, Hp, S, K) with K = top_k_blocks.
 
-    Row i of proxy head p holds its local block blk(i) plus the K - 1 earlier blocks j < blk(i) with the largest
-    block score c_p(i, j) (the max of the causal token scores in the block); ties go to the smaller block index.
+    Row i of proxy head p holds its forced blocks F(i) = {blk(i), ..., blk(i) - L + 1} (those >= 0; L =
+    local_blocks, 1 <= L <= K) plus the K - |F(i)| earlier blocks j < blk(i) - L + 1 with the largest block score
+    c_p(i, j) (the max of the causal token scores in the block); ties go to the smaller block index. scale is the
+    proxy scale: any positive value ranks alike (up to rounding).
     Slots are ascending with the empty ones (-1) last; K may exceed the number of blocks.
 
     q_proxy (B, S, Hp, Dp), k_proxy (B, S_k, Hpk, Dp) with S_k >= S (usually S_k = S): query row i sits at key
@@ -37,6 +39,7 @@ def select_blocks(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: in
     if S < 1:
         raise ValueError(f"{_FN}: S = {S} must be positive (varlen references accept empty sequences)")
     K = checks.top_k_blocks(_FN, top_k_blocks)
+    L = checks.local_blocks(_FN, local_blocks, K)
     Bs = checks.block_size(_FN, block_size)
     scale = checks.scale(_FN, scale)
     _, _, Hp, Dp = q_proxy.shape
@@ -58,24 +61,27 @@ def select_blocks(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: in
             scores = block_scores_of_rows(q, kt, i0, i1, Bs, scale, S_k - S)  # (B, Hp, rows, nb)
             if precision == "fp8":  # powers of two: exact products, after the scale (the kernel's order)
                 scores = scores * k_scale[..., :scores.shape[-1]] * q_scale[:, :, i0:i1]
-            selected[:, :, i0:i1] = _top_blocks(scores, S_k - S + i0, S_k - S + i1, K, Bs)
+            selected[:, :, i0:i1] = _top_blocks(scores, S_k - S + i0, S_k - S + i1, K, Bs, L)
     return selected
 
 
-def _top_blocks(scores: torch.Tensor, i0: int, i1: int, K: int, Bs: int) -> torch.Tensor:
-    """Slots (B, Hp, rows, K) of the rows at key positions [i0, i1) from their block scores (B, Hp, rows, nb)."""
+def _top_blocks(scores: torch.Tensor, i0: int, i1: int, K: int, Bs: int, L: int = 1) -> torch.Tensor:
+    """Slots (B, Hp, rows, K) of the rows at key positions [i0, i1) from their block scores (B, Hp, rows, nb):
+    the L forced blocks ending at the local one, then the K - L best blocks before them."""
     B, Hp, R, nb = scores.shape
     dev = scores.device
     local = (torch.arange(i0, i1, device=dev) // Bs).view(R, 1)
-    earlier = torch.arange(nb, device=dev).view(1, nb) < local
+    first_forced = local - (L - 1)  # may be negative: fewer than L blocks exist, all of them forced
+    earlier = torch.arange(nb, device=dev).view(1, nb) < first_forced
     ranked = scores.masked_fill(~earlier, float("-inf"))
     # A stable descending sort keeps equal scores in index order: ties go to the smaller block. Candidates are
-    # judged by index, not score, so an earlier block always outranks the masked local and later blocks.
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :K - 1]
-    picked = torch.where(order < local, order, torch.full_like(order, -1))
+    # judged by index, not score, so an earlier block always outranks the masked forced and later blocks.
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :K - L]
+    picked = torch.where(order < first_forced, order, torch.full_like(order, -1))
     slots = torch.full((B, Hp, R, K), -1, dtype=torch.long, device=dev)
-    slots[..., 0] = local.view(R)
-    slots[..., 1:1 + picked.shape[-1]] = picked
+    forced = local - torch.arange(L, device=dev).view(1, L)  # (R, L): blk(i), blk(i) - 1, ...
+    slots[..., :L] = torch.where(forced >= 0, forced, torch.full_like(forced, -1))
+    slots[..., L:L + picked.shape[-1]] = picked
     # Ascending with -1 last.
     big = torch.iinfo(torch.long).max
     slots = torch.where(slots < 0, torch.full_like(slots, big), slots).sort(dim=-1).values

@@ -30,7 +30,7 @@ from flash_msa_rt.reference.warmup import warmup_backward, warmup_forward
 
 
 def select_blocks_varlen(q_proxy, k_proxy, cu_seqlens, top_k_blocks, block_size, scale, *, cu_seqlens_k=None,
-                         seqused_k=None, precision="bf16"):
+                         seqused_k=None, precision="bf16", local_blocks=1):
     """select_blocks per sequence -> int32 (1, Hp, total_q, K), block indices relative to each sequence's keys.
 
     Order: (q_proxy, k_proxy, cu_seqlens, top_k_blocks, block_size, scale, *, cu_seqlens_k, seqused_k, precision).
@@ -43,12 +43,13 @@ def select_blocks_varlen(q_proxy, k_proxy, cu_seqlens, top_k_blocks, block_size,
     checks.scale(fn, scale)
     out = torch.full((1, q_proxy.shape[2], q_proxy.shape[1], K), -1, dtype=torch.int32, device=q_proxy.device)
     for (a, b), (ka, kb) in seqs:
-        out[:, :, a:b] = select_blocks(q_proxy[:, a:b], k_proxy[:, ka:kb], K, block_size, scale, precision)
+        out[:, :, a:b] = select_blocks(q_proxy[:, a:b], k_proxy[:, ka:kb], K, block_size, scale, precision,
+                                       local_blocks)
     return out
 
 
 def msa_forward_varlen(q_proxy, k_proxy, q, k, v, block_indices, cu_seqlens, block_size, scale, *,
-                       cu_seqlens_k=None, seqused_k=None):
+                       cu_seqlens_k=None, seqused_k=None, proxy_scale=None, sinks=None):
     """msa_forward per sequence -> (out (1, total, H, D), lse (1, H, total), lse_proxy, kl_rows (1, Hp, total)).
 
     Order: (q_proxy, k_proxy, q, k, v, block_indices, cu_seqlens, block_size, scale, *, cu_seqlens_k, seqused_k);
@@ -60,13 +61,13 @@ def msa_forward_varlen(q_proxy, k_proxy, q, k, v, block_indices, cu_seqlens, blo
     res = _forward_outputs(q_proxy, q, compute_dtype(q_proxy, k_proxy, q, k, v))
     for (a, b), (ka, kb) in seqs:
         parts = msa_forward(q_proxy[:, a:b], k_proxy[:, ka:kb], q[:, a:b], k[:, ka:kb], v[:, ka:kb],
-                            block_indices[:, :, a:b], block_size, scale)
+                            block_indices[:, :, a:b], block_size, scale, proxy_scale=proxy_scale, sinks=sinks)
         _place(res, parts, a, b)
     return tuple(res)
 
 
 def msa_backward_varlen(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                        cu_seqlens, kl_grad, *, cu_seqlens_k=None, seqused_k=None):
+                        cu_seqlens, kl_grad, *, cu_seqlens_k=None, seqused_k=None, proxy_scale=None, sinks=None):
     """msa_backward per sequence -> (dq_proxy, dk_proxy, dq, dk, dv).
 
     Order: (q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
@@ -76,28 +77,30 @@ def msa_backward_varlen(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_in
     fn = "msa_backward_varlen"
     seqs = _sequences(fn, cu_seqlens, [q_proxy, q, out, grad_out], [k_proxy, k, v], cu_seqlens_k, seqused_k)
     w = _kl_weights(fn, kl_grad, q_proxy)
-    grads = [torch.zeros_like(x) for x in (q_proxy, k_proxy, q, k, v)]
+    grads = _zero_grads((q_proxy, k_proxy, q, k, v), sinks)
     for (a, b), (ka, kb) in seqs:
         parts = msa_backward(q_proxy[:, a:b], k_proxy[:, ka:kb], q[:, a:b], k[:, ka:kb], v[:, ka:kb], out[:, a:b],
                              lse[:, :, a:b], lse_proxy[:, :, a:b], block_indices[:, :, a:b], block_size, scale,
-                             _rows(grad_out, a, b), None if w is None else w[:, :, a:b])
+                             _rows(grad_out, a, b), None if w is None else w[:, :, a:b], proxy_scale=proxy_scale,
+                             sinks=sinks)
         _gather(grads, parts, a, b, ka, kb)
     return tuple(grads)
 
 
-def warmup_forward_varlen(q_proxy, k_proxy, q, k, v, cu_seqlens, scale, *, cu_seqlens_k=None, seqused_k=None):
+def warmup_forward_varlen(q_proxy, k_proxy, q, k, v, cu_seqlens, scale, *, cu_seqlens_k=None, seqused_k=None,
+                          proxy_scale=None, sinks=None):
     """warmup_forward per sequence. Order: (q_proxy, k_proxy, q, k, v, cu_seqlens, scale, *, cu_seqlens_k,
     seqused_k)."""
     seqs = _sequences("warmup_forward_varlen", cu_seqlens, [q_proxy, q], [k_proxy, k, v], cu_seqlens_k, seqused_k)
     res = _forward_outputs(q_proxy, q, compute_dtype(q_proxy, k_proxy, q, k, v))
     for (a, b), (ka, kb) in seqs:
-        _place(res, warmup_forward(q_proxy[:, a:b], k_proxy[:, ka:kb], q[:, a:b], k[:, ka:kb], v[:, ka:kb], scale),
-               a, b)
+        _place(res, warmup_forward(q_proxy[:, a:b], k_proxy[:, ka:kb], q[:, a:b], k[:, ka:kb], v[:, ka:kb], scale,
+                                   proxy_scale=proxy_scale, sinks=sinks), a, b)
     return tuple(res)
 
 
 def warmup_backward_varlen(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, cu_seqlens, kl_grad, *,
-                           cu_seqlens_k=None, seqused_k=None):
+                           cu_seqlens_k=None, seqused_k=None, proxy_scale=None, sinks=None):
     """warmup_backward per sequence.
 
     Order: (q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, cu_seqlens, kl_grad, *,
@@ -106,16 +109,16 @@ def warmup_backward_varlen(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale
     fn = "warmup_backward_varlen"
     seqs = _sequences(fn, cu_seqlens, [q_proxy, q, out, grad_out], [k_proxy, k, v], cu_seqlens_k, seqused_k)
     w = _kl_weights(fn, kl_grad, q_proxy)
-    grads = [torch.zeros_like(x) for x in (q_proxy, k_proxy, q, k, v)]
+    grads = _zero_grads((q_proxy, k_proxy, q, k, v), sinks)
     for (a, b), (ka, kb) in seqs:
         parts = warmup_backward(q_proxy[:, a:b], k_proxy[:, ka:kb], q[:, a:b], k[:, ka:kb], v[:, ka:kb],
                                 out[:, a:b], lse[:, :, a:b], lse_proxy[:, :, a:b], scale, _rows(grad_out, a, b),
-                                None if w is None else w[:, :, a:b])
+                                None if w is None else w[:, :, a:b], proxy_scale=proxy_scale, sinks=sinks)
         _gather(grads, parts, a, b, ka, kb)
     return tuple(grads)
 
 
-def block_sparse_forward_varlen(q, k, v, block_indices, cu_seqlens, block_size, scale):
+def block_sparse_forward_varlen(q, k, v, block_indices, cu_seqlens, block_size, scale, *, sinks=None):
     """block_sparse_forward per sequence -> (out (1, total, H, D), lse (1, H, total)).
 
     Order: (q, k, v, block_indices, cu_seqlens, block_size, scale); block_indices (1, Hi, total, K).
@@ -126,22 +129,26 @@ def block_sparse_forward_varlen(q, k, v, block_indices, cu_seqlens, block_size, 
     lse = torch.full((B, H, S), float("-inf"), dtype=compute_dtype(q, k, v), device=q.device)
     for a, b in seqs:
         out[:, a:b], lse[:, :, a:b] = block_sparse_forward(q[:, a:b], k[:, a:b], v[:, a:b],
-                                                           block_indices[:, :, a:b], block_size, scale)
+                                                           block_indices[:, :, a:b], block_size, scale, sinks=sinks)
     return out, lse
 
 
-def block_sparse_backward_varlen(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens):
+def block_sparse_backward_varlen(q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens, *,
+                                 sinks=None):
     """block_sparse_backward per sequence -> (dq, dk, dv).
 
     Order: (q, k, v, out, lse, block_indices, block_size, scale, grad_out, cu_seqlens).
     """
     seqs = _spans("block_sparse_backward_varlen", cu_seqlens, q, k, v, out, grad_out)
-    grads = [torch.zeros_like(x) for x in (q, k, v)]
+    grads = _zero_grads((q, k, v), sinks)
     for a, b in seqs:
         parts = block_sparse_backward(q[:, a:b], k[:, a:b], v[:, a:b], out[:, a:b], lse[:, :, a:b],
-                                      block_indices[:, :, a:b], block_size, scale, _rows(grad_out, a, b))
-        for g, part in zip(grads, parts):
+                                      block_indices[:, :, a:b], block_size, scale, _rows(grad_out, a, b),
+                                      sinks=sinks)
+        for g, part in zip(grads[:3], parts):
             g[:, a:b] = part
+        if sinks is not None:
+            grads[3] += parts[3]
     return tuple(grads)
 
 
@@ -208,10 +215,19 @@ def _sequences(fn: str, cu_seqlens, q_like, k_like, cu_seqlens_k=None, seqused_k
     return seqs
 
 
+def _zero_grads(inputs, sinks) -> list:
+    """Zero gradients of inputs, and of the sinks (float32 (H,)) where given: each sequence adds its share."""
+    grads = [torch.zeros_like(x) for x in inputs]
+    return grads if sinks is None else grads + [torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)]
+
+
 def _gather(grads, parts, a, b, ka, kb):
-    """Place one sequence's (dq_proxy, dk_proxy, dq, dk, dv): query gradients into its query rows, key gradients
-    added into its key rows (sequences whose key ranges overlap, under seqused_k, share keys)."""
-    dqp, dkp, dq, dk, dv = parts
+    """Place one sequence's (dq_proxy, dk_proxy, dq, dk, dv[, d sinks]): query gradients into its query rows, key
+    gradients added into its key rows (sequences whose key ranges overlap, under seqused_k, share keys), d sinks
+    summed."""
+    dqp, dkp, dq, dk, dv, *d_sinks = parts
+    for d in d_sinks:
+        grads[5] += d
     grads[0][:, a:b] = dqp
     grads[2][:, a:b] = dq
     for g, part in ((grads[1], dkp), (grads[3], dk), (grads[4], dv)):

@@ -121,7 +121,7 @@ def params(config) -> tuple:
             TensorParam("entry_dest", "i32", ("E",), (1,), align=4),
             TensorParam("items", "i32", ("W", 4), (4, 1), align=16),
             TensorParam("kl_part", "f32", ("E", 3), (3, 1), align=4),
-            ScalarParam("scale", "f32"),
+            ScalarParam("proxy_scale", "f32"),  # the proxy scores' (the only ones read here)
             ScalarParam("hp_per_hpk", "i32"),
         )
     return (

@@ -31,7 +31,7 @@ from kernels_src.work_items import keys_in_query_rows
 class SparseProxyLse(SparseKLPingPong):
     @cute.jit
     def __call__(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor, entry_query: cute.Tensor,
-                 entry_dest: cute.Tensor, items: cute.Tensor, kl_part: cute.Tensor, scale: cutlass.Float32,
+                 entry_dest: cute.Tensor, items: cute.Tensor, kl_part: cute.Tensor, proxy_scale: cutlass.Float32,
                  hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, 2))  # buffer w: warpgroup w's proxy rows
@@ -43,12 +43,13 @@ class SparseProxyLse(SparseKLPingPong):
             s_ent: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, ENTRY_RING * self.tile_m * 2], 1024]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        self.kernel_lse(q_proxy, k_proxy, entry_query, entry_dest, items, kl_part, scale, hp_per_hpk, l_kv, l_rows,
+        self.kernel_lse(q_proxy, k_proxy, entry_query, entry_dest, items, kl_part, proxy_scale, hp_per_hpk, l_kv,
+                        l_rows,
                         self._gmem_copy(), SharedStorage).launch(
             grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
 
     @cute.kernel
-    def kernel_lse(self, q_proxy, k_proxy, entry_query, entry_dest, items, kl_part, scale: cutlass.Float32,
+    def kernel_lse(self, q_proxy, k_proxy, entry_query, entry_dest, items, kl_part, proxy_scale: cutlass.Float32,
                    hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout,
                    gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         """gcopy loads the key block with all 256 threads; a 128-thread copy of the same atoms gathers a
@@ -69,7 +70,7 @@ class SparseProxyLse(SparseKLPingPong):
 
             acc, s_mn, _, _, coord = self.wg_accumulators(wg_tidx)
             rows = cute.size(s_mn, mode=[0])
-            scale_log2 = scale * LOG2E
+            scale_log2 = proxy_scale * LOG2E
             quad_lane = tidx % 4
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)

@@ -79,6 +79,7 @@ def params(config: Config) -> tuple:
         # written by the kl_value = 1 variants only (the others take any (B, Hp, S) f32 tensor and never touch it)
         TensorParam("kl_rows", "f32", ("B", "Hp", "S"), rows, align=4),
         ScalarParam("scale", "f32"),
+        ScalarParam("proxy_scale", "f32"),  # the proxy scores' (pi, dq_p, dk_p); scale: the main scores' (tau)
         ScalarParam("hp_per_hk", "i32"),
         ScalarParam("hp_per_hpk", "i32"),
         ScalarParam("group_heads", "i32"),  # H / Hp: a multiple of G (a group runs as group_heads / G launches)

@@ -68,7 +68,8 @@ class WarmupProxyBackward(WarmupKL):
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  lse: cute.Tensor, lse_proxy: cute.Tensor, kl_grad: cute.Tensor, dqp_acc: cute.Tensor,
-                 dkp_acc: cute.Tensor, kl_rows: cute.Tensor, scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+                 dkp_acc: cute.Tensor, kl_rows: cute.Tensor, scale: cutlass.Float32, proxy_scale: cutlass.Float32,
+                 hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
                  group_heads: cutlass.Int32, head0: cutlass.Int32, stream: cuda.CUstream):
         l_q = smem_tile(self.dtype, (self.tile_m, self.head_dim, self.group + 1))
         l_k = smem_tile(self.dtype, (self.tile_n, self.head_dim))
@@ -84,16 +85,16 @@ class WarmupProxyBackward(WarmupKL):
             s_rows: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.tile_m * (self.group + 2)], 16]
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        self.kernel_bwd(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc, kl_rows, scale, hp_per_hk,
-                        hp_per_hpk, group_heads, head0, l_q, l_k, l_kp, l_ds,
+        self.kernel_bwd(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc, kl_rows, scale,
+                        proxy_scale, hp_per_hk, hp_per_hpk, group_heads, head0, l_q, l_k, l_kp, l_ds,
                         cp_async_rows(self.dtype, self.head_dim, self.threads), SharedStorage).launch(
             grid=(cute.ceil_div(q.shape[1], self.tile_m), q_proxy.shape[2], q.shape[0]),
             block=(self.threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
 
     @cute.kernel
     def kernel_bwd(self, q, k, q_proxy, k_proxy, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc, kl_rows,
-                   scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
-                   group_heads: cutlass.Int32, head0: cutlass.Int32,
+                   scale: cutlass.Float32, proxy_scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
+                   hp_per_hpk: cutlass.Int32, group_heads: cutlass.Int32, head0: cutlass.Int32,
                    l_q: cute.ComposedLayout, l_k: cute.ComposedLayout, l_kp: cute.ComposedLayout,
                    l_ds: cute.ComposedLayout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -127,7 +128,8 @@ class WarmupProxyBackward(WarmupKL):
         acc_dk = cute.make_rmem_tensor(thr_dk.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
         coord_dk = wg_acc_rows_cols(thr_dk.partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim))))
         t_ds = thr.partition_C(s_ds)  # this thread's (row, key) elements of the dS_p tile
-        scale_log2 = scale * LOG2E
+        scale_log2 = scale * LOG2E  # the main scores' (tau)
+        proxy_scale_log2 = proxy_scale * LOG2E  # the proxy scores' (pi, the KL's A, dS_p's chain factor)
 
         # Per row: lse_g and lse_p in log2 units and kl_grad, staged once in shared memory (registers are what
         # G = 4 runs out of). Rows past S: P = pi = 0 (+inf lse), kl_grad 0.
@@ -172,11 +174,11 @@ class WarmupProxyBackward(WarmupKL):
             warpgroup.wait_group(0)
             s_mn = wg_acc_rows_cols(accs[self.group % 2])
             if step >= first_masked:
-                self.proxy_grad(s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, pi_weight, tau_weight, a_sum, t_sum,
-                                True)
+                self.proxy_grad(s_mn, tau_mn, coord, s_rows, m0, t0, proxy_scale_log2, pi_weight, tau_weight, a_sum,
+                                t_sum, True)
             else:
-                self.proxy_grad(s_mn, tau_mn, coord, s_rows, m0, t0, scale_log2, pi_weight, tau_weight, a_sum, t_sum,
-                                False)
+                self.proxy_grad(s_mn, tau_mn, coord, s_rows, m0, t0, proxy_scale_log2, pi_weight, tau_weight, a_sum,
+                                t_sum, False)
 
             # dq_p += dS_p K_p from registers; dS_p to shared memory for dk_p.
             r_ds = cute.make_rmem_tensor_like(tau, self.dtype)
@@ -198,7 +200,8 @@ class WarmupProxyBackward(WarmupKL):
                 if t < seqlen:
                     base = dkp_acc[b, t, pk, None].iterator.toint()
                     for c in cutlass.range_constexpr(0, cute.size(dk_mn, mode=[1]), 2):
-                        red_add_v2(base + coord_dk[0, c][1] * 4, dk_mn[r, c] * scale, dk_mn[r, c + 1] * scale)
+                        red_add_v2(base + coord_dk[0, c][1] * 4, dk_mn[r, c] * proxy_scale,
+                                   dk_mn[r, c + 1] * proxy_scale)
 
         dq_mn = wg_acc_rows_cols(acc_dq)
         coord_dq = wg_acc_rows_cols(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
@@ -209,7 +212,7 @@ class WarmupProxyBackward(WarmupKL):
                 # on the stream, so a plain read-add-write accumulates them.
                 for c in cutlass.range_constexpr(cute.size(dq_mn, mode=[1])):
                     d = coord_dq[0, c][1]
-                    dqp_acc[b, i, p, d] = dqp_acc[b, i, p, d] + dq_mn[r, c] * scale
+                    dqp_acc[b, i, p, d] = dqp_acc[b, i, p, d] + dq_mn[r, c] * proxy_scale
         if cutlass.const_expr(self.kl_value):
             self.write_kl(a_sum, t_sum, coord, lse_proxy, kl_rows, b, p, m0, seqlen, tidx)
 

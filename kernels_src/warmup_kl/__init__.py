@@ -119,7 +119,7 @@ def params(config: Config) -> tuple:
             TensorParam("q_proxy", c.dtype, ("B", "S", "Hp", d), bshd, align=16),
             TensorParam("k_proxy", c.dtype, ("B", "S", "Hpk", d), bshd, align=16),
             TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
-            ScalarParam("scale", "f32"),
+            ScalarParam("proxy_scale", "f32"),  # the proxy scores' (the only ones read here)
             ScalarParam("hp_per_hpk", "i32"),
         )
     return (
@@ -130,7 +130,8 @@ def params(config: Config) -> tuple:
         TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
         TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
         TensorParam("kl_rows", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
-        ScalarParam("scale", "f32"),
+        ScalarParam("scale", "f32"),  # the main scores' (tau)
+        ScalarParam("proxy_scale", "f32"),  # the proxy scores'
         ScalarParam("hp_per_hk", "i32"),
         ScalarParam("hp_per_hpk", "i32"),
     )

@@ -56,7 +56,8 @@ class WarmupKL:
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  lse: cute.Tensor, lse_proxy: cute.Tensor, kl_rows: cute.Tensor, scale: cutlass.Float32,
-                 hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+                 proxy_scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+                 stream: cuda.CUstream):
         l_q = smem_tile(self.dtype, (self.tile_m, self.head_dim, self.group + 1))
         l_k = smem_tile(self.dtype, (self.tile_n, self.head_dim, self.stages))
 
@@ -67,14 +68,16 @@ class WarmupKL:
             s_kp: tile_storage(self.dtype, l_k)
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        self.kernel(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_rows, scale, hp_per_hk, hp_per_hpk, l_q, l_k,
+        self.kernel(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_rows, scale, proxy_scale, hp_per_hk, hp_per_hpk,
+                    l_q, l_k,
                     cp_async_rows(self.dtype, self.head_dim, self.threads), SharedStorage).launch(
             grid=(cute.ceil_div(q.shape[1], self.tile_m), q_proxy.shape[2], q.shape[0]),
             block=(self.threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
 
     @cute.kernel
     def kernel(self, q, k, q_proxy, k_proxy, lse, lse_proxy, kl_rows, scale: cutlass.Float32,
-               hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, l_q: cute.ComposedLayout,
+               proxy_scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+               l_q: cute.ComposedLayout,
                l_k: cute.ComposedLayout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         b, p, m0, seqlen, n_steps, first_masked, kv, pk = self.query_tile(q, hp_per_hk, hp_per_hpk)
@@ -91,7 +94,8 @@ class WarmupKL:
 
         thr, accs, tau, tau_mn, coord = self.score_accumulators(tidx)
         rows = cute.size(tau_mn, mode=[0])
-        scale_log2 = scale * LOG2E
+        scale_log2 = scale * LOG2E  # the main scores' (tau)
+        proxy_scale_log2 = proxy_scale * LOG2E  # the proxy scores'
 
         # Per row: lse_g in log2 units (rows past S: +inf, so their P is 0), and the running statistics.
         lse2 = cute.make_rmem_tensor((rows, self.group), cutlass.Float32)
@@ -136,10 +140,12 @@ class WarmupKL:
                 else:
                     # Two copies: tiles below the diagonal (most of them) skip the causal mask's compares.
                     if step >= first_masked:
-                        self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, scale_log2,
+                        self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0,
+                                             proxy_scale_log2,
                                              True)
                     else:
-                        self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, scale_log2,
+                        self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0,
+                                             proxy_scale_log2,
                                              False)
             # Every warp is past its reads of this stage before the load two steps on overwrites it.
             cute.arch.sync_threads()

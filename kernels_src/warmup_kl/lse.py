@@ -26,8 +26,8 @@ from kernels_src.warmup_kl.pingpong import CONSUMERS, WarmupKLPingPong
 
 class WarmupProxyLse(WarmupKLPingPong):
     @cute.jit
-    def __call__(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor, lse_proxy: cute.Tensor, scale: cutlass.Float32,
-                 hp_per_hpk: cutlass.Int32, stream):
+    def __call__(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor, lse_proxy: cute.Tensor,
+                 proxy_scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, stream):
         l_q = smem_tile(self.dtype, (self.tile_m, self.head_dim, 1))
         l_k = smem_tile(self.dtype, (self.tile_n, self.head_dim, self.stages))
 
@@ -39,14 +39,14 @@ class WarmupProxyLse(WarmupKLPingPong):
             s_kp: tile_storage(self.dtype, l_k)
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        self.kernel_lse(q_proxy, k_proxy, lse_proxy, scale, hp_per_hpk, l_q, l_k,
+        self.kernel_lse(q_proxy, k_proxy, lse_proxy, proxy_scale, hp_per_hpk, l_q, l_k,
                         cp_async_rows(self.dtype, self.head_dim, CONSUMERS, self.ROW_THREADS),
                         cp_async_rows(self.dtype, self.head_dim, 32, self.ROW_THREADS), SharedStorage).launch(
             grid=(cute.ceil_div(q_proxy.shape[1], self.tile_m), q_proxy.shape[2], q_proxy.shape[0]),
             block=(self.block_threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
 
     @cute.kernel
-    def kernel_lse(self, q_proxy, k_proxy, lse_proxy, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
+    def kernel_lse(self, q_proxy, k_proxy, lse_proxy, proxy_scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
                    l_q: cute.ComposedLayout, l_k: cute.ComposedLayout, gcopy: cute.TiledCopy,
                    gcopy_warp: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -64,11 +64,11 @@ class WarmupProxyLse(WarmupKLPingPong):
             self.produce(gcopy_warp, ((k_proxy[b, None, pk, None], s_kp),), full, empty, n_steps, seqlen,
                          tidx - CONSUMERS)
         else:
-            self.consume_lse(q_proxy, lse_proxy, scale, s_q, s_kp, full, empty, gcopy, b, p, m0, seqlen, n_steps,
+            self.consume_lse(q_proxy, lse_proxy, proxy_scale, s_q, s_kp, full, empty, gcopy, b, p, m0, seqlen, n_steps,
                              first_masked, tidx)
 
     @cute.jit
-    def consume_lse(self, q_proxy, lse_proxy, scale, s_q, s_kp, full, empty, gcopy, b, p, m0, seqlen, n_steps,
+    def consume_lse(self, q_proxy, lse_proxy, proxy_scale, s_q, s_kp, full, empty, gcopy, b, p, m0, seqlen, n_steps,
                     first_masked, tidx):
         wg = tidx // 128
         load_rows(gcopy, self.dtype, q_proxy[b, None, p, None], s_q[None, None, 0], m0, seqlen, tidx)
@@ -76,7 +76,7 @@ class WarmupProxyLse(WarmupKLPingPong):
 
         thr, accs, tau, tau_mn, coord = self.score_accumulators(tidx)
         rows = cute.size(tau_mn, mode=[0])
-        scale_log2 = scale * LOG2E
+        scale_log2 = proxy_scale * LOG2E
         row_max = cute.make_rmem_tensor((rows,), cutlass.Float32)
         row_sum = cute.make_rmem_tensor((rows,), cutlass.Float32)
         for r in cutlass.range_constexpr(rows):

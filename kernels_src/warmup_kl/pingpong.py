@@ -47,7 +47,7 @@ class WarmupKLPingPong(WarmupKL):
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  lse: cute.Tensor, lse_proxy: cute.Tensor, kl_rows: cute.Tensor, scale: cutlass.Float32,
-                 hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, stream):
+                 proxy_scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, stream):
         l_q = smem_tile(self.dtype, (self.tile_m, self.head_dim, self.group + 1))
         l_k = smem_tile(self.dtype, (self.tile_n, self.head_dim, self.stages))
 
@@ -61,7 +61,8 @@ class WarmupKLPingPong(WarmupKL):
             s_kp: tile_storage(self.dtype, l_k)
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        self.kernel_ws(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_rows, scale, hp_per_hk, hp_per_hpk, l_q, l_k,
+        self.kernel_ws(q, k, q_proxy, k_proxy, lse, lse_proxy, kl_rows, scale, proxy_scale, hp_per_hk, hp_per_hpk,
+                       l_q, l_k,
                        cp_async_rows(self.dtype, self.head_dim, CONSUMERS, self.ROW_THREADS),
                        cp_async_rows(self.dtype, self.head_dim, 32, self.ROW_THREADS),
                        SharedStorage).launch(
@@ -70,7 +71,8 @@ class WarmupKLPingPong(WarmupKL):
 
     @cute.kernel
     def kernel_ws(self, q, k, q_proxy, k_proxy, lse, lse_proxy, kl_rows, scale: cutlass.Float32,
-                  hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, l_q: cute.ComposedLayout,
+                  proxy_scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+                  l_q: cute.ComposedLayout,
                   l_k: cute.ComposedLayout, gcopy: cute.TiledCopy, gcopy_warp: cute.TiledCopy,
                   SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -90,8 +92,8 @@ class WarmupKLPingPong(WarmupKL):
             self.produce(gcopy_warp, ((k[b, None, kv, None], s_k), (k_proxy[b, None, pk, None], s_kp)), full, empty,
                          n_steps, seqlen, tidx - CONSUMERS)
         else:
-            self.consume(q, q_proxy, lse, lse_proxy, kl_rows, scale, s_q, s_k, s_kp, s_lse, full, empty, gcopy, b, p,
-                         m0, seqlen, n_steps, first_masked, tidx)
+            self.consume(q, q_proxy, lse, lse_proxy, kl_rows, scale, proxy_scale, s_q, s_k, s_kp, s_lse, full, empty,
+                         gcopy, b, p, m0, seqlen, n_steps, first_masked, tidx)
 
     @cute.jit
     def init_ring(self, full, empty, tidx):
@@ -130,8 +132,8 @@ class WarmupKLPingPong(WarmupKL):
             copy_row(gcopy_warp, self.dtype, g_rows[t, None], t_s, t_c, m)
 
     @cute.jit
-    def consume(self, q, q_proxy, lse, lse_proxy, kl_rows, scale, s_q, s_k, s_kp, s_lse, full, empty, gcopy, b, p,
-                m0, seqlen, n_steps, first_masked, tidx):
+    def consume(self, q, q_proxy, lse, lse_proxy, kl_rows, scale, proxy_scale, s_q, s_k, s_kp, s_lse, full, empty,
+                gcopy, b, p, m0, seqlen, n_steps, first_masked, tidx):
         wg = tidx // 128
         for g in cutlass.range_constexpr(self.group):
             load_rows(gcopy, self.dtype, q[b, None, p * self.group + g, None], s_q[None, None, g], m0, seqlen, tidx)
@@ -140,7 +142,8 @@ class WarmupKLPingPong(WarmupKL):
 
         thr, accs, tau, tau_mn, coord = self.score_accumulators(tidx)
         rows = cute.size(tau_mn, mode=[0])
-        scale_log2 = scale * LOG2E
+        scale_log2 = scale * LOG2E  # the main scores' (tau)
+        proxy_scale_log2 = proxy_scale * LOG2E  # the proxy scores'
 
         row_max = cute.make_rmem_tensor((rows,), cutlass.Float32)
         row_sum = cute.make_rmem_tensor((rows,), cutlass.Float32)
@@ -190,10 +193,12 @@ class WarmupKLPingPong(WarmupKL):
                     self.accumulate_tau_smem(s_mn, tau_mn, s_lse, coord, n, scale_log2)
                 else:
                     if step >= first_masked:
-                        self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, scale_log2,
+                        self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0,
+                                             proxy_scale_log2,
                                              True)
                     else:
-                        self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0, scale_log2,
+                        self.proxy_row_stats(s_mn, tau_mn, coord, row_max, row_sum, a_sum, t_sum, m0, t0,
+                                             proxy_scale_log2,
                                              False)
         if wg == 0:  # warpgroup 1's last arrival on TURN + 0 (pingpong accounting)
             cute.arch.barrier(barrier_id=Bar.TURN, number_of_threads=CONSUMERS)
