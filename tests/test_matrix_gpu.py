@@ -278,3 +278,31 @@ def test_unserved_points_are_declined_with_the_reason(D, Dp):
         "msa_forward", torch.device("cuda"), torch.bfloat16,
         dict(head_dim=D, proxy_head_dim=Dp, block_size=128, group=4, kv_group=4, varlen=False)))
     assert reason and f"D {D}" in reason and f"Dp {Dp}" in reason, reason
+
+
+@pytest.mark.parametrize("point", [p for p in POINTS if p != (128, 128, 128)], ids=_pid)
+def test_mma_sync_kernels_sm100a_runs(point, force_mma, launched_kernels):
+    """The mma.sync builds (what sm100a launches; hopper_sync_check on sm90a) at every new point: forward, KL pass
+    and backward against the reference, and no wgmma variant launched."""
+    from flash_msa_rt import reference
+
+    force_mma("sync")
+    D, Dp, Bs = point
+    B, S, H, Hk, Hp, Hpk, K = SHAPES[0]
+    dtype = torch.bfloat16
+    ins = _inputs(B, S, H, Hk, Hp, Hpk, D, Dp, dtype, seed=31 + D + Bs)
+    qp, kp, q, k, v = ins
+    scale = D ** -0.5
+    sel = _impl("select_blocks", qp, q, k, Bs, top_k_blocks=K)(qp, kp, K, Bs, scale)
+    go, klg = _grads(q, Hp, 32)
+    fwd, bwd = _msa_step(ins, sel, Bs, scale, go, klg)
+    torch.cuda.synchronize()
+    main_kernels = [n for n in launched_kernels if n.startswith(("sparse_fwd", "sparse_kl", "sparse_bwd"))]
+    assert main_kernels and all("mmasync" in n for n in main_kernels), main_kernels
+
+    def ref(dt):
+        x = [t.to(dt) for t in ins]
+        f = reference.msa_forward(*x, sel, Bs, scale)
+        return (*f, *reference.msa_backward(*x, *f[:3], sel, Bs, scale, go.to(dt), klg.to(dt)))
+
+    _check((*fwd, *bwd), ref(torch.float64), ref(torch.float32), dtype)
