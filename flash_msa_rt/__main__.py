@@ -1,6 +1,6 @@
 """python -m flash_msa_rt {info, selftest}: what this installation carries, and whether its kernels work on this GPU.
 
-Exit codes, one table for both verbs (Exit below; README.md, "Checking an installation"): 0 ok, 2 usage,
+Exit codes, one table for both verbs (Exit below; docs/building.md, "Checking an installation"): 0 ok, 2 usage,
 3 no GPU, 4 no artifacts for this GPU (the message names the package to install), 5 a self-test failure.
 A reader that closes the pipe early (`info --verbose | head`) ends the command quietly, exit 1, no traceback.
 """
@@ -79,7 +79,7 @@ def describe_artifacts(verbose: bool) -> list[str]:
               f"nvidia-cutlass-dsl {m.fingerprint.get('cutlass_dsl')}")
         if guard.unverified(arch):
             print(f"    not verified on {arch} hardware: each kernel family checks itself against the reference on "
-                  f"first use ({guard.ENV_MODE}=warn|raise|off; README, \"On a Blackwell GPU\")")
+                  f"first use ({guard.ENV_MODE}=warn|raise|off; docs/guard.md)")
         for op, n in sorted(families.items()):
             print(f"    {op:<24} {n:>4} {'variant' if n == 1 else 'variants'}")
         if verbose:

@@ -465,9 +465,11 @@ def test_readme_install_commands_match_the_build():
     main, tests = re.findall(r"```bash\n(.*?)```", section, re.S)[:2]
     assert "pip install -v ." in main and "FLASH_MSA_ARCHS" not in main
     assert "--index-url https://download.pytorch.org/whl/cpu" in main and "nvidia-smi" in main
+    for cmd in (main, tests):  # as .ci/run: the CPU index without retries, else PyPI
+        assert "--retries 0 torch" in cmd and "|| pip install torch" in cmd
     ci = (REPO / ".ci" / "run").read_text()
     only = re.search(r'FLASH_MSA_BUILD_ONLY="([^"]+)"', tests).group(1)
     assert f'FLASH_MSA_BUILD_ONLY="{only}"' in ci and only == TINY
     assert 'pip install -v ".[test]"' in tests and 'pip install -v ".[test]"' in ci
-    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    install = (REPO / "docs" / "building.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
     assert 'pip install "flash-msa-rt[sm90a]"' in install and 'pip install "flash-msa-rt[sm100a]"' in install
