@@ -1,8 +1,10 @@
-"""python -m build_tools {build,list}: compile the kernel catalogue ahead of time (no GPU needed).
+"""python -m build_tools {build,list,matrix}: compile the kernel catalogue ahead of time (no GPU needed).
 
   python -m build_tools build --arch sm90a,sm100a [--set SETS] [--only PATTERN] [--head-dim 64,128]
                               [--block-size 64,128] [--dtype bf16,f16] [--out DIR] [-j N]
   python -m build_tools list  --arch sm90a [--set all] [--only PATTERN] [--out DIR]
+  python -m build_tools matrix [--write]   # the supported matrix (D x Bs x op x arch) as markdown; --write puts it
+                                           # into README.md and docs/matrix.md between their markers
 
 One command per configuration: `python -m build_tools build --arch sm90a --head-dim 64 --block-size 64` compiles
 every kernel the MSA op needs at D 64 with key blocks of 64 into artifacts/ (the runtime finds it there, or where
@@ -64,6 +66,8 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--into-installed", action="store_true",
                        help="build into the installed flash-msa-rt's own artifacts (pip-installed runtime picks them "
                             "up with no environment variable); overrides --out")
+    m = sub.add_parser("matrix", help="the supported matrix: which op runs on kernels at which D, Bs and arch")
+    m.add_argument("--write", action="store_true", help="update README.md and docs/matrix.md between the markers")
     b = sub.choices["build"]
     b.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile processes")
     b.add_argument("--force", action="store_true", help="rebuild even when the fingerprint is unchanged")
@@ -139,8 +143,25 @@ def installed_artifacts() -> Path:
     return Path(dist.locate_file("flash_msa_rt")).resolve() / "_artifacts"
 
 
+def cmd_matrix(args) -> int:
+    if not args.write:
+        print(coverage.matrix_table(), end="")
+        return 0
+    for rel in coverage.MATRIX_FILES:
+        path = REPO / rel
+        new = coverage.splice_matrix(path.read_text())
+        if new != path.read_text():
+            path.write_text(new)
+            print(f"updated {rel}")
+        else:
+            print(f"{rel} is up to date")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.verb == "matrix":
+        return cmd_matrix(args)
     for a in args.arch:
         if a not in ARCHS:
             print(f"error: --arch {a!r} is not supported; supported: {', '.join(ARCHS)}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
     python -m build_tools.wheel_stage --cache CACHE --stage STAGE  <the `build_tools build` arguments>
 
-CMakeLists.txt compiles into a cache that outlives the wheel build (build/kernel-cache in the source tree by
+CMakeLists.txt compiles into a cache that outlives the wheel build (.kernel-cache in the source tree by
 default: `build_tools build` skips every variant whose fingerprint is unchanged, so a second `pip install .`
 compiles nothing), then calls this to copy the selection (manifest.json restricted to it, and its cubins; no
 PTX) into STAGE/<arch>/, which CMake installs as flash_msa_rt/_artifacts/. The cache may hold more variants

@@ -332,6 +332,7 @@ class Trainer:
                          else nullcontext())
         self.kl_value = resolved_kl_value(cfg) if "msa" in cfg.runs else "exact"
         self.compiled = resolved_compile(cfg)
+        self.checkpoints: list[Path] = []  # the checkpoints this process wrote and kept, in order
 
     def mode(self, run: str, step: int) -> str:
         if run == "dense":
@@ -388,9 +389,12 @@ class Trainer:
         tmp = path.with_suffix(".pt.tmp")
         torch.save(state, tmp)
         os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint under the real name
+        self.checkpoints.append(path)
         old = sorted(ckpt_dir.glob(f"{run}_step*.pt"))[:-self.cfg.keep_checkpoints or None]
         for p in old if self.cfg.keep_checkpoints > 0 else []:
             p.unlink()
+            if p in self.checkpoints:
+                self.checkpoints.remove(p)
         return path
 
     def train(self, run: str, finished: dict, resume: dict | None = None) -> dict:
@@ -621,8 +625,16 @@ def main(argv: list[str] | None = None) -> dict:
 
         plot(metrics, out / "metrics.png")
     print(format_summary(metrics))
-    print(f"wrote {out / 'metrics.json'}" + ("" if args.no_plot else f" and {out / 'metrics.png'}"))
+    written = [out / "metrics.json"] + ([] if args.no_plot else [out / "metrics.png"]) + trainer.checkpoints
+    print(wrote_line(out, written))
     return metrics
+
+
+def wrote_line(out: Path, files: list[Path]) -> str:
+    """The closing line: every file the run wrote (checkpoints included), their total size, the folder."""
+    total = sum(f.stat().st_size for f in files if f.exists())
+    names = ", ".join(str(f.relative_to(out)) if f.is_relative_to(out) else str(f) for f in files)
+    return f"wrote {len(files)} file{'s' if len(files) != 1 else ''} ({total / 1e6:.1f} MB) in {out}: {names}"
 
 
 def _main_cp(args, argv, cfg, corpus, out: Path) -> dict:

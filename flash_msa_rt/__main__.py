@@ -1,7 +1,8 @@
 """python -m flash_msa_rt {info, selftest}: what this installation carries, and whether its kernels work on this GPU.
 
-Exit codes, one table for both verbs (Exit below; README.md, "Checking an installation"): 0 ok, 2 usage,
+Exit codes, one table for both verbs (Exit below; docs/building.md, "Checking an installation"): 0 ok, 2 usage,
 3 no GPU, 4 no artifacts for this GPU (the message names the package to install), 5 a self-test failure.
+A reader that closes the pipe early (`info --verbose | head`) ends the command quietly, exit 1, no traceback.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def source_checkout() -> Path | None:
     return root if (root / "pyproject.toml").is_file() and (root / "kernels_src").is_dir() else None
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 variant', '2 variants', '1 kernel family', '3 kernel families'."""
+    if n == 1:
+        return f"{n} {noun}"
+    return f"{n} {plural or (noun[:-1] + 'ies' if noun.endswith('y') else noun + 's')}"
+
+
 def install_hint(arch: str) -> str:
     return f"install the {arch} build: {arches.install_hint(arch)}"
 
@@ -67,13 +75,13 @@ def describe_artifacts(verbose: bool) -> list[str]:
             continue
         usable.append(arch)
         families = Counter(v.op for v in m.variants.values())
-        print(f"  {arch}: {len(m.variants)} variants in {len(families)} kernel families, built with "
+        print(f"  {arch}: {count(len(m.variants), 'variant')} in {count(len(families), 'kernel family')}, built with "
               f"nvidia-cutlass-dsl {m.fingerprint.get('cutlass_dsl')}")
         if guard.unverified(arch):
             print(f"    not verified on {arch} hardware: each kernel family checks itself against the reference on "
-                  f"first use ({guard.ENV_MODE}=warn|raise|off; README, \"On a Blackwell GPU\")")
+                  f"first use ({guard.ENV_MODE}=warn|raise|off; docs/guard.md)")
         for op, n in sorted(families.items()):
-            print(f"    {op:<24} {n:>4} variant{'s' if n != 1 else ''}")
+            print(f"    {op:<24} {n:>4} {'variant' if n == 1 else 'variants'}")
         if verbose:
             for name, v in sorted(m.variants.items()):
                 print(f"      {name:<58} regs {v.registers:>3}  smem {v.smem_bytes:>6} B")
@@ -181,5 +189,18 @@ def main(argv=None) -> int:
     return int(selftest(args.quick, args.json))
 
 
+def run(argv=None) -> int:
+    """main(), and a closed output pipe (`info --verbose | head`) ends it quietly instead of in a traceback."""
+    try:
+        code = main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # Python would report the failed flush of stdout at exit too: point stdout at /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -68,6 +68,21 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line for the GPU tests skipped because no GPU is usable (each is skipped with the same reason), and one
+    for the other skips, instead of a line per test (pass -rs to list them)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    gpu = [r for r in skipped if "gpu" in getattr(r, "keywords", {})]
+    other = len(skipped) - len(gpu)
+    if gpu:
+        reasons = {r.longrepr[2] for r in gpu if isinstance(r.longrepr, tuple)}
+        why = reasons.pop().removeprefix("Skipped: ") if len(reasons) == 1 else "no usable GPU"
+        terminalreporter.write_line(f"{len(gpu)} GPU tests skipped ({why}); FLASH_MSA_REQUIRE_GPU=1 makes that a "
+                                    f"failure, -rs lists them")
+    if other:
+        terminalreporter.write_line(f"{other} other test{'s' if other != 1 else ''} skipped (-rs lists them)")
+
+
 def pytest_runtest_setup(item):
     reason = item.config.stash.get(_GPU_UNUSABLE, None)
     if reason and "gpu" in item.keywords:

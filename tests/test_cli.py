@@ -26,8 +26,8 @@ def test_info_summarises_each_arch_per_kernel_family(tmp_path):
     r = run("flash_msa_rt", "info", env_extra={"FLASH_MSA_ARTIFACT_DIR": str(tmp_path)})
     out = r.stdout
     assert "flash-msa runtime 0.1.0" in out
-    assert "sm90a: 1 variants in 1 kernel families, built with nvidia-cutlass-dsl 4.8.1" in out
-    assert "sm100a: 1 variants in 1 kernel families" in out
+    assert "sm90a: 1 variant in 1 kernel family, built with nvidia-cutlass-dsl 4.8.1" in out
+    assert "sm100a: 1 variant in 1 kernel family" in out
     assert "toy                         1 variant" in out
     assert "toy_bf16_d128_b128_sm100a" not in out and "--verbose lists every variant" in out
     assert "device:" in out
@@ -35,6 +35,21 @@ def test_info_summarises_each_arch_per_kernel_family(tmp_path):
         assert r.returncode == 3 and "exit 3" in out, (r.returncode, out)
     verbose = run("flash_msa_rt", "info", "--verbose", env_extra={"FLASH_MSA_ARTIFACT_DIR": str(tmp_path)})
     assert "toy_bf16_d128_b128_sm100a" in verbose.stdout and "regs  80" in verbose.stdout
+
+
+def test_info_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`info --verbose | head`: the reader goes away; no BrokenPipeError traceback."""
+    import os
+
+    write_artifacts(tmp_path, [toy_entry("sm90a"), toy_entry("sm100a")])
+    env = dict(os.environ, FLASH_MSA_ARTIFACT_DIR=str(tmp_path))
+    p = subprocess.Popen([sys.executable, "-m", "flash_msa_rt", "info", "--verbose"], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # nothing read: the first write to stdout fails
+    err = p.stderr.read().decode()
+    p.wait(timeout=300)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert p.returncode == 1
 
 
 def test_info_without_artifacts_never_exits_zero(tmp_path):

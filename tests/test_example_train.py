@@ -117,11 +117,17 @@ def test_plot_is_written(full):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_resume_reproduces_the_uninterrupted_losses(full, tmp_path):
+def test_resume_reproduces_the_uninterrupted_losses(full, tmp_path, capsys):
     out, m = full
     ckpt = out / "checkpoints" / "msa_step000003.pt"
     assert ckpt.exists(), sorted(p.name for p in (out / "checkpoints").iterdir())
+    capsys.readouterr()
     r = _run(tmp_path / "resumed", "--resume", str(ckpt))
+    # The closing line names every file the run left in its folder, its checkpoints too.
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    left = sorted(str(p.relative_to(tmp_path / "resumed")) for p in (tmp_path / "resumed").rglob("*") if p.is_file())
+    assert any(name.startswith("checkpoints/") for name in left), left
+    assert last.startswith(f"wrote {len(left)} files (") and all(name in last for name in left), (last, left)
     assert r["resumed_from"] == str(ckpt)
     for name in ("msa", "dense"):
         a, b = m["runs"][name], r["runs"][name]

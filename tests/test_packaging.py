@@ -8,6 +8,8 @@ The build tests compile one tiny variant per arch (block_scores d64, as CI does)
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import json
 import os
 import shutil
@@ -270,12 +272,35 @@ def test_wheel_check_accepts_matching_cubins_and_rejects_the_rest():
     assert wheel_check.cubin_sm(b"not an elf at all, not an elf at all, not an elf at all") is None
 
 
+def test_release_frontend_not_shadowed(tmp_path, monkeypatch):
+    """`python -m build` from the checkout must reach the PyPA frontend: the kernel cache and the release's work
+    folder are not build/ (which Python takes for a namespace package named build), and without the frontend the
+    release says what to install instead of "No module named build.__main__"."""
+    from build_tools import release
+
+    text = Path(release.__file__).read_text() + (REPO / "CMakeLists.txt").read_text()
+    assert '"build" / "' not in text and "/build/kernel-cache" not in text
+    (tmp_path / "build").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    real = importlib.util.find_spec
+
+    def without_frontend(name, *a):
+        if name.split(".")[0] == "build":
+            spec = importlib.machinery.ModuleSpec("build", None, is_package=True)
+            return None if name != "build" else spec
+        return real(name, *a)
+    monkeypatch.setattr(importlib.util, "find_spec", without_frontend)
+    with pytest.raises(SystemExit, match="pip install build"):
+        release.require_frontend()
+
+
 # -- real builds (one tiny variant per arch) -------------------------------------------------------------------------
 
 def snapshot(dest: Path) -> Path:
     """A copy of the source tree as a release would see it (no build outputs, no VCS), so concurrent edits or a
     local build cache cannot leak into a test build."""
-    ignore = shutil.ignore_patterns(".git", "build", "dist", "artifacts", "artifacts_*", ".ci-venv", ".venv",
+    ignore = shutil.ignore_patterns(".git", "build", ".kernel-cache", ".release-work", "dist", "artifacts", "artifacts_*", ".ci-venv", ".venv",
                                     "__pycache__", "runs", "*.egg-info", "wheelhouse", ".whl")
     shutil.copytree(REPO, dest, ignore=ignore)
     return dest
@@ -440,9 +465,11 @@ def test_readme_install_commands_match_the_build():
     main, tests = re.findall(r"```bash\n(.*?)```", section, re.S)[:2]
     assert "pip install -v ." in main and "FLASH_MSA_ARCHS" not in main
     assert "--index-url https://download.pytorch.org/whl/cpu" in main and "nvidia-smi" in main
+    for cmd in (main, tests):  # as .ci/run: the CPU index without retries, else PyPI
+        assert "--retries 0 torch" in cmd and "|| pip install torch" in cmd
     ci = (REPO / ".ci" / "run").read_text()
     only = re.search(r'FLASH_MSA_BUILD_ONLY="([^"]+)"', tests).group(1)
     assert f'FLASH_MSA_BUILD_ONLY="{only}"' in ci and only == TINY
     assert 'pip install -v ".[test]"' in tests and 'pip install -v ".[test]"' in ci
-    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    install = (REPO / "docs" / "building.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
     assert 'pip install "flash-msa-rt[sm90a]"' in install and 'pip install "flash-msa-rt[sm100a]"' in install

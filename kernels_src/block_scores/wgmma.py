@@ -20,7 +20,7 @@ from kernels_src import wgmma
 from kernels_src.block_scores.kernel import ProxyBlockScores
 from kernels_src.tiles import WARPGROUP_ROWS, wg_acc_rows_cols
 
-_K = warpgroup.OperandMajorMode.K
+_K = cute.nvgpu.OperandMajorMode.K
 
 
 class WarpgroupScores:

@@ -25,7 +25,7 @@ from kernels_src import wgmma
 from kernels_src.sparse_bwd.kernel import SparseBackward
 from kernels_src.tiles import WARPGROUP_ROWS, wg_acc_rows_cols
 
-_K, _MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+_K, _MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
 
 
 class WarpgroupTiles:

@@ -37,12 +37,12 @@ class SparseAttentionWG(SparseAttention):
 
     def _tiled_mma(self):
         return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, cutlass.Float32,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, cutlass.Float32,
             (self.tile_m // WARPGROUP_ROWS, 1, 1), (WARPGROUP_ROWS, self.block_size))
 
     def _tiled_mma_pv(self):
         return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, cutlass.Float32,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, cutlass.Float32,
             (self.tile_m // WARPGROUP_ROWS, 1, 1), (WARPGROUP_ROWS, self.head_dim),
             a_source=warpgroup.OperandSource.RMEM)
 

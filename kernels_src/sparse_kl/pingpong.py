@@ -34,7 +34,7 @@ from kernels_src.tiles import WARPGROUP_ROWS, cp_async_rows, cp_async_word, tile
 from kernels_src.work_items import keys_in_query_rows
 
 ENTRY_RING = 2  # entry slots per warpgroup: its next tile's and the one after
-_K = warpgroup.OperandMajorMode.K
+_K = cute.nvgpu.OperandMajorMode.K
 
 
 class SparseKLPingPong(SparseKLWG):

@@ -36,7 +36,7 @@ from kernels_src.tiles import (WARPGROUP_ROWS, cp_async_rows, load_rows, smem_ti
                                wg_acc_as_a, wg_acc_rows_cols)
 from kernels_src.warmup_kl.kernel import WarmupKL
 
-_K, _MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+_K, _MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
 
 
 class RowView:

@@ -48,7 +48,7 @@ class WarmupKL:
 
     def _score_mma(self):
         """Two warpgroups tile M (64 rows each) against all tile_n keys: a row's keys stay in one quad."""
-        k_major = warpgroup.OperandMajorMode.K
+        k_major = cute.nvgpu.OperandMajorMode.K
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, k_major, k_major, cutlass.Float32,
                                                  (self.tile_m // WARPGROUP_ROWS, 1, 1),
                                                  (WARPGROUP_ROWS, self.tile_n))
