@@ -120,6 +120,10 @@ MATRIX_END = "<!-- end of the supported matrix -->"
 def op_backend(op: str, arch: str, head_dim: int, block_size: int, dtype: str = "bf16") -> str:
     """"kernels" when every family `op` launches builds at this configuration on arch, else "reference"."""
     families = dict(MATRIX_OPS)[op]
+    # A configuration some main family cannot build is refused by the build and declined by the runtime
+    # (flash_msa_rt.ops.kernels.UNREACHABLE_HEAD_DIMS): only the selection, which runs at Dp, stays on kernels.
+    if op != "selection" and not all(buildable(n, arch, head_dim, block_size, dtype)[0] for n in MAIN_FAMILIES):
+        return "reference"
 
     def ok(names) -> bool:
         return all(buildable(n, arch, min(head_dim, 128) if n == "select" else head_dim, block_size, dtype)[0]
