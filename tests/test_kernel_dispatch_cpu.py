@@ -231,10 +231,10 @@ def test_warmup_proxy_passes_take_the_dense_kernels_where_usable(monkeypatch, de
     monkeypatch.setattr(warmup_kl, "usable", lambda qp, q, op="warmup_kl": None if dense_built else "not built")
     monkeypatch.setattr(warmup_kl, "warmup_kl_cuda", lambda *a: calls.append("dense_kl") or ("lp", "kl"))
     monkeypatch.setattr(warmup_kl, "warmup_proxy_backward_cuda",
-                        lambda *a: calls.append("dense_bwd") or ("dqp", "dkp"))
+                        lambda *a, **kw: calls.append("dense_bwd") or ("dqp", "dkp"))
     monkeypatch.setattr(kernels.sparse_fwd, "msa_kl_cuda", lambda *a, **kw: calls.append("sparse_kl") or ("lp", "kl"))
     monkeypatch.setattr(kernels.sparse_bwd, "proxy_backward_cuda",
-                        lambda *a: calls.append("sparse_bwd") or ("dqp", "dkp"))
+                        lambda *a, **kw: calls.append("sparse_bwd") or ("dqp", "dkp"))
     qp = torch.zeros(1, 300, 2, 128)
     q = torch.zeros(1, 300, 8, 128)
     for dense_switch in (True, False):
@@ -596,8 +596,8 @@ def _reference_at_received_width(monkeypatch, D: int):
     # the KL pass takes no v; the reference's takes one and ignores its values (k stands in); it forms both outputs
     # whatever with_kl
     monkeypatch.setattr(kernels.sparse_fwd, "msa_kl_cuda",
-                        lambda qp, kp, q, k, lse, sel, bs, scale, with_kl=True:
-                        at_d("msa_kl")(qp, kp, q, k, k, lse, sel, bs, scale))
+                        lambda qp, kp, q, k, lse, sel, bs, scale, with_kl=True, proxy_scale=None:
+                        at_d("msa_kl")(qp, kp, q, k, k, lse, sel, bs, scale, proxy_scale=proxy_scale))
     monkeypatch.setattr(kernels.sparse_bwd, "msa_backward_cuda", at_d("msa_backward"))
 
 
