@@ -231,10 +231,10 @@ def test_warmup_proxy_passes_take_the_dense_kernels_where_usable(monkeypatch, de
     monkeypatch.setattr(warmup_kl, "usable", lambda qp, q, op="warmup_kl": None if dense_built else "not built")
     monkeypatch.setattr(warmup_kl, "warmup_kl_cuda", lambda *a: calls.append("dense_kl") or ("lp", "kl"))
     monkeypatch.setattr(warmup_kl, "warmup_proxy_backward_cuda",
-                        lambda *a: calls.append("dense_bwd") or ("dqp", "dkp"))
+                        lambda *a, **kw: calls.append("dense_bwd") or ("dqp", "dkp"))
     monkeypatch.setattr(kernels.sparse_fwd, "msa_kl_cuda", lambda *a, **kw: calls.append("sparse_kl") or ("lp", "kl"))
     monkeypatch.setattr(kernels.sparse_bwd, "proxy_backward_cuda",
-                        lambda *a: calls.append("sparse_bwd") or ("dqp", "dkp"))
+                        lambda *a, **kw: calls.append("sparse_bwd") or ("dqp", "dkp"))
     qp = torch.zeros(1, 300, 2, 128)
     q = torch.zeros(1, 300, 8, 128)
     for dense_switch in (True, False):
@@ -246,6 +246,54 @@ def test_warmup_proxy_passes_take_the_dense_kernels_where_usable(monkeypatch, de
         dense = dense_built and dense_switch
         assert calls == (["dense_kl", "dense_bwd"] if dense else ["sparse_kl", "sparse_bwd"]), (dense_built,
                                                                                                 dense_switch)
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense-warmup", "sparse-warmup"])
+def test_proxy_scale_reaches_every_launcher(monkeypatch, dense, catalogue_artifacts):
+    """proxy_scale != scale runs on the kernels (no decline), and every kernel-backend op hands it to each proxy
+    launcher it calls (the KL passes, the proxy lse alone, the proxy backwards), beside the main scale. Checked
+    with the GPU calls replaced by recorders; warmup on cuDNN with the dense proxy kernels, or on the sparse ones."""
+    from flash_msa_rt.ops import warmup_kl
+
+    catalogue_artifacts("sm90a")
+    for op in ("msa_forward", "msa_backward", "msa_kl", "warmup_forward", "warmup_backward", "warmup_kl"):
+        assert kernels._supports(_problem(op, proxy_scale=True, deterministic=False)) is None, op
+    seen = []
+
+    def rec(name, ret, at=None):
+        def run(*a, **kw):
+            seen.append((name, kw["proxy_scale"] if "proxy_scale" in kw else a[at]))
+            return ret
+        return run
+
+    qp, q = torch.zeros(1, 300, 2, 128), torch.zeros(1, 300, 8, 128)
+    rows = (torch.zeros(1, 2, 300), torch.zeros(1, 2, 300))
+    monkeypatch.setattr(kernels.dense_main, "available", lambda: None if dense else "no cuDNN")
+    monkeypatch.setattr(kernels.torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(kernels.dense_main, "dense_forward", lambda *a: ("out", "lse"))
+    monkeypatch.setattr(kernels.dense_main, "dense_backward", lambda *a: ("dq", "dk", "dv"))
+    monkeypatch.setattr(warmup_kl, "usable", lambda qp, q, op="warmup_kl": None)
+    monkeypatch.setattr(warmup_kl, "warmup_kl_cuda", rec("warmup_kl", rows, at=6))
+    monkeypatch.setattr(warmup_kl, "warmup_lse_cuda", rec("warmup_lse", rows[0], at=2))
+    monkeypatch.setattr(warmup_kl, "warmup_proxy_backward_cuda", rec("warmup_bwd_proxy", ("dqp", "dkp")))
+    monkeypatch.setattr(kernels.sparse_fwd, "msa_forward_cuda", rec("msa_forward", ("out", "lse", *rows)))
+    monkeypatch.setattr(kernels.sparse_fwd, "msa_kl_cuda", rec("msa_kl", rows))
+    monkeypatch.setattr(kernels.sparse_bwd, "msa_backward_cuda", rec("msa_backward", ("dqp", "dkp", "dq", "dk", "dv")))
+    monkeypatch.setattr(kernels.sparse_bwd, "tau_path_runs", lambda *a: True)
+    idx = torch.zeros(1, 2, 300, 2, dtype=torch.int32)
+    metric = torch.zeros(())
+    kernels._msa_forward(qp, qp, q, qp, qp, idx, 128, 0.1, proxy_scale=0.7)
+    kernels._msa_kl(qp, qp, q, qp, qp, "lse", idx, 128, 0.1, with_kl=False, proxy_scale=0.7)
+    kernels._msa_backward(qp, qp, q, qp, qp, q, "lse", "lp", idx, 128, 0.1, q, torch.ones(()), kl_metric=metric,
+                          proxy_scale=0.7)
+    kernels._warmup_forward(qp, qp, q, qp, qp, 0.1, proxy_scale=0.7)
+    kernels._warmup_kl(qp, qp, q, qp, qp, "lse", 0.1, with_kl=False, proxy_scale=0.7)
+    kernels._warmup_kl(qp, qp, q, qp, qp, "lse", 0.1, proxy_scale=0.7)
+    kernels._warmup_backward(qp, qp, q, qp, qp, q, "lse", "lp", 0.1, q, torch.ones(()), proxy_scale=0.7)
+    assert seen and all(ps == 0.7 for _, ps in seen), seen
+    names = {n for n, _ in seen}
+    assert ({"warmup_kl", "warmup_lse", "warmup_bwd_proxy"} <= names) == dense, names
+    assert {"msa_forward", "msa_kl", "msa_backward"} <= names, names
 
 
 def test_warmup_main_attention_override_takes_the_sparse_path(monkeypatch):
@@ -596,8 +644,8 @@ def _reference_at_received_width(monkeypatch, D: int):
     # the KL pass takes no v; the reference's takes one and ignores its values (k stands in); it forms both outputs
     # whatever with_kl
     monkeypatch.setattr(kernels.sparse_fwd, "msa_kl_cuda",
-                        lambda qp, kp, q, k, lse, sel, bs, scale, with_kl=True:
-                        at_d("msa_kl")(qp, kp, q, k, k, lse, sel, bs, scale))
+                        lambda qp, kp, q, k, lse, sel, bs, scale, with_kl=True, proxy_scale=None:
+                        at_d("msa_kl")(qp, kp, q, k, k, lse, sel, bs, scale, proxy_scale=proxy_scale))
     monkeypatch.setattr(kernels.sparse_bwd, "msa_backward_cuda", at_d("msa_backward"))
 
 

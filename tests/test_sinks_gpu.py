@@ -1,5 +1,6 @@
-"""Issue 58's options on the GPU: sinks around the kernels (block-sparse, MSA, warmup on cuDNN), proxy_scale and
-local_blocks (the kernels decline them: those calls run on the reference with the one-time warning), and the
+"""Issue 58's options on the GPU: sinks around the kernels (block-sparse, MSA, warmup on cuDNN), proxy_scale on the
+kernels (M3's unscaled indexer: proxy_scale 1 beside scale D ** -0.5, through every KL pass and proxy backward),
+local_blocks (the selection kernel declines it: that call runs on the reference with the one-time warning), and the
 defaults giving the kernels' results bit for bit.
 
 Each kernel result is checked against the float64 reference on the same block indices (flash_msa_rt.tolerances:
@@ -114,9 +115,10 @@ def test_defaults_are_the_kernels_results_bit_for_bit(sparse):
         torch.use_deterministic_algorithms(False)
 
 
-def test_proxy_scale_and_local_blocks_run_on_the_reference_with_a_warning():
-    """Until the kernels take them (kernels_src/select: local_blocks; the KL kernels: proxy_scale), those calls
-    run on the reference, and dispatch says so once; never silently wrong."""
+@pytest.mark.allow_reference
+def test_local_blocks_selection_runs_on_the_reference_with_a_warning():
+    """Until the selection kernel takes it (kernels_src/select), local_blocks > 1 runs on the reference, and
+    dispatch says so once; never silently wrong."""
     ins, _, _ = _inputs(1, 700, 4, 1, 2, 1, seed=11)
     dispatch.reset_warnings()
     with warnings.catch_warnings(record=True) as seen:
@@ -125,9 +127,171 @@ def test_proxy_scale_and_local_blocks_run_on_the_reference_with_a_warning():
     assert any("local_blocks" in str(w.message) for w in seen)
     want = ref.select_blocks(ins["q_proxy"].cpu(), ins["k_proxy"].cpu(), 3, BS, D ** -0.5, local_blocks=2)
     assert torch.equal(sel.cpu(), want)
-    dispatch.reset_warnings()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        out, kl = api.flash_msa_func(*ins.values(), 3 * BS, layout="bshd", proxy_scale=1.0)
-    assert any("proxy_scale" in str(w.message) for w in seen)
-    assert torch.isfinite(kl) and torch.isfinite(out).all()
+
+
+# --- proxy_scale on the kernels ------------------------------------------------------------------------------------
+# M3's indexer scores are unscaled (proxy_scale 1) while its main attention takes D ** -0.5: every proxy kernel (the
+# forward's KL pass, the deferred KL pass and its proxy lse alone, the proxy backward on the tau path and
+# recomputing tau, warmup's dense and sparse proxy kernels) scores the proxy at proxy_scale and the main heads (tau)
+# at scale. Checked as tests/test_proxy_dp64_gpu.py checks its ops: through the kernel backend (dispatch must choose
+# it), against the float64 reference with the float32 reference as the tolerance's baseline.
+
+PROXY_SCALE = 1.0
+PS_SHAPES = [(1, 1001, 8, 2, 2, 1, 4), (2, 777, 8, 2, 8, 1, 3), (1, 900, 16, 2, 2, 1, 4)]  # B, S, H, Hk, Hp, Hpk, K
+PS_NAMES = ("out", "lse", "lse_proxy", "kl_rows", "dq_proxy", "dk_proxy", "dq", "dk", "dv")
+# tuning overrides that move the proxy's work onto other kernels (all built for sm90a: tests/test_runtime_variants)
+ROUTES = {"default": {}, "recompute-tau": {"sparse_bwd": {"tau_path": False}},
+          "stepped": {"sparse_bwd": {"tau_path": False, "recompute_heads": "stepped"}},
+          "lockstep-kl": {"sparse_fwd": {"schedule": "lockstep", "kl_schedule": "lockstep"}}}
+
+
+def _ps_inputs(B, S, H, Hk, Hp, Hpk, seed, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+    ins = (rnd(B, S, Hp, D), rnd(B, S, Hpk, D), rnd(B, S, H, D), rnd(B, S, Hk, D), rnd(B, S, Hk, D))
+    return ins, rnd(B, S, H, D), torch.rand(B, Hp, S, device="cuda", generator=g) + 0.5
+
+
+def _ps_impl(op, qp, q, k, **extra):
+    from flash_msa_rt.ops import kernels
+
+    config = dict(head_dim=D, proxy_head_dim=qp.shape[3], block_size=BS, group=q.shape[2] // qp.shape[2],
+                  kv_group=q.shape[2] // k.shape[2], varlen=False, separate_keys=False, proxy_scale=True)
+    config.update(extra)
+    impl = dispatch.implementation(op, q.device, q.dtype, **config)
+    assert impl is kernels.KERNELS.ops[op], f"{op} with proxy_scale != scale does not run on the kernels"
+    return impl
+
+
+def _kl_close(metric, kl_rows64):
+    """A KL metric (the mean KL value) against the float64 rows' mean: within 1e-3 relative, the deferred KL's
+    target (tests/test_kl_value_gpu.py; the tau path's kl_value variant forms it from tau in the input dtype)."""
+    exact = float(kl_rows64.double().mean())
+    assert exact > 0 and abs(float(metric) - exact) <= 1e-3 * exact, (float(metric), exact)
+
+
+def _ps_check(got, want, base, dtype):
+    for name, g_, w_, b_ in zip(PS_NAMES, got, want, base, strict=True):
+        assert g_.shape == w_.shape, (name, g_.shape, w_.shape)
+        result_dtype = torch.float32 if name in ("lse", "lse_proxy", "kl_rows") else dtype
+        tolerances.assert_ok(tolerances.check(name, g_, w_, b_, result_dtype=result_dtype))
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("shape", PS_SHAPES, ids=lambda s: "B{}_S{}_H{}_Hk{}_Hp{}_Hpk{}_K{}".format(*s))
+def test_msa_with_proxy_scale_on_the_kernels(shape, deterministic, route, tuned):
+    """Forward (out, lse, lse_proxy, kl_rows), the deferred KL pass (and its proxy lse alone), and the backward's
+    five gradients with its KL metric, at proxy_scale 1 and scale D ** -0.5, through the kernel backend against the
+    float64 reference."""
+    if deterministic and route != "default":
+        pytest.skip("the deterministic backward is the tau path's")
+    if ROUTES[route]:
+        tuned(**ROUTES[route])
+    B, S, H, Hk, Hp, Hpk, K = shape
+    dtype = torch.bfloat16
+    (qp, kp, q, k, v), go, klg = _ps_inputs(B, S, H, Hk, Hp, Hpk, seed=S + 21)
+    scale, ps = D ** -0.5, PROXY_SCALE
+    sel = _ps_impl("select_blocks", qp, q, k, top_k_blocks=K)(qp, kp, K, BS, ps)
+    fwd = _ps_impl("msa_forward", qp, q, k)(qp, kp, q, k, v, sel, BS, scale, proxy_scale=ps)
+    kl_impl = _ps_impl("msa_kl", qp, q, k)
+    kl_pass = kl_impl(qp, kp, q, k, v, fwd[1], sel, BS, scale, proxy_scale=ps)
+    for a, b in zip(kl_pass, fwd[2:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    lse_alone = kl_impl(qp, kp, q, k, v, fwd[1], sel, BS, scale, with_kl=False, proxy_scale=ps)[0]
+    torch.testing.assert_close(lse_alone, fwd[2], rtol=1e-5, atol=1e-6)
+    metric = torch.zeros((), device="cuda")
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        bwd = _ps_impl("msa_backward", qp, q, k, deterministic=deterministic)(
+            qp, kp, q, k, v, *fwd[:3], sel, BS, scale, go, klg, kl_metric=metric, proxy_scale=ps)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.cuda.synchronize()
+
+    def reference(dt):
+        ins = [t.to(dt) for t in (qp, kp, q, k, v)]
+        f = ref.msa_forward(*ins, sel, BS, scale, proxy_scale=ps)
+        return (*f, *ref.msa_backward(*ins, *f[:3], sel, BS, scale, go.to(dt), klg.to(dt), proxy_scale=ps))
+
+    want = reference(torch.float64)
+    _ps_check((*fwd, *bwd), want, reference(torch.float32), dtype)
+    _kl_close(metric, want[3])
+    # not the main scale's: the proxy scores really are at proxy_scale
+    at_scale = ref.msa_forward(*(t.double() for t in (qp, kp, q, k, v)), sel, BS, scale)[2]
+    assert not torch.allclose(fwd[2].double(), at_scale, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dense_proxy", [True, False], ids=["dense-proxy", "sparse-proxy"])
+@pytest.mark.parametrize("dense_main", [True, False], ids=["cudnn-main", "sparse-main"])
+@pytest.mark.parametrize("shape", PS_SHAPES[:2], ids=lambda s: "B{}_S{}_H{}_Hk{}_Hp{}_Hpk{}_K{}".format(*s))
+def test_warmup_with_proxy_scale_on_the_kernels(shape, dense_main, dense_proxy, tuned):
+    """Warmup forward, its KL pass (and proxy lse alone) and backward with its KL metric at proxy_scale 1, scale
+    D ** -0.5: the proxy on the dense warmup kernels or the sparse ones over every causal block, the main attention
+    on cuDNN or the sparse kernels, against the float64 reference warmup."""
+    tuned(warmup={"dense_main": dense_main, "dense_proxy": dense_proxy})
+    B, S, H, Hk, Hp, Hpk, _ = shape
+    dtype = torch.bfloat16
+    (qp, kp, q, k, v), go, klg = _ps_inputs(B, S, H, Hk, Hp, Hpk, seed=S + 31)
+    scale, ps = D ** -0.5, PROXY_SCALE
+    fwd = _ps_impl("warmup_forward", qp, q, k, block_size=None)(qp, kp, q, k, v, scale, proxy_scale=ps)
+    kl_impl = _ps_impl("warmup_kl", qp, q, k, block_size=None)
+    kl_pass = kl_impl(qp, kp, q, k, v, fwd[1], scale, proxy_scale=ps)
+    for a, b in zip(kl_pass, fwd[2:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    lse_alone = kl_impl(qp, kp, q, k, v, fwd[1], scale, with_kl=False, proxy_scale=ps)[0]
+    torch.testing.assert_close(lse_alone, fwd[2], rtol=1e-5, atol=1e-6)
+    metric = torch.zeros((), device="cuda")
+    bwd = _ps_impl("warmup_backward", qp, q, k, block_size=None, deterministic=False)(
+        qp, kp, q, k, v, *fwd[:3], scale, go, klg, kl_metric=metric, proxy_scale=ps)
+    torch.cuda.synchronize()
+
+    def reference(dt):
+        ins = [t.to(dt) for t in (qp, kp, q, k, v)]
+        f = ref.warmup_forward(*ins, scale, proxy_scale=ps)
+        return (*f, *ref.warmup_backward(*ins, *f[:3], scale, go.to(dt), klg.to(dt), proxy_scale=ps))
+
+    want = reference(torch.float64)
+    _ps_check((*fwd, *bwd), want, reference(torch.float32), dtype)
+    _kl_close(metric, want[3])
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["msa", "warmup"])
+@pytest.mark.parametrize("kl_value", ["exact", "deferred"])
+def test_public_functions_with_proxy_scale_run_on_the_kernels(sparse, kl_value):
+    """flash_msa_func / flash_msa_warmup_func with proxy_scale 1 (and sinks): every op on the kernels (the library
+    hands proxy_scale to each), results and gradients against the float64 reference."""
+    from tests import routing
+
+    B, S, H, Hk, Hp, Hpk = 1, 1500, 8, 2, 4, 1
+    ins, dO, sinks = _inputs(B, S, H, Hk, Hp, Hpk, seed=13)
+    leaves = {n: t.requires_grad_() for n, t in ins.items()}
+    s = sinks.clone().requires_grad_()
+    metric = torch.zeros((), device="cuda")
+    fn = api.flash_msa_func if sparse else api.flash_msa_warmup_func
+    idx = api.select_blocks(leaves["q_proxy"], leaves["k_proxy"], 4 * BS, layout="bshd",
+                            proxy_scale=PROXY_SCALE) if sparse else None
+    out, kl = fn(*leaves.values(), 4 * BS, layout="bshd", sinks=s, kl_value=kl_value, kl_metric=metric,
+                 proxy_scale=PROXY_SCALE)
+    (out.float() * dO.reshape(B, S, -1).float()).sum().add(0.3 * kl).backward()
+    routing.assert_ran_on_kernels(["msa_forward", "msa_backward"] if sparse else
+                                  ["warmup_forward", "warmup_backward"])
+    x64 = [t.detach().double().cpu() for t in leaves.values()]
+    kw = dict(sinks=sinks.cpu(), proxy_scale=PROXY_SCALE)
+    if sparse:
+        out64, lse64, lsep64, kl64 = ref.msa_forward(*x64, idx.cpu(), BS, D ** -0.5, **kw)
+        grads64 = ref.msa_backward(*x64, out64, lse64, lsep64, idx.cpu(), BS, D ** -0.5, dO.double().cpu(),
+                                   torch.tensor(0.3 / kl64.numel(), dtype=torch.float64), **kw)
+    else:
+        out64, lse64, lsep64, kl64 = ref.warmup_forward(*x64, D ** -0.5, **kw)
+        grads64 = ref.warmup_backward(*x64, out64, lse64, lsep64, D ** -0.5, dO.double().cpu(),
+                                      torch.tensor(0.3 / kl64.numel(), dtype=torch.float64), **kw)
+    _check("out", out.view(B, S, H, D).cpu(), out64)
+    _kl_close(metric, kl64)
+    for (name, t), want in zip(leaves.items(), grads64):
+        _check(f"d{name}", t.grad.cpu(), want)
+    _check("dsinks", s.grad.cpu(), _d_sinks_exact(out64, lse64, dO.cpu(), sinks.cpu(), torch.bfloat16).float(),
+           result_dtype=torch.float32)

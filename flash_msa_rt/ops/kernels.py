@@ -54,11 +54,10 @@ def _built(problem: Problem, variants: list[tuple[str, dict]]) -> str | None:
 
 
 # Options of issue 58 the kernels do not take yet: those calls run on the reference (dispatch warns once). The
-# sinks never reach a backend (flash_msa_rt.ops.library applies them around the sink-free kernels).
+# sinks never reach a backend (flash_msa_rt.ops.library applies them around the sink-free kernels); proxy_scale
+# reaches every proxy kernel (the KL passes and proxy backwards take it beside the main scale).
 _LOCAL_BLOCKS = ("local_blocks = {L} (the selection kernel forces the local block alone: kernels_src/select); "
                  "this selection runs on the pure-PyTorch reference, the attention on the kernels")
-_PROXY_SCALE = ("a proxy_scale other than scale (the KL pass and proxy backward kernels score the proxy with the "
-                "main scale)")
 
 
 def _select_supports(problem: Problem) -> str | None:
@@ -98,8 +97,6 @@ def _msa_supports(problem: Problem) -> str | None:
     why = sparse_bwd.deterministic_refusal(_arch(problem)) if deterministic else None
     if why:
         return _decline_deterministic(why)
-    if c.get("proxy_scale"):
-        return _PROXY_SCALE
     if _separate_keys_declined(problem):
         return _SEPARATE_KEYS
     if problem.dtype not in _DTYPE_NAMES:
@@ -226,12 +223,15 @@ def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens
                                      precision)
 
 
-def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, *, kl=True):
+def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, *, kl=True,
+                 proxy_scale=None):
+    """proxy_scale (here and in every op below): the proxy scores' scale (None: scale)."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if kl:
         q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
         return sparse_fwd.msa_forward_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v)),
-                                           block_indices.contiguous(), block_size, scale, keep_lists=True)
+                                           block_indices.contiguous(), block_size, scale, keep_lists=True,
+                                           proxy_scale=proxy_scale)
     # The main attention alone (the same sparse_fwd and combine launches): lse_proxy and kl_rows come from msa_kl
     # in the backward, whose plans take the sorted lists this forward keeps (sparse_plan.chunk_plans).
     out, lse, _, _ = sparse_fwd.msa_forward_cuda(None, None, *(_tma_ready(t) for t in (q, k, v)),
@@ -245,16 +245,17 @@ def _no_kl(q_proxy) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.zeros((B, Hp, S), dtype=torch.float32, device=q_proxy.device) for _ in range(2))
 
 
-def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, *, with_kl=True):
+def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, *, with_kl=True,
+            proxy_scale=None):
     """with_kl False: lse_proxy is what is asked for: the proxy lse kernel where built (msa_kl_cuda)."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     return sparse_fwd.msa_kl_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k)), lse, block_indices.contiguous(),
-                                  block_size, scale, with_kl=with_kl)
+                                  block_size, scale, with_kl=with_kl, proxy_scale=proxy_scale)
 
 
 def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                  kl_grad, cu_seqlens=None, kl_metric=None):
+                  kl_grad, cu_seqlens=None, kl_metric=None, proxy_scale=None):
     """kl_metric: also the mean KL value into it (deferred mode): from the proxy backward where its kl_value
     variant runs (the tau path), else from the KL pass."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
@@ -269,10 +270,10 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
     kl_rows = [] if kl_metric is not None else None  # the backward appends the rows when it forms them
     grads = sparse_bwd.msa_backward_cuda(qp, kp, q_, k_, v_, out, lse, lse_proxy, block_indices.contiguous(),
                                          block_size, scale, grad_out, kl_grad, deterministic=deterministic,
-                                         kl_rows=kl_rows)
+                                         kl_rows=kl_rows, proxy_scale=proxy_scale)
     if kl_metric is not None:
         rows = kl_rows[0] if kl_rows else _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size,
-                                                  scale)[1]
+                                                  scale, proxy_scale=proxy_scale)[1]
         kl_metric.copy_(rows.sum() / max(rows.numel(), 1))  # flash_msa_rt.api's kl_loss
     return grads if native else _proxy_grads(grads, q_proxy, k_proxy, D)
 
@@ -354,71 +355,81 @@ def _warmup_fits(q_proxy, q) -> bool:
     return _dense_main(q) or _warmup_entries(q_proxy) * (q.shape[2] // q_proxy.shape[2]) < _INT32_LIMIT
 
 
-def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, *, kl=True):
+def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, *, kl=True, proxy_scale=None):
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if not _warmup_fits(q_proxy, q):
-        return reference_impl("warmup_forward")(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, kl=kl)
+        return reference_impl("warmup_forward")(q_proxy, k_proxy, q, k, v, scale, cu_seqlens, kl=kl,
+                                                proxy_scale=proxy_scale)
     if kl:
         q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
-        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale, kl=kl)
+        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale, kl=kl,
+                            proxy_scale=proxy_scale)
     q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
     try:
         out, lse = dense_main.dense_forward(q, k, v, scale)
     except RuntimeError as e:
         _cudnn_refused(q, e)
-        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale, kl=kl)
-    return (out, lse, *(_dense_warmup_kl(q_proxy, k_proxy, q, k, lse, scale) if kl else _no_kl(q_proxy)))
+        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale, kl=kl,
+                            proxy_scale=proxy_scale)
+    return (out, lse, *(_dense_warmup_kl(q_proxy, k_proxy, q, k, lse, scale, proxy_scale) if kl
+                        else _no_kl(q_proxy)))
 
 
-def _dense_warmup_kl(q_proxy, k_proxy, q, k, lse, scale):
+def _dense_warmup_kl(q_proxy, k_proxy, q, k, lse, scale, proxy_scale=None):
     """(lse_proxy, kl_rows) of warmup over a dense main attention's lse: the dense KL kernels where built, else the
     sparse KL pass with every causal block selected."""
     if _warmup_tuning(q).dense_proxy and warmup_kl.usable(q_proxy, q) is None:
-        return warmup_kl.warmup_kl_cuda(q_proxy, k_proxy, q, k, lse, scale)
+        return warmup_kl.warmup_kl_cuda(q_proxy, k_proxy, q, k, lse, scale, proxy_scale)
     return sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse, AllCausalBlocks(q_proxy, WARMUP_BLOCK), WARMUP_BLOCK,
-                                  scale)
+                                  scale, proxy_scale=proxy_scale)
 
 
-def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, *, with_kl=True):
+def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, *, with_kl=True, proxy_scale=None):
     """warmup_forward's KL pass alone, on the route its forward took (the same kernels, so the same lse_proxy).
     with_kl False: lse_proxy is what is asked for (kl_rows may be zeros): the dense proxy lse alone where built."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if not _warmup_fits(q_proxy, q):
-        return reference_impl("warmup_kl")(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens)
+        return reference_impl("warmup_kl")(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens,
+                                           proxy_scale=proxy_scale)
     q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
-        return _msa_kl(q_proxy, k_proxy, q, k, v, lse, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale)
+        return _msa_kl(q_proxy, k_proxy, q, k, v, lse, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale,
+                       proxy_scale=proxy_scale)
     if not with_kl and _warmup_tuning(q).dense_proxy and warmup_kl.usable(q_proxy, q, "warmup_lse") is None:
-        lse_proxy = warmup_kl.warmup_lse_cuda(_tma_ready(q_proxy), _tma_ready(k_proxy), scale)
+        lse_proxy = warmup_kl.warmup_lse_cuda(_tma_ready(q_proxy), _tma_ready(k_proxy),
+                                              scale if proxy_scale is None else proxy_scale)
         return lse_proxy, torch.zeros_like(lse_proxy)
-    return _dense_warmup_kl(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k)), lse, scale)
+    return _dense_warmup_kl(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k)), lse, scale, proxy_scale)
 
 
 def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None,
-                     kl_metric=None):
+                     kl_metric=None, proxy_scale=None):
     """kl_metric: also the mean KL value into it (deferred mode): from the proxy backward where its kl_value
     variant runs this problem, else from the KL pass."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if not _warmup_fits(q_proxy, q):
         return reference_impl("warmup_backward")(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
-                                                 grad_out, kl_grad, cu_seqlens, kl_metric=kl_metric)
+                                                 grad_out, kl_grad, cu_seqlens, kl_metric=kl_metric,
+                                                 proxy_scale=proxy_scale)
     kl_rows = [] if kl_metric is not None else None  # the backward appends the rows when it forms them
     grads = _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad,
-                                  kl_rows)
+                                  kl_rows, proxy_scale)
     if kl_metric is not None:
-        rows = kl_rows[0] if kl_rows else _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale)[1]
+        rows = kl_rows[0] if kl_rows else _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale,
+                                                     proxy_scale=proxy_scale)[1]
         kl_metric.copy_(rows.sum() / max(rows.numel(), 1))  # flash_msa_rt.api's kl_loss
     return _proxy_grads(grads, q_proxy, k_proxy, q.shape[3])
 
 
-def _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, kl_rows=None):
+def _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, kl_rows=None,
+                          proxy_scale=None):
     """_warmup_backward with the proxy at D (_proxy_at); its proxy gradients are D wide. kl_rows: a list that
     receives the KL rows where the dense proxy backward forms them (else it stays empty)."""
     q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
         return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy),
-                             WARMUP_BLOCK, scale, grad_out, kl_grad)
+                             WARMUP_BLOCK, scale, grad_out, kl_grad, proxy_scale=proxy_scale)
     q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
     if grad_out is not None:
         try:
@@ -426,7 +437,7 @@ def _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
         except RuntimeError as e:  # out and lse are exact whichever path made them: the sparse backward takes them
             _cudnn_refused(q, e)
             return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy),
-                                 WARMUP_BLOCK, scale, grad_out, kl_grad)
+                                 WARMUP_BLOCK, scale, grad_out, kl_grad, proxy_scale=proxy_scale)
     else:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if kl_grad is not None and _warmup_tuning(q).dense_proxy and \
@@ -435,11 +446,12 @@ def _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
             B, S, Hp, _ = q_proxy.shape
             kl_rows.append(torch.empty((B, Hp, S), dtype=torch.float32, device=q.device))
         dq_proxy, dk_proxy = warmup_kl.warmup_proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, scale,
-                                                                  kl_grad, kl_rows[0] if kl_rows else None)
+                                                                  kl_grad, kl_rows[0] if kl_rows else None,
+                                                                  proxy_scale=proxy_scale)
     elif kl_grad is not None:
         dq_proxy, dk_proxy = sparse_bwd.proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy,
                                                             AllCausalBlocks(q_proxy, WARMUP_BLOCK), WARMUP_BLOCK,
-                                                            scale, kl_grad)
+                                                            scale, kl_grad, proxy_scale=proxy_scale)
     else:
         dq_proxy, dk_proxy = torch.zeros_like(q_proxy), torch.zeros_like(k_proxy)
     return dq_proxy, dk_proxy, dq, dk, dv

@@ -137,14 +137,16 @@ def tau_chunk(B: int, S: int, Hp: int, K: int, block_size: int, budget: int, per
 
 
 def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                      kl_grad, deterministic: bool = False, arch: str | None = None, kl_rows: list | None = None):
+                      kl_grad, deterministic: bool = False, arch: str | None = None, kl_rows: list | None = None,
+                      proxy_scale=None):
     """(dq_proxy, dk_proxy, dq, dk, dv). grad_out (B, S, H, D) or None; kl_grad broadcastable to (B, Hp, S) or
     None (a missing gradient gives zeros). Tensors validated, 16-byte aligned, unit-stride head dim.
     deterministic: bitwise reproducible gradients (the tau path's deterministic variants; the device must have
     them: deterministic_refusal). arch: the device's unless given (the tuning policy's arch). k, v, k_proxy may hold
     Sk >= S keys (query row i at key position Sk - S + i, msa_forward_cuda's alignment): dk, dv, dk_proxy are
     theirs. kl_rows: a list that receives the KL rows (B, Hp, S) where the tau path forms them (the proxy kernel's
-    kl_value variant; deferred KL mode), else stays empty."""
+    kl_value variant; deferred KL mode), else stays empty. scale: the main scores' (tau); proxy_scale: the proxy
+    scores' (pi, and dq_proxy / dk_proxy's factor; None: scale)."""
     B, S, H, D = q.shape
     Hp, Hk = q_proxy.shape[2], k.shape[2]
     G = H // Hp
@@ -161,10 +163,11 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
         grad_out = grad_out if grad_out is not None else torch.zeros_like(out)
         kl_grad = kl_grad if kl_grad is not None else torch.zeros((B, Hp, S), dtype=f32, device=dev)
         return _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size,
-                                  scale, grad_out, kl_grad, deterministic=True, kl_rows=kl_rows)
+                                  scale, grad_out, kl_grad, deterministic=True, kl_rows=kl_rows,
+                                  proxy_scale=proxy_scale)
     if grad_out is not None and kl_grad is not None and t.tau_path:
         return _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size,
-                                  scale, grad_out, kl_grad, kl_rows=kl_rows)
+                                  scale, grad_out, kl_grad, kl_rows=kl_rows, proxy_scale=proxy_scale)
     flat, (dq_acc, dk_acc, dv_acc) = accumulators((q, k, v))
     plan = sparse_plan(block_indices, block_size, S, G, TILE_M // G, t.tiles_per_item, key_offset=k.shape[1] - S)
     if grad_out is not None:
@@ -178,7 +181,7 @@ def msa_backward_cuda(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
         # The main plan's sorted lists, cut into the proxy kernel's tiles (64 distinct queries): no second sort.
         proxy_plan = recut(plan, TILE_M, t.proxy_tiles_per_item)
         dq_proxy, dk_proxy = proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size,
-                                                 scale, kl_grad, proxy_plan, arch=arch)
+                                                 scale, kl_grad, proxy_plan, arch=arch, proxy_scale=proxy_scale)
     else:
         dq_proxy, dk_proxy = torch.zeros_like(q_proxy), torch.zeros_like(k_proxy)
     return (dq_proxy, dk_proxy, *cast_accumulators(flat, (q, k, v)))
@@ -307,7 +310,7 @@ class _ChunkGradients:
 
 
 def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
-                       grad_out, kl_grad, deterministic: bool = False, kl_rows: list | None = None):
+                       grad_out, kl_grad, deterministic: bool = False, kl_rows: list | None = None, proxy_scale=None):
     """(dq_proxy, dk_proxy, dq, dk, dv): both backward kernels per chunk of proxy heads (and of queries, where one
     head's tau rows exceed the budget), tau passed from the main kernel to the proxy kernel. A chunk is the same
     problem on head-sliced views (strided; the kernels take any strides), with its own plan; its fp32 accumulators
@@ -319,7 +322,8 @@ def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, 
     on the stream. kl_rows (a list): the proxy kernel's kl_value variant also adds each entry's KL share (log2
     units) into a zeroed fp32 slot per (b, p, i, slot) of the chunk (its plan's entry_dest, as the deterministic
     partial rows), and each chunk's rows are ln 2 times their slots' sum (KL = ln 2 sum A + lse_p sum T, as the
-    KL pass's merge); the (B, Hp, S) rows are appended to the list."""
+    KL pass's merge); the (B, Hp, S) rows are appended to the list. proxy_scale: the proxy kernel's one scale (None:
+    scale; the main kernel's tau rows are at scale)."""
     B, S, H, D = q.shape
     Hp, Hk, Hpk, K = q_proxy.shape[2], k.shape[2], k_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
@@ -372,7 +376,8 @@ def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, 
                          hp=c, hp_per_hk=hc.per_kv)
         proxy_args = dict(q_proxy=hc.view(q_proxy, 2, "proxy"), k_proxy=hc.view(k_proxy, 2, "proxy_key"),
                           lse_proxy=hc.view(lse_proxy, 1, "proxy"), kl_grad=hc.view(grad, 1, "proxy"),
-                          dkp_acc=acc["dk_proxy"], scale=float(scale), hp_per_hpk=hc.per_pk)
+                          dkp_acc=acc["dk_proxy"], proxy_scale=_proxy_scale(scale, proxy_scale),
+                          hp_per_hpk=hc.per_pk)
         if not det:
             main_args.update(dq_acc=acc["dq"])
             proxy_args.update(dqp_acc=acc["dq_proxy"])
@@ -440,11 +445,12 @@ class _DeterministicSums:
 
 
 def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, block_size, scale, kl_grad, plan=None,
-                        arch: str | None = None):
+                        arch: str | None = None, proxy_scale=None):
     """(dq_proxy, dk_proxy) from (pi - tau) * kl_grad over a selection: the sparse_bwd_proxy kernel alone (warmup
     mode runs it with every causal block selected, beside cuDNN's dense backward). plan: the whole selection's plan
     in the proxy kernel's tiles (64 distinct queries; msa_backward_cuda recuts its main plan), or None to plan here
-    in query chunks."""
+    in query chunks. scale: the main scores' (the recomputed tau); proxy_scale: the proxy scores' (pi, and dq_proxy /
+    dk_proxy's factor; None: scale)."""
     B, S, H, D = q.shape
     Hp, Hk, Hpk = q_proxy.shape[2], k.shape[2], k_proxy.shape[2]
     G = H // Hp
@@ -470,5 +476,10 @@ def proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy, block_indices, b
                                key_offset=k_proxy.shape[1] - S)
         kernel(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, entry_query=plan.entry_query, items=plan.items, lse=lse,
                lse_proxy=lse_proxy, kl_grad=grad, dqp_acc=dqp_acc, dkp_acc=dkp_acc, scale=float(scale),
-               hp_per_hk=Hp // Hk, hp_per_hpk=Hp // Hpk)
+               proxy_scale=_proxy_scale(scale, proxy_scale), hp_per_hk=Hp // Hk, hp_per_hpk=Hp // Hpk)
     return cast_like(dqp_acc, q_proxy), cast_like(dkp_acc, k_proxy)
+
+
+def _proxy_scale(scale, proxy_scale) -> float:
+    """The proxy scores' scale as the kernels take it (None: the main scale)."""
+    return float(scale if proxy_scale is None else proxy_scale)

@@ -92,10 +92,17 @@ def _plan_args(plan) -> dict:
     return dict(entry_query=plan.entry_query, entry_dest=plan.entry_dest, items=plan.items)
 
 
-def _kl_args(q_proxy, k_proxy, q, k, plan, scale) -> dict:
+def _kl_args(q_proxy, k_proxy, q, k, plan, scale, proxy_scale=None) -> dict:
+    """The KL pass's arguments: scale the main scores' (tau), proxy_scale the proxy scores' (None: scale)."""
     Hp = q_proxy.shape[2]
-    return dict(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, scale=float(scale), hp_per_hk=Hp // k.shape[2],
+    return dict(q=q, k=k, q_proxy=q_proxy, k_proxy=k_proxy, scale=float(scale),
+                proxy_scale=_proxy_scale(scale, proxy_scale), hp_per_hk=Hp // k.shape[2],
                 hp_per_hpk=Hp // k_proxy.shape[2], **_plan_args(plan))
+
+
+def _proxy_scale(scale, proxy_scale) -> float:
+    """The proxy scores' scale as the kernels take it (None: the main scale)."""
+    return float(scale if proxy_scale is None else proxy_scale)
 
 
 # A chunk may hold this fraction more than the budget, so that the queries split into equal chunks instead of
@@ -209,7 +216,7 @@ def equal_chunk(S: int, block_size: int, per_query: int, budget: int) -> int:
 
 
 def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, arch: str | None = None,
-                     keep_lists: bool = False):
+                     keep_lists: bool = False, proxy_scale=None):
     """(out (B, S, H, D), lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) on a CUDA device.
 
     k, v, k_proxy may hold Sk >= S keys: query row i then sits at key position Sk - S + i (bottom-right causal
@@ -224,6 +231,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     index head (block_sparse_attention); lse_proxy and kl_rows are then None.
     keep_lists: the plan's sorted lists stay on block_indices for the MSA backward's plan (chunk_plans'), which
     takes them instead of sorting the selection again.
+    proxy_scale: the proxy scores' scale in the KL pass (None: scale, the main scores').
     """
     B, S, H, D = q.shape
     Hp, K = block_indices.shape[1], block_indices.shape[3]
@@ -265,8 +273,8 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
         q_c, k_c, v_c, lse_c = hc.view(q, 2, "main"), hc.view(k, 2, "kv"), hc.view(v, 2, "kv"), hc.view(lse, 1, "main")
         if proxy:
             kl_args = dict(q=q_c, k=k_c, q_proxy=hc.view(q_proxy, 2, "proxy"),
-                           k_proxy=hc.view(k_proxy, 2, "proxy_key"), scale=float(scale), hp_per_hk=hc.per_kv,
-                           hp_per_hpk=hc.per_pk)
+                           k_proxy=hc.view(k_proxy, 2, "proxy_key"), scale=float(scale),
+                           proxy_scale=_proxy_scale(scale, proxy_scale), hp_per_hk=hc.per_kv, hp_per_hpk=hc.per_pk)
         for s0 in range(0, S, chunk):
             s1 = min(S, s0 + chunk)
             sel = rows(hc.view(block_indices, 1, "proxy"), 2, s0, s1)  # strided views: both merges take any strides
@@ -286,16 +294,16 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
 
 
 def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scale, lse_proxy, kl_rows, kl_plan,
-              lse_only: bool = False):
+              lse_only: bool = False, proxy_scale=None):
     """The KL pass over queries [s0, s0 + sel.shape[2]) on kl_plan (the KL pass's tiles) given the final main lse:
     writes lse_proxy and kl_rows (B, Hp, S) there (keys longer than queries: kl_plan's key_offset). lse_only: kl is
-    the proxy lse kernel (lse_config), kl_rows come out 0."""
+    the proxy lse kernel (lse_config), kl_rows come out 0. proxy_scale: the proxy scores' (None: scale)."""
     kl_part = rows(kl_buf, 0, 0, kl_plan.E)
     if lse_only:
-        kl(q_proxy=q_proxy, k_proxy=k_proxy, kl_part=kl_part, proxy_scale=float(scale),  # the proxy's one scale
+        kl(q_proxy=q_proxy, k_proxy=k_proxy, kl_part=kl_part, proxy_scale=_proxy_scale(scale, proxy_scale),
            hp_per_hpk=q_proxy.shape[2] // k_proxy.shape[2], **_plan_args(kl_plan))
     else:
-        kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale))
+        kl(lse=lse, kl_part=kl_part, **_kl_args(q_proxy, k_proxy, q, k, kl_plan, scale, proxy_scale))
     s1 = s0 + sel.shape[2]
     combine_kl(block_indices=sel, kl_part=kl_part, lse_proxy=rows(lse_proxy, 2, s0, s1),
                kl_rows=rows(kl_rows, 2, s0, s1), query_offset=kl_plan.key_offset + s0)
@@ -314,13 +322,13 @@ def lse_built(dtype: str, head_dim: int, block_size: int, arch: str) -> bool:
 
 
 def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, arch: str | None = None,
-                with_kl: bool = True):
+                with_kl: bool = True, proxy_scale=None):
     """(lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) of a selection, given the main attention's final lse (B, H, S):
     the KL pass alone, for a main attention computed elsewhere (warmup mode: cuDNN's dense attention) or for the
     backward of a forward that ran none. Queries run in chunks whose (A, T, L) partials fit the choice's
     kl_partials_budget. k, k_proxy may be longer than the queries (msa_forward_cuda's alignment).
     with_kl False: lse_proxy is what is asked for; where the proxy lse kernel is built it runs instead of the KL
-    pass (the same lse_proxy, bit for bit) and kl_rows are zeros."""
+    pass (the same lse_proxy, bit for bit) and kl_rows are zeros. proxy_scale: the proxy scores' (None: scale)."""
     B, S, H, D = q.shape
     Hp, K = q_proxy.shape[2], block_indices.shape[3]
     G = H // Hp
@@ -367,7 +375,7 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, a
                 kl_plan = sparse_plan(sel, block_size, s1 - s0, G, KL_TILE, t.kl_tiles_per_item, query_offset=s0,
                                       key_offset=key_offset)
             _kl_chunk(kl, combine_kl, sel=sel, s0=s0, kl_buf=kl_buf, scale=scale, kl_plan=kl_plan, lse_only=lse_only,
-                      **views)
+                      proxy_scale=proxy_scale, **views)
     if lse_only:  # lse_proxy times a T of 0: NaN where lse_proxy is not finite
         kl_rows.zero_()
     return lse_proxy, kl_rows

@@ -1,9 +1,10 @@
 """MSA proxy backward, KV-outer (msa-semantics.md, "Proxy KL loss": d kl / d s_p = (pi - tau) * upstream).
 
 Work items of tiles of tile_m = 64 distinct queries (the plan's tile_queries is 64 whatever G); each tile visits
-the G main heads one after another. Per tile: P_h = exp(s_h - lse_h) recomputed, tau = mean over the G heads, pi =
-exp(s_p - lse_p), dS_p = (pi - tau) * kl_grad[b, p, i]; then dq_proxy += scale * dS_p K_p (atomics) and
-dk_proxy += scale * dS_p^T Q_p (registers across the item's tiles, then atomics).
+the G main heads one after another. Per tile: P_h = exp(s_h - lse_h) recomputed (s_h at scale), tau = mean over the
+G heads, pi = exp(s_p - lse_p) (s_p at proxy_scale), dS_p = (pi - tau) * kl_grad[b, p, i]; then dq_proxy +=
+proxy_scale * dS_p K_p (atomics) and dk_proxy += proxy_scale * dS_p^T Q_p (registers across the item's tiles, then
+atomics).
 Configs: kernels_src.sparse_bwd's (64 keys per CTA). This module does not import cutlass.
 """
 
@@ -130,14 +131,16 @@ def params(config) -> tuple:
         TensorParam("lse_proxy", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
         TensorParam("kl_grad", "f32", ("B", "Hp", "S"), ("i64", "i64", 1), align=4),
         *sparse_bwd.gradient_params(dataclasses.replace(c, group=1), ("dqp", "Hp"), ("dkp", "Hpk")),
-        ScalarParam("scale", "f32"),
+        ScalarParam("scale", "f32"),  # the main scores' (the recomputed tau)
+        ScalarParam("proxy_scale", "f32"),  # the proxy scores' (pi; dq_p and dk_p are scaled by it)
         ScalarParam("hp_per_hk", "i32"),
         ScalarParam("hp_per_hpk", "i32"),
     )
     if getattr(c, "heads", "stepped") != "tau":
         return every
-    # The tau kernel needs no main rows, keys or lse; tau (E, block_size) follows the proxy keys.
-    kept = [p for p in every if p.name not in ("q", "k", "lse", "hp_per_hk")]
+    # The tau kernel needs no main rows, keys, lse or main scale (its one scale is proxy_scale); tau (E,
+    # block_size) follows the proxy keys.
+    kept = [p for p in every if p.name not in ("q", "k", "lse", "scale", "hp_per_hk")]
     tau = sparse_bwd.tau_params(sparse_bwd.MainConfig(**dict(_mma_fields(c), tau_out=1)))
     # kl_value 1: each entry's row slot (the plan's entry_dest) and the fp32 slots its KL share is added into
     kl = (TensorParam("kl_dest", "i32", ("E",), (1,), align=4),

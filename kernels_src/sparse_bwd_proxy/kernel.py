@@ -6,9 +6,9 @@ queries (8 warps, 4 x 2 over queries x keys):
      P_g = exp(S_g - lse_g) (causal); tau_sum = sum_g P_g accumulates in registers (same thread, same (i, t)),
      while the next head's rows are in flight (the (tile, head) steps are double buffered); tau = tau_sum / G;
   2. the proxy rows q_proxy[b, i, p] give pi = exp(s_p - lse_p), and dS_p = (pi - tau) * kl_grad[b, p, i];
-  3. dq_p = scale * dS_p K_p (staged in shared memory, one bulk reduction per query row into the fp32
+  3. dq_p = proxy_scale * dS_p K_p (staged in shared memory, one bulk reduction per query row into the fp32
      accumulator, where the K slots of a query meet) and
-     dk_p += scale * dS_p^T Q_p (registers across the item's tiles, atomics at its end).
+     dk_p += proxy_scale * dS_p^T Q_p (registers across the item's tiles, atomics at its end).
 The proxy products run once per query, not once per (query, head): the first version replicated the proxy row
 over the G heads' rows and spent G times the proxy FLOPs (NOTES.md).
 Row scalars travel with the gathers (tiles.copy_word): the tile's query indices (read from the plan once per tile,
@@ -60,7 +60,8 @@ class SparseProxyBackward(SparseBackward):
     @cute.jit
     def proxy_products(self, mma_s, thr_s, mma_kv, thr_kv, acc_dq, dq_mn, coord_dq, acc_dkp, s_ds, s_kp, s_qp, s_dq,
                        scale, tidx):
-        """dq_p = scale * dS_p K_p (this CTA's keys), staged in s_dq while dk_p += dS_p^T Q_p finishes."""
+        """dq_p = scale * dS_p K_p (this CTA's keys; scale: the proxy scale), staged in s_dq while
+        dk_p += dS_p^T Q_p finishes."""
         self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_kp), tidx, False, True, wait=False)
         self.gemm(mma_kv, thr_kv, acc_dkp, transposed(s_ds), transposed(s_qp), tidx, True, True, accumulate=True,
                   wait=False)
@@ -85,7 +86,8 @@ class SparseProxyBackward(SparseBackward):
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  entry_query: cute.Tensor, items: cute.Tensor, lse: cute.Tensor, lse_proxy: cute.Tensor,
                  kl_grad: cute.Tensor, dqp_acc: cute.Tensor, dkp_acc: cute.Tensor, scale: cutlass.Float32,
-                 hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+                 proxy_scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+                 stream: cuda.CUstream):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
         l_p = self._smem_layout((self.tile_m, self.tile_n))
@@ -105,16 +107,17 @@ class SparseProxyBackward(SparseBackward):
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_proxy(q, k, q_proxy, k_proxy, entry_query, items, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
-                          scale, hp_per_hk, hp_per_hpk, l_kv, l_rows, l_p, l_dq, self._gmem_copy(),
+                          scale, proxy_scale, hp_per_hk, hp_per_hpk, l_kv, l_rows, l_p, l_dq, self._gmem_copy(),
                           SharedStorage).launch(
             grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
             stream=stream)
 
     @cute.kernel
     def kernel_proxy(self, q, k, q_proxy, k_proxy, entry_query, items, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
-                     scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
-                     l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_p: cute.ComposedLayout,
-                     l_dq: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+                     scale: cutlass.Float32, proxy_scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
+                     hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout,
+                     l_p: cute.ComposedLayout, l_dq: cute.Layout, gcopy: cute.TiledCopy,
+                     SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         w = cta // self.halves
@@ -147,7 +150,8 @@ class SparseProxyBackward(SparseBackward):
             s_mn, tau_mn = self.rows_cols(acc_s), self.rows_cols(tau)
             coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             acc_dq, dq_mn, coord_dq, acc_dkp = self.proxy_gradients(thr_s, thr_kv)
-            scale_log2 = scale * LOG2E
+            scale_log2 = scale * LOG2E  # the main scores' (tau)
+            proxy_scale_log2 = proxy_scale * LOG2E  # the proxy scores' (pi; proxy_scale also scales dq_p, dk_p)
             rows_per_thread = cute.size(s_mn, mode=[0])
             query_srcs = (lse_proxy[b, p, None], kl_grad[b, p, None])
             i_rows = cute.make_rmem_tensor((self.tile_m * self.head_dim // 8 // self.threads,), cutlass.Int32)
@@ -198,7 +202,7 @@ class SparseProxyBackward(SparseBackward):
                         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                             pi = cutlass.Float32(0.0)
                             if coord_s[0, c][1] <= key_limit:
-                                pi = cute.math.exp2(s_mn[r, c] * scale_log2 - lsep2, fastmath=True)
+                                pi = cute.math.exp2(s_mn[r, c] * proxy_scale_log2 - lsep2, fastmath=True)
                             s_mn[r, c] = (pi - tau_mn[r, c] * (1.0 / self.group)) * cg
                     self.store_scores(thr_s, acc_s, s_ds)
                     self.wait_rows_read(tidx < self.tile_m)  # the previous tile's dq_p rows left s_dq
@@ -206,7 +210,7 @@ class SparseProxyBackward(SparseBackward):
                     cute.arch.sync_threads()
 
                     self.proxy_products(mma_s, thr_s, mma_kv, thr_kv, acc_dq, dq_mn, coord_dq, acc_dkp, s_ds, s_kp,
-                                        s_qp, s_dq, scale, tidx)
+                                        s_qp, s_dq, proxy_scale, tidx)
                 # The next steps' gathers and dS_p stores overwrite what this step read; s_dq is whole.
                 cute.arch.sync_threads()
                 if g == self.group - 1:
@@ -215,7 +219,7 @@ class SparseProxyBackward(SparseBackward):
                             self.reduce_row(dqp_acc[b, i_row, p, None], s_dq, tidx)
                         cute.arch.cp_async_bulk_commit_group()
 
-            self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
+            self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, proxy_scale)
             self.wait_rows_done(tidx < self.tile_m)
 
     @cute.jit

@@ -46,7 +46,8 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  entry_query: cute.Tensor, items: cute.Tensor, lse: cute.Tensor, lse_proxy: cute.Tensor,
                  kl_grad: cute.Tensor, dqp_acc: cute.Tensor, dkp_acc: cute.Tensor, scale: cutlass.Float32,
-                 hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+                 proxy_scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
+                 stream: cuda.CUstream):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_heads = self._smem_layout((self.tile_m, self.head_dim, self.group))
         l_proxy = self._smem_layout((self.tile_m, self.head_dim, _TILE_BUFFERS))
@@ -67,16 +68,16 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_resident(q, k, q_proxy, k_proxy, entry_query, items, lse, lse_proxy, kl_grad, dqp_acc, dkp_acc,
-                             scale, hp_per_hk, hp_per_hpk, l_kv, l_heads, l_proxy, l_p, l_dq, self._gmem_copy(),
-                             SharedStorage).launch(
+                             scale, proxy_scale, hp_per_hk, hp_per_hpk, l_kv, l_heads, l_proxy, l_p, l_dq,
+                             self._gmem_copy(), SharedStorage).launch(
             grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
 
     @cute.kernel
     def kernel_resident(self, q, k, q_proxy, k_proxy, entry_query, items, lse, lse_proxy, kl_grad, dqp_acc,
-                        dkp_acc, scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
-                        l_kv: cute.ComposedLayout, l_heads: cute.ComposedLayout, l_proxy: cute.ComposedLayout,
-                        l_p: cute.ComposedLayout, l_dq: cute.Layout, gcopy: cute.TiledCopy,
-                        SharedStorage: cutlass.Constexpr):
+                        dkp_acc, scale: cutlass.Float32, proxy_scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
+                        hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout, l_heads: cute.ComposedLayout,
+                        l_proxy: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
+                        gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
@@ -104,7 +105,8 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
             tau_mn = self.rows_cols(tau)
             coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             acc_dq, dq_mn, coord_dq, acc_dkp = self.proxy_gradients(thr_s, thr_kv)
-            scale_log2 = scale * LOG2E
+            scale_log2 = scale * LOG2E  # the main scores' (tau)
+            proxy_scale_log2 = proxy_scale * LOG2E  # the proxy scores' (pi; proxy_scale also scales dq_p, dk_p)
             rows_per_thread = cute.size(tau_mn, mode=[0])
             cols = cute.size(tau_mn, mode=[1])
 
@@ -161,7 +163,7 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
                     for c in cutlass.range_constexpr(cols):
                         pi = cutlass.Float32(0.0)
                         if coord_s[0, c][1] <= key_limit:
-                            pi = cute.math.exp2(sp_mn[r, c] * scale_log2 - lsep2, fastmath=True)
+                            pi = cute.math.exp2(sp_mn[r, c] * proxy_scale_log2 - lsep2, fastmath=True)
                         # Scalar stores: the pairwise stores of store_scores spill here (255 registers).
                         s_ds[qi, coord_s[0, c][1]] = ((pi - tau_mn[r, c] * (1.0 / self.group)) * cg).to(self.dtype)
                 self.wait_rows_read(tidx < self.tile_m)  # the previous tile's dq_p rows left s_dq
@@ -169,7 +171,7 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
                 cute.arch.sync_threads()
 
                 self.proxy_products(mma_s, thr_s, mma_kv, thr_kv, acc_dq, dq_mn, coord_dq, acc_dkp, s_ds, s_kp, s_qp,
-                                    s_dq, scale, tidx)
+                                    s_dq, proxy_scale, tidx)
                 # s_dq is whole; the next tile's dS_p stores and proxy gathers come after every warp's reads.
                 cute.arch.sync_threads()
                 if tidx < self.tile_m:
@@ -177,7 +179,7 @@ class SparseProxyBackwardResident(SparseProxyBackwardWG):
                         self.reduce_row(dqp_acc[b, i_row, p, None], s_dq, tidx)
                     cute.arch.cp_async_bulk_commit_group()
 
-            self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
+            self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, proxy_scale)
             self.wait_rows_done(tidx < self.tile_m)
 
     @cute.jit

@@ -47,40 +47,41 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
     @cute.jit
     def __call__(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor, tau: cute.Tensor, entry_query: cute.Tensor,
                  items: cute.Tensor, lse_proxy: cute.Tensor, kl_grad: cute.Tensor, dqp_acc: cute.Tensor,
-                 dkp_acc: cute.Tensor, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
-        self.launch(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
+                 dkp_acc: cute.Tensor, proxy_scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
+                 stream: cuda.CUstream):
+        self.launch(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, proxy_scale,
                     hp_per_hpk, stream)
 
     @cute.jit
     def call_det(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor, tau: cute.Tensor, entry_query: cute.Tensor,
                  items: cute.Tensor, lse_proxy: cute.Tensor, kl_grad: cute.Tensor, dqp_part: cute.Tensor,
                  dkp_acc: cute.Tensor, entry_dest: cute.Tensor, item_prev: cute.Tensor, item_done: cute.Tensor,
-                 scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+                 proxy_scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
         """The deterministic variants' entry: dq_p rows stored to dqp_part, the items' dk_p atomics in turn."""
-        self.launch(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc, scale,
+        self.launch(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc, proxy_scale,
                     hp_per_hpk, stream, (entry_dest, item_prev, item_done))
 
     @cute.jit
     def call_kl(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor, tau: cute.Tensor, entry_query: cute.Tensor,
                 items: cute.Tensor, lse_proxy: cute.Tensor, kl_grad: cute.Tensor, dqp_acc: cute.Tensor,
-                dkp_acc: cute.Tensor, kl_dest: cute.Tensor, kl_slots: cute.Tensor, scale: cutlass.Float32,
+                dkp_acc: cute.Tensor, kl_dest: cute.Tensor, kl_slots: cute.Tensor, proxy_scale: cutlass.Float32,
                 hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
         """kl_value = 1: also each entry's KL share into kl_slots[kl_dest[e]] (see tau_backward)."""
-        self.launch(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
+        self.launch(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, proxy_scale,
                     hp_per_hpk, stream, kl=(kl_dest, kl_slots))
 
     @cute.jit
     def call_det_kl(self, q_proxy: cute.Tensor, k_proxy: cute.Tensor, tau: cute.Tensor, entry_query: cute.Tensor,
                     items: cute.Tensor, lse_proxy: cute.Tensor, kl_grad: cute.Tensor, dqp_part: cute.Tensor,
                     dkp_acc: cute.Tensor, entry_dest: cute.Tensor, item_prev: cute.Tensor, item_done: cute.Tensor,
-                    kl_dest: cute.Tensor, kl_slots: cute.Tensor, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
-                    stream: cuda.CUstream):
+                    kl_dest: cute.Tensor, kl_slots: cute.Tensor, proxy_scale: cutlass.Float32,
+                    hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
         """call_det with kl_value = 1."""
-        self.launch(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc, scale,
+        self.launch(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc, proxy_scale,
                     hp_per_hpk, stream, (entry_dest, item_prev, item_done), (kl_dest, kl_slots))
 
     @cute.jit
-    def launch(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
+    def launch(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, proxy_scale,
                hp_per_hpk, stream, turns=None, kl=None):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
@@ -104,61 +105,62 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
         launch = dict(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
                       stream=stream)
         if cutlass.const_expr(turns is None and kl is None):
-            self.kernel_tau(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
-                            hp_per_hpk, *layouts).launch(**launch)
+            self.kernel_tau(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
+                            proxy_scale, hp_per_hpk, *layouts).launch(**launch)
         elif cutlass.const_expr(kl is None):
             self.kernel_tau_det(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
-                                *turns, scale, hp_per_hpk, *layouts).launch(**launch)
+                                *turns, proxy_scale, hp_per_hpk, *layouts).launch(**launch)
         elif cutlass.const_expr(turns is None):
             self.kernel_tau_kl(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
-                               *kl, scale, hp_per_hpk, *layouts).launch(**launch)
+                               *kl, proxy_scale, hp_per_hpk, *layouts).launch(**launch)
         else:
             self.kernel_tau_det_kl(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
-                                   *turns, *kl, scale, hp_per_hpk, *layouts).launch(**launch)
+                                   *turns, *kl, proxy_scale, hp_per_hpk, *layouts).launch(**launch)
 
     @cute.kernel
     def kernel_tau(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
-                   scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout,
+                   proxy_scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout,
                    l_rows: cute.ComposedLayout, l_tau: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout, gcopy: cute.TiledCopy, tcopy: cute.TiledCopy,
                    SharedStorage: cutlass.Constexpr):
-        self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
-                          hp_per_hpk, l_kv, l_rows, l_tau, l_p, l_dq, gcopy, tcopy, SharedStorage)
+        self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
+                          proxy_scale, hp_per_hpk, l_kv, l_rows, l_tau, l_p, l_dq, gcopy, tcopy, SharedStorage)
 
     @cute.kernel
     def kernel_tau_det(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc,
-                       entry_dest, item_prev, item_done, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
+                       entry_dest, item_prev, item_done, proxy_scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
                        l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_tau: cute.ComposedLayout, l_p: cute.ComposedLayout,
                        l_dq: cute.Layout, gcopy: cute.TiledCopy, tcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
-        self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc, scale,
-                          hp_per_hpk, l_kv, l_rows, l_tau, l_p, l_dq, gcopy, tcopy, SharedStorage,
+        self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc,
+                          proxy_scale, hp_per_hpk, l_kv, l_rows, l_tau, l_p, l_dq, gcopy, tcopy, SharedStorage,
                           (entry_dest, item_prev, item_done))
 
     @cute.kernel
     def kernel_tau_kl(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
-                      kl_dest, kl_slots, scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
+                      kl_dest, kl_slots, proxy_scale: cutlass.Float32, hp_per_hpk: cutlass.Int32,
                       l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_tau: cute.ComposedLayout, l_p: cute.ComposedLayout,
                       l_dq: cute.Layout, gcopy: cute.TiledCopy, tcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
-        self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc, scale,
-                          hp_per_hpk, l_kv, l_rows, l_tau, l_p, l_dq, gcopy, tcopy, SharedStorage, kl=(kl_dest, kl_slots))
+        self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
+                          proxy_scale, hp_per_hpk, l_kv, l_rows, l_tau, l_p, l_dq, gcopy, tcopy, SharedStorage,
+                          kl=(kl_dest, kl_slots))
 
     @cute.kernel
     def kernel_tau_det_kl(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc,
-                          entry_dest, item_prev, item_done, kl_dest, kl_slots, scale: cutlass.Float32,
+                          entry_dest, item_prev, item_done, kl_dest, kl_slots, proxy_scale: cutlass.Float32,
                           hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_tau: cute.ComposedLayout,
                           l_p: cute.ComposedLayout, l_dq: cute.Layout, gcopy: cute.TiledCopy, tcopy: cute.TiledCopy,
                           SharedStorage: cutlass.Constexpr):
-        self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc, scale,
-                          hp_per_hpk, l_kv, l_rows, l_tau, l_p, l_dq, gcopy, tcopy, SharedStorage,
+        self.tau_backward(q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_part, dkp_acc,
+                          proxy_scale, hp_per_hpk, l_kv, l_rows, l_tau, l_p, l_dq, gcopy, tcopy, SharedStorage,
                           (entry_dest, item_prev, item_done), (kl_dest, kl_slots))
 
     @cute.jit
     def tau_backward(self, q_proxy, k_proxy, tau, entry_query, items, lse_proxy, kl_grad, dqp_acc, dkp_acc,
-                     scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout,
+                     proxy_scale: cutlass.Float32, hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout,
                      l_rows: cute.ComposedLayout, l_tau: cute.ComposedLayout, l_p: cute.ComposedLayout, l_dq: cute.Layout,
                      gcopy: cute.TiledCopy, tcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr, turns=None, kl=None):
         """The kernel body; turns (entry_dest, item_prev, item_done): the deterministic variant's; kl (kl_dest,
         kl_slots): the kl_value variant's. It forms each entry's KL share in log2 units, sum over its keys of
-        tau (log2 tau - log2 pi) with log2 pi = s_p scale log2 e - lse_p log2 e (the KL pass's A + T lse_p log2 e,
+        tau (log2 tau - log2 pi) with log2 pi = s_p proxy_scale log2 e - lse_p log2 e (the KL pass's A + T lse_p log2 e,
         from the tau rows as read: the input dtype), and adds it into kl_slots[kl_dest[e]]: a warpgroup's half of
         the row's keys each, onto a zero (the runtime's), so either order gives the same sum."""
         tidx, _, _ = cute.arch.thread_idx()
@@ -190,7 +192,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             tau_mn = self.rows_cols(tau_r)
             coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             acc_dq, dq_mn, coord_dq, acc_dkp = self.proxy_gradients(thr_s, thr_kv)
-            scale_log2 = scale * LOG2E
+            scale_log2 = proxy_scale * LOG2E  # the proxy scores' (this kernel reads no main score)
             rows_per_thread = cute.size(sp_mn, mode=[0])
             cols = cute.size(sp_mn, mode=[1])
 
@@ -261,7 +263,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
                 cute.arch.sync_threads()
 
                 self.proxy_products(mma_s, thr_s, mma_kv, thr_kv, acc_dq, dq_mn, coord_dq, acc_dkp, s_ds, s_kp, s_qp,
-                                    s_dq, scale, tidx)
+                                    s_dq, proxy_scale, tidx)
                 # s_dq is whole; the next tile's dS_p stores and gathers come after every warp's reads.
                 cute.arch.sync_threads()
                 i_prev, n_prev = i_row, n_q
@@ -269,7 +271,7 @@ class SparseProxyBackwardTau(SparseProxyBackwardWG):
             self.reduce_tile(dqp_acc, s_dq, b, p, i_prev, n_prev, tidx)
             if cutlass.const_expr(turns is not None):
                 self.take_turn(turns, w, tidx)
-            self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, scale)
+            self.flush_block(mma_kv, thr_kv, acc_dkp, dkp_acc[b, None, pkh, None], t0, seqlen, proxy_scale)
             if cutlass.const_expr(turns is not None):
                 self.end_turn(turns, w, tidx)
             self.wait_rows_done(tidx < self.tile_m)

@@ -135,7 +135,8 @@ def params(config) -> tuple:
         TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
         # [key group][A, T, L]: see kernels_src.sparse_kl.kernel.
         TensorParam("kl_part", "f32", ("E", 3 * key_groups(c)), (3 * key_groups(c), 1), align=4),
-        ScalarParam("scale", "f32"),
+        ScalarParam("scale", "f32"),  # the main scores' (tau)
+        ScalarParam("proxy_scale", "f32"),  # the proxy scores' (pi, lse_p, the KL's A)
         ScalarParam("hp_per_hk", "i32"),
         ScalarParam("hp_per_hpk", "i32"),
     )

@@ -28,8 +28,8 @@ class SparseKL(SparseProxyBackward):
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor, lse: cute.Tensor,
-                 kl_part: cute.Tensor, scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
-                 hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+                 kl_part: cute.Tensor, scale: cutlass.Float32, proxy_scale: cutlass.Float32,
+                 hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         l_rows = self._smem_layout((self.tile_m, self.head_dim, self.stages))
 
@@ -41,16 +41,16 @@ class SparseKL(SparseProxyBackward):
             s_qp: tile_storage(self.dtype, l_rows)
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
-        self.kernel_kl(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
+        self.kernel_kl(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale, proxy_scale,
                        hp_per_hk, hp_per_hpk, l_kv, l_rows, self._gmem_copy(), SharedStorage).launch(
             grid=(items.shape[0] * self.halves, 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
             stream=stream)
 
     @cute.kernel
     def kernel_kl(self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part,
-                  scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
-                  l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, gcopy: cute.TiledCopy,
-                  SharedStorage: cutlass.Constexpr):
+                  scale: cutlass.Float32, proxy_scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
+                  hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout,
+                  gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         w = cta // self.halves
@@ -77,7 +77,8 @@ class SparseKL(SparseProxyBackward):
             tau = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
             s_mn, tau_mn = self.rows_cols(acc_s), self.rows_cols(tau)
             coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-            scale_log2 = scale * LOG2E
+            scale_log2 = scale * LOG2E  # the main scores' (tau)
+            proxy_scale_log2 = proxy_scale * LOG2E  # the proxy scores' (pi, lse_p, the KL's A)
             log2_g = math.log2(self.group)
             rows_per_thread = cute.size(s_mn, mode=[0])
             quad_lane = tidx % 4
@@ -118,7 +119,7 @@ class SparseKL(SparseProxyBackward):
                         row_max = -cutlass.Float32.inf
                         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                             if coord_s[0, c][1] <= key_limit:
-                                row_max = cute.arch.fmax(row_max, s_mn[r, c] * scale_log2)
+                                row_max = cute.arch.fmax(row_max, s_mn[r, c] * proxy_scale_log2)
                         row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
                         row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=1))
                         sum_exp = cutlass.Float32(0.0)
@@ -126,7 +127,7 @@ class SparseKL(SparseProxyBackward):
                         t_sum = cutlass.Float32(0.0)
                         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                             if coord_s[0, c][1] <= key_limit:
-                                sp2 = s_mn[r, c] * scale_log2
+                                sp2 = s_mn[r, c] * proxy_scale_log2
                                 sum_exp += cute.math.exp2(sp2 - row_max, fastmath=True)
                                 ts = tau_mn[r, c]
                                 if ts != 0.0:

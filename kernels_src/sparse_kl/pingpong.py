@@ -58,8 +58,8 @@ class SparseKLPingPong(SparseKLWG):
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor, lse: cute.Tensor,
-                 kl_part: cute.Tensor, scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
-                 hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+                 kl_part: cute.Tensor, scale: cutlass.Float32, proxy_scale: cutlass.Float32,
+                 hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         # buffer w * (G + 1) + n: warpgroup w's rows of head n (n = G the proxy)
         l_rows = self._smem_layout((self.tile_m, self.head_dim, 2 * (self.group + 1)))
@@ -73,14 +73,14 @@ class SparseKLPingPong(SparseKLWG):
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_pingpong(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
-                             hp_per_hk, hp_per_hpk, l_kv, l_rows, self._gmem_copy(), SharedStorage).launch(
+                             proxy_scale, hp_per_hk, hp_per_hpk, l_kv, l_rows, self._gmem_copy(), SharedStorage).launch(
             grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
 
     @cute.kernel
     def kernel_pingpong(self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part,
-                        scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
-                        l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, gcopy: cute.TiledCopy,
-                        SharedStorage: cutlass.Constexpr):
+                        scale: cutlass.Float32, proxy_scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
+                        hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout,
+                        gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         """gcopy loads the key block with all 256 threads; a 128-thread copy of the same atoms gathers a
         warpgroup's rows."""
         gcopy_wg = cp_async_rows(self.dtype, self.head_dim, WARPGROUP_THREADS, self.ROW_THREADS)
@@ -100,7 +100,8 @@ class SparseKLPingPong(SparseKLWG):
 
             acc, s_mn, tau, tau_mn, coord = self.wg_accumulators(wg_tidx)
             rows = cute.size(tau_mn, mode=[0])
-            scale_log2 = scale * LOG2E
+            scale_log2 = scale * LOG2E  # the main scores' (tau)
+            proxy_scale_log2 = proxy_scale * LOG2E  # the proxy scores' (pi, lse_p, the KL's A)
             quad_lane = tidx % 4
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
@@ -165,10 +166,10 @@ class SparseKLPingPong(SparseKLWG):
                                        next_lse2, s_ent=s_next, log2e=False)
                 if masked:
                     self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, q_t0, 0, quad_lane,
-                                      scale_log2, True)
+                                      proxy_scale_log2, True)
                 else:
                     self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, q_t0, 0, quad_lane,
-                                      scale_log2, False)
+                                      proxy_scale_log2, False)
                 for r in cutlass.range_constexpr(rows):
                     row_i[r] = next_i[r]
                     for g in cutlass.range_constexpr(self.group):

@@ -38,8 +38,8 @@ class SparseKLStreamed(SparseKLPingPong):
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor, lse: cute.Tensor,
-                 kl_part: cute.Tensor, scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
-                 hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+                 kl_part: cute.Tensor, scale: cutlass.Float32, proxy_scale: cutlass.Float32,
+                 hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
         l_kv = self._smem_layout((self.tile_n, self.head_dim))
         # ring buffer w * stages + s: warpgroup w's rows of the step in slot s; the lse table likewise
         l_rows = self._smem_layout((self.tile_m, self.head_dim, 2 * self.stages))
@@ -54,14 +54,15 @@ class SparseKLStreamed(SparseKLPingPong):
 
         self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
         self.kernel_streamed(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
-                             hp_per_hk, hp_per_hpk, l_kv, l_rows, l_lse, self._gmem_copy(), SharedStorage).launch(
+                             proxy_scale, hp_per_hk, hp_per_hpk, l_kv, l_rows, l_lse, self._gmem_copy(),
+                             SharedStorage).launch(
             grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"], stream=stream)
 
     @cute.kernel
     def kernel_streamed(self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part,
-                        scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
-                        l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, l_lse: cute.Layout,
-                        gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+                        scale: cutlass.Float32, proxy_scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
+                        hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout,
+                        l_lse: cute.Layout, gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         gcopy_wg = cp_async_rows(self.dtype, self.head_dim, WARPGROUP_THREADS, self.ROW_THREADS)
         tidx, _, _ = cute.arch.thread_idx()
         w, _, _ = cute.arch.block_idx()
@@ -80,7 +81,8 @@ class SparseKLStreamed(SparseKLPingPong):
 
             acc, s_mn, tau, tau_mn, coord = self.wg_accumulators(wg_tidx)
             rows = cute.size(tau_mn, mode=[0])
-            scale_log2 = scale * LOG2E
+            scale_log2 = scale * LOG2E  # the main scores' (tau)
+            proxy_scale_log2 = proxy_scale * LOG2E  # the proxy scores' (pi, lse_p, the KL's A)
             quad_lane = tidx % 4
 
             n_tiles = cute.ceil_div(n_entries, self.tile_queries)
@@ -126,10 +128,10 @@ class SparseKLStreamed(SparseKLPingPong):
                 self.wg_product(acc, s_q[None, None, slot], s_kp, wg_tidx)
                 if masked:
                     self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, q_t0, 0, quad_lane,
-                                      scale_log2, True)
+                                      proxy_scale_log2, True)
                 else:
                     self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, q_t0, 0, quad_lane,
-                                      scale_log2, False)
+                                      proxy_scale_log2, False)
 
     @cute.jit
     def begin_step(self, gcopy_wg, q, q_proxy, s_q, s_lse, lse, i_rows, b, p, entry_query, start, n_entries, wg, it,

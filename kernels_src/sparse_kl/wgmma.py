@@ -36,11 +36,11 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, q_proxy: cute.Tensor, k_proxy: cute.Tensor,
                  entry_query: cute.Tensor, entry_dest: cute.Tensor, items: cute.Tensor, lse: cute.Tensor,
-                 kl_part: cute.Tensor, scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
-                 hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
+                 kl_part: cute.Tensor, scale: cutlass.Float32, proxy_scale: cutlass.Float32,
+                 hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32, stream: cuda.CUstream):
         if cutlass.const_expr(not self.resident):
             SparseKL.__call__(self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
-                              hp_per_hk, hp_per_hpk, stream)
+                              proxy_scale, hp_per_hk, hp_per_hpk, stream)
         else:
             l_kv = self._smem_layout((self.tile_n, self.head_dim))
             l_rows = self._smem_layout((self.tile_m, self.head_dim, (self.group + 1) * self.stages))
@@ -53,15 +53,16 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
 
             self.traced["smem_bytes"] = SharedStorage.size_in_bytes()
             self.kernel_resident(q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part, scale,
-                                 hp_per_hk, hp_per_hpk, l_kv, l_rows, self._gmem_copy(), SharedStorage).launch(
+                                 proxy_scale, hp_per_hk, hp_per_hpk, l_kv, l_rows, self._gmem_copy(),
+                                 SharedStorage).launch(
                 grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
                 stream=stream)
 
     @cute.kernel
     def kernel_resident(self, q, k, q_proxy, k_proxy, entry_query, entry_dest, items, lse, kl_part,
-                        scale: cutlass.Float32, hp_per_hk: cutlass.Int32, hp_per_hpk: cutlass.Int32,
-                        l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout, gcopy: cute.TiledCopy,
-                        SharedStorage: cutlass.Constexpr):
+                        scale: cutlass.Float32, proxy_scale: cutlass.Float32, hp_per_hk: cutlass.Int32,
+                        hp_per_hpk: cutlass.Int32, l_kv: cute.ComposedLayout, l_rows: cute.ComposedLayout,
+                        gcopy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         w, _, _ = cute.arch.block_idx()
         n_entries = items[w, 3]
@@ -82,7 +83,8 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
             tau_mn = self.rows_cols(tau)
             coord = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
             rows = cute.size(tau_mn, mode=[0])
-            scale_log2 = scale * LOG2E
+            scale_log2 = scale * LOG2E  # the main scores' (tau)
+            proxy_scale_log2 = proxy_scale * LOG2E  # the proxy scores' (pi, lse_p, the KL's A)
             quad_lane = tidx % 4
             warp_n = tidx // 128  # this warpgroup's half of the block: its key group
 
@@ -130,10 +132,10 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
                 # Entries are sorted by query: only a tile whose first query lies inside the block sees t > i.
                 if entry_query[e0] < q_t0 + self.block_size - 1:
                     self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, q_t0, warp_n,
-                                      quad_lane, scale_log2, True)
+                                      quad_lane, proxy_scale_log2, True)
                 else:
                     self.write_shares(s_mn, tau_mn, coord, row_i, entry_dest, kl_part, e0, n_q, q_t0, warp_n,
-                                      quad_lane, scale_log2, False)
+                                      quad_lane, proxy_scale_log2, False)
                 for r in cutlass.range_constexpr(rows):
                     row_i[r] = next_i[r]
                     for g in cutlass.range_constexpr(self.group):
