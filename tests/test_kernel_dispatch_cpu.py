@@ -60,6 +60,30 @@ def test_every_default_problem_is_accepted_on_the_default_build(catalogue_artifa
     assert "K 65" in kernels._select_supports(_problem("select_blocks", top_k_blocks=65))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_local_blocks_run_on_the_selection_kernel(monkeypatch, precision, catalogue_artifacts):
+    """local_blocks > 1 is not declined (issue 58: the selection kernel's runtime scalar, no variant per L) and
+    reaches the kernel's local_blocks param, after group in its ABI (kernels_src.select.params); the default is 1."""
+    from flash_msa_rt.ops import select
+    from kernels_src.select import Config, params
+
+    catalogue_artifacts("sm90a")
+    for L in (2, 3, 16):
+        problem = _problem("select_blocks", top_k_blocks=16, local_blocks=L, select_precision=precision)
+        assert kernels._select_supports(problem) is None, L
+    for config in (Config(), Config(dtype="e4m3", mma="wgmma")):
+        scalars = [(p.name, p.ctype) for p in params(config) if p.kind == "scalar"]
+        assert scalars == [("scale", "f32"), ("group", "i32"), ("local_blocks", "i32")], scalars
+    launched = []
+    monkeypatch.setattr(select, "get_kernel", lambda op, config, device: lambda **kw: launched.append(kw))
+    monkeypatch.setattr(select, "quantize", lambda q, k, bs, arch: (q, k, None))
+    qp = torch.zeros(1, 300, 2, 128, dtype=torch.bfloat16)
+    for L in (1, 3):
+        kernels._select_blocks(qp, qp[:, :, :1], 4, 128, 0.1, precision=precision, local_blocks=L)
+    kernels._select_blocks(qp, qp[:, :, :1], 4, 128, 0.1, precision=precision)
+    assert [kw["local_blocks"] for kw in launched] == [1, 3, 1], launched
+
+
 def test_the_variant_lookup_reads_named_fields(catalogue_artifacts):
     """The loader finds a variant by its config's named fields, whatever order the runtime writes them in (the
     build's declaration order names the variant); a field of another value is missing, with the nearest ones."""

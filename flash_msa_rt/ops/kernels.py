@@ -53,17 +53,13 @@ def _built(problem: Problem, variants: list[tuple[str, dict]]) -> str | None:
     return None
 
 
-# Options of issue 58 the kernels do not take yet: those calls run on the reference (dispatch warns once). The
-# sinks never reach a backend (flash_msa_rt.ops.library applies them around the sink-free kernels); proxy_scale
-# reaches every proxy kernel (the KL passes and proxy backwards take it beside the main scale).
-_LOCAL_BLOCKS = ("local_blocks = {L} (the selection kernel forces the local block alone: kernels_src/select); "
-                 "this selection runs on the pure-PyTorch reference, the attention on the kernels")
+# Options of issue 58: the sinks never reach a backend (flash_msa_rt.ops.library applies them around the sink-free
+# kernels); proxy_scale reaches every proxy kernel (the KL passes and proxy backwards take it beside the main
+# scale); local_blocks reaches the selection kernel as its runtime scalar (every L on the same variants).
 
 
 def _select_supports(problem: Problem) -> str | None:
     c = problem.config
-    if c.get("local_blocks", 1) != 1:
-        return _LOCAL_BLOCKS.format(L=c["local_blocks"])
     if _separate_keys_declined(problem):
         return _SEPARATE_KEYS
     if problem.dtype not in _DTYPE_NAMES:
@@ -215,12 +211,13 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
-def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, *, precision="bf16"):
+def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens=None, *, precision="bf16",
+                   local_blocks=1):
     if -(-k_proxy.shape[1] // block_size) >= select.MAX_BLOCKS:  # int16 block slots: beyond 4M tokens
         return reference_impl("select_blocks")(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens,
-                                               precision=precision)
+                                               precision=precision, local_blocks=local_blocks)
     return select.select_blocks_cuda(_tma_ready(q_proxy), _tma_ready(k_proxy), top_k_blocks, block_size, scale,
-                                     precision)
+                                     precision, local_blocks)
 
 
 def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, *, kl=True,

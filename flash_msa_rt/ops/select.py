@@ -2,7 +2,8 @@
 
 Internal layout (B, S, heads, Dp); the public API (flash_msa_rt.api) validates user input, converts layouts and
 routes here through flash_msa_rt.ops.dispatch when a variant is built for the device. Output: int32
-(B, Hp, S, K), ascending kept blocks, then the local block, then -1 for empty slots (the reference's order).
+(B, Hp, S, K), ascending kept blocks, then the local_blocks forced blocks ending at the local one (those >= 0),
+then -1 for empty slots (the reference's order).
 """
 
 from __future__ import annotations
@@ -72,14 +73,15 @@ def quantize(q_proxy: torch.Tensor, k_proxy: torch.Tensor, block_size: int, arch
 
 
 def select_blocks_cuda(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_blocks: int, block_size: int,
-                       scale: float, precision: str = "bf16") -> torch.Tensor:
+                       scale: float, precision: str = "bf16", local_blocks: int = 1) -> torch.Tensor:
     """block_indices (B, Hp, S, K) int32 from q_proxy (B, S, Hp, Dp), k_proxy (B, S, Hpk, Dp) on a CUDA device.
 
     The caller has validated shapes, dtypes and devices; the head dim must have unit stride and the other
     strides be 16-byte multiples (TMA), which slices of a fused projection and transposed (B, H, S, D) views
     satisfy. No host synchronisation. precision "fp8": the pair is first quantised to e4m3 (reference.fp8's bytes, by
     the fp8_quant kernels or torch ops: tuning.fp8_quant) and the e4m3 variant scales each key block's scores by its
-    k_scale.
+    k_scale. local_blocks: L, 1 <= L <= top_k_blocks (validated by the caller), the forced recent blocks per row
+    (the kernel's runtime scalar: every L runs on the same variant).
     """
     B, S, Hp, Dp = q_proxy.shape
     Hpk = k_proxy.shape[2]
@@ -92,7 +94,9 @@ def select_blocks_cuda(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_block
     kernel = get_kernel("select", config, q_proxy.device)
     if precision == "fp8":
         q8, k8, k_scale = quantize(q_proxy, k_proxy, block_size, arch)
-        kernel(q_proxy=q8, k_proxy=k8, block_indices=out, k_scale=k_scale, scale=float(scale), group=Hp // Hpk)
+        kernel(q_proxy=q8, k_proxy=k8, block_indices=out, k_scale=k_scale, scale=float(scale), group=Hp // Hpk,
+               local_blocks=int(local_blocks))
     else:
-        kernel(q_proxy=q_proxy, k_proxy=k_proxy, block_indices=out, scale=float(scale), group=Hp // Hpk)
+        kernel(q_proxy=q_proxy, k_proxy=k_proxy, block_indices=out, scale=float(scale), group=Hp // Hpk,
+               local_blocks=int(local_blocks))
     return out

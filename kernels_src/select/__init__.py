@@ -1,9 +1,10 @@
 """MSA selection: top-K key blocks per (b, p, i) from the causal proxy scores (msa-semantics.md, "Selection").
 
-block_indices[b, p, i, :] = the local block i // Bs plus the K - 1 earlier blocks j with the largest block score
+block_indices[b, p, i, :] = the forced blocks F(i) = {blk(i), ..., blk(i) - L + 1} (those >= 0; blk(i) the local
+block, L = local_blocks, a runtime scalar) plus the K - |F(i)| blocks j < blk(i) - L + 1 with the largest block score
 c_p(i, j) = max over t in block j of scale * <q_proxy[b, i, p], k_proxy[b, t, p // group]>, ties to the smaller j,
 ascending, -1 for empty slots. The score tiles are those of block_scores (same TMA + mma.sync pipeline, same
-grid); instead of storing every block score, each thread keeps one query row's K - 1 best blocks in shared memory
+grid); instead of storing every block score, each thread keeps one query row's K - L best blocks in shared memory
 and a register threshold, so the output is O(B * Hp * S * K) and no (S, S / Bs) score matrix ever exists.
 
 This module does not import cutlass; the kernel lives in kernels_src.select.kernel.
@@ -110,12 +111,15 @@ def params(config: Config) -> tuple:
     CuTeDSL's descriptor basis against them). fp8 (e4m3) variants also take k_scale (B, NB, Hpk): the power-of-two
     scale of each key block of k_proxy (NB = ceil(Sk / Bs)), by which a block's scores are multiplied. k_proxy's
     length Sk may exceed the queries' S: query row i sits at key position Sk - S + i (bottom-right causal
-    alignment, the reference's), which is how a chunk of a sequence selects against its whole prefix."""
+    alignment, the reference's), which is how a chunk of a sequence selects against its whole prefix. local_blocks
+    (L, 1 <= L <= K, checked by the op; the kernel clamps it to [1, min(K, max_k)]) is the number of forced blocks
+    per row: a runtime scalar, so every L runs on the same variants."""
     o = proxy_operands(config, key_len="Sk")
     block_indices = TensorParam("block_indices", "i32", ("B", "Hp", "S", "K"), ("i64", "i64", "i64", 1), align=4)
     k_scale = (TensorParam("k_scale", "f32", ("B", "NB", "Hpk"), ("i64", "i64", 1), align=4),) if is_fp8(config) else ()
     return (o["q_proxy"], o["k_proxy"], block_indices, *k_scale, ScalarParam("scale", "f32"),
-            ScalarParam("group", "i32"), o["tma_q"], o["tma_q_coord"], o["tma_k"], o["tma_k_coord"])
+            ScalarParam("group", "i32"), ScalarParam("local_blocks", "i32"), o["tma_q"], o["tma_q_coord"], o["tma_k"],
+            o["tma_k_coord"])
 
 
 def is_fp8(config: Config) -> bool:

@@ -3,14 +3,15 @@
 Per CTA: one (query tile of 128 rows, proxy head p, batch b), the same TMA + mma.sync pipeline as block_scores.
 After each key block j the four lanes of a quad hold the maxima of the same four rows; lane q owns row q of them,
 so each of the 128 threads owns exactly one query row i and keeps, for it:
-  - K - 1 slots (score, block) in shared memory, slot-major ([slot][row]) so a warp's rows hit distinct banks,
-    ordered as a binary heap with the worst kept entry at the root;
+  - K - L slots (score, block) in shared memory, slot-major ([slot][row]) so a warp's rows hit distinct banks,
+    ordered as a binary heap with the worst kept entry at the root (L = local_blocks, a runtime scalar);
   - in a register, the root's score (the threshold).
-A block j < blk(i) enters only if its score beats the threshold strictly: blocks arrive in ascending order, so
-an equal later block loses the tie (the contract gives ties to the smaller index). It replaces the root, the worst
-entry (lowest score, and among equal lowest the larger block index), and sifts down: O(log K) per insert, where a
-linear rescan cost O(K) and made K = 64 four times slower than K = 16 (NOTES.md). The local block blk(i) is never a candidate; it is
-written last, after the kept blocks in ascending order, then -1 for empty slots.
+A candidate block j < blk(i) - L + 1 enters only if its score beats the threshold strictly: blocks arrive in
+ascending order, so an equal later block loses the tie (the contract gives ties to the smaller index). It replaces
+the root, the worst entry (lowest score, and among equal lowest the larger block index), and sifts down: O(log K)
+per insert, where a linear rescan cost O(K) and made K = 64 four times slower than K = 16 (NOTES.md). The forced
+blocks F(i) = {max(0, blk(i) - L + 1), ..., blk(i)} are never candidates; they are written after the kept blocks
+(all smaller), ascending, then -1 for empty slots: the reference's sorted row (flash_msa_rt.reference.selection).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class RowHeap:
     slot_block: object
     row: object
     n_slots: object
-    local_block: object
+    first_forced: object  # blk(i) - L + 1, the first forced block (may be negative): candidates lie below it
 
 
 class ProxySelect(ProxyBlockScores):
@@ -53,6 +54,7 @@ class ProxySelect(ProxyBlockScores):
         k_scale: Optional[cute.Tensor],  # (B, NB, Hpk) f32, fp8 variants only: each key block's scale
         scale: cutlass.Float32,
         group: cutlass.Int32,  # Hp // Hpk
+        local_blocks: cutlass.Int32,  # L: the forced blocks per row, blk(i) - L + 1 .. blk(i)
         stream: cuda.CUstream,
     ):
         s_q_layout, s_k_layout, tma_atom_q, tma_q, tma_atom_k, tma_k, tiled_mma = self.host_setup(q_proxy, k_proxy)
@@ -71,7 +73,7 @@ class ProxySelect(ProxyBlockScores):
         self.traced["smem_bytes"] = smem_bytes
 
         self.kernel(
-            q_proxy, k_proxy, block_indices, k_scale, scale, group,
+            q_proxy, k_proxy, block_indices, k_scale, scale, group, local_blocks,
             tma_atom_q, tma_q, tma_atom_k, tma_k,
             s_q_layout, s_k_layout, tiled_mma, SharedStorage,
         ).launch(
@@ -90,6 +92,7 @@ class ProxySelect(ProxyBlockScores):
         k_scale: Optional[cute.Tensor],
         scale: cutlass.Float32,
         group: cutlass.Int32,
+        local_blocks: cutlass.Int32,
         tma_atom_q: cute.CopyAtom,
         tma_q: cute.Tensor,
         tma_atom_k: cute.CopyAtom,
@@ -115,7 +118,11 @@ class ProxySelect(ProxyBlockScores):
         n_blocks = cute.ceil_div(pos0 + rows_valid, self.block_size)
         first_masked = (pos0 + 1) // self.block_size
         top_k = block_indices.shape[3]
-        n_slots = cutlass.min(top_k, self.max_k) - 1  # the local block takes the K-th place
+        # L clamped to [1, min(K, max_k)] (the op checks 1 <= L <= K <= max_k): the L forced blocks take the last
+        # places, so no write ever leaves the row
+        n_places = cutlass.min(top_k, self.max_k)
+        n_forced = cutlass.max(cutlass.min(local_blocks, n_places), 1)
+        n_slots = n_places - n_forced
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         slot_score = storage.slot_score.get_tensor(cute.make_layout((self.max_k, self.tile_m), stride=(self.tile_m, 1)))
@@ -131,6 +138,7 @@ class ProxySelect(ProxyBlockScores):
                 row = t.coord_mn[r, 0][0]
         i = m0 + row
         local_block = (pos0 + row) // self.block_size
+        first_forced = local_block - n_forced + 1  # negative near the sequence start: every block is forced
 
         # Empty slots score -inf with block -1: any real (finite) score beats them.
         for s in cutlass.range(n_slots, unroll=1):
@@ -138,16 +146,16 @@ class ProxySelect(ProxyBlockScores):
             slot_block[s, row] = cutlass.Int16(-1)
         worst_score = -cutlass.Float32.inf  # the heap root's score: a block must beat it to enter
         if n_slots <= 0:
-            worst_score = cutlass.Float32.inf  # K = 1: only the local block, no candidate ever enters
+            worst_score = cutlass.Float32.inf  # K = L: only the forced blocks, no candidate ever enters
 
         heap = RowHeap(slot_score=slot_score, slot_block=slot_block, row=row, n_slots=n_slots,
-                       local_block=local_block)
+                       first_forced=first_forced)
         self.start_loads(t, tidx, warp_idx, n_blocks)
         self.scan_blocks(t, tiled_mma, warp_idx, n_blocks, pos0, first_masked, quad_lane, scale, k_scale, b,
                          p // group, heap, worst_score)
 
         if i < seqlen:
-            self.write_selection(block_indices, slot_block, b, p, i, row, local_block, n_slots, top_k)
+            self.write_selection(block_indices, slot_block, b, p, i, row, local_block, first_forced, n_slots, top_k)
 
     @cute.jit
     def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, pos0, first_masked, quad_lane, scale, k_scale, b, pk,
@@ -180,9 +188,9 @@ class ProxySelect(ProxyBlockScores):
 
     @cute.jit
     def offer(self, heap, score, j, worst_score):
-        """Block j enters the row's heap if it is an earlier block than the local one and beats the threshold
-        strictly (ascending blocks: an equal later block loses the tie); returns the threshold."""
-        if j < heap.local_block and score > worst_score:
+        """Block j enters the row's heap if it is a candidate (below the first forced block) and beats the
+        threshold strictly (ascending blocks: an equal later block loses the tie); returns the threshold."""
+        if j < heap.first_forced and score > worst_score:
             worst_score = self.heap_replace_worst(heap.slot_score, heap.slot_block, heap.row, heap.n_slots, score, j)
         return worst_score
 
@@ -237,8 +245,9 @@ class ProxySelect(ProxyBlockScores):
         return slot_score[0, row]
 
     @cute.jit
-    def write_selection(self, block_indices, slot_block, b, p, i, row, local_block, n_slots, top_k):
-        """Kept blocks in ascending order (each placed at its rank), then the local block, then -1."""
+    def write_selection(self, block_indices, slot_block, b, p, i, row, local_block, first_forced, n_slots, top_k):
+        """Kept blocks in ascending order (each placed at its rank), then the forced blocks max(0, first_forced)
+        .. local_block ascending (every kept block is below them), then -1: the reference's ascending row."""
         n_kept = cutlass.Int32(0)
         for s in cutlass.range(n_slots, unroll=1):
             bl = cutlass.Int32(slot_block[s, row])
@@ -250,6 +259,8 @@ class ProxySelect(ProxyBlockScores):
                     if other >= 0 and other < bl:
                         rank += 1
                 block_indices[b, p, i, rank] = bl
-        block_indices[b, p, i, n_kept] = local_block
-        for s in cutlass.range(n_kept + 1, top_k, unroll=1):
+        lo = cutlass.max(first_forced, 0)
+        for f in cutlass.range(lo, local_block + 1, unroll=1):
+            block_indices[b, p, i, n_kept + f - lo] = f
+        for s in cutlass.range(n_kept + local_block + 1 - lo, top_k, unroll=1):
             block_indices[b, p, i, s] = -1
