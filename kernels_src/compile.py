@@ -45,15 +45,11 @@ def fake_tensor(param: TensorParam):
     return make_fake_tensor(_FAKE_ELEMENTS[param.dtype], shape, stride, assumed_align=param.align)
 
 
-def fake_scalar(param):
-    """The CuTeDSL scalar a ScalarParam declares, at its declared width."""
-    return _FAKE_SCALARS[param.ctype]()
-
-
 def fake_params(params) -> tuple:
     """A fake argument per declared param in launch order (tensors of their declared shapes, scalars of their
     declared types), then a stream."""
-    return (*(fake_tensor(p) if p.kind == "tensor" else fake_scalar(p) for p in params), make_fake_stream())
+    return (*(fake_tensor(p) if p.kind == "tensor" else _FAKE_SCALARS[p.ctype]() for p in params),
+            make_fake_stream())
 
 
 def compile_kernel(kernel, config, arch: str, fake_args, entry=None) -> Compiled:

@@ -4,7 +4,7 @@ fake arguments of the declared ABI, then CuTeDSL's traced TMA descriptors checke
 from cutlass.cute.runtime import make_fake_stream
 
 from kernels_src.block_scores import Config, params
-from kernels_src.compile import check_traced, compile_kernel, fake_scalar, fake_tensor
+from kernels_src.compile import check_traced, compile_kernel, fake_params, fake_tensor
 from kernels_src.spec import Compiled
 
 
@@ -19,7 +19,7 @@ def fake_args(declared: tuple, output: str, extra: tuple[str, ...] = ()):
     decl = {p.name: p for p in declared}
     tensors = [fake_tensor(decl[name]) for name in ("q_proxy", "k_proxy", output)]
     tensors += [fake_tensor(decl[name]) if name in decl else None for name in extra]
-    scalars = [fake_scalar(p) for p in declared if p.kind == "scalar"]
+    scalars = fake_params([p for p in declared if p.kind == "scalar"])[:-1]  # [:-1]: its stream
     return (*tensors, *scalars, make_fake_stream())
 
 
