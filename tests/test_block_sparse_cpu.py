@@ -99,7 +99,7 @@ def _problem(op="block_sparse_forward", dtype=torch.bfloat16, **over):
 
 @pytest.mark.parametrize("op", ["block_sparse_forward", "block_sparse_backward"])
 @pytest.mark.parametrize("over, words", [
-    ({"head_dim": 64}, "D 64"),
+    ({"head_dim": 256}, "D 256"),
     ({"block_size": 64}, "block_size 64"),
     ({"heads": 48, "index_heads": 1, "kv_group": 48}, "G = H / lcm(Hi, Hk) = 48 / lcm(1, 1) = 48"),
     ({"heads": 12, "index_heads": 4, "kv_group": 12}, "12 / lcm(4, 1) = 3"),
