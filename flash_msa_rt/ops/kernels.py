@@ -246,7 +246,12 @@ def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu
             proxy_scale=None):
     """with_kl False: lse_proxy is what is asked for: the proxy lse kernel where built (msa_kl_cuda)."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
-    q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
+    D, G = q.shape[3], q.shape[2] // q_proxy.shape[2]
+    # The proxy lse alone reads the proxy only: at its own Dp, no padded copy (deferred KL's forward).
+    dt = _DTYPE_NAMES.get(q.dtype)
+    if with_kl or dt is None or not sparse_fwd.lse_only_runs(dt, D, q_proxy.shape[3], block_size, G,
+                                                             arch_of(q.device)):
+        q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, D)
     return sparse_fwd.msa_kl_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k)), lse, block_indices.contiguous(),
                                   block_size, scale, with_kl=with_kl, proxy_scale=proxy_scale)
 

@@ -310,6 +310,13 @@ def _kl_chunk(kl, combine_kl, q_proxy, k_proxy, q, k, lse, sel, s0, kl_buf, scal
 
 
 @functools.lru_cache(maxsize=None)
+def lse_only_runs(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int, arch: str) -> bool:
+    """Whether msa_kl_cuda(with_kl=False) runs the proxy lse kernel at the proxy's own head dim (no zero-padded
+    copy of the proxy; the KL pass, which reads the main heads too, takes it padded to D)."""
+    t = choice(arch, group, head_dim, block_size)
+    return t.kl_schedule == "pingpong" and lse_built(dtype, proxy_head_dim, block_size, arch)
+
+
 def lse_built(dtype: str, head_dim: int, block_size: int, arch: str) -> bool:
     """Whether the proxy lse kernel (lse_config) is in the artifacts for arch (looked up once per variant)."""
     from flash_msa_rt.loader import find_variant
@@ -336,11 +343,11 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, a
     arch = arch or arch_of(dev)
     t = choice(arch, G, D, block_size, B, S, H)
     kl_cfg = kl_config(DTYPES[q.dtype], D, block_size, G, t)
-    # The proxy lse kernel reads the ping-pong KL pass's plan (tiles of 64 distinct queries, the same entries).
-    lse_only = not with_kl and kl_cfg["schedule"] == "pingpong" and \
-        lse_built(DTYPES[q.dtype], D, block_size, arch)
-    kl = get_kernel("sparse_kl", lse_config(DTYPES[q.dtype], D, block_size) if lse_only else kl_cfg,
-                    dev)
+    # The proxy lse kernel reads the ping-pong KL pass's plan (tiles of 64 distinct queries, the same entries) and
+    # the proxy alone, at its own head dim (lse_only_runs: the caller then passes the proxy unpadded).
+    dp = q_proxy.shape[3]
+    lse_only = not with_kl and kl_cfg["schedule"] == "pingpong" and lse_built(DTYPES[q.dtype], dp, block_size, arch)
+    kl = get_kernel("sparse_kl", lse_config(DTYPES[q.dtype], dp, block_size) if lse_only else kl_cfg, dev)
     combine_kl = get_kernel("sparse_combine_kl", combine_kl_config(block_size), dev)
     lse_proxy = torch.empty((B, Hp, S), dtype=torch.float32, device=dev)
     kl_rows = torch.zeros((B, Hp, S), dtype=torch.float32, device=dev)
