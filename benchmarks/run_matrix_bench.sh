@@ -12,12 +12,14 @@ for c in ${MATRIX:-128:128 64:128 64:64 128:64}; do
     --ops sparse,dense --head-dim $d --block-size $b --warmup 2 --reps 5 --tag matrix_d${d}_b${b} > "$out/bench_d${d}_b${b}.log" 2>&1
   echo "d$d b$b rc=$?"; sed -n '/^speedup over/,/^backends/p' "$out/bench_d${d}_b${b}.log" | head -12
 done
-if [ -n "${COMPILE:-1}" ]; then
+if [ "${COMPILE:-1}" = 1 ]; then
   timeout ${COMPILE_S:-150} python3 benchmarks/bench_compile.py --seqlens 8192,16384,32768 --steps 10 > "$out/bench_compile.log" 2>&1
   echo "compile rc=$?"; tail -18 "$out/bench_compile.log"
 fi
-if [ -n "${M3:-1}" ] && [ -d wheels ]; then
+if [ "${M3:-1}" = 1 ] && [ -d wheels ]; then
   python3 -m pip install -q --no-index --no-deps --find-links wheels $(cat wheels/NAMES) > "$out/pip.log" 2>&1
   timeout ${M3_S:-150} python3 benchmarks/bench_transformers_m3.py --seqlens 16384,65536,131072 --reps 2 > "$out/bench_m3.log" 2>&1
   echo "m3 rc=$?"; tail -15 "$out/bench_m3.log"
 fi
+# every result in one file (a call brings back a limited number of files)
+(cd benchmarks/results && tar czf "$out/results.tgz" $(ls -t msa_matrix_*.json transformers_m3.json compile.json 2>/dev/null))

@@ -3,7 +3,7 @@ several steps against eager, losses, KL metrics and gradients, in every kl_value
 (flash_msa_varlen_func: the offsets planned and checked on the device, bounded by max_seqlen).
 
 The two layers are the ops themselves (layer 2's queries are layer 1's output), so every leaf's gradient has one
-path and no reduction that inductor may order otherwise: gradients and KL metrics must equal eager bitwise in
+path and no reduction that inductor may order otherwise: gradients must equal eager bitwise in
 deterministic mode; the loss (inductor's own sum) within rounding. CUDA graph trees refuse memory the forward
 leaves outside the saved tensors ("tensors in the cudagraph pool not tracked as outputs", issue 52): the custom ops
 keep no sorted lists on the selection (sparse_plan.ops_keep_no_lists)."""
@@ -89,8 +89,8 @@ def test_reduce_overhead_training_equals_eager(kl_value, packed):
         torch.use_deterministic_algorithms(False)
     for step, ((loss, metrics, grads), (w_loss, w_metrics, w_grads)) in enumerate(zip(got, want)):
         torch.testing.assert_close(loss, w_loss, rtol=1e-5, atol=1e-3, msg=lambda m: f"step {step} loss: {m}")
-        for n, (a, b) in enumerate(zip(metrics, w_metrics)):
-            assert torch.equal(a, b), f"step {step}: kl_metric {n} {a.item()} != eager {b.item()}"
+        for n, (a, b) in enumerate(zip(metrics, w_metrics)):  # inductor forms the mean its own way: one ulp
+            torch.testing.assert_close(a, b, rtol=2e-7, atol=0, msg=lambda m: f"step {step}: kl_metric {n}: {m}")
         for n, (a, b) in enumerate(zip(grads, w_grads)):
             assert torch.equal(a, b), f"step {step}: gradient of leaf {n} differs from eager by " \
                                       f"{(a.float() - b.float()).abs().max().item()}"
