@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flash_msa_rt.selftest import on_kernels, resolved_backends
+from tests.test_proxy_dp64_gpu import _grads  # upstream gradients (dout, kl_grad) of a test
 
 pytestmark = pytest.mark.gpu
 
@@ -45,13 +46,6 @@ def _impl(op, qp, q, k, Bs, **extra):
     impl = dispatch.implementation(op, q.device, q.dtype, **config)
     assert impl is kernels.KERNELS.ops[op], f"{op} at {config} does not run on the kernels"
     return impl
-
-
-def _grads(q, Hp, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    B, S = q.shape[:2]
-    return (torch.randn(q.shape, device="cuda", generator=g).to(q.dtype),
-            torch.rand(B, Hp, S, device="cuda", generator=g) + 0.5)
 
 
 def _check(got, want, base, dtype, names=NAMES):
