@@ -19,8 +19,9 @@ Options of issue 58 (docs/msa-semantics.md): local_blocks reaches the selection;
 scale) the KL pass and the proxy backward; sinks (float32 (H,) or None) never reach a backend: the forwards'
 bodies scale the backend's out by 1 - p_sink (flash_msa_rt.ops.sinks) and return the sink-free lse0 as `lse` (the
 KL target's; the softmax's lse is logaddexp(lse, sinks)), except block_sparse_forward, which returns the
-sink-including lse (it has no KL). The backward bodies run the backend's main backward on the sink-including lse
-and its proxy backward on lse0, and the autograd rules add d sinks. A backend sees proxy_scale (and select
+sink-including lse (it has no KL). The backward bodies run the backend's backward once, on lse0 with the upstream
+gradient scaled by 1 - p_sink per row (exact for the sink-adjusted softmax, and tau stays sink-free: _sinks_folded),
+and the autograd rules add d sinks. A backend sees proxy_scale (and select
 local_blocks) only where it differs from the default, and its config says so, so a kernel backend that lacks
 one declines exactly those calls.
 
@@ -363,23 +364,18 @@ def msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
         return _planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, out, lse_rows, lse_proxy, block_indices,
                         block_size, scale, grad_out, kl_grad, cu_seqlens, **extra)
 
-    return _grads_like((q_proxy, k_proxy, q, k, v), _sink_split(run, lse, sinks, grad_out, kl_grad, kl_metric,
-                                                                (q_proxy, k_proxy, q, k, v)))
+    return _grads_like((q_proxy, k_proxy, q, k, v), _sinks_folded(run, lse, sinks, grad_out, kl_grad,
+                                                                                 kl_metric))
 
 
-def _sink_split(run, lse, sinks, grad_out, kl_grad, kl_metric, inputs) -> tuple:
-    """run(lse, grad_out, kl_grad, kl_metric) -> (dq_proxy, dk_proxy, dq, dk, dv) of a backend's backward. Without
-    sinks, one call. With them the main gradients need the sink-including lse (with the sink-adjusted out they are
-    then exact) and the KL target tau needs lse0, which a backend's backward reads from one lse: two calls, the main
-    one without the KL's gradient and the proxy one without grad_out, each part taken from its call."""
-    if sinks is None:
+def _sinks_folded(run, lse, sinks, grad_out, kl_grad, kl_metric) -> tuple:
+    """run(lse, grad_out, kl_grad, kl_metric) -> (dq_proxy, dk_proxy, dq, dk, dv) of a backend's backward, one call
+    with or without sinks. With them, lse is lse0 (the KL target's) and grad_out becomes exp(lse0 - lse) grad_out:
+    flash_msa_rt.ops.sinks shows that the main gradients are then the sink-adjusted softmax's while tau stays the
+    sink-free one, so the kernels' fused tau path serves both."""
+    if sinks is None or grad_out is None:
         return run(lse, grad_out, kl_grad, kl_metric)
-    main = run(_sinks.lse_with(lse, sinks), grad_out, None, None) if grad_out is not None else None
-    proxy = run(lse, None, kl_grad, kl_metric) if kl_grad is not None or kl_metric is not None else None
-    zeros = [torch.zeros_like(t) for t in inputs]
-    proxy_part = tuple(proxy[:2]) if proxy is not None else tuple(zeros[:2])
-    main_part = tuple(main[2:]) if main is not None else tuple(zeros[2:])
-    return proxy_part + main_part
+    return run(lse, _sinks.scaled_grad(grad_out, lse, _sinks.lse_with(lse, sinks)), kl_grad, kl_metric)
 
 
 @msa_backward.register_fake
@@ -576,8 +572,8 @@ def warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, 
         return _planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, out, lse_rows, lse_proxy, scale, grad_out,
                         kl_grad, cu_seqlens, **extra)
 
-    return _grads_like((q_proxy, k_proxy, q, k, v), _sink_split(run, lse, sinks, grad_out, kl_grad, kl_metric,
-                                                                (q_proxy, k_proxy, q, k, v)))
+    return _grads_like((q_proxy, k_proxy, q, k, v), _sinks_folded(run, lse, sinks, grad_out, kl_grad,
+                                                                                 kl_metric))
 
 
 @warmup_backward.register_fake

@@ -4,15 +4,23 @@ the sink-free ops, so no kernel needs to know about them.
 Forward: a backend computes out0 and lse0 over the allowed keys; the sink joins the softmax's denominator only,
 so lse = logaddexp(lse0, sink) and out = out0 * exp(lse0 - lse) (= out0 * (1 - p_sink)).
 Backward: with that out and lse, the usual formulas (delta = <dO, out>, P = exp(s - lse), dS = P (dP - delta)) are
-the exact gradients of the sink-adjusted softmax, so the sink-free backward kernels give dq, dk, dv when handed the
-sink-including lse. The KL target tau alone needs lse0. d sink = - sum over (b, i) of exp(sink - lse) * delta.
-Each step reads and writes (B, S, H, D) in query-row chunks, so no full-size float32 temporary exists.
+the exact gradients of the sink-adjusted softmax. The KL target tau needs the sink-free P0 = exp(s - lse0), and
+P = k P0 with k = exp(lse0 - lse) per row, so one backward call on lse0 with dO' = k dO serves both: dV = P^T dO =
+P0^T dO', dP' = dO' V^T = k dP and delta' = <dO', out> = k delta, so P0 (dP' - delta') = P (dP - delta) = dS, while
+tau reads P0 as without sinks (the kernels' fused tau path keeps running). d sink = - sum over (b, i) of
+exp(sink - lse) * delta. The scalings are one elementwise pass each (float32 products, one rounding); delta reads
+(B, S, H, D) in query-row chunks, so no full-size float32 temporary exists.
 """
 
 from __future__ import annotations
 
 import torch
 
+from flash_msa_rt.loader import built_values, get_kernel
+from flash_msa_rt.ops.device import arch_of
+from flash_msa_rt.ops.sparse_bwd import delta_config
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 # Elements of a (B, S, H, D) tensor per float32 temporary: 2**26 (256 MiB).
 _CHUNK_ELEMS = 1 << 26
 
@@ -43,20 +51,48 @@ def kept_mass(lse0: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 def scale_out_(out0: torch.Tensor, lse0: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """out0 (B, S, H, D), a fresh backend output, times exp(lse0 - lse) per row, in place (float32 products, one
     rounding to out0's dtype). Returns out0."""
-    factor = kept_mass(lse0, lse).transpose(1, 2).unsqueeze(-1)  # (B, S, H, 1)
-    for s0, s1 in _row_chunks(out0):
-        rows = out0[:, s0:s1]
-        rows.copy_(rows.float() * factor[:, s0:s1])
-    return out0
+    return torch.mul(out0, _row_factor(lse0, lse), out=out0)
+
+
+def scaled_grad(grad_out: torch.Tensor, lse0: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """dO' = grad_out (B, S, H, D) times exp(lse0 - lse) per row, a new tensor in grad_out's dtype (float32
+    products, one rounding): the upstream gradient a backward on lse0 turns into the sink-adjusted softmax's."""
+    return torch.mul(grad_out, _row_factor(lse0, lse), out=torch.empty_like(grad_out))
+
+
+def _row_factor(lse0: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """kept_mass (B, H, S) as a (B, S, H, 1) view, to broadcast over rows of D."""
+    return kept_mass(lse0, lse).transpose(1, 2).unsqueeze(-1)
 
 
 def delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    """<dO, O> per row, float32 (B, H, S), from the output the caller saw (the sink-adjusted one)."""
-    B, S, H, _ = out.shape
+    """<dO, O> per row, float32 (B, H, S), from the output the caller saw (the sink-adjusted one): the backward's
+    bwd_delta kernel where one is built for the tensors (each read once), else torch in query-row chunks."""
+    B, S, H, D = out.shape
+    config = _delta_kernel_config(out, grad_out)
+    if config is not None:
+        d = torch.empty((B, H, S), dtype=torch.float32, device=out.device)
+        if d.numel():
+            get_kernel("bwd_delta", config, out.device)(dout=grad_out, out=out, delta=d)
+        return d
     d = torch.empty((B, S, H), dtype=torch.float32, device=out.device)
     for s0, s1 in _row_chunks(out):
         d[:, s0:s1] = (grad_out[:, s0:s1].float() * out[:, s0:s1].float()).sum(dim=-1)
     return d.transpose(1, 2)
+
+
+def _delta_kernel_config(out: torch.Tensor, grad_out: torch.Tensor) -> dict | None:
+    """The bwd_delta variant for (out, grad_out), or None: off CUDA, another dtype, a head dim or arch without a
+    built variant, rows not unit-stride on 16-byte boundaries (the kernel's vector loads)."""
+    dt = _DTYPES.get(out.dtype)
+    if dt is None or not out.is_cuda or grad_out.dtype != out.dtype or grad_out.shape != out.shape:
+        return None
+    if out.shape[3] not in built_values("bwd_delta", "head_dim", arch_of(out.device), dtype=dt):
+        return None
+    if not all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])
+               for t in (out, grad_out)):
+        return None
+    return delta_config(dt, out.shape[3])
 
 
 def sink_gradient(out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor | None,

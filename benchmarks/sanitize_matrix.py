@@ -1,0 +1,69 @@
+"""Small calls at every new (D, Dp, Bs) point of the matrix for compute-sanitizer (run under it): through the
+public API, each point's selection, forward, KL pass and backward in exact and deferred KL mode at G = 4 (the
+warp-specialised backward) and G = 1, the deterministic backward, a packed batch, warmup (blocks of 128) and
+block-sparse attention, in bf16 (f16 at one shape). Every op must run on the kernels (it exits 1 otherwise).
+
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_matrix.py
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+POINTS = [(64, 64, 128), (64, 64, 64), (128, 64, 64), (128, 128, 64)]  # (D, Dp, Bs); (128, 128, 128): run_gpu.sh
+SHAPES = [(1, 333, 8, 2, 2, 1), (2, 203, 8, 2, 8, 1)]  # B, S, H, Hk, Hp, Hpk: G = 4 and G = 1
+
+
+def _leaves(B, S, H, Hk, Hp, Hpk, D, Dp, dtype):
+    return [torch.randn(B, h, S, d, device="cuda").to(dtype).requires_grad_()
+            for h, d in ((Hp, Dp), (Hpk, Dp), (H, D), (Hk, D), (Hk, D))]
+
+
+def main():
+    import flash_msa_rt as F
+    from flash_msa_rt.selftest import on_kernels, resolved_backends
+
+    torch.manual_seed(0)
+    missed = []
+    for D, Dp, Bs in POINTS:
+        for shape in SHAPES:
+            for dtype in (torch.bfloat16, torch.float16) if shape is SHAPES[0] else (torch.bfloat16,):
+                for kl_value in ("exact", "deferred"):
+                    leaves = _leaves(*shape, D, Dp, dtype)
+                    metric = torch.zeros((), device="cuda")
+                    with resolved_backends() as seen:
+                        out, kl = F.flash_msa_func(*leaves, 2 * Bs, block_size=Bs, kl_value=kl_value,
+                                                   kl_metric=metric)
+                        (out.float().square().mean() + kl).backward()
+                    missed.append(on_kernels(seen, ("select_blocks", "msa_forward", "msa_backward")))
+        leaves = _leaves(*SHAPES[0], D, Dp, torch.bfloat16)
+        torch.use_deterministic_algorithms(True)
+        out, kl = F.flash_msa_func(*leaves, 2 * Bs, block_size=Bs)
+        (out.float().square().mean() + kl).backward()
+        torch.use_deterministic_algorithms(False)
+        cu = torch.tensor([0, Bs + 17, 333], dtype=torch.int32, device="cuda")
+        out, kl = F.flash_msa_func(*leaves, 2 * Bs, block_size=Bs, cu_seqlens=cu)
+        (out.float().square().mean() + kl).backward()
+        if Bs == 128:
+            out, kl = F.flash_msa_warmup_func(*leaves, 2 * Bs, block_size=Bs)
+            (out.float().square().mean() + kl).backward()
+        q, k, v = leaves[2:]
+        S, nb = q.shape[2], -(-q.shape[2] // Bs)
+        i = torch.arange(S, device="cuda") // Bs
+        idx = torch.stack([i, torch.zeros_like(i), (i + 1) % nb], -1).clamp(max=i[:, None]).to(torch.int32)
+        with resolved_backends() as seen:
+            out = F.block_sparse_attention(q, k, v, idx.view(1, 1, S, 3).expand(1, 2, S, 3).contiguous(),
+                                           block_size=Bs)
+            out.float().square().mean().backward()
+        missed.append(on_kernels(seen, ("block_sparse_forward", "block_sparse_backward")))
+    torch.cuda.synchronize()
+    missed = [m for m in missed if m is not None]
+    print("sanitize_matrix: done" if not missed else f"sanitize_matrix: not on the kernels: {missed}")
+    sys.exit(1 if missed else 0)
+
+
+if __name__ == "__main__":
+    main()
