@@ -72,6 +72,18 @@ def interleaved(steps: dict, rounds: int, reps: int) -> dict:
     return out
 
 
+def kernel_diff(steps: dict, n: int = 3) -> list[dict]:
+    """Device ms per step of each kernel with and without sinks (profile_api.kernel_table), the rows that differ
+    by more than 0.05 ms, largest difference first: where the sinks' time goes."""
+    from benchmarks.profile_api import kernel_table
+
+    tables = {name: {r["name"]: r["ms"] for r in kernel_table(steps[name], n)["kernels"]} for name in SETTINGS}
+    names = set(tables["none"]) | set(tables["sinks"])
+    rows = [dict(name=k[:120], none_ms=tables["none"].get(k, 0.0), sinks_ms=tables["sinks"].get(k, 0.0)) for k in names]
+    rows = [r for r in rows if abs(r["sinks_ms"] - r["none_ms"]) > 0.05]
+    return sorted(rows, key=lambda r: r["none_ms"] - r["sinks_ms"])
+
+
 def elementwise_floor_ms(B: int, S: int, H: int, D: int) -> float:
     """The sink passes' bytes over the bandwidth: out read + written, dO read and dO' written, dO and out read."""
     return 6 * 2 * B * S * H * D / BANDWIDTH_BYTES_S * 1e3
@@ -83,6 +95,7 @@ def main(argv=None):
     ap.add_argument("--kl-value", default="deferred", choices=("exact", "deferred", "none"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3, help="timed steps per setting and round (median)")
+    ap.add_argument("--profile", action="store_true", help="also each kernel's device ms with and without sinks")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     result = dict(benchmark="bench_sinks", commit=commit(), device=torch.cuda.get_device_name(),
@@ -96,6 +109,11 @@ def main(argv=None):
         r = interleaved(steps, a.rounds, a.reps)
         r.update(B=x["B"], S=x["S"], H=x["H"], D=x["D"],
                  floor_ms=elementwise_floor_ms(x["B"], x["S"], x["H"], x["D"]))
+        if a.profile:
+            r["kernels"] = kernel_diff(steps)
+            for k in r["kernels"]:
+                print(f"  {k['sinks_ms'] - k['none_ms']:+7.2f} ms  {k['none_ms']:7.2f} -> {k['sinks_ms']:7.2f}  "
+                      f"{k['name'][:90]}")
         result["problems"][spec] = r
         print(f"{spec} (B={x['B']}): none {r['none']['step_ms_median']:.2f} ms, sinks "
               f"{r['sinks']['step_ms_median']:.2f} ms ({(r['ratio'] - 1) * 100:+.1f} %; the sink passes' floor "

@@ -75,10 +75,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     gpu = [r for r in skipped if "gpu" in getattr(r, "keywords", {})]
     other = len(skipped) - len(gpu)
     if gpu:
-        reasons = {r.longrepr[2] for r in gpu if isinstance(r.longrepr, tuple)}
-        why = reasons.pop().removeprefix("Skipped: ") if len(reasons) == 1 else "no usable GPU"
-        terminalreporter.write_line(f"{len(gpu)} GPU tests skipped ({why}); FLASH_MSA_REQUIRE_GPU=1 makes that a "
-                                    f"failure, -rs lists them")
+        reasons = {r.longrepr[2].removeprefix("Skipped: ") for r in gpu if isinstance(r.longrepr, tuple)}
+        if all(why.startswith("GPU test: ") for why in reasons):  # no GPU usable: one reason, one line
+            terminalreporter.write_line(f"{len(gpu)} GPU tests skipped ({', '.join(sorted(reasons))}); "
+                                        f"FLASH_MSA_REQUIRE_GPU=1 makes that a failure, -rs lists them")
+        else:  # a GPU ran them: each skip is a test's own (a route this build or machine lacks)
+            terminalreporter.write_line(f"{len(gpu)} GPU tests skipped for their own reasons (-rs lists them), e.g. "
+                                        f"{sorted(reasons)[0][:100]}")
     if other:
         terminalreporter.write_line(f"{other} other test{'s' if other != 1 else ''} skipped (-rs lists them)")
 

@@ -94,8 +94,8 @@ def test_dense_warmup_kl_writes_every_row(schedule):
     lse = torch.randn(B, H, S, device="cuda") + 6
     outs = [torch.full((B, Hp, S), float("nan"), device="cuda") for _ in range(2)]
     kernel = get_kernel("warmup_kl", warmup_kl.kernel_config("bf16", 128, H // Hp, schedule), q.device)
-    kernel(q=q, k=k, q_proxy=qp, k_proxy=kp, lse=lse, lse_proxy=outs[0], kl_rows=outs[1], scale=0.1, hp_per_hk=1,
-           hp_per_hpk=2)
+    kernel(q=q, k=k, q_proxy=qp, k_proxy=kp, lse=lse, lse_proxy=outs[0], kl_rows=outs[1], scale=0.1, proxy_scale=0.1,
+           hp_per_hk=1, hp_per_hpk=2)
     for name, t in zip(("lse_proxy", "kl_rows"), outs):
         assert not torch.isnan(t).any(), f"{name}: {int(torch.isnan(t).sum())} rows not written"
 
