@@ -73,7 +73,7 @@ def run(shape: str, S: int, B: int, timer: Timer) -> dict:
     idx = local_and_random(B, Hi, S, gen, BLOCK)
     config = library._block_sparse_config(q, k, idx, BLOCK, None)
     backend = "kernels" if dispatch.implementation("block_sparse_forward", q.device, q.dtype, **config) \
-        is kernels._block_sparse_forward else "reference"
+        is kernels.KERNELS.ops["block_sparse_forward"] else "reference"
     nnz = nnz_of(idx, S, H // Hi, BLOCK)
     dense_pairs = B * H * S * (S + 1) // 2
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]

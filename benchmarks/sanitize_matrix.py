@@ -3,7 +3,12 @@ public API, each point's selection, forward, KL pass and backward in exact and d
 warp-specialised backward) and G = 1, the deterministic backward, a packed batch, warmup (blocks of 128) and
 block-sparse attention, in bf16 (f16 at one shape). Every op must run on the kernels (it exits 1 otherwise).
 
-    compute-sanitizer --tool racecheck python benchmarks/sanitize_matrix.py
+    compute-sanitizer --tool racecheck --kernel-name-exclude kns=cudnn python benchmarks/sanitize_matrix.py
+    compute-sanitizer --tool initcheck python benchmarks/sanitize_matrix.py --no-warmup
+
+Warmup's main attention is cuDNN's: racecheck and synccheck report hazards inside cuDNN's own sm90 flash kernels
+(not ours: exclude them by name), and initcheck cannot see its TMA stores, so the copy of its output reads as
+uninitialised (run initcheck with --no-warmup; the warmup proxy kernels run under the other three tools).
 """
 
 import sys
@@ -24,6 +29,8 @@ def _leaves(B, S, H, Hk, Hp, Hpk, D, Dp, dtype):
 
 def main():
     import flash_msa_rt as F
+
+    warmup = "--no-warmup" not in sys.argv[1:]
     from flash_msa_rt.selftest import on_kernels, resolved_backends
 
     torch.manual_seed(0)
@@ -47,7 +54,7 @@ def main():
         cu = torch.tensor([0, Bs + 17, 333], dtype=torch.int32, device="cuda")
         out, kl = F.flash_msa_func(*leaves, 2 * Bs, block_size=Bs, cu_seqlens=cu)
         (out.float().square().mean() + kl).backward()
-        if Bs == 128:
+        if Bs == 128 and warmup:
             out, kl = F.flash_msa_warmup_func(*leaves, 2 * Bs, block_size=Bs)
             (out.float().square().mean() + kl).backward()
         q, k, v = leaves[2:]

@@ -298,3 +298,34 @@ def test_public_functions_with_proxy_scale_run_on_the_kernels(sparse, kl_value):
         _check(f"d{name}", t.grad.cpu(), want)
     _check("dsinks", s.grad.cpu(), _d_sinks_exact(out.detach().cpu().reshape(out64.shape), lse64, dO.cpu(), sinks.cpu(), torch.float64).float(),
            result_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sink_row_passes_on_the_kernel_equal_torch(head_dim, dtype):
+    """The bwd_delta kernel's scale_rows variant (flash_msa_rt.ops.sinks): dO' = exp(lse0 - lse) dO and delta in
+    one pass, and out0 scaled in place, against the same formulas in torch (float32 products, one rounding: equal
+    up to the last bit of a rounding tie, exp's ulp); 0 where lse0 = -inf, NaN kept; a head slice as the whole."""
+    from flash_msa_rt.ops import sinks as sk
+
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    B, S, H = 2, 301, 6
+    dO, out = (torch.randn(B, S, H, head_dim, generator=g, device="cuda").to(dtype) for _ in range(2))
+    lse0 = torch.randn(B, H, S, generator=g, device="cuda") * 3
+    lse0[0, 1, 5] = float("-inf")
+    lse0[1, 2, 7] = float("nan")
+    lse = torch.logaddexp(lse0, torch.randn(H, device="cuda", generator=g).view(1, H, 1) + 1)
+    assert sk._rows_kernel((dO, out), (lse0, lse), scale_rows=True) is not None, "the scale_rows variant is built"
+    scaled, delta = sk.scaled_grad_and_delta(dO, out, lse0, lse)
+    want = (dO.float() * sk.kept_mass(lse0, lse).transpose(1, 2).unsqueeze(-1)).to(dtype)
+    torch.testing.assert_close(scaled, want, rtol=2 ** -7, atol=0, equal_nan=True)
+    assert torch.isnan(scaled[1, 7, 2]).all() and (scaled[0, 5, 1] == 0).all()
+    torch.testing.assert_close(delta, (dO.float() * out.float()).sum(-1).transpose(1, 2), rtol=1e-5, atol=1e-5)
+    inplace = out.clone()
+    assert sk.scale_out_(inplace, lse0, lse) is inplace
+    torch.testing.assert_close(inplace, (out.float() * sk.kept_mass(lse0, lse).transpose(1, 2).unsqueeze(-1))
+                               .to(dtype), rtol=2 ** -7, atol=0, equal_nan=True)
+    strided = dO[:, :, ::2]  # a head slice (strided rows, still 16-byte aligned: the kernel's path)
+    s2, d2 = sk.scaled_grad_and_delta(strided, out[:, :, ::2], lse0[:, ::2], lse[:, ::2])
+    torch.testing.assert_close(s2, scaled[:, :, ::2], rtol=2 ** -7, atol=0, equal_nan=True)
+    torch.testing.assert_close(d2, delta[:, ::2], rtol=1e-5, atol=1e-5, equal_nan=True)

@@ -364,18 +364,45 @@ def msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
         return _planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, out, lse_rows, lse_proxy, block_indices,
                         block_size, scale, grad_out, kl_grad, cu_seqlens, **extra)
 
-    return _grads_like((q_proxy, k_proxy, q, k, v), _sinks_folded(run, lse, sinks, grad_out, kl_grad,
+    return _grads_like((q_proxy, k_proxy, q, k, v), _sinks_folded(run, out, lse, sinks, grad_out, kl_grad,
                                                                                  kl_metric))
 
 
-def _sinks_folded(run, lse, sinks, grad_out, kl_grad, kl_metric) -> tuple:
+def _sinks_folded(run, out, lse, sinks, grad_out, kl_grad, kl_metric) -> tuple:
     """run(lse, grad_out, kl_grad, kl_metric) -> (dq_proxy, dk_proxy, dq, dk, dv) of a backend's backward, one call
     with or without sinks. With them, lse is lse0 (the KL target's) and grad_out becomes exp(lse0 - lse) grad_out:
     flash_msa_rt.ops.sinks shows that the main gradients are then the sink-adjusted softmax's while tau stays the
-    sink-free one, so the kernels' fused tau path serves both."""
+    sink-free one, so the kernels' fused tau path serves both. (The autograd rules fold the sinks themselves,
+_fold_sinks, and call the backward without them; this serves a direct call of the op with sinks.)"""
     if sinks is None or grad_out is None:
         return run(lse, grad_out, kl_grad, kl_metric)
-    return run(lse, _sinks.scaled_grad(grad_out, lse, _sinks.lse_with(lse, sinks)), kl_grad, kl_metric)
+    scaled, _ = _sinks.scaled_grad_and_delta(grad_out, out, lse, _sinks.lse_with(lse, sinks))
+    return run(lse, scaled, kl_grad, kl_metric)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::sink_rows", mutates_args=())
+def sink_rows(grad_out: Tensor, out: Tensor, lse0: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """(exp(lse0 - lse) grad_out per row, delta = <grad_out, out> float32 (B, H, S)) of (B, S, H, D) grad_out and
+    out: the autograd rules' sink step (flash_msa_rt.ops.sinks.scaled_grad_and_delta), one pass on the kernels."""
+    return _sinks.scaled_grad_and_delta(grad_out, out, lse0, lse)
+
+
+@sink_rows.register_fake
+def _(grad_out, out, lse0, lse):
+    B, S, H, _ = out.shape
+    return torch.empty_like(grad_out), out.new_empty((B, H, S), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::sink_delta", mutates_args=())
+def sink_delta(grad_out: Tensor, out: Tensor) -> Tensor:
+    """delta = <grad_out, out> float32 (B, H, S) of (B, S, H, D) tensors: block-sparse attention's d sinks."""
+    return _sinks.delta(out, grad_out)
+
+
+@sink_delta.register_fake
+def _(grad_out, out):
+    B, S, H, _ = out.shape
+    return out.new_empty((B, H, S), dtype=torch.float32)
 
 
 @msa_backward.register_fake
@@ -437,15 +464,22 @@ def msa_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
                                  grad_kl_rows, lse_proxy)
     if grad_out is None and grad_kl_rows is None:
         return (None,) * 6
+    grad_main, d_sinks = _fold_sinks(out, lse, grad_out, sinks)
     grads = backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, ctx.block_size, ctx.scale,
-                     grad_out, grad_kl_rows, cu_seqlens, cu_seqlens_k, seqused_k, sinks, ctx.proxy_scale, **metric,
+                     grad_main, grad_kl_rows, cu_seqlens, cu_seqlens_k, seqused_k, None, ctx.proxy_scale, **metric,
                      **bound)
-    return _arrived(grads, grad_out, grad_kl_rows) + (_sink_grad(out, lse, grad_out, sinks),)
+    return _arrived(grads, grad_out, grad_kl_rows) + (d_sinks,)
 
 
-def _sink_grad(out, lse0, grad_out, sinks):
-    """d sinks from the sink-adjusted out and the softmax's lse (flash_msa_rt.ops.sinks), None without sinks."""
-    return None if sinks is None else _sinks.sink_gradient(out, _sinks.lse_with(lse0, sinks), grad_out, sinks)
+def _fold_sinks(out, lse0, grad_out, sinks):
+    """(the upstream gradient a sink-free backward on lse0 takes, d sinks): (grad_out, None) without sinks or
+    grad_out; with them (k grad_out, d sinks) from one pass over grad_out and out (flash_msa_rt.ops.sinks), so
+    the backward runs as without sinks (its fused tau path included)."""
+    if sinks is None or grad_out is None:
+        return grad_out, None
+    lse = _sinks.lse_with(lse0, sinks)
+    grad_main, delta = sink_rows(grad_out, out, lse0, lse)
+    return grad_main, _sinks.sink_gradient(delta, lse, sinks)
 
 
 def _msa_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
@@ -572,7 +606,7 @@ def warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, 
         return _planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, out, lse_rows, lse_proxy, scale, grad_out,
                         kl_grad, cu_seqlens, **extra)
 
-    return _grads_like((q_proxy, k_proxy, q, k, v), _sinks_folded(run, lse, sinks, grad_out, kl_grad,
+    return _grads_like((q_proxy, k_proxy, q, k, v), _sinks_folded(run, out, lse, sinks, grad_out, kl_grad,
                                                                                  kl_metric))
 
 
@@ -619,9 +653,10 @@ def warmup_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
                                  grad_kl_rows, lse_proxy)
     if grad_out is None and grad_kl_rows is None:
         return (None,) * 6
-    grads = backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, ctx.scale, grad_out, grad_kl_rows, cu_seqlens,
-                     cu_seqlens_k, seqused_k, sinks, ctx.proxy_scale, **metric, **bound)
-    return _arrived(grads, grad_out, grad_kl_rows) + (_sink_grad(out, lse, grad_out, sinks),)
+    grad_main, d_sinks = _fold_sinks(out, lse, grad_out, sinks)
+    grads = backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, ctx.scale, grad_main, grad_kl_rows, cu_seqlens,
+                     cu_seqlens_k, seqused_k, None, ctx.proxy_scale, **metric, **bound)
+    return _arrived(grads, grad_out, grad_kl_rows) + (d_sinks,)
 
 
 def _warmup_backward_rule(ctx, grad_out, grad_lse, grad_lse_proxy, grad_kl_rows):
@@ -707,7 +742,7 @@ def block_sparse_gradients(ctx, grad_out, backward):
         return (None,) * 4
     q, k, v, out, lse, block_indices, cu_seqlens, sinks = ctx.saved_tensors
     grads = tuple(backward(q, k, v, out, lse, block_indices, ctx.block_size, ctx.scale, grad_out, cu_seqlens))
-    return grads + (None if sinks is None else _sinks.sink_gradient(out, lse, grad_out, sinks),)
+    return grads + (None if sinks is None else _sinks.sink_gradient(sink_delta(grad_out, out), lse, sinks),)
 
 
 def _block_sparse_backward_rule(ctx, grad_out, grad_lse):

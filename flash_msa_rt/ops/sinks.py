@@ -1,15 +1,18 @@
-"""Attention sinks on every backend (docs/msa-semantics.md, "Attention sinks"): torch elementwise steps around
-the sink-free ops, so no kernel needs to know about them.
+"""Attention sinks on every backend (docs/msa-semantics.md, "Attention sinks"): row-wise steps around the sink-free
+ops, so no attention kernel needs to know about them.
 
 Forward: a backend computes out0 and lse0 over the allowed keys; the sink joins the softmax's denominator only,
-so lse = logaddexp(lse0, sink) and out = out0 * exp(lse0 - lse) (= out0 * (1 - p_sink)).
+so lse = logaddexp(lse0, sink) and out = out0 * k, k = exp(lse0 - lse) = 1 - p_sink per row.
 Backward: with that out and lse, the usual formulas (delta = <dO, out>, P = exp(s - lse), dS = P (dP - delta)) are
 the exact gradients of the sink-adjusted softmax. The KL target tau needs the sink-free P0 = exp(s - lse0), and
-P = k P0 with k = exp(lse0 - lse) per row, so one backward call on lse0 with dO' = k dO serves both: dV = P^T dO =
-P0^T dO', dP' = dO' V^T = k dP and delta' = <dO', out> = k delta, so P0 (dP' - delta') = P (dP - delta) = dS, while
-tau reads P0 as without sinks (the kernels' fused tau path keeps running). d sink = - sum over (b, i) of
-exp(sink - lse) * delta. The scalings are one elementwise pass each (float32 products, one rounding); delta reads
-(B, S, H, D) in query-row chunks, so no full-size float32 temporary exists.
+P = k P0, so one backward call on lse0 with dO' = k dO serves both: dV = P^T dO = P0^T dO', dP' = dO' V^T = k dP and
+delta' = <dO', out> = k delta, so P0 (dP' - delta') = P (dP - delta) = dS, while tau reads P0 as without sinks (the
+kernels' fused tau path keeps running). d sink = - sum over (b, i) of exp(sink - lse) * delta.
+
+The row passes run on the bwd_delta kernel where one is built for the tensors (scale_rows = 1: dO read once, dO' and
+delta written in the same pass; the forward's out0 scaled in place), else in torch (float32 products, one rounding;
+delta in query-row chunks, so no full-size float32 temporary exists). The autograd rules call them through the
+custom ops flash_msa_rt.ops.library.sink_rows / sink_delta (a kernel launch is opaque to torch.compile).
 """
 
 from __future__ import annotations
@@ -48,28 +51,71 @@ def kept_mass(lse0: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
                        torch.exp(lse0 - lse))
 
 
-def scale_out_(out0: torch.Tensor, lse0: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """out0 (B, S, H, D), a fresh backend output, times exp(lse0 - lse) per row, in place (float32 products, one
-    rounding to out0's dtype). Returns out0."""
-    return torch.mul(out0, _row_factor(lse0, lse), out=out0)
-
-
-def scaled_grad(grad_out: torch.Tensor, lse0: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """dO' = grad_out (B, S, H, D) times exp(lse0 - lse) per row, a new tensor in grad_out's dtype (float32
-    products, one rounding): the upstream gradient a backward on lse0 turns into the sink-adjusted softmax's."""
-    return torch.mul(grad_out, _row_factor(lse0, lse), out=torch.empty_like(grad_out))
-
-
 def _row_factor(lse0: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """kept_mass (B, H, S) as a (B, S, H, 1) view, to broadcast over rows of D."""
     return kept_mass(lse0, lse).transpose(1, 2).unsqueeze(-1)
 
 
+def _rows_kernel(rows: tuple, stats: tuple = (), scale_rows: bool = False) -> dict | None:
+    """The bwd_delta variant for (B, S, H, D) tensors `rows` and float32 (B, H, S) `stats`, or None where torch
+    runs instead: off CUDA, another dtype, a head dim or arch without a built variant, rows not unit-stride on
+    16-byte boundaries (the kernel's vector accesses), statistics not unit-stride along S."""
+    x = rows[0]
+    dt = _DTYPES.get(x.dtype)
+    if dt is None or not x.is_cuda or any(t.dtype != x.dtype or t.shape != x.shape for t in rows):
+        return None
+    if any(s.dtype != torch.float32 or s.dim() != 3 or s.stride(-1) != 1 for s in stats):
+        return None
+    if x.shape[3] not in built_values("bwd_delta", "head_dim", arch_of(x.device), dtype=dt,
+                                      scale_rows=int(scale_rows)):
+        return None
+    if not all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])
+               for t in rows):
+        return None
+    return delta_config(dt, x.shape[3], scale_rows)
+
+
+def _bhs(stat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A (B, H, S) statistic as the kernel reads it: float32, unit stride along S."""
+    return stat.to(torch.float32).expand(like.shape[0], like.shape[2], like.shape[1]).contiguous()
+
+
+def scale_out_(out0: torch.Tensor, lse0: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """out0 (B, S, H, D), a fresh backend output, times exp(lse0 - lse) per row, in place (float32 products, one
+    rounding to out0's dtype). Returns out0."""
+    lse0_k, lse_k = _bhs(lse0, out0), _bhs(lse, out0)
+    config = _rows_kernel((out0,), (lse0_k, lse_k), scale_rows=True)
+    if config is None:
+        return torch.mul(out0, _row_factor(lse0, lse), out=out0)
+    if out0.numel():  # dout = out = dout_scaled: each lane reads its 16 bytes, then writes them
+        scratch = torch.empty(lse0_k.shape, dtype=torch.float32, device=out0.device)
+        get_kernel("bwd_delta", config, out0.device)(dout=out0, out=out0, delta=scratch, lse0=lse0_k, lse=lse_k,
+                                                     dout_scaled=out0)
+    return out0
+
+
+def scaled_grad_and_delta(grad_out: torch.Tensor, out: torch.Tensor, lse0: torch.Tensor,
+                          lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dO', delta): dO' = grad_out (B, S, H, D) times exp(lse0 - lse) per row, a new tensor in grad_out's dtype
+    (the upstream gradient a backward on lse0 turns into the sink-adjusted softmax's), and delta = <dO, out>
+    float32 (B, H, S) for d sinks; one pass over both on the kernel."""
+    lse0_k, lse_k = _bhs(lse0, out), _bhs(lse, out)
+    config = _rows_kernel((grad_out, out), (lse0_k, lse_k), scale_rows=True)
+    if config is None:
+        return torch.mul(grad_out, _row_factor(lse0, lse), out=torch.empty_like(grad_out)), delta(out, grad_out)
+    scaled = torch.empty_like(grad_out)
+    d = torch.empty(lse0_k.shape, dtype=torch.float32, device=out.device)
+    if out.numel():
+        get_kernel("bwd_delta", config, out.device)(dout=grad_out, out=out, delta=d, lse0=lse0_k, lse=lse_k,
+                                                    dout_scaled=scaled)
+    return scaled, d
+
+
 def delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    """<dO, O> per row, float32 (B, H, S), from the output the caller saw (the sink-adjusted one): the backward's
-    bwd_delta kernel where one is built for the tensors (each read once), else torch in query-row chunks."""
+    """<dO, O> per row, float32 (B, H, S), from the output the caller saw (the sink-adjusted one): the bwd_delta
+    kernel where one is built for the tensors (each read once), else torch in query-row chunks."""
     B, S, H, D = out.shape
-    config = _delta_kernel_config(out, grad_out)
+    config = _rows_kernel((out, grad_out))
     if config is not None:
         d = torch.empty((B, H, S), dtype=torch.float32, device=out.device)
         if d.numel():
@@ -78,30 +124,13 @@ def delta(out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     d = torch.empty((B, S, H), dtype=torch.float32, device=out.device)
     for s0, s1 in _row_chunks(out):
         d[:, s0:s1] = (grad_out[:, s0:s1].float() * out[:, s0:s1].float()).sum(dim=-1)
-    return d.transpose(1, 2)
+    return d.transpose(1, 2).contiguous()
 
 
-def _delta_kernel_config(out: torch.Tensor, grad_out: torch.Tensor) -> dict | None:
-    """The bwd_delta variant for (out, grad_out), or None: off CUDA, another dtype, a head dim or arch without a
-    built variant, rows not unit-stride on 16-byte boundaries (the kernel's vector loads)."""
-    dt = _DTYPES.get(out.dtype)
-    if dt is None or not out.is_cuda or grad_out.dtype != out.dtype or grad_out.shape != out.shape:
-        return None
-    if out.shape[3] not in built_values("bwd_delta", "head_dim", arch_of(out.device), dtype=dt):
-        return None
-    if not all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])
-               for t in (out, grad_out)):
-        return None
-    return delta_config(dt, out.shape[3])
-
-
-def sink_gradient(out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor | None,
-                  sinks: torch.Tensor) -> torch.Tensor | None:
-    """d sinks (H,) in sinks' dtype: - sum over (b, i) of exp(sink - lse) * delta; None without grad_out (the KL
-    does not depend on the sinks). A sink of -inf has probability 0 (no exp(-inf + inf))."""
-    if grad_out is None:
-        return None
+def sink_gradient(delta_rows: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d sinks (H,) in sinks' dtype: - sum over (b, i) of exp(sink - lse) * delta, from delta (B, H, S) and the
+    softmax's lse (sink included). A sink of -inf has probability 0 (no exp(-inf + inf))."""
     sink = sinks.detach().to(lse.dtype).view(1, -1, 1)
     p_sink = torch.where(sink == float("-inf"), torch.zeros((), dtype=lse.dtype, device=lse.device),
                          torch.exp(sink - lse))
-    return (-(p_sink * delta(out, grad_out)).sum(dim=(0, 2))).to(sinks.dtype)
+    return (-(p_sink * delta_rows.to(lse.dtype)).sum(dim=(0, 2))).to(sinks.dtype)

@@ -80,8 +80,9 @@ def entry_bytes(block_size: int, group: int, head_dim: int, deterministic: bool 
     return 2 * block_size + ((4 * group * head_dim + 4 * head_dim) if deterministic else 0)
 
 
-def delta_config(dtype: str, head_dim: int) -> dict:
-    return {"dtype": dtype, "head_dim": head_dim, "threads": 256}
+def delta_config(dtype: str, head_dim: int, scale_rows: bool = False) -> dict:
+    """bwd_delta's variant; scale_rows: the one that also scales rows by a sink's kept mass (flash_msa_rt.ops.sinks)."""
+    return {"dtype": dtype, "head_dim": head_dim, "threads": 256, "scale_rows": int(scale_rows)}
 
 
 def slot_sum_config(dtype: str, head_dim: int, block_size: int, group: int) -> dict:
