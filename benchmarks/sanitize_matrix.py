@@ -1,7 +1,8 @@
 """Small calls at every new (D, Dp, Bs) point of the matrix for compute-sanitizer (run under it): through the
 public API, each point's selection, forward, KL pass and backward in exact and deferred KL mode at G = 4 (the
 warp-specialised backward) and G = 1, the deterministic backward, a packed batch, warmup (blocks of 128) and
-block-sparse attention, in bf16 (f16 at one shape). Every op must run on the kernels (it exits 1 otherwise).
+block-sparse attention, in bf16 (f16 at one shape), and with attention sinks (the scale_rows variants). Every op
+must run on the kernels (it exits 1 otherwise).
 
     compute-sanitizer --tool racecheck --kernel-name-exclude kns=cudnn python benchmarks/sanitize_matrix.py
     compute-sanitizer --tool initcheck python benchmarks/sanitize_matrix.py --no-warmup
@@ -47,6 +48,10 @@ def main():
                         (out.float().square().mean() + kl).backward()
                     missed.append(on_kernels(seen, ("select_blocks", "msa_forward", "msa_backward")))
         leaves = _leaves(*SHAPES[0], D, Dp, torch.bfloat16)
+        sinks = torch.randn(leaves[2].shape[1], device="cuda").requires_grad_()  # the combine's and row kernel's
+        for kl_value in ("exact", "deferred"):                                   # scale_rows variants
+            out, kl = F.flash_msa_func(*leaves, 2 * Bs, block_size=Bs, kl_value=kl_value, sinks=sinks)
+            (out.float().square().mean() + kl).backward()
         torch.use_deterministic_algorithms(True)
         out, kl = F.flash_msa_func(*leaves, 2 * Bs, block_size=Bs)
         (out.float().square().mean() + kl).backward()

@@ -344,7 +344,7 @@ NAME_TAGS: dict[str, str] = {
     "heads_per_warp": "hw",  # the combine: how many of a row's G heads one warp merges
     "phase": "phase",  # plan_lists: phasecount (phase 1) or phasescatter (phase 2)
     "kl_value": "kl",  # KL kernels: kl1 forms each row's KL value, kl0 the proxy lse only (warmup_kl, sparse_kl)
-    "scale_rows": "sr",  # bwd_delta: sr1 also writes each row scaled by its kept mass under a sink
+    "scale_rows": "sr",  # bwd_delta, sparse_combine: sr1 also scales each row by its kept mass under a sink
 }
 
 

@@ -329,3 +329,48 @@ def test_sink_row_passes_on_the_kernel_equal_torch(head_dim, dtype):
     s2, d2 = sk.scaled_grad_and_delta(strided, out[:, :, ::2], lse0[:, ::2], lse[:, ::2])
     torch.testing.assert_close(s2, scaled[:, :, ::2], rtol=2 ** -7, atol=0, equal_nan=True)
     torch.testing.assert_close(d2, delta[:, ::2], rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("point", [(64, 64), (128, 64), (64, 128), (128, 128)], ids=lambda p: "D{}_Bs{}".format(*p))
+def test_sinks_across_the_matrix_packed_and_deterministic(point):
+    """Sinks at every (D, Bs) the kernels serve (the combine's and the row kernel's variants at each), in bf16
+    against the float64 reference; a packed batch of two documents equal to each document alone (the sink step
+    per row: the pack changes nothing); the deterministic backward bitwise across two runs, d sinks included."""
+    Dm, Bs = point
+    B, S, H, Hk, Hp, Hpk = 1, 3 * Bs + 77, 8, 2, 2, 1
+    g = torch.Generator(device="cuda").manual_seed(Dm + Bs)
+    ins = [torch.randn(B, S, h, Dm, generator=g, device="cuda").to(torch.bfloat16) for h in (Hp, Hpk, H, Hk, Hk)]
+    sinks = torch.randn(H, generator=g, device="cuda") + 1.0
+    dO = torch.randn(B, S, H * Dm, generator=g, device="cuda").to(torch.bfloat16)
+    top_k = 2 * Bs
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in ins]
+        s = sinks.clone().requires_grad_()
+        out, kl = api.flash_msa_func(*leaves, top_k, layout="bshd", block_size=Bs, sinks=s)
+        (out.float() * dO.float()).sum().add(0.3 * kl).backward()
+        return out.detach(), [t.grad for t in leaves] + [s.grad]
+
+    out, grads = run()
+    x64 = [t.double().cpu() for t in ins]
+    idx = api.select_blocks(ins[0], ins[1], top_k, layout="bshd", block_size=Bs).cpu()
+    out64, lse64, lsep64, kl64 = ref.msa_forward(*x64, idx, Bs, Dm ** -0.5, sinks=sinks.cpu())
+    grads64 = ref.msa_backward(*x64, out64, lse64, lsep64, idx, Bs, Dm ** -0.5, dO.double().cpu().view(B, S, H, Dm),
+                               torch.tensor(0.3 / kl64.numel(), dtype=torch.float64), sinks=sinks.cpu())
+    _check("out", out.view(B, S, H, Dm).cpu(), out64)
+    for name, got, want in zip(("dq_proxy", "dk_proxy", "dq", "dk", "dv"), grads, grads64):
+        _check(name, got.cpu(), want)
+
+    cut = Bs + 31  # two documents of one row: each equals its own call
+    cu = torch.tensor([0, cut, S], dtype=torch.int32, device="cuda")
+    out_p, _ = api.flash_msa_func(*ins, top_k, layout="bshd", block_size=Bs, sinks=sinks, cu_seqlens=cu)
+    for s0, s1 in ((0, cut), (cut, S)):
+        out_1, _ = api.flash_msa_func(*(t[:, s0:s1] for t in ins), top_k, layout="bshd", block_size=Bs, sinks=sinks)
+        torch.testing.assert_close(out_p[:, s0:s1].float(), out_1.float(), rtol=1e-2, atol=1e-2)
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        (o1, g1), (o2, g2) = run(), run()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))

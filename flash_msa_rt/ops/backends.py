@@ -109,12 +109,16 @@ def _without_kl(outputs, kl: bool):
 # proxy_scale (the proxy scores' scale, given only where it is not the main scale) travels in key_offsets' keywords.
 
 def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, *, kl=True,
-                 **key_offsets):
+                 sinks=None, **key_offsets):
+    """sinks: out scaled by 1 - p_sink around the sink-free forward, lse sink-free (library's msa_forward)."""
+    from flash_msa_rt.ops.sinks import scaled_outputs
+
     if cu_seqlens is None:
-        return _without_kl(_ref().msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale,
-                                              **key_offsets), kl)
-    return _without_kl(_ref().msa_forward_varlen(q_proxy, k_proxy, q, k, v, block_indices, cu_seqlens=cu_seqlens,
-                                                 block_size=block_size, scale=scale, **key_offsets), kl)
+        return scaled_outputs(_without_kl(_ref().msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size,
+                                                             scale, **key_offsets), kl), sinks)
+    return scaled_outputs(_without_kl(_ref().msa_forward_varlen(q_proxy, k_proxy, q, k, v, block_indices,
+                                                                cu_seqlens=cu_seqlens, block_size=block_size,
+                                                                scale=scale, **key_offsets), kl), sinks)
 
 
 def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu_seqlens=None, *, with_kl=True,

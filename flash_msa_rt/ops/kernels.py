@@ -107,7 +107,8 @@ def _msa_supports(problem: Problem) -> str | None:
     # The proxy reaches the forward's KL pass and the recomputing proxy backward at D (_proxy_at), the tau path's
     # proxy kernel at its own Dp (sparse_bwd.tau_path_runs).
     if problem.op == "msa_forward":
-        return _built(problem, sparse_fwd.variants(_DTYPE_NAMES[problem.dtype], d, d, bs, g, _arch(problem)))
+        return _built(problem, sparse_fwd.variants(_DTYPE_NAMES[problem.dtype], d, d, bs, g, _arch(problem),
+                                                   bool(c.get("sinks"))))
     return _built(problem, sparse_bwd.variants(_DTYPE_NAMES[problem.dtype], d, dp or d, bs, g, _arch(problem),
                                                deterministic))
 
@@ -221,18 +222,20 @@ def _select_blocks(q_proxy, k_proxy, top_k_blocks, block_size, scale, cu_seqlens
 
 
 def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, *, kl=True,
-                 proxy_scale=None):
-    """proxy_scale (here and in every op below): the proxy scores' scale (None: scale)."""
+                 proxy_scale=None, sinks=None):
+    """proxy_scale (here and in every op below): the proxy scores' scale (None: scale). sinks: out scaled by each
+    row's kept mass in the combine, lse sink-free (flash_msa_rt.ops.library's msa_forward contract)."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     if kl:
         q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
         return sparse_fwd.msa_forward_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v)),
                                            block_indices.contiguous(), block_size, scale, keep_lists=True,
-                                           proxy_scale=proxy_scale)
+                                           proxy_scale=proxy_scale, sinks=sinks)
     # The main attention alone (the same sparse_fwd and combine launches): lse_proxy and kl_rows come from msa_kl
     # in the backward, whose plans take the sorted lists this forward keeps (sparse_plan.chunk_plans).
     out, lse, _, _ = sparse_fwd.msa_forward_cuda(None, None, *(_tma_ready(t) for t in (q, k, v)),
-                                                 block_indices.contiguous(), block_size, scale, keep_lists=True)
+                                                 block_indices.contiguous(), block_size, scale, keep_lists=True,
+                                                 sinks=sinks)
     return out, lse, *_no_kl(q_proxy)
 
 

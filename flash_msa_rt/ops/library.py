@@ -16,14 +16,13 @@ are passed to the backward op as None instead of materialised zeros. A backward 
 its forward ran under (flash_msa_rt.tuning.override): autograd runs it on its own threads.
 
 Options of issue 58 (docs/msa-semantics.md): local_blocks reaches the selection; proxy_scale (None: the main
-scale) the KL pass and the proxy backward; sinks (float32 (H,) or None) never reach a backend: the forwards'
-bodies scale the backend's out by 1 - p_sink (flash_msa_rt.ops.sinks) and return the sink-free lse0 as `lse` (the
-KL target's; the softmax's lse is logaddexp(lse, sinks)), except block_sparse_forward, which returns the
-sink-including lse (it has no KL). The backward bodies run the backend's backward once, on lse0 with the upstream
-gradient scaled by 1 - p_sink per row (exact for the sink-adjusted softmax, and tau stays sink-free: _sinks_folded),
-and the autograd rules add d sinks. A backend sees proxy_scale (and select
-local_blocks) only where it differs from the default, and its config says so, so a kernel backend that lacks
-one declines exactly those calls.
+scale) the KL pass and the proxy backward; sinks (float32 (H,) or None): msa_forward's implementation takes them and
+returns out scaled by 1 - p_sink with the sink-free lse0 as `lse` (the KL target's; the softmax's lse is
+logaddexp(lse, sinks)); the warmup forward scales its backend's out itself (flash_msa_rt.ops.sinks), and
+block_sparse_forward returns the sink-including lse (it has no KL). The autograd rules fold the sinks into the
+upstream gradient (exact for the sink-adjusted softmax, tau stays sink-free: _fold_sinks) and run the backward as
+without them, and add d sinks. A backend sees proxy_scale (and select local_blocks, msa_forward sinks) only where
+given, and its config says so, so a kernel backend that lacks one declines exactly those calls.
 
 KL value modes (kl_value of the public API): with kl=False the forwards skip the KL pass and return zeros for
 lse_proxy and kl_rows; their backward runs the KL pass (msa_kl, warmup_kl: the same kernels on the same lse, so the
@@ -226,22 +225,24 @@ def msa_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tenso
                                 cu_seqlens_k, seqused_k, kl, sinks, proxy_scale, max_seqlen)
 
 
-def _with_sinks(outputs: tuple, sinks) -> tuple:
-    """A forward's (out, lse0, ...) with out scaled by 1 - p_sink (lse stays lse0: the backward and KL need it)."""
-    if sinks is None:
-        return outputs
-    out, lse0, *rest = outputs
-    return (_sinks.scale_out_(out, lse0, _sinks.lse_with(lse0, sinks)), lse0, *rest)
-
-
 def msa_forward_body(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
                      seqused_k=None, kl=True, sinks=None, proxy_scale=None, max_seqlen=None):
     """msa_forward's body (the custom op's and the eager path's)."""
-    impl = _impl("msa_forward", q, _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k, proxy_scale))
-    return _with_sinks(_stats(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, block_indices, block_size,
-                                           scale, cu_seqlens, **_kl_flag(kl), **_proxy_scale(proxy_scale),
-                                           **_key_offsets("msa_forward", cu_seqlens, cu_seqlens_k, seqused_k))),
-                       sinks)
+    # The sinks reach the implementation, which returns out scaled by 1 - p_sink and lse0 (the kernels scale out in
+    # their combine, no pass of its own; the reference around its forward: sinks.scaled_outputs); the config says so, so
+    # a kernel build without the sink combine declines exactly those calls.
+    config = _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k, proxy_scale)
+    if sinks is not None:
+        config["sinks"] = True
+    impl = _impl("msa_forward", q, config)
+    return _stats(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, block_indices, block_size, scale,
+                               cu_seqlens, **_kl_flag(kl), **_proxy_scale(proxy_scale), **_sinks_kw(sinks),
+                               **_key_offsets("msa_forward", cu_seqlens, cu_seqlens_k, seqused_k)))
+
+
+def _sinks_kw(sinks) -> dict:
+    """sinks for an msa_forward implementation, only where given."""
+    return {} if sinks is None else {"sinks": sinks}
 
 
 def _msa_outputs_fake(q_proxy, q):
@@ -522,7 +523,7 @@ def warmup_forward_body(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, cu_se
     """warmup_forward's body (the custom op's and the eager path's)."""
     impl = _impl("warmup_forward", q, _msa_config(q_proxy, q, k, None, cu_seqlens, cu_seqlens_k, proxy_scale))
     keys = dict(_key_offsets("warmup_forward", cu_seqlens, cu_seqlens_k, seqused_k), **_proxy_scale(proxy_scale))
-    return _with_sinks(_stats(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, scale, cu_seqlens,
+    return _sinks.scaled_outputs(_stats(q, *_planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, scale, cu_seqlens,
                                            **_kl_flag(kl), **keys)), sinks)
 
 

@@ -94,6 +94,16 @@ def scale_out_(out0: torch.Tensor, lse0: torch.Tensor, lse: torch.Tensor) -> tor
     return out0
 
 
+def scaled_outputs(outputs: tuple, sinks: torch.Tensor | None) -> tuple:
+    """A forward's (out, lse0, ...) with out scaled by 1 - p_sink in place (lse stays lse0: the backward and the KL
+    need it): the sink step of a forward whose implementation does not take sinks (warmup's cuDNN main attention,
+    the reference's msa_forward)."""
+    if sinks is None:
+        return outputs
+    out, lse0, *rest = outputs
+    return (scale_out_(out, lse0, lse_with(lse0, sinks)), lse0, *rest)
+
+
 def scaled_grad_and_delta(grad_out: torch.Tensor, out: torch.Tensor, lse0: torch.Tensor,
                           lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dO', delta): dO' = grad_out (B, S, H, D) times exp(lse0 - lse) per row, a new tensor in grad_out's dtype

@@ -39,9 +39,12 @@ def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, t: Spa
             "threads": 256, "stages": t.stages, "mma": t.mma, "schedule": t.schedule}
 
 
-def combine_config(dtype: str, head_dim: int, block_size: int, group: int, t: SparseFwdTuning) -> dict:
+def combine_config(dtype: str, head_dim: int, block_size: int, group: int, t: SparseFwdTuning,
+                   sinks: bool = False) -> dict:
+    """The combine's variant; sinks: the one that also scales out by each row's kept mass (scale_rows 1, built at
+    the widest heads per warp only)."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "threads": 256,
-            "heads_per_warp": t.combine_heads}
+            "heads_per_warp": t.combine_heads, "scale_rows": int(sinks)}
 
 
 def combine_kl_config(block_size: int) -> dict:
@@ -79,11 +82,11 @@ def choice(arch: str, group: int, head_dim: int = 128, block_size: int = 128, B:
 
 
 def variants(dtype: str, head_dim: int, proxy_head_dim: int, block_size: int, group: int,
-             arch: str = "sm90a") -> list[tuple[str, dict]]:
-    """Every (op, config) one forward launches on arch."""
+             arch: str = "sm90a", sinks: bool = False) -> list[tuple[str, dict]]:
+    """Every (op, config) one forward launches on arch (sinks: a forward with attention sinks)."""
     t = choice(arch, group, head_dim, block_size)
     return [("sparse_fwd", kernel_config(dtype, head_dim, block_size, group, t)),
-            ("sparse_combine", combine_config(dtype, head_dim, block_size, group, t)),
+            ("sparse_combine", combine_config(dtype, head_dim, block_size, group, t, sinks)),
             ("sparse_kl", kl_config(dtype, head_dim, block_size, group, t)),
             ("sparse_combine_kl", combine_kl_config(block_size))] + list_kernel_configs(block_size, arch=arch)
 
@@ -216,7 +219,7 @@ def equal_chunk(S: int, block_size: int, per_query: int, budget: int) -> int:
 
 
 def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, arch: str | None = None,
-                     keep_lists: bool = False, proxy_scale=None):
+                     keep_lists: bool = False, proxy_scale=None, sinks=None):
     """(out (B, S, H, D), lse (B, H, S), lse_proxy (B, Hp, S), kl_rows (B, Hp, S)) on a CUDA device.
 
     k, v, k_proxy may hold Sk >= S keys: query row i then sits at key position Sk - S + i (bottom-right causal
@@ -232,6 +235,8 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     keep_lists: the plan's sorted lists stay on block_indices for the MSA backward's plan (chunk_plans'), which
     takes them instead of sorting the selection again.
     proxy_scale: the proxy scores' scale in the KL pass (None: scale, the main scores').
+    sinks: None or float32 (H,) sink logits: the combine scales out by each row's kept mass 1 - p_sink; lse (and so
+    the KL pass) stays sink-free (flash_msa_rt.ops.sinks).
     """
     B, S, H, D = q.shape
     Hp, K = block_indices.shape[1], block_indices.shape[3]
@@ -242,7 +247,8 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     arch = arch or arch_of(dev)
     t = choice(arch, G, D, block_size, B, S, H)
     fwd = get_kernel("sparse_fwd", kernel_config(dt, D, block_size, G, t), dev)
-    combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G, t), dev)
+    combine = get_kernel("sparse_combine", combine_config(dt, D, block_size, G, t, sinks is not None), dev)
+    sink_args = {} if sinks is None else {"sinks": sinks.detach().to(torch.float32).contiguous()}
     if proxy:
         kl_cfg = kl_config(dt, D, block_size, G, t)
         kl = get_kernel("sparse_kl", kl_cfg, dev)
@@ -283,7 +289,8 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
             fwd(q=q_c, k=k_c, v=v_c, o_part=o_part, lse_part=lse_part, scale=float(scale), hp=c,
                 hp_per_hk=hc.per_kv, **_plan_args(plan))
             combine(block_indices=sel, o_part=o_part, lse_part=lse_part, out=rows(hc.view(out, 2, "main"), 1, s0, s1),
-                    lse=rows(lse_c, 2, s0, s1), query_offset=key_offset + s0)
+                    lse=rows(lse_c, 2, s0, s1), query_offset=key_offset + s0,
+                    **{n: hc.view(x, 0, "main") for n, x in sink_args.items()})
             if not proxy:
                 continue
             kl_part = rows(kl_buf, 0, 0, kl_plan[0].E)

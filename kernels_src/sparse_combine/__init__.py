@@ -10,6 +10,9 @@ One warp per (b, p, i) row and heads_per_warp of its G heads (lane l owns 16 con
 partial rows at the widest), one pass with an online rescale; the partial buffers are read once (the op is bound
 by that read, ~2 bytes per partial element, once each slot's index, lse and rescale are spread over enough
 elements: at one head per warp, 4 elements per lane, the ALU pipe limited it; kernels_src/sparse_fwd/NOTES.md).
+scale_rows = 1 (attention sinks, flash_msa_rt.ops.sinks): out is also scaled by k = 1 / (1 + exp(sinks[h] - lse))
+= 1 - p_sink, the row's kept mass under its head's sink, in the same pass (one rounding), while lse stays the
+sink-free one that the KL pass and the backward read: the op's forward then needs no pass over out of its own.
 This module does not import cutlass.
 """
 
@@ -43,6 +46,7 @@ class Config:
     group: int = 4
     threads: int = 32 * ROWS_PER_CTA
     heads_per_warp: int = 4  # of the row's G heads, one warp's (a divisor of G)
+    scale_rows: int = 0  # 1: out scaled by the sink's kept mass (sinks (H,) float32)
 
     def variant_name(self, arch: str) -> str:
         return variant_name(OP, dataclasses.asdict(self), arch)
@@ -53,15 +57,17 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     ds = matrix.head_dims(head_dims)
     bss = matrix.block_sizes(block_sizes)
     # The widest split ships; one head per warp stays built for A/B runs (sparse_fwd.COMBINE_HEADS_PER_WARP = 1).
-    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, heads_per_warp=hw) for dt in dts for d in ds
-            for bs in bss for g in GROUPS for hw in sorted({1, widest_heads(g, d)})]
+    # With sinks (scale_rows 1) the widest split only.
+    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, heads_per_warp=hw, scale_rows=r) for dt in dts
+            for d in ds for bs in bss for g in GROUPS for hw in sorted({1, widest_heads(g, d)})
+            for r in ((0, 1) if hw == widest_heads(g, d) else (0,))]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     g, d = config.group, config.head_dim
     splits = tuple(h for h in range(1, widest_heads(g, d) + 1) if g % h == 0)
     return verdict(refusal(config, arch, dtype=DTYPES, head_dim=matrix.HEAD_DIMS, block_size=matrix.BLOCK_SIZES, group=GROUPS,
-                           threads=(32 * ROWS_PER_CTA,), heads_per_warp=splits,
+                           threads=(32 * ROWS_PER_CTA,), heads_per_warp=splits, scale_rows=(0, 1),
                            notes={"head_dim": "32 lanes x a whole number of elements", "threads": "one warp per row",
                                   "heads_per_warp": f"divisors of G with at most {LANE_ELEMENTS} elements per lane "
                                                     f"(hw D / 32)"}))
@@ -75,6 +81,7 @@ def params(config: Config) -> tuple:
         TensorParam("lse_part", "f32", ("E", g), (g, 1), align=4),
         TensorParam("out", config.dtype, ("B", "S", "H", d), ("i64", "i64", "i64", 1), align=16),
         TensorParam("lse", "f32", ("B", "H", "S"), ("i64", "i64", 1), align=4),
+        *((TensorParam("sinks", "f32", ("H",), (1,), align=4),) if config.scale_rows else ()),
         ScalarParam("query_offset", "i32"),  # row r is query query_offset + r (the forward runs in query chunks)
     )
 

@@ -78,11 +78,18 @@ class SparseCombine(RowWarps):
     @cute.jit
     def __call__(self, block_indices: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, out: cute.Tensor,
                  lse: cute.Tensor, query_offset: cutlass.Int32, stream: cuda.CUstream):
-        self.kernel(block_indices, o_part, lse_part, out, lse, query_offset).launch(
+        self.kernel(block_indices, o_part, lse_part, out, lse, None, query_offset).launch(
+            grid=self.row_grid(block_indices), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.jit
+    def call_sinks(self, block_indices: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, out: cute.Tensor,
+                   lse: cute.Tensor, sinks: cute.Tensor, query_offset: cutlass.Int32, stream: cuda.CUstream):
+        """The entry of the scale_rows = 1 variants: out also scaled by the head's sink's kept mass."""
+        self.kernel(block_indices, o_part, lse_part, out, lse, sinks, query_offset).launch(
             grid=self.row_grid(block_indices), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, block_indices, o_part, lse_part, out, lse, query_offset: cutlass.Int32):
+    def kernel(self, block_indices, o_part, lse_part, out, lse, sinks, query_offset: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -115,12 +122,19 @@ class SparseCombine(RowWarps):
             # dropped the NaN lse from m but not from total, and `!=` is unordered (true for NaN), so it reaches
             # out and lse.
             inv = cutlass.Float32(0.0)
+            h = p * self.group + g
             if total != 0.0:
                 inv = cute.arch.rcp_approx(total)
+                if cutlass.const_expr(sinks is not None):
+                    # k = 1 / (1 + exp(sink - lse0)) = 1 - p_sink, in log2 units (lse0 = m + log2(total)); a sink
+                    # far above lse0 gives exp2 = inf and k = 0 (the true k is below float32's range); a NaN
+                    # sink reaches out.
+                    over = cute.math.exp2(sinks[h] * LOG2E - m - cute.math.log2(total, fastmath=True),
+                                          fastmath=True)
+                    inv = inv / (1.0 + over)
             res = cute.make_rmem_tensor((self.per_lane,), self.dtype)
             for e in cutlass.range_constexpr(self.per_lane):
                 res[e] = (acc[e] * inv).to(self.dtype)
-            h = p * self.group + g
             row_out = out[b, i, h, None]
             ptr = cute.make_ptr(self.dtype, row_out.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16)
             dst = cute.local_tile(cute.make_tensor(ptr, cute.make_layout(self.head_dim)), (self.per_lane,), (t,))
