@@ -2,10 +2,10 @@
 against the same call without, interleaved round by round in one process (the card's clock drifts by more than the
 difference), deferred KL, bf16 selection, 128K tokens per step unless B is given.
 
-With sinks the op adds one elementwise pass over out in the forward, one over dO (dO' = (1 - p_sink) dO) and the
-delta pass for d sinks in the backward; the kernels' fused tau backward runs as without sinks
-(flash_msa_rt.ops.sinks). The floor of those passes, per step: 3 reads + 2 writes of (B, S, H, D) at 2 bytes over
-the card's bandwidth, printed beside each problem.
+With sinks the forward's combine scales out in its merge (no pass of its own), and the backward adds one row pass
+(the bwd_delta kernel's scale_rows variant: reads dO and out, writes dO' = (1 - p_sink) dO and delta for d sinks);
+the kernels' fused tau backward runs as without sinks (flash_msa_rt.ops.sinks). The floor of that pass, per step:
+2 reads + 1 write of (B, S, H, D) at 2 bytes over the card's bandwidth, printed beside each problem.
 
 Usage: python benchmarks/bench_sinks.py a:16384 b:65536 c:131072 ... [--rounds 5] [--reps 3] [--out FILE]
 """
@@ -85,8 +85,8 @@ def kernel_diff(steps: dict, n: int = 3) -> list[dict]:
 
 
 def elementwise_floor_ms(B: int, S: int, H: int, D: int) -> float:
-    """The sink passes' bytes over the bandwidth: out read + written, dO read and dO' written, dO and out read."""
-    return 6 * 2 * B * S * H * D / BANDWIDTH_BYTES_S * 1e3
+    """The sink row pass's bytes over the bandwidth: dO and out read, dO' written."""
+    return 3 * 2 * B * S * H * D / BANDWIDTH_BYTES_S * 1e3
 
 
 def main(argv=None):
@@ -102,7 +102,7 @@ def main(argv=None):
                   kl_value=a.kl_value, rounds=a.rounds, reps=a.reps, top_k=TOP_K,
                   method="CUDA events around each public fwd + bwd step, the L2 flushed before each outside the "
                          "events; per round the median of --reps steps, settings interleaved round by round",
-                  floor="6 * 2 bytes * B*S*H*D / 3.35e12 B/s (the sink passes' traffic on an H100)",
+                  floor="3 * 2 bytes * B*S*H*D / 3.35e12 B/s (the sink row pass's traffic on an H100)",
                   problems={})
     for spec in a.specs:
         x, steps = sink_steps(spec, a.kl_value)
@@ -116,7 +116,7 @@ def main(argv=None):
                       f"{k['name'][:90]}")
         result["problems"][spec] = r
         print(f"{spec} (B={x['B']}): none {r['none']['step_ms_median']:.2f} ms, sinks "
-              f"{r['sinks']['step_ms_median']:.2f} ms ({(r['ratio'] - 1) * 100:+.1f} %; the sink passes' floor "
+              f"{r['sinks']['step_ms_median']:.2f} ms ({(r['ratio'] - 1) * 100:+.1f} %; the sink pass's floor "
               f"{r['floor_ms']:.2f} ms)", flush=True)
         del x, steps
         torch.cuda.empty_cache()
