@@ -47,7 +47,7 @@ def test_alternates_are_opt_in_and_their_shipped_twins_default():
             "sparse_fwd_bf16_d128_b128_g4_m128_t256_s1_mmawgmma_schedpingpong_sm90a",
         "sparse_kl_bf16_d128_b128_g4_m64_n128_t256_s2_mmawgmma_schedlockstep_kl1_sm90a":
             "sparse_kl_bf16_d128_b128_g4_m64_n128_t256_s1_mmawgmma_schedpingpong_kl1_sm90a",
-        "sparse_combine_bf16_d128_b128_g4_t256_hw1_sm90a": "sparse_combine_bf16_d128_b128_g4_t256_hw4_sm90a",
+        "sparse_combine_bf16_d128_b128_g4_t256_hw1_sr0_sm90a": "sparse_combine_bf16_d128_b128_g4_t256_hw4_sr0_sm90a",
         "sparse_bwd_bf16_d128_b128_g4_m64_n128_t256_s2_mmawgmma_tauout1_det0_sm90a":
             "sparse_bwd_bf16_d128_b128_g4_m64_n128_t384_s2_mmawgmma_tauout1_det0_sm90a",
         "sparse_bwd_proxy_bf16_d128_b128_g4_m64_n128_t256_s2_mmawgmma_headsstepped_det0_kl0_sm90a":

@@ -23,15 +23,15 @@ FAMILIES = ("sparse_fwd", "sparse_combine", "sparse_kl", "sparse_combine_kl", "s
 def test_sparse_kernels_build(tmp_path, arch):
     specs = [s for s in variants((arch,), sets="all", only=["sparse_*_bf16_*g4_*", "sparse_combine_kl_*"],
                                  head_dims=(128,)) if s.op in FAMILIES]
-    # Every build set (the A/B alternates too). The combine twice on both: the widest heads per warp (shipped) and
-    # one head per warp (A/B runs).
+    # Every build set (the A/B alternates too). The combine three times on both: the widest heads per warp
+    # (shipped), the same with attention sinks (scale_rows 1) and one head per warp (A/B runs).
     # sm90a builds every family but the combines twice: mma.sync and wgmma (Hopper only); the forward and the KL
     # pass on wgmma once more each, with their warpgroups in ping-pong (the forward twice: one and two q buffers),
     # the proxy backward with resident heads, and the main backward writing tau, with atomics and deterministic
     # (the proxy kernel reading it is built at g1 only), the atomic one also warp-specialised (a producer warpgroup)
     extra = ["sparse_fwd", "sparse_fwd", "sparse_fwd", "sparse_kl", "sparse_kl", "sparse_bwd", "sparse_bwd",
              "sparse_bwd", "sparse_bwd", "sparse_bwd_proxy", "sparse_bwd_proxy"] if arch == "sm90a" else []
-    assert sorted(s.op for s in specs) == sorted([*FAMILIES, "sparse_combine", *extra])
+    assert sorted(s.op for s in specs) == sorted([*FAMILIES, "sparse_combine", "sparse_combine", *extra])
     outcomes = build(specs, tmp_path, jobs=2, progress=False)
     assert all(o.status == "built" for o in outcomes), outcomes
     manifest = Manifest.from_json(json.loads((tmp_path / arch / "manifest.json").read_text()))

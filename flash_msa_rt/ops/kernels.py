@@ -334,12 +334,11 @@ _cudnn_failed: dict = {}  # device index -> the error cuDNN's attention raised t
 def _dense_main(q) -> bool:
     """cuDNN runs warmup's main attention when this torch has the operators (dense_main.available), cuDNN is
     usable and has not refused this device; otherwise the sparse kernels run it with every causal block
-    selected (as for tensors off CUDA, whatever this torch's build). A one-token sequence (a packed document of
-    length 1) goes to the sparse kernels too: cuDNN refuses s_q = s_kv = 1 (H200, cuDNN frontend), which must not
-    mark the device as refusing."""
+    selected. A one-token sequence (a packed document of length 1) goes to the sparse kernels too: cuDNN refuses
+    s_q = s_kv = 1 (H200, cuDNN frontend), which must not mark the device as refusing."""
     index = q.device.index if q.device.type == "cuda" and q.device.index is not None else 0
-    return (q.is_cuda and _warmup_tuning(q).dense_main and dense_main.available() is None
-            and torch.backends.cudnn.is_available() and index not in _cudnn_failed and q.shape[1] > 1)
+    return (_warmup_tuning(q).dense_main and dense_main.available() is None and torch.backends.cudnn.is_available()
+            and index not in _cudnn_failed and q.shape[1] > 1)
 
 
 def _warmup_tuning(q) -> tuning_warmup.WarmupTuning:
