@@ -1,5 +1,5 @@
 """Attention sinks on every backend (docs/msa-semantics.md, "Attention sinks"): row-wise steps around the sink-free
-ops, so no attention kernel needs to know about them.
+attention, whose products never see the sinks (only the sparse forward's merge folds its step in).
 
 Forward: a backend computes out0 and lse0 over the allowed keys; the sink joins the softmax's denominator only,
 so lse = logaddexp(lse0, sink) and out = out0 * k, k = exp(lse0 - lse) = 1 - p_sink per row.
@@ -9,10 +9,12 @@ P = k P0, so one backward call on lse0 with dO' = k dO serves both: dV = P^T dO 
 delta' = <dO', out> = k delta, so P0 (dP' - delta') = P (dP - delta) = dS, while tau reads P0 as without sinks (the
 kernels' fused tau path keeps running). d sink = - sum over (b, i) of exp(sink - lse) * delta.
 
-The row passes run on the bwd_delta kernel where one is built for the tensors (scale_rows = 1: dO read once, dO' and
-delta written in the same pass; the forward's out0 scaled in place), else in torch (float32 products, one rounding;
-delta in query-row chunks, so no full-size float32 temporary exists). The autograd rules call them through the
-custom ops flash_msa_rt.ops.library.sink_rows / sink_delta (a kernel launch is opaque to torch.compile).
+The sparse forward's kernels scale out in their combine (kernels_src/sparse_combine, scale_rows = 1). The other row
+passes run on the bwd_delta kernel where one is built for the tensors (scale_rows = 1: dO read once, dO' and delta
+written in the same pass; warmup's, block-sparse attention's and the reference's out0 scaled in place), else in
+torch (float32 products, one rounding; delta in query-row chunks, so no full-size float32 temporary exists). The
+autograd rules call them through the custom ops flash_msa_rt.ops.library.sink_rows / sink_delta (a kernel launch
+is opaque to torch.compile).
 """
 
 from __future__ import annotations
