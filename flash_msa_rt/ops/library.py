@@ -228,9 +228,9 @@ def msa_forward(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: Tenso
 def msa_forward_body(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu_seqlens=None, cu_seqlens_k=None,
                      seqused_k=None, kl=True, sinks=None, proxy_scale=None, max_seqlen=None):
     """msa_forward's body (the custom op's and the eager path's)."""
-    # The sinks reach the implementation, which returns out scaled by 1 - p_sink and lse0 (the kernels scale out in
-    # their combine, no pass of its own; the reference around its forward: sinks.scaled_outputs); the config says so, so
-    # a kernel build without the sink combine declines exactly those calls.
+    # The sinks reach the implementation, which returns out scaled by 1 - p_sink and lse0 (the kernels scale out
+    # in their combine, no pass of its own; the reference around its forward: sinks.scaled_outputs); the config
+    # says so, so a kernel build without the sink combine declines exactly those calls.
     config = _msa_config(q_proxy, q, k, block_size, cu_seqlens, cu_seqlens_k, proxy_scale)
     if sinks is not None:
         config["sinks"] = True
@@ -365,8 +365,8 @@ def msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indi
         return _planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, out, lse_rows, lse_proxy, block_indices,
                         block_size, scale, grad_out, kl_grad, cu_seqlens, **extra)
 
-    return _grads_like((q_proxy, k_proxy, q, k, v), _sinks_folded(run, out, lse, sinks, grad_out, kl_grad,
-                                                                                 kl_metric))
+    grads = _sinks_folded(run, out, lse, sinks, grad_out, kl_grad, kl_metric)
+    return _grads_like((q_proxy, k_proxy, q, k, v), grads)
 
 
 def _sinks_folded(run, out, lse, sinks, grad_out, kl_grad, kl_metric) -> tuple:
@@ -374,7 +374,7 @@ def _sinks_folded(run, out, lse, sinks, grad_out, kl_grad, kl_metric) -> tuple:
     with or without sinks. With them, lse is lse0 (the KL target's) and grad_out becomes exp(lse0 - lse) grad_out:
     flash_msa_rt.ops.sinks shows that the main gradients are then the sink-adjusted softmax's while tau stays the
     sink-free one, so the kernels' fused tau path serves both. (The autograd rules fold the sinks themselves,
-_fold_sinks, and call the backward without them; this serves a direct call of the op with sinks.)"""
+    _fold_sinks, and call the backward without them; this serves a direct call of the op with sinks.)"""
     if sinks is None or grad_out is None:
         return run(lse, grad_out, kl_grad, kl_metric)
     scaled, _ = _sinks.scaled_grad_and_delta(grad_out, out, lse, _sinks.lse_with(lse, sinks))
@@ -607,8 +607,8 @@ def warmup_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, 
         return _planned(max_seqlen, impl, q_proxy, k_proxy, q, k, v, out, lse_rows, lse_proxy, scale, grad_out,
                         kl_grad, cu_seqlens, **extra)
 
-    return _grads_like((q_proxy, k_proxy, q, k, v), _sinks_folded(run, out, lse, sinks, grad_out, kl_grad,
-                                                                                 kl_metric))
+    grads = _sinks_folded(run, out, lse, sinks, grad_out, kl_grad, kl_metric)
+    return _grads_like((q_proxy, k_proxy, q, k, v), grads)
 
 
 @warmup_backward.register_fake
