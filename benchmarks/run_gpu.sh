@@ -4,7 +4,8 @@
 # run the opt-in alternates, through flash_msa_rt.tuning.override). This script builds nothing:
 #   FLASH_MSA_COMMIT=<the hash, written out here: git on the GPU machine holds an older HEAD> \
 #     bash benchmarks/run_gpu.sh [tests|bench|core|producer|long|dp64|cp|warmup|all]
-# tests: environment, every GPU test, compute-sanitizer on every kernel family (~220 s); bench: the benchmarks;
+# tests: environment, every GPU test, compute-sanitizer on every kernel family and every matrix point (~220 s on
+# the H200 before the matrix points were added); bench: the benchmarks;
 # core: only the whole-op benchmarks against cuDNN (B * S = 128K tokens, and B = 1 in (a)), which fit one
 # 10-minute device call (~160 s); producer: the warp-specialised main backward's checks, on and off (~150 s);
 # long: bf16 against fp8 selection, at 128K tokens per step and at B = 1 up to 1M tokens; dp64: (b) with a proxy
@@ -182,6 +183,12 @@ torch.cuda.synchronize()
       timeout 200 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
         python3 benchmarks/sanitize_plan.py 2>&1 | tail -2 | sed "s/^/[$tool plan] /" | tee -a "$out/sanitizer.log" \
         || status=1
+      # every other (D, Dp, Bs) point of the matrix, attention sinks included (cuDNN's own kernels excluded by
+      # name, initcheck without warmup: benchmarks/sanitize_matrix.py says why)
+      extra=(); [[ $tool == initcheck ]] && extra=(--no-warmup)
+      timeout 200 compute-sanitizer --tool "$tool" --report-api-errors no --kernel-name-exclude kns=cudnn \
+        --error-exitcode 9 python3 benchmarks/sanitize_matrix.py "${extra[@]}" 2>&1 | tail -2 \
+        | sed "s/^/[$tool matrix] /" | tee -a "$out/sanitizer.log" || status=1
     done
   fi
 fi
