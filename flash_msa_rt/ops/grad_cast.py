@@ -17,8 +17,8 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _VECTOR_BYTES = 16
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    """Unit-stride rows on 16-byte boundaries (the kernel's vector accesses)."""
+def aligned_rows(t: torch.Tensor) -> bool:
+    """Unit-stride rows on 16-byte boundaries (the row kernels' vector accesses: grad_cast, bwd_delta)."""
     per_vector = _VECTOR_BYTES // t.element_size()
     return t.stride(-1) == 1 and t.data_ptr() % _VECTOR_BYTES == 0 and all(s % per_vector == 0 for s in t.stride()[:-1])
 
@@ -32,7 +32,7 @@ def _kernel_config(acc: torch.Tensor, grad: torch.Tensor) -> dict | None:
     D = grad.shape[3]
     if D not in built_values("grad_cast", "head_dim", arch_of(grad.device), dtype=dt):
         return None
-    if not (_aligned(acc) and _aligned(grad)):
+    if not (aligned_rows(acc) and aligned_rows(grad)):
         return None
     return {"dtype": dt, "head_dim": D, "threads": 256}
 

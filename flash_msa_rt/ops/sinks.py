@@ -23,6 +23,7 @@ import torch
 
 from flash_msa_rt.loader import built_values, get_kernel
 from flash_msa_rt.ops.device import arch_of
+from flash_msa_rt.ops.grad_cast import aligned_rows
 from flash_msa_rt.ops.sparse_bwd import delta_config
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -71,8 +72,7 @@ def _rows_kernel(rows: tuple, stats: tuple = (), scale_rows: bool = False) -> di
     if x.shape[3] not in built_values("bwd_delta", "head_dim", arch_of(x.device), dtype=dt,
                                       scale_rows=int(scale_rows)):
         return None
-    if not all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1])
-               for t in rows):
+    if not all(aligned_rows(t) for t in rows):
         return None
     return delta_config(dt, x.shape[3], scale_rows)
 
