@@ -8,6 +8,8 @@ block forced), projections included, B = 1, bf16, random weights. Three ways:
                loss = <out, g> + kl_loss
   hf_sdpa      transformers' own Hopper path: attn_implementation="sdpa", the indexer's fp32 (B, 4, S, S) scores
                and the (B, 64, S, S) block mask (OOM reported as such)
+  msa_unpacked the same with packed=False: each row one sequence, no offsets from position_ids (not in the default
+               methods)
   dense_sdpa   the same block as a full-attention layer: dense causal SDPA (cuDNN first), no indexer
 Reports ms per step, tokens/s and peak memory per length; JSON to benchmarks/results/transformers_m3.json and a
 plot beside it. Targets (issue 54): 128K trains on one H200; msa >= 3x dense_sdpa at 64K and >= 5x at 128K.
@@ -55,10 +57,10 @@ def build(method: str):
             torch.nn.init.normal_(p, std=config.hidden_size ** -0.5)
     block = block.to(device="cuda", dtype=torch.bfloat16)
     handle = None
-    if method == "msa":
+    if method in ("msa", "msa_unpacked"):
         import flash_msa_rt.integrations.transformers as fmt
 
-        handle = fmt.enable_msa_training(block, mode="sparse", kl_value="deferred")
+        handle = fmt.enable_msa_training(block, mode="sparse", kl_value="deferred", packed=method == "msa")
     rotary = m3.MiniMaxM3VLRotaryEmbedding(config).to("cuda")
     return block, rotary, handle
 

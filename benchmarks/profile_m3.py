@@ -41,8 +41,10 @@ def family(name: str) -> str:
     return "other"
 
 
-def kernel_times(step, steps: int = 2) -> dict:
-    """{kernel name: [total ms per step, calls per step]} over `steps` profiled steps after one warm step."""
+def kernel_times(step, steps: int = 2) -> tuple[dict, list]:
+    """({kernel name: [total ms per step, calls per step]}, [[idle ms, kernel before, kernel after], ...]) over
+    `steps` profiled steps after one warm step; the second lists every stretch over 50 us in which no kernel ran
+    (host-bound spans: a sync, or the host enqueueing slower than the device runs), longest first."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -52,12 +54,21 @@ def kernel_times(step, steps: int = 2) -> dict:
             step()
         torch.cuda.synchronize()
     totals = defaultdict(lambda: [0.0, 0])
+    spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             t = totals[e.name]
             t[0] += e.device_time_total / 1e3 / steps
             t[1] += 1
-    return {k: [v[0], v[1] // steps] for k, v in totals.items()}
+            spans.append((e.time_range.start, e.time_range.end, e.name))
+    spans.sort()
+    gaps, reach, last = [], spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start - reach > 50:
+            gaps.append([(start - reach) / 1e3, last[:90], name[:90]])
+        if end > reach:
+            reach, last = end, name
+    return {k: [v[0], v[1] // steps] for k, v in totals.items()}, sorted(gaps, reverse=True)
 
 
 def main(argv=None):
@@ -74,7 +85,7 @@ def main(argv=None):
         block, rotary, handle = build(method)
         step = step_fn(block, rotary, handle, args.seqlen)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
-            kernels = kernel_times(step)
+            kernels, gaps = kernel_times(step)
         total = sum(v[0] for v in kernels.values())
         families = defaultdict(float)
         for name, (ms, _) in kernels.items():
@@ -85,7 +96,11 @@ def main(argv=None):
             print(f"  {fam:28s} {ms:8.2f} ms")
         for name, (ms, calls) in ranked[:args.top]:
             print(f"  {ms:8.2f} ms {calls:4d}x  {name[:150]}")
-        result[method] = {"total_ms": total, "families": dict(families),
+        idle = sum(g[0] for g in gaps) / 2
+        print(f"  idle stretches over 50 us: {idle:.2f} ms per step; longest:")
+        for ms, before, after in gaps[:10]:
+            print(f"    {ms:7.2f} ms after {before} / before {after}")
+        result[method] = {"total_ms": total, "families": dict(families), "idle_ms": idle, "gaps": gaps[:40],
                           "kernels": [[n, ms, c] for n, (ms, c) in ranked]}
         del block, rotary, handle, step
         torch.cuda.empty_cache()

@@ -535,8 +535,7 @@ def _captured(monkeypatch):
 
     monkeypatch.setattr(packed, "capturing", lambda cu: True)
     monkeypatch.setattr(offsets, "capturing", lambda cu: True)
-    monkeypatch.setattr(offsets, "host_offsets", lambda cu: pytest.fail("offsets read on the host under capture"))
-    monkeypatch.setattr(packed, "host_offsets", lambda cu: pytest.fail("offsets read on the host under capture"))
+    monkeypatch.setattr(offsets, "_read", lambda cu: pytest.fail("offsets read on the host under capture"))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])

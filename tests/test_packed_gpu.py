@@ -330,3 +330,44 @@ def test_side_streams_compute_what_one_stream_does(separate_keys):
     for streams in (2, 4):
         same = [torch.equal(a, b) for a, b in zip(results[1], results[streams])]
         assert all(same), (streams, same)
+
+
+# warmup's backward has no deterministic kernels (dispatch runs the reference there): atomics only
+@pytest.mark.parametrize("sparse, deterministic", [(True, False), (True, True), (False, False)],
+                         ids=["sparse-atomics", "sparse-deterministic", "warmup-atomics"])
+def test_a_packs_deferred_kl_comes_from_the_backward_and_equals_exact(launched_kernels, tuned, sparse,
+                                                                       deterministic):
+    """kl_value="deferred" on a pack (runs, a padded bucket, an empty and a one-token document): the value comes
+    from the proxy backward's kl_value variant (packed._PackKL: one mean over the pack's real rows), with no KL
+    pass of its own in the backward, and equals exact mode's within 1e-3 relative; the gradients equal exact
+    mode's up to the atomics' order (bitwise in deterministic mode)."""
+    tuned(kl_value={"forward_pass_rows": 0})
+    lengths = [300, 0, 200, 130, 1, 700, 700]
+    ins, cu, dout, _ = _pack(lengths, 8, 2, 2, 1, torch.bfloat16, seed=21)
+    fn = F.flash_msa_varlen_func if sparse else F.flash_msa_warmup_varlen_func
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    runs = {}
+    try:
+        for kl_value in ("exact", "deferred"):
+            leaves = [t[0].clone().requires_grad_() for t in ins.values()]
+            metric = torch.zeros((), device="cuda")
+            del launched_kernels[:]
+            out, kl = fn(*leaves, cu, max(lengths), 256, kl_metric=metric, kl_value=kl_value)
+            ((out.float() * dout[0].float()).sum() + 0.3 * kl).backward()
+            torch.cuda.synchronize()
+            runs[kl_value] = (float(kl) if kl_value == "exact" else float(metric), [t.grad for t in leaves],
+                              sorted(set(launched_kernels)))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    (exact, grads_e, _), (deferred, grads_d, names) = runs["exact"], runs["deferred"]
+    family = "sparse" if sparse else "warmup"
+    assert not any(n.startswith(f"{family}_kl_") and "_kl1_" in n for n in names), names
+    assert any(n.startswith(f"{family}_bwd_proxy_") and "_kl1_" in n for n in names), names
+    print(f"\n{family} pack: exact KL {exact:.6f}, deferred {deferred:.6f}")
+    assert exact > 0 and abs(deferred - exact) <= 1e-3 * exact
+    for name, e, d in zip(NAMES, grads_e, grads_d):
+        if deterministic:
+            assert torch.equal(e, d), f"d{name}: exact and deferred differ in deterministic mode"
+        else:
+            torch.testing.assert_close(d.float(), e.float(), rtol=2e-2, atol=2e-2 * e.float().abs().max())

@@ -259,10 +259,20 @@ def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu
                                   block_size, scale, with_kl=with_kl, proxy_scale=proxy_scale)
 
 
+def _kl_value_out(rows: torch.Tensor, kl_metric, kl_rows_out) -> None:
+    """A backward's KL rows to whoever asked: the mean into kl_metric (flash_msa_rt.api's kl_loss), or the rows
+    themselves into kl_rows_out (a pack's call: packed.per_sequence averages over the pack's real rows)."""
+    if kl_rows_out is not None:
+        kl_rows_out.append(rows)
+    if kl_metric is not None:
+        kl_metric.copy_(rows.sum() / max(rows.numel(), 1))
+
+
 def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale, grad_out,
-                  kl_grad, cu_seqlens=None, kl_metric=None, proxy_scale=None):
+                  kl_grad, cu_seqlens=None, kl_metric=None, proxy_scale=None, kl_rows_out=None):
     """kl_metric: also the mean KL value into it (deferred mode): from the proxy backward where its kl_value
-    variant runs (the tau path), else from the KL pass."""
+    variant runs (the tau path), else from the KL pass. kl_rows_out (a list; packed.per_sequence's): receives the
+    KL rows (B, Hp, S) instead, for a mean over a pack's real rows."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     deterministic = torch.are_deterministic_algorithms_enabled()
     D, G = q.shape[3], q.shape[2] // q_proxy.shape[2]
@@ -272,14 +282,15 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
     qp, kp = (q_proxy, k_proxy) if native else _proxy_at(q_proxy, k_proxy, D)
     qp, kp, q_, k_, v_, out = (_tma_ready(t) for t in (qp, kp, q, k, v, out))
     grad_out = _tma_ready(grad_out) if grad_out is not None else None
-    kl_rows = [] if kl_metric is not None else None  # the backward appends the rows when it forms them
+    wanted = kl_metric is not None or kl_rows_out is not None
+    kl_rows = [] if wanted else None  # the backward appends the rows when it forms them
     grads = sparse_bwd.msa_backward_cuda(qp, kp, q_, k_, v_, out, lse, lse_proxy, block_indices.contiguous(),
                                          block_size, scale, grad_out, kl_grad, deterministic=deterministic,
                                          kl_rows=kl_rows, proxy_scale=proxy_scale)
-    if kl_metric is not None:
+    if wanted:
         rows = kl_rows[0] if kl_rows else _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size,
                                                   scale, proxy_scale=proxy_scale)[1]
-        kl_metric.copy_(rows.sum() / max(rows.numel(), 1))  # flash_msa_rt.api's kl_loss
+        _kl_value_out(rows, kl_metric, kl_rows_out)
     return grads if native else _proxy_grads(grads, q_proxy, k_proxy, D)
 
 
@@ -409,21 +420,25 @@ def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, *, with_k
 
 
 def _warmup_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad, cu_seqlens=None,
-                     kl_metric=None, proxy_scale=None):
+                     kl_metric=None, proxy_scale=None, kl_rows_out=None):
     """kl_metric: also the mean KL value into it (deferred mode): from the proxy backward where its kl_value
-    variant runs this problem, else from the KL pass."""
+    variant runs this problem, else from the KL pass. kl_rows_out: as _msa_backward's."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
+    wanted = kl_metric is not None or kl_rows_out is not None
     if not _warmup_fits(q_proxy, q):
+        if kl_rows_out is not None:  # the reference forms the rows by its forward again, as it does for a metric
+            kl_rows_out.append(reference_impl("warmup_kl")(q_proxy, k_proxy, q, k, v, lse, scale,
+                                                           proxy_scale=proxy_scale)[1])
         return reference_impl("warmup_backward")(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
                                                  grad_out, kl_grad, cu_seqlens, kl_metric=kl_metric,
                                                  proxy_scale=proxy_scale)
-    kl_rows = [] if kl_metric is not None else None  # the backward appends the rows when it forms them
+    kl_rows = [] if wanted else None  # the backward appends the rows when it forms them
     grads = _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale, grad_out, kl_grad,
                                   kl_rows, proxy_scale)
-    if kl_metric is not None:
+    if wanted:
         rows = kl_rows[0] if kl_rows else _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale,
                                                      proxy_scale=proxy_scale)[1]
-        kl_metric.copy_(rows.sum() / max(rows.numel(), 1))  # flash_msa_rt.api's kl_loss
+        _kl_value_out(rows, kl_metric, kl_rows_out)
     return _proxy_grads(grads, q_proxy, k_proxy, q.shape[3])
 
 

@@ -335,8 +335,8 @@ def msa_backward_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: T
                     seqused_k: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
                     proxy_scale: Optional[float] = None,
                     max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """msa_backward that also writes the mean KL value into kl_metric (deferred KL mode, one sequence), which the
-    kernels form inside the proxy backward."""
+    """msa_backward that also writes the mean KL value into kl_metric (deferred KL mode), which the kernels form
+    inside the proxy backward (a pack's calls: one mean over its real rows, packed._PackKL)."""
     return msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
                              grad_out, kl_grad, cu_seqlens, cu_seqlens_k, seqused_k, sinks, proxy_scale,
                              kl_metric=kl_metric, max_seqlen=max_seqlen)
@@ -450,10 +450,11 @@ def msa_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
     q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, cu_seqlens, cu_seqlens_k, seqused_k, sinks = \
         ctx.saved_tensors
     metric, bound = {}, _bound(getattr(ctx, "max_seqlen", None))
-    if not ctx.kl and grad_kl_rows is not None and cu_seqlens is None:
+    if not ctx.kl and grad_kl_rows is not None and cu_seqlens_k is None:
         # The proxy gradient needs lse_proxy before the backward, the KL value (if asked for) does not: the proxy
         # lse alone here, and the backward forms the value from the tau and pi it computes anyway (on the tau
-        # path; where it cannot, it runs the KL pass itself). Packs keep the whole pass (one mean per pack).
+        # path; where it cannot, it runs the KL pass itself). A pack's calls hand their rows to one mean
+        # (packed._PackKL); separate key offsets keep the whole pass.
         lse_proxy = kl_pass(q_proxy, k_proxy, q, k, v, lse, block_indices, ctx.block_size, ctx.scale, cu_seqlens,
                             cu_seqlens_k, seqused_k, with_kl=False, proxy_scale=ctx.proxy_scale, **bound)[0]
         if ctx.kl_metric is not None:
@@ -640,10 +641,11 @@ def warmup_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
     warmup_backward, the custom ops or their bodies."""
     q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, cu_seqlens, cu_seqlens_k, seqused_k, sinks = ctx.saved_tensors
     metric, bound = {}, _bound(getattr(ctx, "max_seqlen", None))
-    if not ctx.kl and grad_kl_rows is not None and cu_seqlens is None:
+    if not ctx.kl and grad_kl_rows is not None and cu_seqlens_k is None:
         # The proxy gradient needs lse_proxy before the backward, the KL value (if asked for) does not: the proxy
         # lse alone here, and the backward forms the value from the tau and pi it computes anyway (on the
-        # kernels; where it cannot, it runs the KL pass itself). Packs keep the whole pass (one mean per pack).
+        # kernels; where it cannot, it runs the KL pass itself). A pack's calls hand their rows to one mean
+        # (packed._PackKL); separate key offsets keep the whole pass.
         lse_proxy = kl_pass(q_proxy, k_proxy, q, k, v, lse, ctx.scale, cu_seqlens, cu_seqlens_k, seqused_k,
                             with_kl=False, proxy_scale=ctx.proxy_scale, **bound)[0]
         if ctx.kl_metric is not None:

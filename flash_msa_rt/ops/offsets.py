@@ -18,11 +18,41 @@ import weakref
 
 import torch
 
-_HOST: dict[int, tuple] = {}  # id(tensor) -> (weakref to it, its version when read, its values)
+_HOST: dict[int, tuple] = {}  # id(tensor) -> (weakref to it, its version when read, its HostOffsets)
 
 
-def _read(cu: torch.Tensor) -> tuple[int, ...]:
-    return tuple(cu.tolist())
+class HostOffsets:
+    """One read of an offsets tensor on the host and what the packed path derives from it, each formed once.
+    Offsets built at a fixed size on the device (transformers' B * S + 1 entries, most of them empty sequences)
+    hold ~65K entries at 64K tokens: the summaries below are vector operations over the CPU copy (Python loops
+    over such a list took ~11 ms of host time per step, with the device idle behind the read's synchronisation:
+    benchmarks/profile_m3.py at 63dbd7f)."""
+
+    def __init__(self, values: torch.Tensor):
+        self.tensor = values  # int64 on the CPU
+        self._values = self._spans = None
+        self.lengths = values[1:] - values[:-1]
+
+    @property
+    def values(self) -> tuple[int, ...]:
+        if self._values is None:
+            self._values = tuple(self.tensor.tolist())
+        return self._values
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """[start, end) of every non-empty sequence, in order."""
+        if self._spans is None:
+            nonempty = (self.lengths > 0).nonzero().flatten()
+            self._spans = tuple(zip(self.tensor[nonempty].tolist(), self.tensor[nonempty + 1].tolist()))
+        return self._spans
+
+    def longest(self) -> int:
+        return int(self.lengths.max()) if self.lengths.numel() else 0
+
+
+def _read(cu: torch.Tensor) -> torch.Tensor:
+    return cu.to(device="cpu", dtype=torch.int64)
 
 
 def _on_host(cu: torch.Tensor) -> bool:
@@ -36,18 +66,23 @@ def _version(cu: torch.Tensor) -> int | None:
         return None
 
 
-def host_offsets(cu: torch.Tensor) -> tuple[int, ...]:
-    """cu's values as ints; a device tensor is read once per version (one synchronisation)."""
+def host_view(cu: torch.Tensor) -> HostOffsets:
+    """cu read on the host (a device tensor once per version: one synchronisation), with its summaries."""
     if _on_host(cu):
-        return _read(cu)
+        return HostOffsets(_read(cu))
     key, version = id(cu), _version(cu)
     kept = _HOST.get(key)
     if kept is not None and version is not None and kept[0]() is cu and kept[1] == version:
         return kept[2]
-    values = _read(cu)
+    view = HostOffsets(_read(cu))
     if version is not None:
-        _HOST[key] = (weakref.ref(cu, lambda _, key=key: _HOST.pop(key, None)), version, values)
-    return values
+        _HOST[key] = (weakref.ref(cu, lambda _, key=key: _HOST.pop(key, None)), version, view)
+    return view
+
+
+def host_offsets(cu: torch.Tensor) -> tuple[int, ...]:
+    """cu's values as ints (host_view's read)."""
+    return host_view(cu).values
 
 
 # Under CUDA graph capture nothing may be read on the host, and a replay may see new offsets in the same tensor, so

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from flash_msa_rt.ops.device import arch_of
-from flash_msa_rt.ops.offsets import capturing, declared_max_seqlen, host_offsets, plan_bound
+from flash_msa_rt.ops.offsets import capturing, declared_max_seqlen, host_offsets, host_view, plan_bound
 from flash_msa_rt.tuning import packed as tuning_packed
 
 
@@ -130,8 +130,7 @@ def batches(spans: list[tuple[int, int]], paddable: bool, call_pairs: int = 0,
 
 def sequence_spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     """[start, end) of every non-empty sequence (a host read of the offsets, once per offsets tensor: offsets.py)."""
-    bounds = host_offsets(cu_seqlens)
-    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return list(host_view(cu_seqlens).spans)
 
 
 def equal_runs(spans: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -253,8 +252,61 @@ class _DevicePadded(_Padded):
         return flat.index_select(2, self.inverse)
 
 
+class _PackKL:
+    """A backward's kl_metric (deferred KL mode) over a pack run as several calls, or as padded ones: each call
+    hands back its KL rows (the impl's kl_rows_out) rather than writing its own mean, and the metric becomes the
+    mean over the pack's real rows (flash_msa_rt.api's kl_loss: the sum over (p, token) over Hp * total), so the
+    backward's fused KL value serves packs as it serves one sequence."""
+
+    def __init__(self, kl_metric: torch.Tensor | None, total: int):
+        self.kl_metric, self.total, self.sums, self.rows = kl_metric, total, [], 0
+        # the stream that reads the sums (a call may run on a side stream: SideStreams)
+        cuda = kl_metric is not None and kl_metric.is_cuda
+        self.main = torch.cuda.current_stream(kl_metric.device) if cuda else None
+
+    @classmethod
+    def take(cls, kwargs: dict, total: int) -> _PackKL:
+        """The op's kl_metric, taken out of kwargs (None: nothing to do)."""
+        return cls(kwargs.pop("kl_metric", None), total)
+
+    def call_kwargs(self, kwargs: dict, keep: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> dict:
+        """kwargs of one call whose real rows are `keep` (indices among its flattened count * length rows: an eager
+        padded batch) or `valid` ((count, length) bool: the device plan, no host read), all of them without
+        either. The call's rows are summed as it returns (in call order: deterministic)."""
+        if self.kl_metric is None:
+            return kwargs
+        return dict(kwargs, kl_rows_out=_RowsSum(self, keep, valid))
+
+    def written(self, out):
+        if self.kl_metric is not None:
+            heads = self.rows
+            total = torch.stack(self.sums).sum() if self.sums else torch.zeros((), device=self.kl_metric.device)
+            self.kl_metric.copy_(total / max(heads * self.total, 1))
+        return out
+
+
+class _RowsSum(list):
+    """kl_rows_out of one call: append((count, Hp, length) rows) adds the real rows' sum to the pack's."""
+
+    def __init__(self, pack: _PackKL, keep: torch.Tensor | None, valid: torch.Tensor | None):
+        super().__init__()
+        self.pack, self.keep, self.valid = pack, keep, valid
+
+    def append(self, rows: torch.Tensor) -> None:
+        count, heads, length = rows.shape
+        if self.keep is not None:
+            rows = rows.transpose(0, 1).reshape(heads, count * length).index_select(1, self.keep)
+        elif self.valid is not None:  # a padded row's value may be anything (NaN included): where, not a product
+            rows = torch.where(self.valid[:, None, :], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        total = rows.sum(dtype=torch.promote_types(rows.dtype, torch.float32))
+        if self.pack.main is not None:
+            total.record_stream(self.pack.main)
+        self.pack.sums.append(total)
+        self.pack.rows = heads
+
+
 def _on_device_plan(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu: torch.Tensor, total: int,
-                    bound: int | None = None):
+                    bound: int | None, metric: _PackKL):
     """The op on the pack as one padded batch planned on the device (_DevicePadded), bounded by `bound` (the op's
     max_seqlen argument: torch.compile) or else the bound declared beside cu (CUDA graph capture)."""
     bound = bound if bound is not None else declared_max_seqlen(cu)
@@ -272,7 +324,7 @@ def _on_device_plan(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu
         t = piece[i]
         if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[2] == total and total > 1:
             piece[i] = plan.rows(t, 2)
-    result = impl(*piece, **kwargs)
+    result = impl(*piece, **metric.call_kwargs(kwargs, valid=plan.valid))
     if not isinstance(result, (tuple, list)):
         return plan.back(result, spec.outs[0])
     return tuple(plan.back(r, dim) for r, dim in zip(result, spec.outs))
@@ -451,11 +503,14 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
         bound = plan_bound()
         if (bound is not None or capturing(cu)) and total:
             args[spec.cu] = None
-            return _on_device_plan(spec, impl, args, kwargs, cu, total, bound)
+            metric = _PackKL.take(kwargs, total)
+            out = _on_device_plan(spec, impl, args, kwargs, cu, total, bound, metric)
+            return metric.written(out)
         spans = sequence_spans(cu)
         if not spans:
             args[spec.cu] = cu
             return fallback(*args, **kwargs)
+        metric = _PackKL.take(kwargs, total)
         parts, single = [], False
         policy = tuning_packed.choose(arch_of(args[0].device))
         calls = batches(spans, spec.paddable, policy.call_pairs, policy.merge_max_length)
@@ -474,11 +529,11 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
                 t = piece[i]
                 if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[2] == total and total > 1:
                     piece[i] = rows(t, 2)
-            result = side.run(n, impl, piece, kwargs)
+            result = side.run(n, impl, piece, metric.call_kwargs(kwargs, keep=take.keep if take else None))
             single = not isinstance(result, (tuple, list))
             parts.append((batch, take, (result,) if single else tuple(result)))
         side.join()
         out = _assemble(parts, spec.outs, total)
-        return out[0] if single else out
+        return metric.written(out[0] if single else out)
 
     return run

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flash_msa_rt.ops.offsets import host_offsets
+from flash_msa_rt.ops.offsets import host_offsets, host_view
 
 # float64 runs on the reference only (a kernel backend declines it); it is what tests and gradcheck use.
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -251,19 +251,20 @@ def check_cu_seqlens_values(fn: str, cu_seqlens: torch.Tensor, total: int, row_l
     Reads cu_seqlens on the host: one synchronisation, on the varlen path only, which the packed ops' own reads of
     the same tensor then reuse (flash_msa_rt.ops.offsets). Returns the longest sequence.
     """
-    offs = host_offsets(cu_seqlens)
-    if offs[0] != 0 or offs[-1] != total:
+    view = host_view(cu_seqlens)
+    offs = view.tensor
+    if int(offs[0]) != 0 or int(offs[-1]) != total:
         raise ValueError(f"{fn}: {name} must start at 0 and end at the {total} tokens, got "
-                         f"{_short(offs)}")
-    lengths = [b - a for a, b in zip(offs[:-1], offs[1:])]
-    if min(lengths) < 0:
-        raise ValueError(f"{fn}: {name} must be non-decreasing, got {_short(offs)}")
+                         f"{_short(view.values)}")
+    if bool((view.lengths < 0).any()):
+        raise ValueError(f"{fn}: {name} must be non-decreasing, got {_short(view.values)}")
     if row_len is not None:
-        missing = sorted(set(range(0, total + 1, row_len)) - set(offs))
-        if missing:
+        rows = torch.arange(0, total + 1, row_len)
+        absent = ~torch.isin(rows, offs)
+        if bool(absent.any()):
             raise ValueError(f"{fn}: cu_seqlens over the flattened batch * seqlen tokens must contain every batch-"
-                             f"row boundary (multiples of seqlen={row_len}); missing {_short(missing)}")
-    return max(lengths)
+                             f"row boundary (multiples of seqlen={row_len}); missing {_short(rows[absent].tolist())}")
+    return view.longest()
 
 
 def _short(values: list) -> str:
