@@ -21,6 +21,8 @@ Three ways in:
   - separate key offsets (cu_seqlens_k, seqused_k; tuning.packed): each query sequence against a view of its keys,
     unpadded where the op's kernels take longer keys (keys_longer), else front-padded to its key length
     (_separate_keys).
+A backward asked for the deferred KL value (kl_metric) gives each call a sink for its KL rows instead and writes
+one mean over the pack's real rows (_PackKL), so a pack keeps the fused KL value of the proxy backward.
 Kernels that take the offsets themselves would replace all three.
 """
 
