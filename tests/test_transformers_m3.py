@@ -320,3 +320,33 @@ def test_only_the_integrations_import_transformers():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             assert not [n for n in names if n.split(".")[0] == "transformers"], f"{path} imports transformers"
+
+
+def test_sparse_layers_of_one_forward_share_one_offsets_tensor(monkeypatch):
+    """Every sparse layer of a forward gets the same cu_seqlens tensor (flash_msa_rt reads a device tensor's
+    offsets once per tensor and version: one synchronisation per forward, not per layer); a new position_ids, or
+    the same one written in place, makes new offsets."""
+    seen = []
+    real = flash_msa_rt.flash_msa_varlen_func
+    monkeypatch.setattr(flash_msa_rt, "flash_msa_varlen_func",
+                        lambda *a, **kw: seen.append(a[5]) or real(*a, **kw))
+    model = m3_model(m3_config(layer_types=("minimax_m3_sparse", "minimax_m3_sparse"),
+                               mlp_layer_types=("dense", "dense")))
+    fmt.enable_msa_training(model, mode="sparse", kl_value="exact")
+    ids = _tokens(1, 256)
+    position_ids = _packed((160, 96))
+    model(ids, position_ids=position_ids)
+    assert len(seen) == 2 and seen[0] is seen[1]
+    assert seen[0].tolist()[:3] == [0, 160, 256]
+    position_ids[0, 200] = 7  # an in-place write: the next forward forms its offsets again
+    model(ids, position_ids=position_ids)
+    assert len(seen) == 4 and seen[2] is seen[3] and seen[2] is not seen[0]
+    assert seen[2].tolist()[:5] == [0, 160, 200, 201, 256]
+
+
+def test_packed_training_under_compile_says_to_use_unpacked(monkeypatch):
+    model = m3_model()
+    fmt.enable_msa_training(model, mode="sparse")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(RuntimeError, match=r"packed=False"):
+        model(_tokens(1, 256), position_ids=_packed((160, 96)))

@@ -21,9 +21,10 @@ Two ways in:
 - enable_msa_training(model, ...): each sparse layer's indexer hands its normalised, rotated idx_q / idx_k to the
   attention as the proxy, and the main q / k / v go to flash_msa_func (mode="sparse") or flash_msa_warmup_func
   (mode="warmup"): selection, sparse attention and the indexer's KL in one op, no (S x S) tensor. Packed batches
-  (position_ids restarting per document, transformers' flattening collator) become cu_seqlens built on the device
-  (no host read here; flash_msa_rt's varlen path validates them with one read, except under CUDA graph capture),
-  and every document selects only within itself.
+  (position_ids restarting per document, transformers' flattening collator) become cu_seqlens built on the device,
+  one tensor per forward for all sparse layers, which flash_msa_rt's varlen path validates with one host read per
+  forward; every document selects only within itself. Under torch.compile or CUDA graph capture use packed=False
+  (the offsets cannot be read there, and B * S + 1 of them cannot be planned on the device).
 
 M3 -> flash-msa: q_proxy = idx_q (B, index_n_heads, S, index_head_dim), k_proxy = idx_k (B, 1, S, index_head_dim),
 top_k = index_topk_blocks * index_block_size tokens, block_size = index_block_size (64 or 128), index head i
@@ -132,6 +133,23 @@ class MsaTraining:
     # per sparse layer, a 0-dim float32 tensor that receives the KL value (after the forward for "exact", after
     # the backward for "deferred"); read it for logging (.item() synchronises)
     kl_metric: dict = field(default_factory=dict)
+    # the last position_ids' offsets: (that position_ids, its version, cu_seqlens)
+    _offsets: tuple | None = field(default=None, repr=False)
+
+    def offsets(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """cu_seqlens of position_ids, one tensor for every sparse layer of a forward: flash_msa_rt validates a
+        device tensor's offsets with one host read per tensor and version (flash_msa_rt.ops.offsets), so the
+        forward synchronises once, not once per sparse layer (each costing ~1.5 ms of idle device at M3's 64K,
+        benchmarks/profile_m3.py). The layers get views of one position_ids (a new tensor object each): the same
+        memory, shape and strides with the same version counter (views share it: an in-place write anywhere
+        bumps it) is the same position_ids. The kept tensor is held, so no other tensor can take its memory."""
+        kept = self._offsets
+        version = getattr(position_ids, "_version", None)
+        if kept is not None and version is not None and kept[1] == version and _same_view(kept[0], position_ids):
+            return kept[2]
+        cu = cu_seqlens_from_position_ids(position_ids)
+        self._offsets = (position_ids, version, cu)
+        return cu
 
     def kl_loss(self) -> torch.Tensor:
         """The summed kl_loss of the last forward's sparse layers (differentiable; its gradient trains the indexers
@@ -167,8 +185,9 @@ def enable_msa_training(model, mode: str = "sparse", kl_value: str = "deferred",
     proxy_scale: the proxy's softmax scale in the KL (flash_msa_func's proxy_scale), default
     index_head_dim ** -0.5. local_blocks: the recent blocks every query selects (flash_msa_func's local_blocks),
     default index_local_blocks. select_precision: "bf16" or "fp8".
-    packed: True reads documents from position_ids (restarts), each selecting within itself; False treats each
-    row as one sequence (no offsets at all, so no host read even for validation).
+    packed: True reads documents from position_ids (restarts), each selecting within itself (one host read of
+    the offsets per forward; not under torch.compile or CUDA graph capture, which raise); False treats each row
+    as one sequence (no offsets at all, so no host read even for validation).
     detach_indexer_input: True (default) feeds the indexer a detached copy of the layer's hidden states, so the
     KL trains the indexer's weights only and the LM gradients are exactly the model's (DeepSeek-V3.2's lightning
     indexer recipe); False lets the KL's gradient reach the backbone through the indexer's input.
@@ -194,6 +213,11 @@ def enable_msa_training(model, mode: str = "sparse", kl_value: str = "deferred",
         indexer._flash_msa = handle
     _set_attn_implementation(model, ATTN_IMPLEMENTATION)
     return handle
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a is b or (a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
+                       and a.shape == b.shape and a.stride() == b.stride()))
 
 
 def _check_choice(fn, name, value, supported):
@@ -276,7 +300,7 @@ def _msa_training(module, query, key, value, scaling, proxy: IndexerProxy):
         options["select_precision"] = handle.select_precision
     top_k = indexer.topk_blocks * indexer.block_size
     if handle.packed:
-        out, kl_loss = _packed_msa(fn, proxy, query, key, value, top_k, scaling, options)
+        out, kl_loss = _packed_msa(handle, fn, proxy, query, key, value, top_k, scaling, options)
     else:
         out, kl_loss = fn(proxy.idx_q, proxy.idx_k, query, key, value, top_k, scaling, **options)
     handle.kl_losses[indexer.layer_idx] = kl_loss
@@ -289,11 +313,18 @@ def _msa_function(sparse: bool, packed: bool):
     return flash_msa_rt.flash_msa_func if sparse else flash_msa_rt.flash_msa_warmup_func
 
 
-def _packed_msa(fn, proxy, query, key, value, top_k, scaling, options):
+def _packed_msa(handle, fn, proxy, query, key, value, top_k, scaling, options):
     """The varlen form over the batch's documents: (B * S, heads, D) tokens, offsets from position_ids, every
-    document at most a row long (max_seqlen = S, the bound a captured graph plans with)."""
+    document at most a row long (max_seqlen = S)."""
     B, _, S, _ = query.shape
-    cu_seqlens = cu_seqlens_from_position_ids(proxy.position_ids)
+    if torch.compiler.is_compiling() or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # Offsets of a fixed B * S + 1 entries plan on the device as B * S sequences of S tokens each
+        # (flash_msa_rt.ops.packed._DevicePadded): far too large; only the host read makes them compact.
+        raise RuntimeError("flash_msa training mode: packed=True reads the documents' offsets from position_ids on "
+                           "the host, which torch.compile and CUDA graph capture cannot; enable_msa_training(..., "
+                           "packed=False) runs there (each row one sequence), or call flash_msa_varlen_func with "
+                           "offsets of a fixed document count yourself")
+    cu_seqlens = handle.offsets(proxy.position_ids)
     tokens = [t.transpose(1, 2).reshape(B * S, t.shape[1], t.shape[3])
               for t in (proxy.idx_q, proxy.idx_k, query, key, value)]
     return fn(*tokens, cu_seqlens, S, top_k, scaling, **options)
