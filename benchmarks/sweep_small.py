@@ -1,0 +1,94 @@
+"""Tuning choices at small sizes, on device time: one public flash_msa_func forward + backward (kl_value deferred,
+top_k 2048, B = 1) captured in a CUDA graph per setting (the choice is read at capture, as reduce-overhead's graph
+keeps it), the graphs replayed interleaved round by round; per setting the median replay ms over the rounds.
+
+    python benchmarks/sweep_small.py a:8192 a:16384 --settings '[{"sparse_bwd": {"tiles_per_item": 16}}, ...]'
+        [--rounds 5] [--reps 20] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
+from benchmarks.common import commit  # noqa: E402
+
+
+def graphed_step(cfg: str, S: int, overrides: dict):
+    """A CUDA graph of one deferred-KL fwd + bwd under the overrides (warmed on a side stream first)."""
+    from flash_msa_rt import flash_msa_func, tuning
+
+    x = random_problem(cfg, S, S)
+    leaves = tuple(x[n].detach().requires_grad_() for n in ("qp", "kp", "q", "k", "v"))
+    dout = torch.randn(1, S, x["H"] * x["D"], device="cuda", dtype=torch.bfloat16)
+    coef = torch.tensor(0.1, device="cuda")
+    metric = torch.zeros((), device="cuda")
+
+    def step():
+        out, kl = flash_msa_func(*leaves, top_k=2048, layout="bshd", kl_value="deferred", kl_metric=metric)
+        return torch.autograd.grad((out, kl), leaves, (dout, coef))
+
+    with tuning.override(**overrides):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            grads = step()
+    return graph, (x, leaves, grads)
+
+
+def replay_ms(graph, reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("specs", nargs="+", help="cfg:S")
+    ap.add_argument("--settings", type=json.loads, required=True, help="JSON list of tuning overrides")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    settings = [{}] + list(a.settings)
+    result = dict(benchmark="sweep_small", commit=commit(), device=torch.cuda.get_device_name(), settings=settings,
+                  method="CUDA graph of one deferred-KL fwd + bwd per setting, replays timed with events, settings "
+                         "interleaved round by round; median over rounds of the mean replay ms", problems={})
+    for spec in a.specs:
+        cfg, S = spec.split(":")[0], int(spec.split(":")[1])
+        graphs = [graphed_step(cfg, S, s) for s in settings]
+        times = [[] for _ in settings]
+        for _ in range(a.rounds):
+            for n, (graph, _) in enumerate(graphs):
+                times[n].append(replay_ms(graph, a.reps))
+        medians = [statistics.median(t) for t in times]
+        result["problems"][spec] = [{"setting": s, "ms": m, "rounds": t} for s, m, t in zip(settings, medians, times)]
+        print(f"{spec}: defaults {medians[0]:.3f} ms", flush=True)
+        for s, m in zip(settings[1:], medians[1:]):
+            print(f"  {m:.3f} ms ({m / medians[0]:.3f}x)  {json.dumps(s)}", flush=True)
+        del graphs
+        torch.cuda.empty_cache()
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
