@@ -50,6 +50,21 @@ def cuda_time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def captured(step, warmup: int = 3):
+    """(CUDA graph of step(), its outputs): step run `warmup` times on a side stream first (allocator, first-use
+    checks), then captured on the current stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def flushed_event_times(fn, reps: int, flush: torch.Tensor) -> list[float]:
     """CUDA-event ms of reps back-to-back fn() calls, flush (a buffer larger than the L2) zeroed outside the events
     before each: the host enqueues ahead, as in training, and no call finds its inputs in the L2."""

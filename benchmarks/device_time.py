@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_sparse_fwd import api_step  # noqa: E402
-from benchmarks.common import back_to_back_ms, host_enqueue_ms  # noqa: E402
+from benchmarks.common import back_to_back_ms, captured, host_enqueue_ms  # noqa: E402
 
 
 def main():
@@ -35,15 +35,7 @@ def main():
             out, lse, lse_p, kl = msa_forward_cuda(*d, sel, 128, x["scale"])
             return msa_backward_cuda(*d, out, lse, lse_p, sel, 128, x["scale"], go, klg)
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                kernels_step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            kernels_step()
+        graph, _ = captured(kernels_step)
         reps = 30
         graph.replay()
         torch.cuda.synchronize()

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
-from benchmarks.common import commit  # noqa: E402
+from benchmarks.common import captured, commit  # noqa: E402
 
 
 def graphed_step(cfg: str, S: int, overrides: dict):
@@ -37,15 +37,7 @@ def graphed_step(cfg: str, S: int, overrides: dict):
         return torch.autograd.grad((out, kl), leaves, (dout, coef))
 
     with tuning.override(**overrides):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            grads = step()
+        graph, grads = captured(step)
     return graph, (x, leaves, grads)
 
 
