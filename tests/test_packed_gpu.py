@@ -1,9 +1,9 @@
 """Packed sequences (cu_seqlens) on the kernels (H200): one sequence at a time (flash_msa_rt.ops.packed) through the
 torch.library ops, against the float64 reference run per sequence (flash_msa_rt.reference.varlen) under
 flash_msa_rt.tolerances: empty sequences, a length-1 sequence, sequences shorter than a block, exactly a block, and
-partial last blocks in one pack; G 1 and 4; bf16 and fp16; deterministic mode; 200 and 1,000 short documents; a pack of one
-sequence equals the fixed-length call bitwise; selection, MSA, warmup and block-sparse attention through the public
-API run on the kernels."""
+partial last blocks in one pack; G 1 and 4; bf16 and fp16; deterministic mode; 200 and 1,000 short documents; a pack
+of one sequence equals the fixed-length call bitwise; selection, MSA, warmup and block-sparse attention through the
+public API run on the kernels; a pack's deferred KL value comes from the backward's kl_value kernels."""
 
 from __future__ import annotations
 
