@@ -87,3 +87,19 @@ def test_without_a_metric_the_calls_take_no_rows_sink():
     args, _ = _pack([300, 200])
     packed.per_sequence("msa_backward", impl, lambda *a, **k: pytest.fail("fallback"))(*args)
     assert seen and all("kl_rows_out" not in kw for kw in seen)
+
+
+def test_separate_key_offsets_average_over_the_query_rows():
+    """cu_seqlens_k: each query sequence is its own call against its keys; the metric is over the query rows."""
+    calls = []
+    run = packed.per_sequence("msa_backward", _standin_backward(calls), lambda *a, **k: pytest.fail("fallback"))
+    q_lengths, k_lengths = [200, 130], [300, 130]
+    args, want = _pack(q_lengths, seed=2)
+    total_k = sum(k_lengths)
+    for i in (1, 3, 4):  # k_proxy, k, v on the keys' tokens
+        args[i] = torch.zeros(1, total_k, *args[i].shape[2:], dtype=torch.float64)
+    cu_k = torch.tensor([0, *torch.tensor(k_lengths).cumsum(0).tolist()], dtype=torch.int32)
+    metric = torch.zeros((), dtype=torch.float64)
+    run(*args, kl_metric=metric, cu_seqlens_k=cu_k)
+    assert len(calls) == 2
+    torch.testing.assert_close(metric, want, rtol=1e-12, atol=0)

@@ -271,13 +271,15 @@ class _PackKL:
         """The op's kl_metric, taken out of kwargs (None: nothing to do)."""
         return cls(kwargs.pop("kl_metric", None), total)
 
-    def call_kwargs(self, kwargs: dict, keep: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> dict:
+    def call_kwargs(self, kwargs: dict, keep: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                    rows: tuple[int, int] | None = None) -> dict:
         """kwargs of one call whose real rows are `keep` (indices among its flattened count * length rows: an eager
-        padded batch) or `valid` ((count, length) bool: the device plan, no host read), all of them without
-        either. The call's rows are summed as it returns (in call order: deterministic)."""
+        padded batch), `valid` ((count, length) bool: the device plan, no host read) or `rows` ((first, count) of
+        one sequence's front-padded rows: separate key offsets), all of them without any. The call's rows are
+        summed as it returns (in call order: deterministic)."""
         if self.kl_metric is None:
             return kwargs
-        return dict(kwargs, kl_rows_out=_RowsSum(self, keep, valid))
+        return dict(kwargs, kl_rows_out=_RowsSum(self, keep, valid, rows))
 
     def written(self, out):
         if self.kl_metric is not None:
@@ -290,9 +292,10 @@ class _PackKL:
 class _RowsSum(list):
     """kl_rows_out of one call: append((count, Hp, length) rows) adds the real rows' sum to the pack's."""
 
-    def __init__(self, pack: _PackKL, keep: torch.Tensor | None, valid: torch.Tensor | None):
+    def __init__(self, pack: _PackKL, keep: torch.Tensor | None, valid: torch.Tensor | None,
+                 rows: tuple[int, int] | None):
         super().__init__()
-        self.pack, self.keep, self.valid = pack, keep, valid
+        self.pack, self.keep, self.valid, self.rows = pack, keep, valid, rows
 
     def append(self, rows: torch.Tensor) -> None:
         count, heads, length = rows.shape
@@ -300,6 +303,8 @@ class _RowsSum(list):
             rows = rows.transpose(0, 1).reshape(heads, count * length).index_select(1, self.keep)
         elif self.valid is not None:  # a padded row's value may be anything (NaN included): where, not a product
             rows = torch.where(self.valid[:, None, :], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        elif self.rows is not None:
+            rows = rows.narrow(2, *self.rows)
         total = rows.sum(dtype=torch.promote_types(rows.dtype, torch.float32))
         if self.pack.main is not None:
             total.record_stream(self.pack.main)
@@ -345,7 +350,7 @@ def _front_padded(t: torch.Tensor, dim: int, a: int, length: int, pad: int, fill
 
 
 def _separate_keys(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu: torch.Tensor,
-                   cu_k: torch.Tensor, used_k: torch.Tensor | None, total: int):
+                   cu_k: torch.Tensor, used_k: torch.Tensor | None, total: int, metric: _PackKL):
     """Separate query and key offsets on the fixed-length kernels: sequence n's L_q queries are the last of its L_k
     positions, so its query-side tensors get L_k - L_q rows in front (zeros, block indices -1, lse +inf where
     inf_pad) and run against a view of its L_k keys as one fixed-length sequence; the real rows of the query-side
@@ -378,7 +383,7 @@ def _separate_keys(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu:
             t = piece[i]
             if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[2] == total and total > 1:
                 piece[i] = _front_padded(t, 2, qa, L_q, pad, None)
-        calls.append((pad, ks, L_q, L_k, side.run(n, impl, piece, kwargs)))
+        calls.append((pad, ks, L_q, L_k, side.run(n, impl, piece, metric.call_kwargs(kwargs, rows=(pad, L_q)))))
     side.join()
     results = [(result,) if not isinstance(result, (tuple, list)) else tuple(result) for *_, result in calls]
     single = not isinstance(calls[-1][-1], (tuple, list))
@@ -498,7 +503,8 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
         total = args[0].shape[1]
         if cu_k is not None:
             if total:
-                return _separate_keys(spec, impl, args, kwargs, cu, cu_k, used_k, total)
+                metric = _PackKL.take(kwargs, total)
+                return metric.written(_separate_keys(spec, impl, args, kwargs, cu, cu_k, used_k, total, metric))
             args[spec.cu] = cu  # no query: the reference gives the keys their zero gradients
             offsets = {"cu_seqlens_k": cu_k, **({"seqused_k": used_k} if used_k is not None else {})}
             return fallback(*args, **kwargs, **offsets)
