@@ -338,7 +338,7 @@ def test_side_streams_compute_what_one_stream_does(separate_keys):
 def test_a_packs_deferred_kl_comes_from_the_backward_and_equals_exact(launched_kernels, tuned, sparse,
                                                                        deterministic):
     """kl_value="deferred" on a pack (runs, a padded bucket, an empty and a one-token document): the value comes
-    from the proxy backward's kl_value variant (packed._PackKL: one mean over the pack's real rows), with no KL
+    from the proxy backward's kl_value variant (packed_kl.PackKL: one mean over the pack's real rows), with no KL
     pass of its own in the backward, and equals exact mode's within 1e-3 relative; the gradients equal exact
     mode's up to the atomics' order (bitwise in deterministic mode)."""
     tuned(kl_value={"forward_pass_rows": 0})

@@ -1,4 +1,4 @@
-"""The deferred KL value of a pack (flash_msa_rt.ops.packed._PackKL): the backward's calls hand their KL rows back
+"""The deferred KL value of a pack (flash_msa_rt.ops.packed_kl.PackKL): the backward's calls hand their KL rows back
 and kl_metric becomes the mean over the pack's real rows, whether the pack runs as runs of equal lengths, padded
 buckets or one batch planned on the device; a padded row's value (NaN here) never reaches it. On the CPU with a
 stand-in for the kernels' backward, so the bookkeeping is checked where CI runs (the kernels' own rows:

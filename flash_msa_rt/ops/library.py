@@ -336,7 +336,7 @@ def msa_backward_kl(q_proxy: Tensor, k_proxy: Tensor, q: Tensor, k: Tensor, v: T
                     proxy_scale: Optional[float] = None,
                     max_seqlen: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """msa_backward that also writes the mean KL value into kl_metric (deferred KL mode), which the kernels form
-    inside the proxy backward (a pack's calls: one mean over its real rows, packed._PackKL)."""
+    inside the proxy backward (a pack's calls: one mean over its real rows, packed_kl.PackKL)."""
     return msa_backward_body(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices, block_size, scale,
                              grad_out, kl_grad, cu_seqlens, cu_seqlens_k, seqused_k, sinks, proxy_scale,
                              kl_metric=kl_metric, max_seqlen=max_seqlen)
@@ -454,7 +454,7 @@ def msa_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
         # The proxy gradient needs lse_proxy before the backward, the KL value (if asked for) does not: the proxy
         # lse alone here, and the backward forms the value from the tau and pi it computes anyway (on the tau
         # path; where it cannot, it runs the KL pass itself). A pack's calls hand their rows to one mean
-        # (packed._PackKL); separate key offsets keep the whole pass.
+        # (packed_kl.PackKL); separate key offsets keep the whole pass.
         lse_proxy = kl_pass(q_proxy, k_proxy, q, k, v, lse, block_indices, ctx.block_size, ctx.scale, cu_seqlens,
                             cu_seqlens_k, seqused_k, with_kl=False, proxy_scale=ctx.proxy_scale, **bound)[0]
         if ctx.kl_metric is not None:
@@ -645,7 +645,7 @@ def warmup_gradients(ctx, grad_out, grad_kl_rows, kl_pass, backward):
         # The proxy gradient needs lse_proxy before the backward, the KL value (if asked for) does not: the proxy
         # lse alone here, and the backward forms the value from the tau and pi it computes anyway (on the
         # kernels; where it cannot, it runs the KL pass itself). A pack's calls hand their rows to one mean
-        # (packed._PackKL); separate key offsets keep the whole pass.
+        # (packed_kl.PackKL); separate key offsets keep the whole pass.
         lse_proxy = kl_pass(q_proxy, k_proxy, q, k, v, lse, ctx.scale, cu_seqlens, cu_seqlens_k, seqused_k,
                             with_kl=False, proxy_scale=ctx.proxy_scale, **bound)[0]
         if ctx.kl_metric is not None:

@@ -22,7 +22,7 @@ Three ways in:
     unpadded where the op's kernels take longer keys (keys_longer), else front-padded to its key length
     (_separate_keys).
 A backward asked for the deferred KL value (kl_metric) gives each call a sink for its KL rows instead and writes
-one mean over the pack's real rows (_PackKL), so a pack keeps the fused KL value of the proxy backward.
+one mean over the pack's real rows (PackKL), so a pack keeps the fused KL value of the proxy backward.
 Kernels that take the offsets themselves would replace all three.
 """
 
@@ -37,6 +37,7 @@ import torch
 
 from flash_msa_rt.ops.device import arch_of
 from flash_msa_rt.ops.offsets import capturing, declared_max_seqlen, host_offsets, host_view, plan_bound
+from flash_msa_rt.ops.packed_kl import PackKL
 from flash_msa_rt.tuning import packed as tuning_packed
 
 
@@ -254,66 +255,8 @@ class _DevicePadded(_Padded):
         return flat.index_select(2, self.inverse)
 
 
-class _PackKL:
-    """A backward's kl_metric (deferred KL mode) over a pack run as several calls, or as padded ones: each call
-    hands back its KL rows (the impl's kl_rows_out) rather than writing its own mean, and the metric becomes the
-    mean over the pack's real rows (flash_msa_rt.api's kl_loss: the sum over (p, token) over Hp * total), so the
-    backward's fused KL value serves packs as it serves one sequence."""
-
-    def __init__(self, kl_metric: torch.Tensor | None, total: int):
-        self.kl_metric, self.total, self.sums, self.rows = kl_metric, total, [], 0
-        # the stream that reads the sums (a call may run on a side stream: SideStreams)
-        cuda = kl_metric is not None and kl_metric.is_cuda
-        self.main = torch.cuda.current_stream(kl_metric.device) if cuda else None
-
-    @classmethod
-    def take(cls, kwargs: dict, total: int) -> _PackKL:
-        """The op's kl_metric, taken out of kwargs (None: nothing to do)."""
-        return cls(kwargs.pop("kl_metric", None), total)
-
-    def call_kwargs(self, kwargs: dict, keep: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-                    rows: tuple[int, int] | None = None) -> dict:
-        """kwargs of one call whose real rows are `keep` (indices among its flattened count * length rows: an eager
-        padded batch), `valid` ((count, length) bool: the device plan, no host read) or `rows` ((first, count) of
-        one sequence's front-padded rows: separate key offsets), all of them without any. The call's rows are
-        summed as it returns (in call order: deterministic)."""
-        if self.kl_metric is None:
-            return kwargs
-        return dict(kwargs, kl_rows_out=_RowsSum(self, keep, valid, rows))
-
-    def written(self, out):
-        if self.kl_metric is not None:
-            heads = self.rows
-            total = torch.stack(self.sums).sum() if self.sums else torch.zeros((), device=self.kl_metric.device)
-            self.kl_metric.copy_(total / max(heads * self.total, 1))
-        return out
-
-
-class _RowsSum(list):
-    """kl_rows_out of one call: append((count, Hp, length) rows) adds the real rows' sum to the pack's."""
-
-    def __init__(self, pack: _PackKL, keep: torch.Tensor | None, valid: torch.Tensor | None,
-                 rows: tuple[int, int] | None):
-        super().__init__()
-        self.pack, self.keep, self.valid, self.rows = pack, keep, valid, rows
-
-    def append(self, rows: torch.Tensor) -> None:
-        count, heads, length = rows.shape
-        if self.keep is not None:
-            rows = rows.transpose(0, 1).reshape(heads, count * length).index_select(1, self.keep)
-        elif self.valid is not None:  # a padded row's value may be anything (NaN included): where, not a product
-            rows = torch.where(self.valid[:, None, :], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-        elif self.rows is not None:
-            rows = rows.narrow(2, *self.rows)
-        total = rows.sum(dtype=torch.promote_types(rows.dtype, torch.float32))
-        if self.pack.main is not None:
-            total.record_stream(self.pack.main)
-        self.pack.sums.append(total)
-        self.pack.rows = heads
-
-
 def _on_device_plan(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu: torch.Tensor, total: int,
-                    bound: int | None, metric: _PackKL):
+                    bound: int | None, metric: PackKL):
     """The op on the pack as one padded batch planned on the device (_DevicePadded), bounded by `bound` (the op's
     max_seqlen argument: torch.compile) or else the bound declared beside cu (CUDA graph capture)."""
     bound = bound if bound is not None else declared_max_seqlen(cu)
@@ -350,7 +293,7 @@ def _front_padded(t: torch.Tensor, dim: int, a: int, length: int, pad: int, fill
 
 
 def _separate_keys(spec: PackedOp, impl: Callable, args: list, kwargs: dict, cu: torch.Tensor,
-                   cu_k: torch.Tensor, used_k: torch.Tensor | None, total: int, metric: _PackKL):
+                   cu_k: torch.Tensor, used_k: torch.Tensor | None, total: int, metric: PackKL):
     """Separate query and key offsets on the fixed-length kernels: sequence n's L_q queries are the last of its L_k
     positions, so its query-side tensors get L_k - L_q rows in front (zeros, block indices -1, lse +inf where
     inf_pad) and run against a view of its L_k keys as one fixed-length sequence; the real rows of the query-side
@@ -503,7 +446,7 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
         total = args[0].shape[1]
         if cu_k is not None:
             if total:
-                metric = _PackKL.take(kwargs, total)
+                metric = PackKL.take(kwargs, total)
                 return metric.written(_separate_keys(spec, impl, args, kwargs, cu, cu_k, used_k, total, metric))
             args[spec.cu] = cu  # no query: the reference gives the keys their zero gradients
             offsets = {"cu_seqlens_k": cu_k, **({"seqused_k": used_k} if used_k is not None else {})}
@@ -511,14 +454,14 @@ def per_sequence(op: str, impl: Callable, fallback: Callable) -> Callable:
         bound = plan_bound()
         if (bound is not None or capturing(cu)) and total:
             args[spec.cu] = None
-            metric = _PackKL.take(kwargs, total)
+            metric = PackKL.take(kwargs, total)
             out = _on_device_plan(spec, impl, args, kwargs, cu, total, bound, metric)
             return metric.written(out)
         spans = sequence_spans(cu)
         if not spans:
             args[spec.cu] = cu
             return fallback(*args, **kwargs)
-        metric = _PackKL.take(kwargs, total)
+        metric = PackKL.take(kwargs, total)
         parts, single = [], False
         policy = tuning_packed.choose(arch_of(args[0].device))
         calls = batches(spans, spec.paddable, policy.call_pairs, policy.merge_max_length)
