@@ -350,3 +350,16 @@ def test_packed_training_under_compile_says_to_use_unpacked(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with pytest.raises(RuntimeError, match=r"packed=False"):
         model(_tokens(1, 256), position_ids=_packed((160, 96)))
+
+
+def test_unpacked_training_compiles_fullgraph():
+    """packed=False (what the compile error names) traces whole: logits and the KL equal eager's."""
+    model = m3_model()
+    msa = fmt.enable_msa_training(model, mode="sparse", kl_value="exact", packed=False)
+    ids = _tokens(1, 256)
+    want = model(ids).logits.detach()
+    kl_want = msa.kl_loss().detach()
+    compiled = torch.compile(lambda x: model(x).logits, fullgraph=True, backend="aot_eager")
+    got = compiled(ids)
+    _assert_close(got.detach(), want, "compiled logits")
+    _assert_close(msa.kl_loss().detach(), kl_want, "compiled kl_loss")
