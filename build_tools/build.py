@@ -91,9 +91,11 @@ def variant_fingerprint(spec: BuildSpec, toolchain: str, common: str) -> str:
 
 
 def common_hash() -> str:
-    """Files every variant depends on: kernels_src's top-level modules and the manifest schema."""
+    """Files every variant depends on: kernels_src's top-level modules, the manifest schema and the tile rules the
+    build shares with the runtime (flash_msa_rt.tuning.head_dim)."""
     h = hashlib.sha256()
-    for p in sorted(KERNELS_SRC.glob("*.py")) + [REPO / "flash_msa_rt" / "manifest.py"]:
+    for p in sorted(KERNELS_SRC.glob("*.py")) + [REPO / "flash_msa_rt" / "manifest.py",
+                                                  REPO / "flash_msa_rt" / "tuning" / "head_dim.py"]:
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     return h.hexdigest()
 

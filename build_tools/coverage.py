@@ -70,6 +70,10 @@ def refusal(archs: Sequence[str], head_dims: Sequence[int] | None, block_sizes: 
                                      f"({missing[0][0]}: {missing[0][1]})")
     if not lines:
         return None
+    serving = [a for a in archs if not any(line.endswith(f" on {a}") or f" on {a}:" in line for line in lines)]
+    if serving:
+        return (f"some archs requested cannot run this configuration on kernels, so nothing was built:\n  "
+                + "\n  ".join(lines) + f"\nBuild it for {', '.join(serving)} alone: --arch {','.join(serving)}.")
     good = sorted({(d, bs) for arch in archs for d, bs, _ in served(arch, matrix.HEAD_DIMS, matrix.BLOCK_SIZES,
                                                                   ("bf16",))})
     return ("the MSA op would run on the pure-PyTorch reference, so nothing was built:\n  " + "\n  ".join(lines)
@@ -146,10 +150,13 @@ def matrix_table() -> str:
     for d in matrix.HEAD_DIMS:
         for bs in matrix.BLOCK_SIZES:
             default = d in matrix.DEFAULT_HEAD_DIMS and bs in matrix.DEFAULT_BLOCK_SIZES
-            refused = [n for n in MAIN_FAMILIES for arch in MATRIX_ARCHS if not buildable(n, arch, d, bs, "bf16")[0]]
+            serving = [arch for arch in MATRIX_ARCHS if all(buildable(n, arch, d, bs, "bf16")[0] for n in MAIN_FAMILIES)]
+            only = "" if len(serving) == len(MATRIX_ARCHS) else f"--arch {','.join(serving)} "
             wheel = ("yes" if default else
-                     f"no; refused by the build ({', '.join(dict.fromkeys(refused))} cannot be built)" if refused else
-                     f"no; build `--head-dim {d} --block-size {bs}`")
+                     f"no; build `{only}--head-dim {d} --block-size {bs}`" if serving else
+                     "no; refused by the build")
+            if serving and only:
+                wheel += f" ({', '.join(a for a in MATRIX_ARCHS if a not in serving)}: refused)"
             cells = [" / ".join(op_backend(op, arch, d, bs) for arch in MATRIX_ARCHS) for op, _ in MATRIX_OPS]
             rows.append(f"| {d} | {bs} | {wheel} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"

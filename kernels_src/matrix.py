@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from flash_msa_rt.tuning.head_dim import (forward_stages, gather_stages, kernel_block_size,  # noqa: F401
+                                           sync_refusal, wide)  # (the families' rules)
+
 HEAD_DIMS = (64, 128, 256)  # D of the main heads (and of the proxy in the kernels that take both at one width)
 PROXY_HEAD_DIMS = (64, 128)  # Dp
 BLOCK_SIZES = (64, 128)  # Bs
@@ -37,3 +40,15 @@ def proxy_head_dims(chosen: Iterable[int] | None) -> tuple[int, ...]:
     if not chosen:
         return PROXY_HEAD_DIMS
     return tuple(dp for dp in PROXY_HEAD_DIMS if any(dp <= d for d in chosen)) or tuple(chosen)
+
+
+def kernel_block_sizes(head_dim: int, chosen: Iterable[int] | None) -> tuple[int, ...]:
+    """The key blocks a main family builds at head dim D for the selections chosen (default: the default build's):
+    the kernels' own block, which at D 256 is 64 for either selection (flash_msa_rt.tuning.head_dim)."""
+    return tuple(sorted({kernel_block_size(head_dim, bs) for bs in block_sizes(chosen)}))
+
+
+def any_kernel_block_sizes(head_dims_chosen: Iterable[int] | None, chosen: Iterable[int] | None) -> tuple[int, ...]:
+    """kernel_block_sizes over every head dim chosen: what a family without a head dim (the plan kernels, the KL
+    combine) builds so that each main configuration requested has its plans."""
+    return tuple(sorted({b for d in head_dims(head_dims_chosen) for b in kernel_block_sizes(d, chosen)}))

@@ -157,22 +157,26 @@ def test_kernel_backend_registers_once_whatever_is_imported_first(first):
 
 
 @pytest.mark.parametrize("S", [1, 127, 128, 129, 1000, 4096])
-def test_warmup_entry_count_matches_the_all_causal_selection(S):
-    """_warmup_entries (the int32 guard of the sparse main path) counts the live slots of _all_causal_blocks."""
+@pytest.mark.parametrize("D", [128, 256])
+def test_warmup_entry_count_matches_the_all_causal_selection(S, D):
+    """_warmup_entries (the int32 guard of the sparse main path) counts the live slots of _all_causal_blocks, on
+    the main kernels' blocks (64 at D 256)."""
     q_proxy = torch.empty(2, S, 3, 8)
-    sel = kernels._all_causal_blocks(q_proxy)
-    assert sel.shape == (2, 3, S, -(-S // kernels.WARMUP_BLOCK))
+    bs = kernels._warmup_block(torch.empty(1, 1, 1, D))
+    assert bs == (64 if D == 256 else kernels.WARMUP_BLOCK)
+    sel = kernels._all_causal_blocks(q_proxy, bs)
+    assert sel.shape == (2, 3, S, -(-S // bs))
     i = torch.arange(S).view(1, 1, S, 1)
-    want = (torch.arange(sel.shape[3]).view(1, 1, 1, -1) <= i // kernels.WARMUP_BLOCK).expand(sel.shape)
+    want = (torch.arange(sel.shape[3]).view(1, 1, 1, -1) <= i // bs).expand(sel.shape)
     assert torch.equal(sel >= 0, want)
-    assert kernels._warmup_entries(q_proxy) == int((sel >= 0).sum())
+    assert kernels._warmup_entries(q_proxy, bs) == int((sel >= 0).sum())
 
 
 def test_all_causal_blocks_are_made_per_slice():
     """AllCausalBlocks hands out the rows [s0, s1) of the whole selection, and refuses any other indexing."""
     q_proxy = torch.empty(2, 1000, 3, 8)
     lazy = kernels.AllCausalBlocks(q_proxy, kernels.WARMUP_BLOCK)
-    whole = kernels._all_causal_blocks(q_proxy)
+    whole = kernels._all_causal_blocks(q_proxy, kernels.WARMUP_BLOCK)
     assert lazy.shape == tuple(whole.shape)
     for s0, s1 in ((0, 1000), (0, 128), (128, 600), (999, 1000), (500, 500)):
         assert torch.equal(lazy[:, :, s0:s1].contiguous(), whole[:, :, s0:s1])

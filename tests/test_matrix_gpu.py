@@ -15,7 +15,8 @@ from tests.test_proxy_dp64_gpu import _grads  # upstream gradients (dout, kl_gra
 pytestmark = pytest.mark.gpu
 
 # (D, Dp, Bs): the built matrix of the default and on-request builds (kernels_src/matrix.py)
-POINTS = [(64, 64, 128), (64, 64, 64), (128, 64, 64), (128, 128, 64), (128, 128, 128)]
+POINTS = [(64, 64, 128), (64, 64, 64), (128, 64, 64), (128, 128, 64), (128, 128, 128), (256, 128, 64),
+          (256, 128, 128), (256, 64, 128)]  # D 256: 64-key kernel blocks (a selection of 128 split in halves)
 SHAPES = [(1, 1001, 8, 2, 2, 1, 4), (2, 777, 8, 2, 8, 1, 3)]  # B, S, H, Hk, Hp, Hpk, K
 NAMES = ("out", "lse", "lse_proxy", "kl_rows", "dq_proxy", "dk_proxy", "dq", "dk", "dv")
 
@@ -194,7 +195,8 @@ def test_public_api_exact_deferred_packed(point):
         torch.testing.assert_close(out_p[:, s0:s1].float(), out_1.float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("point", [(64, 64, 64), (128, 128, 64), (64, 64, 128)], ids=_pid)
+@pytest.mark.parametrize("point", [(64, 64, 64), (128, 128, 64), (64, 64, 128), (256, 256, 64), (256, 256, 128)],
+                         ids=_pid)
 def test_block_sparse_attention(point):
     """block_sparse_attention over given indices (NSA's selected attention: 16 query heads, 2 KV groups), forward
     and backward, against the reference."""
@@ -223,10 +225,11 @@ def test_block_sparse_attention(point):
     _check(got, want, base, torch.bfloat16, names=("out", "dq", "dk", "dv"))
 
 
-def test_cuda_graph_at_d64_bs64():
-    """Selection, forward and backward at D 64, blocks of 64 capture into one CUDA graph; the replay on new inputs
-    gives eager's out and kl_rows bitwise."""
-    D, Dp, Bs = 64, 64, 64
+@pytest.mark.parametrize("point", [(64, 64, 64), (256, 128, 128)], ids=_pid)
+def test_cuda_graph(point):
+    """Selection, forward and backward (at D 256 with the selection's split into 64-key blocks) capture into one
+    CUDA graph; the replay on new inputs gives eager's out and kl_rows bitwise."""
+    D, Dp, Bs = point
     ins = _inputs(1, 1500, 8, 2, 2, 1, D, Dp, torch.bfloat16, seed=21)
     qp, kp, q, k, v = ins
     scale = D ** -0.5

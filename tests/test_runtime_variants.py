@@ -285,3 +285,30 @@ def test_producer_variants_agree_with_the_build(producer):
             assert variant_name("sparse_bwd", config, "sm90a") in built, config
             assert runtime.kernel_config("bf16", 128, 128, G, t, True, True)["threads"] == 256
             assert runtime.kernel_config("bf16", 128, 128, G, t)["threads"] == 256
+
+
+@pytest.mark.parametrize("d, bs", [(d, bs) for d in matrix.HEAD_DIMS for bs in matrix.BLOCK_SIZES])
+def test_every_matrix_point_launches_what_its_one_command_builds(d, bs):
+    """At each (D, Bs) of the contract, every variant a step launches on sm90a (selection at each Dp <= D, the
+    forward, the backward atomic and deterministic, the block-sparse op, at every G) is in what
+    `build --head-dim D --block-size Bs` compiles (default and hopper_sync_check sets). At D 256 the main kernels
+    run on 64-key blocks (tuning.head_dim.kernel_block_size), so a selection of 128 launches those."""
+    from flash_msa_rt.ops import block_sparse as rt_block_sparse
+    from flash_msa_rt.tuning.head_dim import kernel_block_size
+
+    built = {s.name for s in variants(("sm90a",), head_dims=(d,), block_sizes=(bs,))}
+    kbs = kernel_block_size(d, bs)
+    launched = []
+    for dt in DTYPES:
+        for dp in [p for p in matrix.PROXY_HEAD_DIMS if p <= d]:
+            launched += [("select", rt_select.kernel_config(dt, dp, bs, k, tuning.select.choose("sm90a").mma))
+                         for k in (16, 64)]
+            for G in GROUPS:
+                launched += rt_bwd.variants(dt, d, dp, kbs, G, "sm90a")
+                launched += rt_bwd.variants(dt, d, dp, kbs, G, "sm90a", deterministic=True)
+        for G in GROUPS:
+            launched += rt_fwd.variants(dt, d, d, kbs, G, "sm90a")
+            launched += rt_block_sparse.variants(dt, d, kbs, G, "sm90a", backward=True)
+    missing = sorted(set(_names(launched, "sm90a")) - built)
+    assert not missing, missing
+    assert (kbs == 64) == (d == 256 and bs == 128) or kbs == bs == 64

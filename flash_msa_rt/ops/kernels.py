@@ -24,12 +24,14 @@ import torch
 
 from flash_msa_rt import artifacts, loader
 from flash_msa_rt.errors import FlashMsaError
-from flash_msa_rt.ops import block_sparse, dense_main, packed, select, sparse_bwd, sparse_fwd, warmup_kl
+from flash_msa_rt.ops import block_sparse, block_split, dense_main, packed, select, sparse_bwd, sparse_fwd, warmup_kl
 from flash_msa_rt.ops.backends import Backend, Problem, reference_impl
 from flash_msa_rt.ops.device import arch_of
 from flash_msa_rt.ops.grad_cast import cast_like
 from flash_msa_rt.tuning import packed as tuning_packed
 from flash_msa_rt.tuning import warmup as tuning_warmup
+from flash_msa_rt.tuning.head_dim import kernel_block_size, sync_refusal
+from flash_msa_rt.tuning.mma import default_mma
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _SEPARATE_KEYS = ("separate key offsets (cu_seqlens_k, seqused_k): tuning.packed's separate_keys is "
@@ -106,10 +108,11 @@ def _msa_supports(problem: Problem) -> str | None:
                 f"Hp >= Hk with Hp a multiple of Hk")
     # The proxy reaches the forward's KL pass and the recomputing proxy backward at D (_proxy_at), the tau path's
     # proxy kernel at its own Dp (sparse_bwd.tau_path_runs).
+    kbs = kernel_block_size(d, bs)  # a selection's blocks as the main kernels take them (block_split)
     if problem.op == "msa_forward":
-        return _built(problem, sparse_fwd.variants(_DTYPE_NAMES[problem.dtype], d, d, bs, g, _arch(problem),
+        return _built(problem, sparse_fwd.variants(_DTYPE_NAMES[problem.dtype], d, d, kbs, g, _arch(problem),
                                                    bool(c.get("sinks"))))
-    return _built(problem, sparse_bwd.variants(_DTYPE_NAMES[problem.dtype], d, dp or d, bs, g, _arch(problem),
+    return _built(problem, sparse_bwd.variants(_DTYPE_NAMES[problem.dtype], d, dp or d, kbs, g, _arch(problem),
                                                deterministic))
 
 
@@ -120,7 +123,7 @@ def _sparse_limits(problem: Problem, d: int, bs: int, g: int, dp: int | None = N
     dims = loader.built_values("sparse_fwd", "head_dim", arch, dtype=dt)
     sizes = loader.built_values("sparse_fwd", "block_size", arch, dtype=dt)
     groups = loader.built_values("sparse_fwd", "group", arch, dtype=dt)
-    if d not in dims or not _proxy_dim_ok(d, dp) or bs not in sizes or g not in groups:
+    if d not in dims or not _proxy_dim_ok(d, dp) or kernel_block_size(d, bs) not in sizes or g not in groups:
         have = (f"D in {dims} with Dp = D or Dp in {PADDED_PROXY_HEAD_DIMS} below D" if dp is not None
                 else f"D in {dims}")
         return (f"D {d}, {'' if dp is None else f'Dp {dp}, '}block_size {bs}, G {g} (sparse kernels built for {arch}, "
@@ -131,17 +134,15 @@ def _sparse_limits(problem: Problem, d: int, bs: int, g: int, dp: int | None = N
 # Points of the contract's matrix no kernel build reaches, with the measurement (kernels_src's can_implement
 # refuses them; tests/test_matrix_cpu.py checks that this table and the catalogue agree). The runtime never imports
 # the catalogue, so it keeps the facts here.
-UNREACHABLE_HEAD_DIMS = {
-    256: ("at D 256 the sparse backward (sparse_bwd) needs 288768 bytes of shared memory per CTA with its smallest "
-          "tiles, as does the exact KL pass (sparse_kl) at blocks of 128 (sm90a allows 232448), so D 256 runs on "
-          "the pure-PyTorch reference; the nearest point on kernels is D 128"),
-}
+UNREACHABLE_HEAD_DIMS: dict[int, str] = {}  # none today: D 256 runs on 64-key blocks (tuning.head_dim)
 
 
 def _how_to_get(arch: str, dt: str, d: int, bs: int, dp: int | None) -> str:
     """The command that builds a configuration's kernels, or why none can."""
     if d in UNREACHABLE_HEAD_DIMS:
         return UNREACHABLE_HEAD_DIMS[d]
+    if sync_refusal(d, default_mma(arch)):
+        return f"{sync_refusal(d, default_mma(arch))}; the nearest point {arch} runs is D 128"
     if dp is not None and dp > d:
         return (f"a proxy wider than the heads (Dp {dp} > D {d}) is not built: the KL pass takes the proxy at D; "
                 f"use Dp <= D")
@@ -226,6 +227,7 @@ def _msa_forward(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale, cu
     """proxy_scale (here and in every op below): the proxy scores' scale (None: scale). sinks: out scaled by each
     row's kept mass in the combine, lse sink-free (flash_msa_rt.ops.library's msa_forward contract)."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
+    block_indices, block_size = block_split.kernel_selection(block_indices, block_size, q.shape[3], k.shape[1])
     if kl:
         q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
         return sparse_fwd.msa_forward_cuda(*(_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v)),
@@ -250,6 +252,7 @@ def _msa_kl(q_proxy, k_proxy, q, k, v, lse, block_indices, block_size, scale, cu
     """with_kl False: lse_proxy is what is asked for: the proxy lse kernel where built (msa_kl_cuda)."""
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     D, G = q.shape[3], q.shape[2] // q_proxy.shape[2]
+    block_indices, block_size = block_split.kernel_selection(block_indices, block_size, D, k.shape[1])
     # The proxy lse alone reads the proxy only: at its own Dp, no padded copy (deferred KL's forward).
     dt = _DTYPE_NAMES.get(q.dtype)
     if with_kl or dt is None or not sparse_fwd.lse_only_runs(dt, D, q_proxy.shape[3], block_size, G,
@@ -276,6 +279,7 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     deterministic = torch.are_deterministic_algorithms_enabled()
     D, G = q.shape[3], q.shape[2] // q_proxy.shape[2]
+    block_indices, block_size = block_split.kernel_selection(block_indices, block_size, D, k.shape[1])
     # The tau path's proxy kernel reads the proxy alone, at its own head dim; the others take it at D.
     native = sparse_bwd.tau_path_runs(arch_of(q.device), G, D, block_size,
                                       grad_out is not None and kl_grad is not None, deterministic)
@@ -298,6 +302,11 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
 # sm90a; the KL pass at G <= 4, the proxy backward at every G) and on the sparse kernels over the all-causal
 # selection elsewhere, or where tuning.warmup says so (dense_proxy).
 WARMUP_BLOCK = 128  # warmup selects every causal block; any block size gives the same dense causal result
+
+
+def _warmup_block(q) -> int:
+    """Warmup's all-causal blocks: WARMUP_BLOCK, or the main kernels' own block where smaller (D 256: 64)."""
+    return kernel_block_size(q.shape[3], WARMUP_BLOCK)
 _INT32_LIMIT = 1 << 31
 
 
@@ -326,17 +335,17 @@ class AllCausalBlocks:
         return sel.view(1, 1, -1, NB).expand(B, Hp, -1, NB)
 
 
-def _all_causal_blocks(q_proxy: torch.Tensor) -> torch.Tensor:
+def _all_causal_blocks(q_proxy: torch.Tensor, block_size: int) -> torch.Tensor:
     """AllCausalBlocks, whole (the sparse main path plans every row at once)."""
-    sel = AllCausalBlocks(q_proxy, WARMUP_BLOCK)
+    sel = AllCausalBlocks(q_proxy, block_size)
     return sel[:, :, 0:sel.shape[2]].contiguous()
 
 
-def _warmup_entries(q_proxy) -> int:
+def _warmup_entries(q_proxy, block_size: int) -> int:
     """(b, p, i, block) entries of the all-causal selection."""
     B, S, Hp, _ = q_proxy.shape
-    nb = -(-S // WARMUP_BLOCK)
-    return B * Hp * (S * nb - WARMUP_BLOCK * nb * (nb - 1) // 2)
+    nb = -(-S // block_size)
+    return B * Hp * (S * nb - block_size * nb * (nb - 1) // 2)
 
 
 _cudnn_failed: dict = {}  # device index -> the error cuDNN's attention raised there (then: the sparse main path)
@@ -368,7 +377,8 @@ def _cudnn_refused(q, error: RuntimeError) -> None:
 def _warmup_fits(q_proxy, q) -> bool:
     """The sparse main path plans every (entry, head) row at once, in int32; the cuDNN path plans the proxy's
     work in chunks of queries (sparse_fwd.msa_kl_cuda, sparse_bwd.proxy_backward_cuda) and always fits."""
-    return _dense_main(q) or _warmup_entries(q_proxy) * (q.shape[2] // q_proxy.shape[2]) < _INT32_LIMIT
+    return _dense_main(q) or _warmup_entries(q_proxy, _warmup_block(q)) * (q.shape[2] // q_proxy.shape[2]) < \
+        _INT32_LIMIT
 
 
 def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, *, kl=True, proxy_scale=None):
@@ -379,14 +389,14 @@ def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, *, kl=Tru
     if kl:
         q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
-        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale, kl=kl,
+        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy, _warmup_block(q)), _warmup_block(q), scale, kl=kl,
                             proxy_scale=proxy_scale)
     q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
     try:
         out, lse = dense_main.dense_forward(q, k, v, scale)
     except RuntimeError as e:
         _cudnn_refused(q, e)
-        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale, kl=kl,
+        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy, _warmup_block(q)), _warmup_block(q), scale, kl=kl,
                             proxy_scale=proxy_scale)
     return (out, lse, *(_dense_warmup_kl(q_proxy, k_proxy, q, k, lse, scale, proxy_scale) if kl
                         else _no_kl(q_proxy)))
@@ -397,7 +407,7 @@ def _dense_warmup_kl(q_proxy, k_proxy, q, k, lse, scale, proxy_scale=None):
     sparse KL pass with every causal block selected."""
     if _warmup_tuning(q).dense_proxy and warmup_kl.usable(q_proxy, q) is None:
         return warmup_kl.warmup_kl_cuda(q_proxy, k_proxy, q, k, lse, scale, proxy_scale)
-    return sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse, AllCausalBlocks(q_proxy, WARMUP_BLOCK), WARMUP_BLOCK,
+    return sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse, AllCausalBlocks(q_proxy, _warmup_block(q)), _warmup_block(q),
                                   scale, proxy_scale=proxy_scale)
 
 
@@ -410,7 +420,7 @@ def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, *, with_k
                                            proxy_scale=proxy_scale)
     q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
-        return _msa_kl(q_proxy, k_proxy, q, k, v, lse, _all_causal_blocks(q_proxy), WARMUP_BLOCK, scale,
+        return _msa_kl(q_proxy, k_proxy, q, k, v, lse, _all_causal_blocks(q_proxy, _warmup_block(q)), _warmup_block(q), scale,
                        proxy_scale=proxy_scale)
     if not with_kl and _warmup_tuning(q).dense_proxy and warmup_kl.usable(q_proxy, q, "warmup_lse") is None:
         lse_proxy = warmup_kl.warmup_lse_cuda(_tma_ready(q_proxy), _tma_ready(k_proxy),
@@ -448,16 +458,16 @@ def _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
     receives the KL rows where the dense proxy backward forms them (else it stays empty)."""
     q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
-        return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy),
-                             WARMUP_BLOCK, scale, grad_out, kl_grad, proxy_scale=proxy_scale)
+        return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy, _warmup_block(q)),
+                             _warmup_block(q), scale, grad_out, kl_grad, proxy_scale=proxy_scale)
     q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
     if grad_out is not None:
         try:
             dq, dk, dv = dense_main.dense_backward(q, k, v, out, lse, grad_out, scale)
         except RuntimeError as e:  # out and lse are exact whichever path made them: the sparse backward takes them
             _cudnn_refused(q, e)
-            return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy),
-                                 WARMUP_BLOCK, scale, grad_out, kl_grad, proxy_scale=proxy_scale)
+            return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy, _warmup_block(q)),
+                                 _warmup_block(q), scale, grad_out, kl_grad, proxy_scale=proxy_scale)
     else:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if kl_grad is not None and _warmup_tuning(q).dense_proxy and \
@@ -470,7 +480,7 @@ def _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
                                                                   proxy_scale=proxy_scale)
     elif kl_grad is not None:
         dq_proxy, dk_proxy = sparse_bwd.proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy,
-                                                            AllCausalBlocks(q_proxy, WARMUP_BLOCK), WARMUP_BLOCK,
+                                                            AllCausalBlocks(q_proxy, _warmup_block(q)), _warmup_block(q),
                                                             scale, kl_grad, proxy_scale=proxy_scale)
     else:
         dq_proxy, dk_proxy = torch.zeros_like(q_proxy), torch.zeros_like(k_proxy)
@@ -482,7 +492,7 @@ def _warmup_supports(problem: Problem) -> str | None:
         return _decline_deterministic("warmup's backward (cuDNN's dense backward, the proxy kernels) adds with fp32 "
                                       "atomics")
     op = "msa_forward" if problem.op == "warmup_forward" else "msa_backward"
-    c = dict(problem.config, block_size=WARMUP_BLOCK)
+    c = dict(problem.config, block_size=kernel_block_size(problem.config.get("head_dim"), WARMUP_BLOCK))
     return _msa_supports(Problem(op, problem.device, problem.dtype, c))
 
 
@@ -500,7 +510,8 @@ def _block_sparse_supports(problem: Problem) -> str | None:
     limits = _sparse_limits(problem, d, bs, g)
     if limits:
         return f"G = H / lcm(Hi, Hk) = {H} / lcm({Hi}, {Hk}) = {g}; {limits}"
-    return _built(problem, block_sparse.variants(_DTYPE_NAMES[problem.dtype], d, bs, g, _arch(problem),
+    return _built(problem, block_sparse.variants(_DTYPE_NAMES[problem.dtype], d, kernel_block_size(d, bs), g,
+                                                 _arch(problem),
                                                  backward=problem.op == "block_sparse_backward"))
 
 
@@ -526,7 +537,8 @@ def _block_sparse_forward(q, k, v, block_indices, block_size, scale, cu_seqlens=
     S = q.shape[1]
     _check_index_range(block_indices, S, block_size, "block_sparse_attention")
     q, k, v = (_tma_ready(t) for t in (q, k, v))
-    out, lse = block_sparse.block_sparse_forward_cuda(q, k, v, block_indices, block_size, scale)
+    split, kbs = block_split.kernel_selection(block_indices, block_size, q.shape[3], k.shape[1])
+    out, lse = block_sparse.block_sparse_forward_cuda(q, k, v, split, kbs, scale)
     if torch.cuda.is_current_stream_capturing():
         bad = _out_of_range(block_indices, S, block_size)
         nan = torch.full((), float("nan"), device=q.device)
@@ -538,6 +550,7 @@ def _block_sparse_backward(q, k, v, out, lse, block_indices, block_size, scale, 
     assert cu_seqlens is None, "packed.per_sequence passes one sequence at a time"
     q, k, v, out = (_tma_ready(t) for t in (q, k, v, out))
     grad_out = _tma_ready(grad_out) if grad_out is not None else None
+    block_indices, block_size = block_split.kernel_selection(block_indices, block_size, q.shape[3], k.shape[1])
     return block_sparse.block_sparse_backward_cuda(q, k, v, out, lse, block_indices, block_size, scale, grad_out)
 
 

@@ -28,6 +28,7 @@ from flash_msa_rt.ops.device import arch_of
 from flash_msa_rt.ops.grad_cast import cast_into, cast_like
 from flash_msa_rt.ops.sparse_plan import chunk_plans, list_kernel_configs, recut, sparse_plan
 from flash_msa_rt.tuning import sparse_bwd as tuning_bwd
+from flash_msa_rt.tuning.head_dim import gather_stages
 from flash_msa_rt.tuning.problem import Problem
 from flash_msa_rt.tuning.sparse_bwd import (PRODUCER_GROUPS, PRODUCER_THREADS, TILE_M, SparseBwdTuning, keys_per_cta,
                                             per_group_tiles)
@@ -43,7 +44,7 @@ def choice(arch: str, group: int, head_dim: int = 128, block_size: int = 128, B:
 def tile_config(dtype: str, head_dim: int, block_size: int, group: int, mma: str) -> dict:
     """The tiles of either backward kernel: a key block split over block_size // tile_n CTAs."""
     return {"dtype": dtype, "head_dim": head_dim, "block_size": block_size, "group": group, "tile_m": TILE_M,
-            "tile_n": keys_per_cta(mma, block_size), "threads": 256, "stages": 2, "mma": mma}
+            "tile_n": keys_per_cta(mma, block_size), "threads": 256, "stages": gather_stages(head_dim, 2), "mma": mma}
 
 
 def kernel_config(dtype: str, head_dim: int, block_size: int, group: int, t: SparseBwdTuning,

@@ -547,6 +547,12 @@ _KEPT_LISTS = "_flash_msa_sorted_lists"
 _KEEP_ACROSS_OPS: contextvars.ContextVar[bool] = contextvars.ContextVar("flash_msa_keep_lists", default=True)
 
 
+def keeps_across_ops() -> bool:
+    """Whether an op may leave what it derived from a selection on the selection object (not in a custom op's
+    body: ops_keep_no_lists)."""
+    return _KEEP_ACROSS_OPS.get()
+
+
 @contextlib.contextmanager
 def ops_keep_no_lists():
     """Within the block, no plan leaves its sorted lists on a selection (a custom op's body: library)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from flash_msa_rt.tuning.head_dim import wide
 from flash_msa_rt.tuning.mma import default_mma
 from flash_msa_rt.tuning.overrides import Overrides, current, register
 from flash_msa_rt.tuning.problem import Problem
@@ -60,7 +61,8 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseBwdTuning:
     proxy_mma = o.get("proxy_mma", default_mma(arch))
     wgmma = mma == proxy_mma == "wgmma"
     G = p.group
-    resident = "resident" if proxy_mma == "wgmma" and G in RESIDENT_GROUPS else "stepped"
+    # Resident heads hold the G head tiles at once: at D 256 they need more shared memory than sm90a has.
+    resident = "resident" if proxy_mma == "wgmma" and G in RESIDENT_GROUPS and not wide(p.head_dim) else "stepped"
     return SparseBwdTuning(
         mma=mma, proxy_mma=proxy_mma,
         # Reading tau instead of recomputing the G main score tiles needs both kernels on whole key blocks (wgmma).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from flash_msa_rt.tuning.head_dim import forward_stages, gather_stages, wide
 from flash_msa_rt.tuning.mma import default_mma
 from flash_msa_rt.tuning.overrides import Overrides, current, register
 from flash_msa_rt.tuning.problem import Problem
@@ -52,11 +53,14 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseFwdTuning:
     schedule = o.get("schedule", "pingpong" if mma == "wgmma" else "lockstep")
     # One q buffer in ping-pong runs two CTAs per SM: 2 -> 1 buffers (b) 64K 3.85 -> 3.40 ms, (c) G = 16 8.25 ->
     # 6.82; at G = 1 one buffer spills (the 128 registers two CTAs allow).
-    stages = o.get("stages", 1 if G >= 2 else 2) if schedule == "pingpong" else 2
+    stages = o.get("stages", forward_stages(p.head_dim, G)) if schedule == "pingpong" else 2
     kl_mma = o.get("kl_mma", default_mma(arch))
-    # The KL pass in ping-pong on wgmma: (b) 4.40 -> 2.12 ms on a 16K-query chunk, (c) G = 16 6.70 -> 4.62.
-    kl_schedule = o.get("kl_schedule", "pingpong" if kl_mma == "wgmma" else "lockstep")
-    kl_stages = 2 if kl_schedule != "pingpong" else (1 if G in KL_RESIDENT_GROUPS else KL_STREAM_STAGES)
+    # The KL pass in ping-pong on wgmma: (b) 4.40 -> 2.12 ms on a 16K-query chunk, (c) G = 16 6.70 -> 4.62. At
+    # D 256 lockstep, one buffer: each ping-pong warpgroup's G + 1 head tiles need 289792-394240 bytes of shared
+    # memory (sm90a: 232448; kernels_src.sparse_kl.smem_bytes).
+    kl_schedule = o.get("kl_schedule", "pingpong" if kl_mma == "wgmma" and not wide(p.head_dim) else "lockstep")
+    kl_stages = gather_stages(p.head_dim, 2) if kl_schedule != "pingpong" else \
+        (1 if G in KL_RESIDENT_GROUPS else KL_STREAM_STAGES)
     return SparseFwdTuning(
         mma=mma, schedule=schedule, stages=stages, kl_mma=kl_mma, kl_schedule=kl_schedule,
         kl_stages=o.get("kl_stages", kl_stages),

@@ -67,7 +67,7 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list:
     if head_dims and not set(head_dims) & set(sparse_fwd.HEAD_DIMS) or \
             dtypes and not set(dtypes) & set(sparse_fwd.DTYPES):
         return []
-    bss = matrix.block_sizes(block_sizes)
+    bss = matrix.any_kernel_block_sizes(head_dims, block_sizes)
     return [Config(block_size=bs, max_k=mk, phase=ph, threads=t) for bs in bss for mk in MAX_KS for ph in PHASES
             for t in (SCATTER_THREADS if ph == "scatter" else (TILE_ROWS,)) if t == TILE_ROWS or mk == MAX_KS[0]] + \
         [ItemsConfig(block_size=bs) for bs in bss]

@@ -44,10 +44,13 @@ class Config:
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else sparse_combine.DTYPES
+    # dq at D (every G) and dq_p at each Dp the heads serve (group 1), on the kernels' key blocks
     ds = matrix.head_dims(head_dims)
-    bss = matrix.block_sizes(block_sizes)
-    return [Config(dtype=dt, head_dim=d, block_size=bs, group=g) for dt in dts for d in ds for bs in bss
-            for g in sparse_combine.GROUPS]
+    main = [Config(dtype=dt, head_dim=d, block_size=bs, group=g) for dt in dts for d in ds
+            for bs in matrix.kernel_block_sizes(d, block_sizes) for g in sparse_combine.GROUPS]
+    proxy = [Config(dtype=dt, head_dim=dp, block_size=bs, group=1) for dt in dts
+             for dp in matrix.proxy_head_dims(head_dims) for bs in matrix.any_kernel_block_sizes(head_dims, block_sizes)]
+    return list(dict.fromkeys(main + proxy))
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:

@@ -21,6 +21,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
+from flash_msa_rt.tuning.head_dim import row_threads
 from kernels_src import wgmma
 from kernels_src.sparse_bwd.kernel import SparseBackward
 from kernels_src.tiles import WARPGROUP_ROWS, wg_acc_rows_cols
@@ -86,5 +87,5 @@ class SparseBackwardWG(WarpgroupTiles, SparseBackward):
         super().__init__(config)
         self._check_wg_tiles("sparse_bwd")
         # Gathered rows: 8 threads each at G <= 4 (against 16: (b) 64K 31.2 -> 30.0 ms, (a) 1.05x, (b) 16K 1.06x;
-        # 4 was 6-11 % slower); 16 at G >= 8, where 8 measured 0.98x at (c).
-        self.ROW_THREADS = 8 if self.group <= 4 else None
+        # 4 was 6-11 % slower); 16 at G >= 8, where 8 measured 0.98x at (c); 8 at D 256 (the rule's why-comment).
+        self.ROW_THREADS = row_threads(self.head_dim, self.group)

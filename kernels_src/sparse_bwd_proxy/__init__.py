@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam
-from kernels_src import sparse_bwd
+from kernels_src import matrix, sparse_bwd
 from kernels_src.spec import OPT_IN, BuildSpec, family_spec, mma_set, smem_refusal, verdict
 
 OP = "sparse_bwd_proxy"
@@ -52,11 +52,15 @@ def tau_ok(config) -> bool:
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     """The backward's variants with the heads stepped, the whole-block wgmma ones at G <= 4 again with them
-    resident, and at G = 1 with tau read."""
+    resident (these recompute tau from the main heads: D wide), and at G = 1 with tau read, at each proxy head dim
+    Dp the heads chosen serve, on their kernels' key blocks (the tau kernel reads the proxy alone)."""
     base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.mma_configs(head_dims, block_sizes, dtypes)]
-    return (base + [dataclasses.replace(c, heads="resident") for c in base if resident_ok(c)]
-            + [dataclasses.replace(c, heads="tau", deterministic=d, stages=TAU_STAGES, kl_value=kl) for d in (0, 1)
-               for kl in (0, 1) for c in base if tau_ok(c)])
+    proxy = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.mma_configs(
+        matrix.proxy_head_dims(head_dims), matrix.any_kernel_block_sizes(head_dims, block_sizes), dtypes)]
+    tau = [dataclasses.replace(c, heads="tau", deterministic=d, stages=TAU_STAGES, kl_value=kl) for d in (0, 1)
+           for kl in (0, 1) for c in proxy if tau_ok(c)]
+    return list(dict.fromkeys(base + [dataclasses.replace(c, heads="resident") for c in base if resident_ok(c)]
+                              + tau))
 
 
 def smem_bytes(config) -> int:
@@ -155,9 +159,9 @@ def _mma_fields(config) -> dict:
 def build_set(config, arch: str) -> str:
     """On wgmma a tile gets tau from the main backward ("tau", and its deterministic variant) or, without it,
     recomputes it with resident heads at G <= 4 and stepped heads above (flash_msa_rt's sparse_bwd tuning); the
-    stepped wgmma kernel at G <= 4 is an A/B alternate."""
+    stepped wgmma kernel at G <= 4 is an A/B alternate, except at D 256, where resident heads do not fit."""
     c = config
-    if c.mma == "wgmma" and c.heads == "stepped" and resident_ok(c):
+    if c.mma == "wgmma" and c.heads == "stepped" and resident_ok(c) and not matrix.wide(c.head_dim):
         return OPT_IN
     return mma_set(c.mma, arch)
 

@@ -55,11 +55,10 @@ class Config:
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     dts = tuple(dtypes) if dtypes else DTYPES
     ds = matrix.head_dims(head_dims)
-    bss = matrix.block_sizes(block_sizes)
     # The widest split ships; one head per warp stays built for A/B runs (sparse_fwd.COMBINE_HEADS_PER_WARP = 1).
     # With sinks (scale_rows 1) the widest split only.
     return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, heads_per_warp=hw, scale_rows=r) for dt in dts
-            for d in ds for bs in bss for g in GROUPS for hw in sorted({1, widest_heads(g, d)})
+            for d in ds for bs in matrix.kernel_block_sizes(d, block_sizes) for g in GROUPS for hw in sorted({1, widest_heads(g, d)})
             for r in ((0, 1) if hw == widest_heads(g, d) else (0,))]
 
 

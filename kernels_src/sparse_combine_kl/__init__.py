@@ -50,8 +50,7 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     if head_dims and not set(head_dims) & set(sparse_fwd.HEAD_DIMS) or \
             dtypes and not set(dtypes) & set(sparse_fwd.DTYPES):
         return []
-    bss = matrix.block_sizes(block_sizes)
-    return [Config(block_size=bs) for bs in bss]
+    return [Config(block_size=bs) for bs in matrix.any_kernel_block_sizes(head_dims, block_sizes)]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:

@@ -67,10 +67,9 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     """The default set: bf16 and f16, D = 128, Bs 128, every G."""
     dts = tuple(dtypes) if dtypes else DTYPES
     ds = matrix.head_dims(head_dims)
-    bss = matrix.block_sizes(block_sizes)
     return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, mma=m, schedule=sc, stages=st)
-            for dt in dts for d in ds for bs in bss for g in GROUPS for m in MMAS for sc in SCHEDULES[m]
-            for st in STAGES[sc] if st == 2 or g >= 2]
+            for dt in dts for d in ds for bs in matrix.kernel_block_sizes(d, block_sizes) for g in GROUPS
+            for m in MMAS for sc in SCHEDULES[m] for st in STAGES[sc] if st == 2 or matrix.forward_stages(d, g) == 1]
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
@@ -86,6 +85,10 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
                   f"{', '.join(map(str, STAGES.get(c.schedule, ())))}")
     if reason is None and c.stages == 1 and c.group == 1:
         reason = "stages 1 at group 1 spills at the 128 registers of two CTAs per SM (pingpong.py); stages 2 builds"
+    if reason is None and c.stages != matrix.forward_stages(c.head_dim, c.group) and matrix.wide(c.head_dim):
+        reason = ("stages 1 at D 256: one q buffer's kernel needs 158 registers against the 128 of two CTAs per SM "
+                  "(ptxas C7602); stages 2 builds")
+    reason = reason or matrix.sync_refusal(c.head_dim, c.mma)
     if reason is None and c.schedule not in SCHEDULES[c.mma]:
         reason = (f"schedule {c.schedule!r} not supported with mma {c.mma!r}; supported: "
                   f"{', '.join(map(repr, SCHEDULES[c.mma]))} (ping-pong takes turns between warpgroup MMAs)")
@@ -116,10 +119,11 @@ def params(config: Config) -> tuple:
 
 
 def build_set(config: Config, arch: str) -> str:
-    """wgmma runs in ping-pong, with one q buffer at G >= 2 (two at G = 1, where one spills): flash_msa_rt's
-    sparse_fwd tuning. The lockstep wgmma kernel and ping-pong with two buffers at G >= 2 are its A/B alternates."""
+    """wgmma runs in ping-pong, with one q buffer at G >= 2 (two at G = 1, where one spills, and at D 256):
+    flash_msa_rt's sparse_fwd tuning. The lockstep wgmma kernel and ping-pong with two buffers at G >= 2 are its
+    A/B alternates."""
     c = config
-    if c.mma == "wgmma" and (c.schedule != "pingpong" or c.stages != (1 if c.group >= 2 else 2)):
+    if c.mma == "wgmma" and (c.schedule != "pingpong" or c.stages != matrix.forward_stages(c.head_dim, c.group)):
         return OPT_IN
     return mma_set(c.mma, arch)
 

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flash_msa_rt.manifest import ScalarParam, TensorParam
-from kernels_src import sparse_bwd
+from kernels_src import matrix, sparse_bwd
 from kernels_src.spec import OPT_IN, BuildSpec, family_spec, mma_set, smem_refusal, verdict
 
 OP = "sparse_kl"
@@ -41,11 +41,18 @@ STREAM_STAGES = 4  # ring slots per warpgroup of the streamed ping-pong kernel (
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     """The proxy backward's variants in lockstep, and the whole-block wgmma ones again in ping-pong: with resident
     heads (G <= 4) single-buffered (two warpgroups x (G + 1) tiles of 16 KB beside the 64 KB key block leave no
-    room for a second stage), at G >= 8 with the heads streamed through STREAM_STAGES slots per warpgroup."""
+    room for a second stage), at G >= 8 with the heads streamed through STREAM_STAGES slots per warpgroup. The
+    proxy lse alone (kl_value 0, group 1, ping-pong) at each proxy head dim Dp the heads chosen serve, on their
+    kernels' key blocks (it reads the proxy alone)."""
+    def pingpong(cfgs):
+        return [dataclasses.replace(c, schedule="pingpong", stages=1 if resident_heads(c) else STREAM_STAGES)
+                for c in cfgs if c.mma == "wgmma" and c.tile_n == c.block_size]
+
     base = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.mma_configs(head_dims, block_sizes, dtypes)]
-    pingpong = [dataclasses.replace(c, schedule="pingpong", stages=1 if resident_heads(c) else STREAM_STAGES)
-                for c in base if c.mma == "wgmma" and c.tile_n == c.block_size]
-    return base + pingpong + [dataclasses.replace(c, kl_value=0) for c in pingpong if c.group == 1]
+    proxy = [Config(**dataclasses.asdict(c)) for c in sparse_bwd.mma_configs(
+        matrix.proxy_head_dims(head_dims), matrix.any_kernel_block_sizes(head_dims, block_sizes), dtypes)]
+    lse_only = [dataclasses.replace(c, kl_value=0) for c in pingpong(proxy) if c.group == 1]
+    return list(dict.fromkeys(base + pingpong(base) + lse_only))
 
 
 # wgmma on the whole block at these G gathers a tile's G main heads and the proxy at once (kernels_src.sparse_kl.
@@ -144,9 +151,10 @@ def params(config) -> tuple:
 
 def build_set(config, arch: str) -> str:
     """wgmma runs the KL pass in ping-pong (the configs() stages: resident heads at G <= 4, streamed above):
-    flash_msa_rt's sparse_fwd tuning; the lockstep wgmma kernel is its A/B alternate."""
-    if config.mma == "wgmma" and config.schedule != "pingpong":
-        return OPT_IN
+    flash_msa_rt's sparse_fwd tuning; the lockstep wgmma kernel is its A/B alternate, except at D 256, where it is
+    the KL pass (ping-pong's head tiles do not fit)."""
+    if config.mma == "wgmma" and (config.schedule != "pingpong") != matrix.wide(config.head_dim):
+        return OPT_IN  # at D 256 ping-pong fits at G = 1 only, and the runtime runs lockstep
     return mma_set(config.mma, arch)
 
 
