@@ -6,6 +6,7 @@ must run on the kernels (it exits 1 otherwise).
 
     compute-sanitizer --tool racecheck --kernel-name-exclude kns=cudnn python benchmarks/sanitize_matrix.py
     compute-sanitizer --tool initcheck python benchmarks/sanitize_matrix.py --no-warmup
+    ... sanitize_matrix.py --points 256:128:64,256:128:128     (a subset of POINTS, D:Dp:Bs)
 
 Warmup's main attention is cuDNN's: racecheck and synccheck report hazards inside cuDNN's own sm90 flash kernels
 (not ours: exclude them by name), and initcheck cannot see its TMA stores, so the copy of its output reads as
@@ -33,11 +34,15 @@ def main():
     import flash_msa_rt as F
 
     warmup = "--no-warmup" not in sys.argv[1:]
+    points = POINTS
+    if "--points" in sys.argv[1:]:  # e.g. --points 256:128:64,256:128:128 (a subset, for a short device call)
+        text = sys.argv[sys.argv.index("--points") + 1]
+        points = [tuple(int(x) for x in p.split(":")) for p in text.split(",")]
     from flash_msa_rt.selftest import on_kernels, resolved_backends
 
     torch.manual_seed(0)
     missed = []
-    for D, Dp, Bs in POINTS:
+    for D, Dp, Bs in points:
         for shape in SHAPES:
             for dtype in (torch.bfloat16, torch.float16) if shape is SHAPES[0] else (torch.bfloat16,):
                 for kl_value in ("exact", "deferred"):

@@ -69,8 +69,12 @@ def test_sparse_kernels_refuse_what_they_cannot_run():
     assert not ok and "head_dim 96" in reason
     ok, reason = sparse_bwd.can_implement(sparse_bwd.Config(block_size=32), "sm90a")
     assert not ok and "block_size 32" in reason
-    ok, reason = sparse_bwd.can_implement(sparse_bwd.Config(head_dim=256), "sm90a")  # the matrix's measured limit
-    assert not ok and "shared memory" in reason
+    wide = sparse_bwd.MainConfig(head_dim=256, block_size=64, tile_n=64, mma="wgmma")  # two gather stages
+    ok, reason = sparse_bwd.can_implement(wide, "sm90a")  # the matrix's measured limit
+    assert not ok and "288768 bytes of shared memory" in reason
+    assert sparse_bwd.can_implement(dataclasses.replace(wide, stages=1), "sm90a")[0]
+    ok, reason = sparse_bwd.can_implement(dataclasses.replace(wide, stages=1, mma="sync"), "sm90a")
+    assert not ok and "spill at D 256" in reason
     tau = sparse_bwd.MainConfig(mma="wgmma", tile_n=128, tau_out=1, threads=sparse_bwd.PRODUCER_THREADS)
     assert sparse_bwd.can_implement(tau, "sm90a")[0]
     for bad in (dict(group=8), dict(deterministic=1), dict(tau_out=0)):

@@ -277,10 +277,11 @@ def test_unserved_points_are_declined_with_the_reason(D, Dp):
     assert reason and f"D {D}" in reason and f"Dp {Dp}" in reason, reason
 
 
-@pytest.mark.parametrize("point", [p for p in POINTS if p != (128, 128, 128)], ids=_pid)
+@pytest.mark.parametrize("point", [p for p in POINTS if p != (128, 128, 128) and p[0] != 256], ids=_pid)
 def test_mma_sync_kernels_sm100a_runs(point, force_mma, launched_kernels):
-    """The mma.sync builds (what sm100a launches; hopper_sync_check on sm90a) at every new point: forward, KL pass
-    and backward against the reference, and no wgmma variant launched."""
+    """The mma.sync builds (what sm100a launches; hopper_sync_check on sm90a) at every new point but D 256 (mma.sync
+    spills there: tuning.head_dim.SYNC_AT_WIDE): forward, KL pass and backward against the reference, and no wgmma
+    variant launched."""
     from flash_msa_rt import reference
 
     force_mma("sync")
