@@ -173,9 +173,10 @@ def force_mma(tuned):
 
 @pytest.fixture
 def catalogue_artifacts(tmp_path, artifact_dir_env, monkeypatch):
-    """catalogue_artifacts(arch): the runtime sees arch's default build (a manifest of kernels_src.catalogue's
-    variants, no cubins) on a device of that arch: what dispatch decides from what was built, on CPU."""
-    def use(arch: str) -> None:
+    """catalogue_artifacts(arch[, head_dims, block_sizes]): the runtime sees arch's default build, or the build of
+    those configurations (a manifest of kernels_src.catalogue's variants, no cubins) on a device of that arch: what
+    dispatch decides from what was built, on CPU."""
+    def use(arch: str, head_dims=None, block_sizes=None) -> None:
         from flash_msa_rt import loader
         from flash_msa_rt.manifest import Manifest, source_hash
         from kernels_src.catalogue import variants
@@ -184,7 +185,7 @@ def catalogue_artifacts(tmp_path, artifact_dir_env, monkeypatch):
             family = REPO / "kernels_src" / op
             return f"cutlass_dsl=catalogue;src:kernels_src/{op}={source_hash(family)[:16] if family.is_dir() else ''}"
 
-        specs = variants((arch,))
+        specs = variants((arch,), head_dims=head_dims, block_sizes=block_sizes)
         stamps = {op: fingerprint(op) for op in {s.op for s in specs}}
         entries = {s.name: s.entry(cubin=f"{s.name}.cubin", sha256="0" * 64, entry="kernel", fingerprint=stamps[s.op])
                    for s in specs}

@@ -788,3 +788,34 @@ def test_separate_key_offsets_on_the_fixed_length_ops_compute_the_varlen_contrac
             assert a.shape == b.shape, op
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, equal_nan=True, msg=op)
 
+
+
+@pytest.mark.parametrize("bs", [64, 128])
+def test_d256_runs_on_the_kernels_its_build_makes(bs, catalogue_artifacts):
+    """After `build --arch sm90a --head-dim 256 --block-size Bs` every MSA op, the deterministic backward, warmup
+    and block-sparse attention at D 256 resolve to the kernels (the main ones on 64-key blocks); the default build
+    declines D 256 naming that command."""
+    from flash_msa_rt.ops.backends import Problem
+
+    def verdicts():
+        out = {}
+        for op, extra in (("msa_forward", {}), ("msa_backward", {"deterministic": False}),
+                          ("msa_backward", {"deterministic": True}), ("warmup_forward", {}),
+                          ("warmup_backward", {"deterministic": False})):
+            config = dict(head_dim=256, proxy_head_dim=128, block_size=bs, group=4, kv_group=4, varlen=False, **extra)
+            out[(op, extra.get("deterministic"))] = kernels._supports(
+                Problem(op, torch.device("cuda", 0), torch.bfloat16, config))
+        for op in ("block_sparse_forward", "block_sparse_backward"):
+            config = dict(head_dim=256, block_size=bs, heads=16, index_heads=2, kv_group=8, varlen=False,
+                          deterministic=False)
+            out[(op, None)] = kernels._supports(Problem(op, torch.device("cuda", 0), torch.bfloat16, config))
+        return out
+
+    catalogue_artifacts("sm90a", head_dims=(256,), block_sizes=(bs,))
+    assert all(v is None for v in verdicts().values()), verdicts()
+    catalogue_artifacts("sm90a")  # the default build: D 64 and 128
+    reason = verdicts()[("msa_forward", None)]
+    assert reason and f"--arch sm90a --dtype bf16 --head-dim 256 --block-size {bs}" in reason, reason
+    catalogue_artifacts("sm100a")  # mma.sync: no D 256 build; the reason is the measured spill, not a command
+    reason = verdicts()[("msa_forward", None)]
+    assert reason and "spill at D 256" in reason and "build_tools build" not in reason, reason
