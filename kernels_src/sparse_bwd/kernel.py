@@ -340,6 +340,10 @@ class SparseBackward:
             if cutlass.const_expr(self.ws):
                 cute.arch.mbarrier_wait(full + stage, (tile // self.stages) % 2)
                 self.publish_async_copies()  # the producer's cp.async writes -> this warpgroup's wgmma reads
+            elif cutlass.const_expr(self.stages == 1):
+                cute.arch.cp_async_wait_group(0)  # this tile's rows, gathered after the previous tile's last barrier
+                self.publish_async_copies()
+                cute.arch.sync_threads()
             else:
                 if tile + 1 < n_tiles:
                     self.gather_tile(gcopy, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query,
@@ -392,6 +396,12 @@ class SparseBackward:
                 cute.arch.mbarrier_arrive(empty + stage)
             # The next gather and the next tile's P / dS stores overwrite what this tile read; s_dq is whole.
             self.consumers_sync()
+            if cutlass.const_expr(not self.ws and self.stages == 1):
+                # One buffer (D 256): the next tile's rows only once every warp is done with this one's (the
+                # barrier above); prefetched a tile ahead they would overwrite the rows this tile's products read.
+                if tile + 1 < n_tiles:
+                    self.gather_tile(gcopy, q, dout, lse, delta, s_q_all, s_do_all, s_rows, b, p, entry_query,
+                                     s_entries, start, n_entries, tile + 1, tidx)
 
         self.reduce_dq(dq_acc, s_dq, entry_query, s_entries, start, n_entries, n_tiles - 1, b, p, dq_query, turns)
         if cutlass.const_expr(turns is not None):

@@ -92,12 +92,15 @@ class SparseKL(SparseProxyBackward):
                 g = step - tile * self.group
                 e0 = start + tile * self.tile_queries
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
-                if step + 1 < n_steps:
-                    self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries,
-                                     step + 1, tidx)
+                if cutlass.const_expr(self.stages == 1):
+                    cute.arch.cp_async_wait_group(0)  # this step's rows, gathered after the previous step's barrier
                 else:
-                    cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(1)
+                    if step + 1 < n_steps:
+                        self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries,
+                                         step + 1, tidx)
+                    else:
+                        cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(1)
                 self.publish_async_copies()
                 cute.arch.sync_threads()
 
@@ -153,6 +156,12 @@ class SparseKL(SparseProxyBackward):
                             kl_part[dest, col + 2] = lse2
                 # The next steps' gathers overwrite what this step read.
                 cute.arch.sync_threads()
+                if cutlass.const_expr(self.stages == 1):
+                    # One buffer (D 256): the next step's rows only now (a step ahead they would overwrite this
+                    # step's before every warp had read them).
+                    if step + 1 < n_steps:
+                        self.gather_step(gcopy, q, q_proxy, s_q_all, s_qp_all, b, p, entry_query, start, n_entries,
+                                         step + 1, tidx)
 
     @cute.jit
     def accumulate_tau(self, mma_s, thr_s, acc_s, s_mn, tau_mn, coord_s, s_q, s_k, lse, b, h, entry_query, e0, n_q, t0,

@@ -100,12 +100,20 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
             for tile in cutlass.range(n_tiles, unroll=1):
                 e0 = start + tile * self.tile_queries
                 n_q = cutlass.min(n_entries - tile * self.tile_queries, self.tile_queries)
-                if tile + 1 < n_tiles:
-                    self.gather_heads(gcopy, q, q_proxy, s_q, b, p, entry_query, start, n_entries, tile + 1, tidx)
-                    self.load_row_data(entry_query, lse, b, p, start, n_entries, tile + 1, coord, next_i, next_lse2)
+                if cutlass.const_expr(self.stages == 1):
+                    # One buffer (D 256): this tile's rows were gathered after the previous tile's last barrier.
+                    if tile + 1 < n_tiles:
+                        self.load_row_data(entry_query, lse, b, p, start, n_entries, tile + 1, coord, next_i,
+                                           next_lse2)
+                    cute.arch.cp_async_wait_group(0)
                 else:
-                    cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(1)
+                    if tile + 1 < n_tiles:
+                        self.gather_heads(gcopy, q, q_proxy, s_q, b, p, entry_query, start, n_entries, tile + 1, tidx)
+                        self.load_row_data(entry_query, lse, b, p, start, n_entries, tile + 1, coord, next_i,
+                                           next_lse2)
+                    else:
+                        cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(1)
                 self.publish_async_copies()
                 cute.arch.sync_threads()
 
@@ -142,6 +150,9 @@ class SparseKLWG(WarpgroupTiles, SparseKL):
                         lse2[r, g] = next_lse2[r, g]
                 # The next tile's gathers overwrite what this tile read.
                 cute.arch.sync_threads()
+                if cutlass.const_expr(self.stages == 1):
+                    if tile + 1 < n_tiles:  # one buffer: the next tile's rows only once every warp read these
+                        self.gather_heads(gcopy, q, q_proxy, s_q, b, p, entry_query, start, n_entries, tile + 1, tidx)
 
     @cute.jit
     def tile_entry(self, entry_query, e0, s_ent, qi):
