@@ -150,7 +150,8 @@ def matrix_table() -> str:
     for d in matrix.HEAD_DIMS:
         for bs in matrix.BLOCK_SIZES:
             default = d in matrix.DEFAULT_HEAD_DIMS and bs in matrix.DEFAULT_BLOCK_SIZES
-            serving = [arch for arch in MATRIX_ARCHS if all(buildable(n, arch, d, bs, "bf16")[0] for n in MAIN_FAMILIES)]
+            serving = [arch for arch in MATRIX_ARCHS
+                       if all(buildable(n, arch, d, bs, "bf16")[0] for n in MAIN_FAMILIES)]
             only = "" if len(serving) == len(MATRIX_ARCHS) else f"--arch {','.join(serving)} "
             wheel = ("yes" if default else
                      f"no; build `{only}--head-dim {d} --block-size {bs}`" if serving else

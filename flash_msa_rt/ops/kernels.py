@@ -141,8 +141,9 @@ def _how_to_get(arch: str, dt: str, d: int, bs: int, dp: int | None) -> str:
     """The command that builds a configuration's kernels, or why none can."""
     if d in UNREACHABLE_HEAD_DIMS:
         return UNREACHABLE_HEAD_DIMS[d]
-    if sync_refusal(d, default_mma(arch)):
-        return f"{sync_refusal(d, default_mma(arch))}; the nearest point {arch} runs is D 128"
+    spills = sync_refusal(d, default_mma(arch))
+    if spills:
+        return f"{spills}; the nearest point {arch} runs is D 128"
     if dp is not None and dp > d:
         return (f"a proxy wider than the heads (Dp {dp} > D {d}) is not built: the KL pass takes the proxy at D; "
                 f"use Dp <= D")
@@ -302,12 +303,18 @@ def _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, block_indices,
 # sm90a; the KL pass at G <= 4, the proxy backward at every G) and on the sparse kernels over the all-causal
 # selection elsewhere, or where tuning.warmup says so (dense_proxy).
 WARMUP_BLOCK = 128  # warmup selects every causal block; any block size gives the same dense causal result
+_INT32_LIMIT = 1 << 31
 
 
 def _warmup_block(q) -> int:
     """Warmup's all-causal blocks: WARMUP_BLOCK, or the main kernels' own block where smaller (D 256: 64)."""
     return kernel_block_size(q.shape[3], WARMUP_BLOCK)
-_INT32_LIMIT = 1 << 31
+
+
+def _warmup_selection(q_proxy, q) -> tuple[torch.Tensor, int]:
+    """Warmup's all-causal selection, whole, and its block size: what the sparse main path takes."""
+    block_size = _warmup_block(q)
+    return _all_causal_blocks(q_proxy, block_size), block_size
 
 
 class AllCausalBlocks:
@@ -389,14 +396,14 @@ def _warmup_forward(q_proxy, k_proxy, q, k, v, scale, cu_seqlens=None, *, kl=Tru
     if kl:
         q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
-        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy, _warmup_block(q)), _warmup_block(q), scale, kl=kl,
+        return _msa_forward(q_proxy, k_proxy, q, k, v, *_warmup_selection(q_proxy, q), scale, kl=kl,
                             proxy_scale=proxy_scale)
     q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
     try:
         out, lse = dense_main.dense_forward(q, k, v, scale)
     except RuntimeError as e:
         _cudnn_refused(q, e)
-        return _msa_forward(q_proxy, k_proxy, q, k, v, _all_causal_blocks(q_proxy, _warmup_block(q)), _warmup_block(q), scale, kl=kl,
+        return _msa_forward(q_proxy, k_proxy, q, k, v, *_warmup_selection(q_proxy, q), scale, kl=kl,
                             proxy_scale=proxy_scale)
     return (out, lse, *(_dense_warmup_kl(q_proxy, k_proxy, q, k, lse, scale, proxy_scale) if kl
                         else _no_kl(q_proxy)))
@@ -407,7 +414,8 @@ def _dense_warmup_kl(q_proxy, k_proxy, q, k, lse, scale, proxy_scale=None):
     sparse KL pass with every causal block selected."""
     if _warmup_tuning(q).dense_proxy and warmup_kl.usable(q_proxy, q) is None:
         return warmup_kl.warmup_kl_cuda(q_proxy, k_proxy, q, k, lse, scale, proxy_scale)
-    return sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse, AllCausalBlocks(q_proxy, _warmup_block(q)), _warmup_block(q),
+    block_size = _warmup_block(q)
+    return sparse_fwd.msa_kl_cuda(q_proxy, k_proxy, q, k, lse, AllCausalBlocks(q_proxy, block_size), block_size,
                                   scale, proxy_scale=proxy_scale)
 
 
@@ -420,7 +428,7 @@ def _warmup_kl(q_proxy, k_proxy, q, k, v, lse, scale, cu_seqlens=None, *, with_k
                                            proxy_scale=proxy_scale)
     q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
-        return _msa_kl(q_proxy, k_proxy, q, k, v, lse, _all_causal_blocks(q_proxy, _warmup_block(q)), _warmup_block(q), scale,
+        return _msa_kl(q_proxy, k_proxy, q, k, v, lse, *_warmup_selection(q_proxy, q), scale,
                        proxy_scale=proxy_scale)
     if not with_kl and _warmup_tuning(q).dense_proxy and warmup_kl.usable(q_proxy, q, "warmup_lse") is None:
         lse_proxy = warmup_kl.warmup_lse_cuda(_tma_ready(q_proxy), _tma_ready(k_proxy),
@@ -458,16 +466,16 @@ def _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
     receives the KL rows where the dense proxy backward forms them (else it stays empty)."""
     q_proxy, k_proxy = _proxy_at(q_proxy, k_proxy, q.shape[3])
     if not _dense_main(q):
-        return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy, _warmup_block(q)),
-                             _warmup_block(q), scale, grad_out, kl_grad, proxy_scale=proxy_scale)
+        return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, *_warmup_selection(q_proxy, q),
+                             scale, grad_out, kl_grad, proxy_scale=proxy_scale)
     q_proxy, k_proxy, q, k, v = (_tma_ready(t) for t in (q_proxy, k_proxy, q, k, v))
     if grad_out is not None:
         try:
             dq, dk, dv = dense_main.dense_backward(q, k, v, out, lse, grad_out, scale)
         except RuntimeError as e:  # out and lse are exact whichever path made them: the sparse backward takes them
             _cudnn_refused(q, e)
-            return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, _all_causal_blocks(q_proxy, _warmup_block(q)),
-                                 _warmup_block(q), scale, grad_out, kl_grad, proxy_scale=proxy_scale)
+            return _msa_backward(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, *_warmup_selection(q_proxy, q),
+                                 scale, grad_out, kl_grad, proxy_scale=proxy_scale)
     else:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if kl_grad is not None and _warmup_tuning(q).dense_proxy and \
@@ -479,8 +487,9 @@ def _warmup_backward_at_d(q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, scale,
                                                                   kl_grad, kl_rows[0] if kl_rows else None,
                                                                   proxy_scale=proxy_scale)
     elif kl_grad is not None:
+        block_size = _warmup_block(q)
         dq_proxy, dk_proxy = sparse_bwd.proxy_backward_cuda(q_proxy, k_proxy, q, k, lse, lse_proxy,
-                                                            AllCausalBlocks(q_proxy, _warmup_block(q)), _warmup_block(q),
+                                                            AllCausalBlocks(q_proxy, block_size), block_size,
                                                             scale, kl_grad, proxy_scale=proxy_scale)
     else:
         dq_proxy, dk_proxy = torch.zeros_like(q_proxy), torch.zeros_like(k_proxy)

@@ -49,7 +49,8 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     main = [Config(dtype=dt, head_dim=d, block_size=bs, group=g) for dt in dts for d in ds
             for bs in matrix.kernel_block_sizes(d, block_sizes) for g in sparse_combine.GROUPS]
     proxy = [Config(dtype=dt, head_dim=dp, block_size=bs, group=1) for dt in dts
-             for dp in matrix.proxy_head_dims(head_dims) for bs in matrix.any_kernel_block_sizes(head_dims, block_sizes)]
+             for dp in matrix.proxy_head_dims(head_dims)
+             for bs in matrix.any_kernel_block_sizes(head_dims, block_sizes)]
     return list(dict.fromkeys(main + proxy))
 
 

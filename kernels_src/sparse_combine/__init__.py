@@ -58,7 +58,8 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     # The widest split ships; one head per warp stays built for A/B runs (sparse_fwd.COMBINE_HEADS_PER_WARP = 1).
     # With sinks (scale_rows 1) the widest split only.
     return [Config(dtype=dt, head_dim=d, block_size=bs, group=g, heads_per_warp=hw, scale_rows=r) for dt in dts
-            for d in ds for bs in matrix.kernel_block_sizes(d, block_sizes) for g in GROUPS for hw in sorted({1, widest_heads(g, d)})
+            for d in ds for bs in matrix.kernel_block_sizes(d, block_sizes) for g in GROUPS
+            for hw in sorted({1, widest_heads(g, d)})
             for r in ((0, 1) if hw == widest_heads(g, d) else (0,))]
 
 
