@@ -304,3 +304,35 @@ def test_mma_sync_kernels_sm100a_runs(point, force_mma, launched_kernels):
         return (*f, *reference.msa_backward(*x, *f[:3], sel, Bs, scale, go.to(dt), klg.to(dt)))
 
     _check((*fwd, *bwd), ref(torch.float64), ref(torch.float32), dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 333, 16, 2, 2, 1, 3), (1, 333, 16, 2, 1, 1, 3)], ids=["G8", "G16"])
+def test_d256_wide_groups(shape):
+    """D 256 at G = 8 and 16 (the KL pass's stepped heads, the backward without the producer warpgroup): forward, KL
+    and atomic backward against the reference, and the deterministic backward bitwise across two runs."""
+    from flash_msa_rt import reference
+
+    D, Dp, Bs = 256, 128, 128
+    B, S, H, Hk, Hp, Hpk, K = shape
+    ins = _inputs(B, S, H, Hk, Hp, Hpk, D, Dp, torch.bfloat16, seed=41 + Hp)
+    qp, kp, q, k, v = ins
+    scale = D ** -0.5
+    sel = _impl("select_blocks", qp, q, k, Bs, top_k_blocks=K)(qp, kp, K, Bs, scale)
+    go, klg = _grads(q, Hp, 42)
+    fwd, bwd = _msa_step(ins, sel, Bs, scale, go, klg)
+    torch.cuda.synchronize()
+
+    def ref(dt):
+        x = [t.to(dt) for t in ins]
+        f = reference.msa_forward(*x, sel, Bs, scale)
+        return (*f, *reference.msa_backward(*x, *f[:3], sel, Bs, scale, go.to(dt), klg.to(dt)))
+
+    _check((*fwd, *bwd), ref(torch.float64), ref(torch.float32), torch.bfloat16)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [_msa_step(ins, sel, Bs, scale, go, klg, deterministic=True)[1] for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
