@@ -58,6 +58,19 @@ def _check(got, want, base, dtype, names=NAMES):
         tolerances.assert_ok(tolerances.check(name, g_, w_, b_, result_dtype=result_dtype))
 
 
+def _check_msa(got, ins, sel, Bs, scale, go, klg, dtype):
+    """An MSA forward + backward on the kernels against the reference on the same selection, in float64 (the
+    truth) with float32 as the yardstick of the tolerance rule."""
+    from flash_msa_rt import reference
+
+    def ref(dt):
+        x = [t.to(dt) for t in ins]
+        f = reference.msa_forward(*x, sel, Bs, scale)
+        return (*f, *reference.msa_backward(*x, *f[:3], sel, Bs, scale, go.to(dt), klg.to(dt)))
+
+    _check(got, ref(torch.float64), ref(torch.float32), dtype)
+
+
 def _msa_step(ins, sel, Bs, scale, go, klg, deterministic=False):
     qp, kp, q, k, v = ins
     fwd = _impl("msa_forward", qp, q, k, Bs)(qp, kp, q, k, v, sel, Bs, scale)
@@ -73,7 +86,6 @@ def test_msa_forward_kl_backward(point, shape, dtype):
     """Selection, forward, the deferred KL pass (equal to the forward's) and the atomic backward on the kernels,
     against the reference on the kernel's selection; the selection row for row against the reference's (near ties
     aside)."""
-    from flash_msa_rt import reference
     from flash_msa_rt.reference.selection import select_blocks
 
     D, Dp, Bs = point
@@ -91,21 +103,13 @@ def test_msa_forward_kl_backward(point, shape, dtype):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert bwd[0].shape == qp.shape and bwd[1].shape == kp.shape
     torch.cuda.synchronize()
-
-    def ref(dt):
-        x = [t.to(dt) for t in ins]
-        f = reference.msa_forward(*x, sel, Bs, scale)
-        return (*f, *reference.msa_backward(*x, *f[:3], sel, Bs, scale, go.to(dt), klg.to(dt)))
-
-    _check((*fwd, *bwd), ref(torch.float64), ref(torch.float32), dtype)
+    _check_msa((*fwd, *bwd), ins, sel, Bs, scale, go, klg, dtype)
 
 
 @pytest.mark.parametrize("point", POINTS, ids=_pid)
 def test_deterministic_backward_is_bitwise_and_exact(point):
     """Under torch.use_deterministic_algorithms the backward runs its deterministic kernels: two runs give the same
     bits, and they equal the reference within the tolerance rule."""
-    from flash_msa_rt import reference
-
     D, Dp, Bs = point
     B, S, H, Hk, Hp, Hpk, K = SHAPES[1]
     dtype = torch.bfloat16
@@ -123,13 +127,7 @@ def test_deterministic_backward_is_bitwise_and_exact(point):
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.equal(a, b)
     fwd, bwd = runs[0]
-
-    def ref(dt):
-        x = [t.to(dt) for t in ins]
-        f = reference.msa_forward(*x, sel, Bs, scale)
-        return (*f, *reference.msa_backward(*x, *f[:3], sel, Bs, scale, go.to(dt), klg.to(dt)))
-
-    _check((*fwd, *bwd), ref(torch.float64), ref(torch.float32), dtype)
+    _check_msa((*fwd, *bwd), ins, sel, Bs, scale, go, klg, dtype)
 
 
 @pytest.mark.parametrize("point", [p for p in POINTS if p[2] == 128], ids=_pid)
@@ -282,8 +280,6 @@ def test_mma_sync_kernels_sm100a_runs(point, force_mma, launched_kernels):
     """The mma.sync builds (what sm100a launches; hopper_sync_check on sm90a) at every new point but D 256 (mma.sync
     spills there: tuning.head_dim.SYNC_AT_WIDE): forward, KL pass and backward against the reference, and no wgmma
     variant launched."""
-    from flash_msa_rt import reference
-
     force_mma("sync")
     D, Dp, Bs = point
     B, S, H, Hk, Hp, Hpk, K = SHAPES[0]
@@ -297,21 +293,13 @@ def test_mma_sync_kernels_sm100a_runs(point, force_mma, launched_kernels):
     torch.cuda.synchronize()
     main_kernels = [n for n in launched_kernels if n.startswith(("sparse_fwd", "sparse_kl", "sparse_bwd"))]
     assert main_kernels and all("mmasync" in n for n in main_kernels), main_kernels
-
-    def ref(dt):
-        x = [t.to(dt) for t in ins]
-        f = reference.msa_forward(*x, sel, Bs, scale)
-        return (*f, *reference.msa_backward(*x, *f[:3], sel, Bs, scale, go.to(dt), klg.to(dt)))
-
-    _check((*fwd, *bwd), ref(torch.float64), ref(torch.float32), dtype)
+    _check_msa((*fwd, *bwd), ins, sel, Bs, scale, go, klg, dtype)
 
 
 @pytest.mark.parametrize("shape", [(1, 333, 16, 2, 2, 1, 3), (1, 333, 16, 2, 1, 1, 3)], ids=["G8", "G16"])
 def test_d256_wide_groups(shape):
     """D 256 at G = 8 and 16 (the KL pass's stepped heads, the backward without the producer warpgroup): forward, KL
     and atomic backward against the reference, and the deterministic backward bitwise across two runs."""
-    from flash_msa_rt import reference
-
     D, Dp, Bs = 256, 128, 128
     B, S, H, Hk, Hp, Hpk, K = shape
     ins = _inputs(B, S, H, Hk, Hp, Hpk, D, Dp, torch.bfloat16, seed=41 + Hp)
@@ -321,13 +309,7 @@ def test_d256_wide_groups(shape):
     go, klg = _grads(q, Hp, 42)
     fwd, bwd = _msa_step(ins, sel, Bs, scale, go, klg)
     torch.cuda.synchronize()
-
-    def ref(dt):
-        x = [t.to(dt) for t in ins]
-        f = reference.msa_forward(*x, sel, Bs, scale)
-        return (*f, *reference.msa_backward(*x, *f[:3], sel, Bs, scale, go.to(dt), klg.to(dt)))
-
-    _check((*fwd, *bwd), ref(torch.float64), ref(torch.float32), torch.bfloat16)
+    _check_msa((*fwd, *bwd), ins, sel, Bs, scale, go, klg, torch.bfloat16)
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
