@@ -2,8 +2,11 @@
 top_k 2048, B = 1) captured in a CUDA graph per setting (the choice is read at capture, as reduce-overhead's graph
 keeps it), the graphs replayed interleaved round by round; per setting the median replay ms over the rounds.
 
-    python benchmarks/sweep_small.py a:8192 a:16384 --settings '[{"sparse_bwd": {"tiles_per_item": 16}}, ...]'
+    python benchmarks/sweep_small.py a:8192 a:16384 b:65536:1:256 --settings '[{"sparse_bwd": {"tiles_per_item": 16}}, ...]'
         [--rounds 5] [--reps 20] [--out FILE]
+
+A spec is cfg:S[:B[:D[:Bs]]]: configuration, sequence length, batch (1), head dim of the main and proxy heads (128),
+key block size (128).
 """
 
 from __future__ import annotations
@@ -18,22 +21,40 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
+from benchmarks.bench_sparse_fwd import CONFIGS  # noqa: E402
 from benchmarks.common import captured, commit  # noqa: E402
 
 
-def graphed_step(cfg: str, S: int, overrides: dict):
+def parse_spec(spec: str) -> tuple[str, int, int, int, int]:
+    """cfg:S[:B[:D[:Bs]]] -> (cfg, S, B, D, Bs)."""
+    cfg, *rest = spec.split(":")
+    S, B, D, Bs = [int(v) for v in rest] + [1, 128, 128][len(rest) - 1:]
+    return cfg, S, B, D, Bs
+
+
+def problem(cfg: str, S: int, B: int, D: int) -> dict:
+    """The leaves of random_problem(cfg) at batch B and head dim D (main and proxy heads), bf16, seed 0."""
+    H, Hk, Hp, Hpk = CONFIGS[cfg]
+    torch.manual_seed(0)
+    x = {n: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16)
+         for n, h in (("qp", Hp), ("kp", Hpk), ("q", H), ("k", Hk), ("v", Hk))}
+    return dict(x, H=H, D=D)
+
+
+def graphed_step(spec: str, overrides: dict):
     """A CUDA graph of one deferred-KL fwd + bwd under the overrides (warmed on a side stream first)."""
     from flash_msa_rt import flash_msa_func, tuning
 
-    x = random_problem(cfg, S, S)
+    cfg, S, B, D, Bs = parse_spec(spec)
+    x = problem(cfg, S, B, D)
     leaves = tuple(x[n].detach().requires_grad_() for n in ("qp", "kp", "q", "k", "v"))
-    dout = torch.randn(1, S, x["H"] * x["D"], device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(B, S, x["H"] * D, device="cuda", dtype=torch.bfloat16)
     coef = torch.tensor(0.1, device="cuda")
     metric = torch.zeros((), device="cuda")
 
     def step():
-        out, kl = flash_msa_func(*leaves, top_k=2048, layout="bshd", kl_value="deferred", kl_metric=metric)
+        out, kl = flash_msa_func(*leaves, top_k=2048, block_size=Bs, layout="bshd", kl_value="deferred",
+                                 kl_metric=metric)
         return torch.autograd.grad((out, kl), leaves, (dout, coef))
 
     with tuning.override(**overrides):
@@ -54,7 +75,7 @@ def replay_ms(graph, reps: int) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("specs", nargs="+", help="cfg:S")
+    ap.add_argument("specs", nargs="+", help="cfg:S[:B[:D[:Bs]]]")
     ap.add_argument("--settings", type=json.loads, required=True, help="JSON list of tuning overrides")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
@@ -65,8 +86,7 @@ def main(argv=None):
                   method="CUDA graph of one deferred-KL fwd + bwd per setting, replays timed with events, settings "
                          "interleaved round by round; median over rounds of the mean replay ms", problems={})
     for spec in a.specs:
-        cfg, S = spec.split(":")[0], int(spec.split(":")[1])
-        graphs = [graphed_step(cfg, S, s) for s in settings]
+        graphs = [graphed_step(spec, s) for s in settings]
         times = [[] for _ in settings]
         for _ in range(a.rounds):
             for n, (graph, _) in enumerate(graphs):
