@@ -1,6 +1,7 @@
 """Tuning choices at small sizes, on device time: one public flash_msa_func forward + backward (kl_value deferred,
 top_k 2048, B = 1) captured in a CUDA graph per setting (the choice is read at capture, as reduce-overhead's graph
-keeps it), the graphs replayed interleaved round by round; per setting the median replay ms over the rounds.
+keeps it), the graphs replayed interleaved round by round with one of cuDNN's dense causal fwd + bwd on the same
+q, k, v (torch SDPA); per setting the median replay ms over the rounds and its ratio to dense.
 
     python benchmarks/sweep_small.py a:8192 a:16384 b:65536:1:256 --settings '[{"sparse_bwd": {"tiles_per_item": 16}}, ...]'
         [--rounds 5] [--reps 20] [--out FILE]
@@ -62,6 +63,27 @@ def graphed_step(spec: str, overrides: dict):
     return graph, (x, leaves, grads)
 
 
+def graphed_dense(spec: str):
+    """A CUDA graph of cuDNN's dense causal attention fwd + bwd (torch SDPA, kv heads repeated) on the same q, k, v:
+    the baseline each setting is compared with."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg, S, B, D, _ = parse_spec(spec)
+    x = problem(cfg, S, B, D)
+    q, k, v = (x[n].transpose(1, 2).detach().requires_grad_() for n in ("q", "k", "v"))
+    rep = q.shape[1] // k.shape[1]
+    dout = torch.randn_like(q)
+
+    def step():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    graph, grads = captured(step)
+    return graph, (q, k, v, grads)
+
+
 def replay_ms(graph, reps: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
@@ -83,19 +105,24 @@ def main(argv=None):
     a = ap.parse_args(argv)
     settings = [{}] + list(a.settings)
     result = dict(benchmark="sweep_small", commit=commit(), device=torch.cuda.get_device_name(), settings=settings,
-                  method="CUDA graph of one deferred-KL fwd + bwd per setting, replays timed with events, settings "
-                         "interleaved round by round; median over rounds of the mean replay ms", problems={})
+                  method="CUDA graph of one deferred-KL fwd + bwd per setting and of cuDNN dense causal fwd + bwd "
+                         "(torch SDPA), replays timed with events, interleaved round by round; median over rounds "
+                         "of the mean replay ms", problems={})
     for spec in a.specs:
-        graphs = [graphed_step(spec, s) for s in settings]
-        times = [[] for _ in settings]
+        graphs = [graphed_dense(spec)] + [graphed_step(spec, s) for s in settings]
+        times = [[] for _ in graphs]
         for _ in range(a.rounds):
             for n, (graph, _) in enumerate(graphs):
                 times[n].append(replay_ms(graph, a.reps))
-        medians = [statistics.median(t) for t in times]
-        result["problems"][spec] = [{"setting": s, "ms": m, "rounds": t} for s, m, t in zip(settings, medians, times)]
-        print(f"{spec}: defaults {medians[0]:.3f} ms", flush=True)
+        dense, *medians = [statistics.median(t) for t in times]
+        result["problems"][spec] = dict(
+            dense_ms=dense, dense_rounds=times[0],
+            settings=[{"setting": s, "ms": m, "x_dense": dense / m, "rounds": t}
+                      for s, m, t in zip(settings, medians, times[1:])])
+        print(f"{spec}: cuDNN dense {dense:.3f} ms; defaults {medians[0]:.3f} ms ({dense / medians[0]:.2f}x dense)",
+              flush=True)
         for s, m in zip(settings[1:], medians[1:]):
-            print(f"  {m:.3f} ms ({m / medians[0]:.3f}x)  {json.dumps(s)}", flush=True)
+            print(f"  {m:.3f} ms ({m / medians[0]:.3f}x defaults, {dense / m:.2f}x dense)  {json.dumps(s)}", flush=True)
         del graphs
         torch.cuda.empty_cache()
     if a.out:
