@@ -3,8 +3,8 @@ top_k 2048, B = 1) captured in a CUDA graph per setting (the choice is read at c
 keeps it), the graphs replayed interleaved round by round with one of cuDNN's dense causal fwd + bwd on the same
 q, k, v (torch SDPA); per setting the median replay ms over the rounds and its ratio to dense.
 
-    python benchmarks/sweep_small.py a:8192 a:16384 b:65536:1:256 --settings '[{"sparse_bwd": {"tiles_per_item": 16}}, ...]'
-        [--rounds 5] [--reps 20] [--out FILE]
+    python benchmarks/sweep_small.py a:8192 a:16384 b:65536:1:256 \
+        --settings '[{"sparse_bwd": {"tiles_per_item": 16}}, ...]' [--rounds 5] [--reps 20] [--out FILE]
 
 A spec is cfg:S[:B[:D[:Bs]]]: configuration, sequence length, batch (1), head dim of the main and proxy heads (128),
 key block size (128).
