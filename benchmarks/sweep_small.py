@@ -6,8 +6,8 @@ q, k, v (torch SDPA); per setting the median replay ms over the rounds and its r
     python benchmarks/sweep_small.py a:8192 a:16384 b:65536:1:256 \
         --settings '[{"sparse_bwd": {"tiles_per_item": 16}}, ...]' [--rounds 5] [--reps 20] [--out FILE]
 
-A spec is cfg:S[:B[:D[:Bs]]]: configuration, sequence length, batch (1), head dim of the main and proxy heads (128),
-key block size (128).
+A spec is cfg:S[:B[:D[:Bs]]]: configuration, sequence length, batch (1), main head dim (128; the proxy's is 64 at
+D 64, 128 otherwise), key block size (128).
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ def parse_spec(spec: str) -> tuple[str, int, int, int, int]:
 
 
 def problem(cfg: str, S: int, B: int, D: int) -> dict:
-    """The leaves of random_problem(cfg) at batch B and head dim D (main and proxy heads), bf16, seed 0."""
+    """The leaves of random_problem(cfg) at batch B and main head dim D, bf16, seed 0; proxy heads of Dp = 64 at
+    D = 64 and 128 otherwise (the matrix benchmark's)."""
     H, Hk, Hp, Hpk = CONFIGS[cfg]
+    Dp = 64 if D == 64 else 128
     torch.manual_seed(0)
-    x = {n: torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16)
-         for n, h in (("qp", Hp), ("kp", Hpk), ("q", H), ("k", Hk), ("v", Hk))}
+    x = {n: torch.randn(B, S, h, d, device="cuda", dtype=torch.bfloat16)
+         for n, h, d in (("qp", Hp, Dp), ("kp", Hpk, Dp), ("q", H, D), ("k", Hk, D), ("v", Hk, D))}
     return dict(x, H=H, D=D)
 
 
