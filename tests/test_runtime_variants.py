@@ -267,6 +267,34 @@ def test_tau_budget_is_one_gib():
         assert rt_bwd.choice("sm90a", 4, 128, 128, 1, 8192, 16).tau_budget == 1 << 28
 
 
+def test_items_by_problem_size():
+    """tuning.sparse_fwd / sparse_bwd (sweep_small, H100): up to 32K proxy rows B Hp S every kernel's items are a
+    quarter of their usual size; up to 64K the forward's alone; beyond, and with no sizes (the variants'
+    question), the usual ones. The backward's items run in query bins at D 256 at every size."""
+    def fwd(B, S, H=16, G=4, D=128):
+        return rt_fwd.choice("sm90a", G, D, 128, B, S, H)
+
+    def bwd(B, S, H=16, G=4, D=128):
+        return rt_bwd.choice("sm90a", G, D, 128, B, S, H)
+
+    usual = (fwd(1, 65536).tiles_per_item, fwd(1, 65536).kl_tiles_per_item, bwd(1, 65536).tiles_per_item,
+             bwd(1, 65536).proxy_tiles_per_item)
+    assert usual == (64, 32, 64, 32)
+    assert (fwd(0, 0).tiles_per_item, bwd(0, 0).tiles_per_item) == (64, 64)
+    # (a) B = 1: 8K is 32K proxy rows, 16K is 64K
+    assert (fwd(1, 8192).tiles_per_item, fwd(1, 8192).kl_tiles_per_item, bwd(1, 8192).tiles_per_item,
+            bwd(1, 8192).proxy_tiles_per_item) == (16, 8, 16, 8)
+    assert (fwd(1, 16384).tiles_per_item, fwd(1, 16384).kl_tiles_per_item, bwd(1, 16384).tiles_per_item,
+            bwd(1, 16384).proxy_tiles_per_item) == (16, 32, 64, 32)
+    assert fwd(2, 16384).tiles_per_item == 64
+    # G = 1 keeps the entry table's bound (32 tiles) and takes a quarter of 64 at small steps
+    assert (bwd(1, 65536, G=1).tiles_per_item, bwd(1, 2048, G=1).tiles_per_item) == (32, 16)
+    assert bwd(1, 65536).item_order == "list" and bwd(1, 65536, D=256).item_order == "query"
+    assert bwd(1, 8192, D=256).item_order == "query" and bwd(1, 8192, G=16).item_order == "query"
+    with tuning.override(sparse_fwd={"tiles_per_item": 64}, sparse_bwd={"item_order": "list"}):
+        assert fwd(1, 8192).tiles_per_item == 64 and bwd(1, 8192, D=256).item_order == "list"
+
+
 @pytest.mark.parametrize("producer", [False, True])
 def test_producer_variants_agree_with_the_build(producer):
     """With the producer on (the policy's choice), the runtime asks for the warp-specialised main backward

@@ -15,6 +15,12 @@ class Problem:
     heads: int = 0  # H
 
     @property
+    def proxy_rows(self) -> int:
+        """B Hp S: the rows of the proxy's selection, which the work plans' item counts scale with (0 without
+        sizes)."""
+        return self.batch * self.seqlen * (self.heads // self.group)
+
+    @property
     def dq_bytes(self) -> int:
         """4 B S H D: the bytes of an fp32 dq over every head, the scale the budgets are measured against (the
         backward itself now holds fp32 accumulators for one run of proxy heads at a time: docs/memory.md)."""

@@ -17,6 +17,7 @@ PRODUCER_THREADS = 384  # the warp-specialised main kernel: a producer warpgroup
 PRODUCER_GROUPS = (1, 2, 4)
 QUERY_BIN_ROWS = 1 << 21  # proxy rows B Hp S from which the backward's items run in query bins at every G
 RESIDENT_GROUPS = (1, 2, 4)  # the proxy kernel holds the G head tiles at once up to G = 4
+SMALL_STEP_ROWS = 1 << 15  # proxy rows B Hp S up to which every kernel's items are a quarter of their usual size
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ def keys_per_cta(mma: str, block_size: int) -> int:
     return block_size if mma == "wgmma" else 64
 
 
+def small_step(p: Problem) -> bool:
+    """A problem whose plans make too few work items to fill the GPU at the usual item sizes (sizes known)."""
+    return 0 < p.proxy_rows <= SMALL_STEP_ROWS
+
+
 def per_group_tiles(main_tiles: int, group: int) -> int:
     """Tiles per item for kernels whose tile visits the G heads in turn (KL pass, proxy backward): about
     main_tiles // G, between 1 and 32."""
@@ -71,14 +77,19 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseBwdTuning:
         # Warp-specialised main kernel: 1.04-1.07x on the whole backward, GPU tests and four sanitizers clean.
         producer=o.get("producer", True),
         # 64 tiles against 32, whole backward (b) / (a) / (c) 64K and (a) B = 1 64K: 42.71 -> 41.68, 21.39 -> 20.89,
-        # 76.09 -> 74.26, 13.62 -> 13.20 ms; G = 1 stops at the entry table (32 tiles).
-        tiles_per_item=o.get("tiles_per_item", max(1, min(64, ITEM_ENTRIES // max(1, TILE_M // G)))),
-        # sweep at (b) 64K: sparse_bwd_proxy 20.13 / 19.52 / 19.30 ms at 8 / 16 / 32 tiles per item.
-        proxy_tiles_per_item=o.get("proxy_tiles_per_item", per_group_tiles(128, G)),
+        # 76.09 -> 74.26, 13.62 -> 13.20 ms; G = 1 stops at the entry table (32 tiles). Small steps take a quarter
+        # (tuning.sparse_fwd's tiles_per_item cites the measurement).
+        tiles_per_item=o.get("tiles_per_item", max(1, min(16 if small_step(p) else 64,
+                                                           ITEM_ENTRIES // max(1, TILE_M // G)))),
+        # sweep at (b) 64K: sparse_bwd_proxy 20.13 / 19.52 / 19.30 ms at 8 / 16 / 32 tiles per item; small steps
+        # a quarter (as tiles_per_item).
+        proxy_tiles_per_item=o.get("proxy_tiles_per_item", per_group_tiles(32 if small_step(p) else 128, G)),
         # Query bins of 2048 against list order: (c) 64K (G = 16) 76.48 -> 73.57 ms; (a) 64K (G = 4) 2.5-5 % slower;
         # from 2M proxy rows B Hp S (the fp32 dq rows of a head chunk far past the L2) faster again: (b) B = 1
         # 256K 89.2-91.9 -> 86.1-87.6 ms, 1M 394.5-398.8 -> 388.7-391.0 (msa_backward_cuda, interleaved, cf5c1b0).
-        item_order=o.get("item_order", "query" if G >= 16 or p.batch * p.seqlen * (p.heads // G) >= QUERY_BIN_ROWS
+        # At D 256 (two 64-key items per block of 128, each reducing the same dq rows) at every size: (b) D 256,
+        # B = 1, 64K, whole fwd + bwd 122.9 -> 117.3 ms (sweep_small, H100, c422079).
+        item_order=o.get("item_order", "query" if G >= 16 or p.proxy_rows >= QUERY_BIN_ROWS or wide(p.head_dim)
                          else "list"),
         # 1 GiB floor and cap: at (a) B = 1, S = 64K 4 chunks took 12.3-13.0 ms, 1 chunk 11.0.
         tau_budget=o.get("tau_budget", max(1 << 30, min(1 << 30, p.dq_bytes // 2))),

@@ -10,12 +10,13 @@ from flash_msa_rt.tuning.head_dim import forward_stages, gather_stages, wide
 from flash_msa_rt.tuning.mma import default_mma
 from flash_msa_rt.tuning.overrides import Overrides, current, register
 from flash_msa_rt.tuning.problem import Problem
-from flash_msa_rt.tuning.sparse_bwd import keys_per_cta, per_group_tiles
+from flash_msa_rt.tuning.sparse_bwd import keys_per_cta, per_group_tiles, small_step
 
 KL_RESIDENT_GROUPS = (1, 2, 4)  # the ping-pong KL pass holds the G + 1 head tiles single-buffered up to G = 4
 KL_STREAM_STAGES = 4  # ... and streams them through a ring of this many slots at G = 8, 16
 COMBINE_LANE_ELEMENTS = 16  # the combine's widest lane: 2 x 16-byte loads per slot
 HOST_BOUND_ROWS = 1 << 16  # proxy rows B Hp S up to which an eager step's host time exceeds its device time
+FEW_ITEMS_ROWS = 1 << 16  # proxy rows B Hp S up to which the forward's items hold 16 tiles
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,15 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseFwdTuning:
         # As many of the G heads per warp as keep a lane at 16 elements: bitwise the one-head kernel's results.
         combine_heads=o.get("combine_heads", max(1, min(G, 32 * COMBINE_LANE_ELEMENTS // p.head_dim))),
         # 64 tiles against 32 with whole lists, forward (b) / (a) / (c) 64K: 35.47 -> 34.31, 17.91 -> 17.70,
-        # 65.62 -> 64.96 ms.
-        tiles_per_item=o.get("tiles_per_item", 64),
-        # KL pass at (b) 64K: 12.73 / 12.53 / 12.47 ms at 8 / 16 / 32 tiles per item (128 // G, at most 32).
-        kl_tiles_per_item=o.get("kl_tiles_per_item", per_group_tiles(128, G)),
+        # 65.62 -> 64.96 ms. Up to 64K proxy rows the plans hold a few hundred items of 64 tiles for 264 CTA slots,
+        # and the longest set the launch's end: whole graphed fwd + bwd, (a) B = 1 8K / 16K, 2.259 -> 2.094 /
+        # 4.423 -> 4.278 ms at 16 tiles (32: 2.107 / 4.298; sweep_small, H100, c422079).
+        tiles_per_item=o.get("tiles_per_item", 16 if 0 < p.proxy_rows <= FEW_ITEMS_ROWS else 64),
+        # KL pass at (b) 64K: 12.73 / 12.53 / 12.47 ms at 8 / 16 / 32 tiles per item (128 // G, at most 32). Small
+        # steps (small_step): every kernel's items a quarter of their size, (a) B = 1 8K 2.259 -> 2.064 ms against
+        # 2.094 with the forward's alone (sweep_small, H100, c422079); at 16K the backward's quarter items lost
+        # 1.8 %, so the rest stay whole there.
+        kl_tiles_per_item=o.get("kl_tiles_per_item", per_group_tiles(32 if small_step(p) else 128, G)),
         # Chunks of heads keep every reverse list whole, so its items are full (query chunks cut each list in n).
         chunks=o.get("chunks", "heads"),
         # Longest items first against list order: forward (a) / (b) / (c) 64K 18.12 -> 17.30, 32.52 -> 32.23,
@@ -79,7 +85,7 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseFwdTuning:
         # ops) only adds host time: with the backward taking the forward's sorted lists (tuning.plan), (a) B = 1,
         # S = 8K issues a step in 2.35 ms against 2.88 (exact) on the H200's host, and at 16K, device-bound, the
         # step takes 4.11 ms against 4.09 (host_time.json, cb2af22, interleaved).
-        item_order=o.get("item_order", "size" if p.batch * p.seqlen * (p.heads // G) > HOST_BOUND_ROWS else "list"),
+        item_order=o.get("item_order", "size" if p.proxy_rows > HOST_BOUND_ROWS else "list"),
         # At least 2 GiB (at (a) B = 1, S = 64K: 4 chunks 9.9-10.4 ms, 1 chunk 8.4-8.5), or dq_bytes = 4 B S H D:
         # (b) 64K B = 2 66.9 ms in 18 chunks of 1 GiB, 56.9 in 5 of 4 GiB. The backward adds at least dq_bytes
         # anyway (dq in the input dtype and the upstream dO, 2 B S H D each), so the forward's peak stays under
