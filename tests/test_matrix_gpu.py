@@ -71,6 +71,18 @@ def _check_msa(got, ins, sel, Bs, scale, go, klg, dtype):
     _check(got, ref(torch.float64), ref(torch.float32), dtype)
 
 
+def _selected(point, shape, dtype, seed, grad_seed):
+    """Inputs at (D, Dp, Bs) point and shape, the kernels' selection of them and upstream gradients: (ins, sel,
+    scale, go, klg)."""
+    D, Dp, Bs = point
+    B, S, H, Hk, Hp, Hpk, K = shape
+    ins = _inputs(B, S, H, Hk, Hp, Hpk, D, Dp, dtype, seed=seed)
+    qp, kp, q, k, _ = ins
+    scale = D ** -0.5
+    sel = _impl("select_blocks", qp, q, k, Bs, top_k_blocks=K)(qp, kp, K, Bs, scale)
+    return (ins, sel, scale, *_grads(q, Hp, grad_seed))
+
+
 def _msa_step(ins, sel, Bs, scale, go, klg, deterministic=False):
     qp, kp, q, k, v = ins
     fwd = _impl("msa_forward", qp, q, k, Bs)(qp, kp, q, k, v, sel, Bs, scale)
@@ -89,14 +101,11 @@ def test_msa_forward_kl_backward(point, shape, dtype):
     from flash_msa_rt.reference.selection import select_blocks
 
     D, Dp, Bs = point
-    B, S, H, Hk, Hp, Hpk, K = shape
-    ins = _inputs(B, S, H, Hk, Hp, Hpk, D, Dp, dtype, seed=S + D + Bs)
+    S, K = shape[1], shape[6]
+    ins, sel, scale, go, klg = _selected(point, shape, dtype, S + D + Bs, S + 1)
     qp, kp, q, k, v = ins
-    scale = D ** -0.5
-    sel = _impl("select_blocks", qp, q, k, Bs, top_k_blocks=K)(qp, kp, K, Bs, scale)
     rows_equal = (sel == select_blocks(qp, kp, K, Bs, scale)).all(-1).double().mean().item()
     assert rows_equal >= 0.99, rows_equal
-    go, klg = _grads(q, Hp, S + 1)
     fwd, bwd = _msa_step(ins, sel, Bs, scale, go, klg)
     kl_pass = _impl("msa_kl", qp, q, k, Bs)(qp, kp, q, k, v, fwd[1], sel, Bs, scale)
     for a, b in zip(kl_pass, fwd[2:]):
@@ -111,13 +120,8 @@ def test_deterministic_backward_is_bitwise_and_exact(point):
     """Under torch.use_deterministic_algorithms the backward runs its deterministic kernels: two runs give the same
     bits, and they equal the reference within the tolerance rule."""
     D, Dp, Bs = point
-    B, S, H, Hk, Hp, Hpk, K = SHAPES[1]
     dtype = torch.bfloat16
-    ins = _inputs(B, S, H, Hk, Hp, Hpk, D, Dp, dtype, seed=7 + D)
-    qp, kp, q, k, v = ins
-    scale = D ** -0.5
-    sel = _impl("select_blocks", qp, q, k, Bs, top_k_blocks=K)(qp, kp, K, Bs, scale)
-    go, klg = _grads(q, Hp, 8)
+    ins, sel, scale, go, klg = _selected(point, SHAPES[1], dtype, 7 + D, 8)
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -282,13 +286,8 @@ def test_mma_sync_kernels_sm100a_runs(point, force_mma, launched_kernels):
     variant launched."""
     force_mma("sync")
     D, Dp, Bs = point
-    B, S, H, Hk, Hp, Hpk, K = SHAPES[0]
     dtype = torch.bfloat16
-    ins = _inputs(B, S, H, Hk, Hp, Hpk, D, Dp, dtype, seed=31 + D + Bs)
-    qp, kp, q, k, v = ins
-    scale = D ** -0.5
-    sel = _impl("select_blocks", qp, q, k, Bs, top_k_blocks=K)(qp, kp, K, Bs, scale)
-    go, klg = _grads(q, Hp, 32)
+    ins, sel, scale, go, klg = _selected(point, SHAPES[0], dtype, 31 + D + Bs, 32)
     fwd, bwd = _msa_step(ins, sel, Bs, scale, go, klg)
     torch.cuda.synchronize()
     main_kernels = [n for n in launched_kernels if n.startswith(("sparse_fwd", "sparse_kl", "sparse_bwd"))]
@@ -300,13 +299,8 @@ def test_mma_sync_kernels_sm100a_runs(point, force_mma, launched_kernels):
 def test_d256_wide_groups(shape):
     """D 256 at G = 8 and 16 (the KL pass's stepped heads, the backward without the producer warpgroup): forward, KL
     and atomic backward against the reference, and the deterministic backward bitwise across two runs."""
-    D, Dp, Bs = 256, 128, 128
-    B, S, H, Hk, Hp, Hpk, K = shape
-    ins = _inputs(B, S, H, Hk, Hp, Hpk, D, Dp, torch.bfloat16, seed=41 + Hp)
-    qp, kp, q, k, v = ins
-    scale = D ** -0.5
-    sel = _impl("select_blocks", qp, q, k, Bs, top_k_blocks=K)(qp, kp, K, Bs, scale)
-    go, klg = _grads(q, Hp, 42)
+    Bs = 128
+    ins, sel, scale, go, klg = _selected((256, 128, Bs), shape, torch.bfloat16, 41 + shape[4], 42)
     fwd, bwd = _msa_step(ins, sel, Bs, scale, go, klg)
     torch.cuda.synchronize()
     _check_msa((*fwd, *bwd), ins, sel, Bs, scale, go, klg, torch.bfloat16)
