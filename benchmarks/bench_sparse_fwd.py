@@ -23,13 +23,15 @@ from benchmarks.common import PEAK_TFLOPS, commit, cuda_time_ms, write_results  
 CONFIGS = {"a": (16, 2, 4, 1), "b": (32, 8, 8, 1), "c": (64, 4, 4, 1)}
 
 
-def random_problem(cfg: str, S: int, tokens: int = 131072, device="cuda", seed: int = 0) -> dict:
-    """The benchmarks' inputs for configuration cfg at length S: B = tokens // S (at least 1), D = Dp = 128, bf16
-    standard normal q_proxy, k_proxy, q, k, v drawn in that order after torch.manual_seed(seed)."""
+def random_problem(cfg: str, S: int, tokens: int = 131072, device="cuda", seed: int = 0, head_dim: int = 128,
+                   proxy_head_dim: int = 128) -> dict:
+    """The benchmarks' inputs for configuration cfg at length S: B = tokens // S (at least 1), D = head_dim, Dp =
+    proxy_head_dim, bf16 standard normal q_proxy, k_proxy, q, k, v drawn in that order after
+    torch.manual_seed(seed)."""
     H, Hk, Hp, Hpk = CONFIGS[cfg]
-    B, D = max(1, tokens // S), 128
+    B, D = max(1, tokens // S), head_dim
     torch.manual_seed(seed)
-    qp, kp = (torch.randn(B, S, h, D, device=device, dtype=torch.bfloat16) for h in (Hp, Hpk))
+    qp, kp = (torch.randn(B, S, h, proxy_head_dim, device=device, dtype=torch.bfloat16) for h in (Hp, Hpk))
     q = torch.randn(B, S, H, D, device=device, dtype=torch.bfloat16)
     k, v = (torch.randn(B, S, Hk, D, device=device, dtype=torch.bfloat16) for _ in range(2))
     return dict(B=B, S=S, H=H, Hk=Hk, Hp=Hp, Hpk=Hpk, D=D, G=H // Hp, scale=D ** -0.5, qp=qp, kp=kp, q=q, k=k, v=v)

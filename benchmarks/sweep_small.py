@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_sparse_fwd import CONFIGS  # noqa: E402
+from benchmarks.bench_sparse_fwd import random_problem  # noqa: E402
 from benchmarks.common import captured, commit  # noqa: E402
 
 
@@ -34,14 +34,9 @@ def parse_spec(spec: str) -> tuple[str, int, int, int, int]:
 
 
 def problem(cfg: str, S: int, B: int, D: int) -> dict:
-    """The leaves of random_problem(cfg) at batch B and main head dim D, bf16, seed 0; proxy heads of Dp = 64 at
-    D = 64 and 128 otherwise (the matrix benchmark's)."""
-    H, Hk, Hp, Hpk = CONFIGS[cfg]
-    Dp = 64 if D == 64 else 128
-    torch.manual_seed(0)
-    x = {n: torch.randn(B, S, h, d, device="cuda", dtype=torch.bfloat16)
-         for n, h, d in (("qp", Hp, Dp), ("kp", Hpk, Dp), ("q", H, D), ("k", Hk, D), ("v", Hk, D))}
-    return dict(x, H=H, D=D)
+    """random_problem(cfg) at batch B and main head dim D; proxy heads of Dp = 64 at D = 64 and 128 otherwise (the
+    matrix benchmark's)."""
+    return random_problem(cfg, S, B * S, head_dim=D, proxy_head_dim=64 if D == 64 else 128)
 
 
 def graphed_step(spec: str, overrides: dict):
