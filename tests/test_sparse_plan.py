@@ -527,6 +527,42 @@ def test_chunk_plans_equal_each_chunks_own_plan(case, tuned):
             check_plan(got[(p0, s0)][0], sel, Bs, *cuts[0])
 
 
+@pytest.mark.parametrize("case", CHUNK_CASES)
+@pytest.mark.parametrize("bin_queries", [16, 40, 4096])
+def test_chunk_plans_in_bins(case, bin_queries, tuned):
+    """Item order "bins": each chunk's list (bp, j) cut at the chunk's query bins [s0 + m Q, s0 + (m + 1) Q), each
+    piece cut into items of at most C entries, the items in (bp, m, j) order; the sorted entries are the list
+    order's, the real items fit W, and every live entry is in exactly one item."""
+    from flash_msa_rt.ops import sparse_plan as sp
+
+    B, Hp, S, K, Bs, heads, queries, batch = case
+    if batch:
+        tuned(plan={"batch_entries": batch})
+    idx = random_indices(torch.Generator().manual_seed(S + 5 * Hp), B, Hp, S, K, Bs)
+    cuts = ((8, 2), (3, 5))
+    listed = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "list")
+    got = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, "bins", bin_queries=bin_queries)
+    assert sorted(got) == sorted(listed)
+    for key in listed:
+        s0 = key[1]
+        for plan, binned, (tq, T) in zip(listed[key], got[key], cuts):
+            C = tq * T
+            assert torch.equal(binned.entry_query, plan.entry_query) and torch.equal(binned.entry_dest, plan.entry_dest)
+            bounds, q = plan.list_bounds.tolist(), plan.entry_query.tolist()
+            want = []
+            for bp in range(plan.B * plan.Hp):
+                for m in range(-(-plan.S // bin_queries)):
+                    for j in range(plan.NB):
+                        lo, hi = bounds[bp * plan.NB + j], bounds[bp * plan.NB + j + 1]
+                        rows = [e for e in range(lo, hi) if s0 + m * bin_queries <= q[e] < s0 + (m + 1) * bin_queries]
+                        assert rows == list(range(rows[0], rows[0] + len(rows))) if rows else True
+                        want += [[bp, j, rows[c], min(C, len(rows) - c)] for c in range(0, len(rows), C)]
+            real = int(binned.item_count)
+            assert real == len(want) <= binned.W == binned.items.shape[0], (key, real, len(want), binned.W)
+            assert binned.items[:real].tolist() == want, key
+            assert not binned.items[real:].any()
+
+
 def test_chunk_plans_never_sync():
     """chunk_plans runs under FakeTensorMode (shapes only: capturable, no host read of a device value)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -536,6 +572,8 @@ def test_chunk_plans_never_sync():
     with FakeTensorMode():
         idx = torch.zeros(2, 4, 301, 5, dtype=torch.int32)
         plans = chunk_plans(idx, 16, 4, 2, 128, ((32, 2), (64, 4)))
+        binned = chunk_plans(idx, 16, 4, 2, 128, ((32, 2), (64, 4)), "bins", bin_queries=48)
+    assert sorted(binned) == sorted(plans)
     assert sorted(plans) == [(0, 0), (0, 128), (0, 256), (2, 0), (2, 128), (2, 256)]
     plan, kl_plan = plans[(2, 256)]
     assert plan.E == 2 * 2 * 45 * 5 and plan.items.shape == (plan.W, 4) and kl_plan.tile_queries == 64
@@ -641,7 +679,7 @@ def test_runtime_combine_heads_are_built(D):
 
 
 @pytest.mark.parametrize("case", CHUNK_CASES[:5])
-@pytest.mark.parametrize("order", ["list", "size", "query"])
+@pytest.mark.parametrize("order", ["list", "size", "query", "bins"])
 @pytest.mark.parametrize("n_cuts", [2, 3])  # 3: more than one plan_items launch makes (the torch cut)
 def test_chunk_plans_on_the_list_kernels_equal_the_sort(case, order, n_cuts, tuned):
     """The plan kernels' contracts (sparse_emulate.plan_lists_kernels, tile by tile and list by list as the kernels
@@ -655,8 +693,10 @@ def test_chunk_plans_on_the_list_kernels_equal_the_sort(case, order, n_cuts, tun
     gen = torch.Generator().manual_seed(S + Hp + 7)
     idx = random_indices(gen, B, Hp, S, K, Bs)
     cuts = ((8, 2), (3, 5), (64, 1))[:n_cuts]
-    want = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, order)
-    got = sp._kernel_plans(idx, Bs, 4, heads, queries, cuts, order, kernels=plan_lists_kernels(Bs, tile_rows=16))
+    bins = {"bin_queries": 32} if order == "bins" else {}
+    want = sp.chunk_plans(idx, Bs, 4, heads, queries, cuts, order, **bins)
+    got = sp._kernel_plans(idx, Bs, 4, heads, queries, cuts, order, kernels=plan_lists_kernels(Bs, tile_rows=16),
+                           **bins)
     assert sorted(got) == sorted(want)
     for key in want:
         for g, w in zip(got[key], want[key]):

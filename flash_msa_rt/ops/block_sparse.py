@@ -83,7 +83,7 @@ def block_sparse_backward_cuda(q, k, v, out, lse, block_indices, block_size, sca
     # one chunk at every size the benchmarks run.
     c = sparse_fwd.heads_per_chunk(B * S * K * G, Hp, Hk, Hp, _INT32_LIMIT - 1)
     plans = chunk_plans(sel, block_size, G, c, S, ((sparse_bwd.TILE_M // G, t.tiles_per_item),), t.item_order,
-                        arch=arch_of(dev))
+                        arch=arch_of(dev), bin_queries=t.bin_queries)
     lse = lse.contiguous()
     for hc in sparse_fwd.head_chunks(Hp, Hk, Hp, G, c):
         (plan,) = plans[(hc.p0, 0)]

@@ -358,7 +358,7 @@ def _backward_with_tau(t, arch, q_proxy, k_proxy, q, k, v, out, lse, lse_proxy, 
     cuts = ((TILE_M // G, t.tiles_per_item), (TILE_M, proxy_tiles))
     # the deterministic kernels' turns need list order; the sorted lists are the MSA forward's where it kept them
     plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, "list" if det else t.item_order, arch=arch,
-                        key_offset=k.shape[1] - S, take_lists=True)
+                        key_offset=k.shape[1] - S, take_lists=True, bin_queries=t.bin_queries)
     tau = torch.empty((rows, block_size), dtype=q.dtype, device=dev)
     if with_kl:
         kl_slots = torch.empty(rows, dtype=f32, device=dev)

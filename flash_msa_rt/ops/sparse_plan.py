@@ -205,13 +205,13 @@ def _cut_items(bounds: torch.Tensor, NB: int, E: int, C: int):
 
 # --- every chunk's plan from one sort ------------------------------------------------------------------------
 
-ORDERS = ("list", "size", "query")
+ORDERS = ("list", "size", "query", "bins")
 
 
 def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads: int, queries: int,
                 cuts: tuple[tuple[int, int], ...], order: str = "list", arch: str = "",
-                key_offset: int = 0, keep_lists: bool = False,
-                take_lists: bool = False) -> dict[tuple[int, int], tuple[SparsePlan, ...]]:
+                key_offset: int = 0, keep_lists: bool = False, take_lists: bool = False,
+                bin_queries: int = 2048) -> dict[tuple[int, int], tuple[SparsePlan, ...]]:
     """The plans of every chunk of `heads` proxy heads x `queries` queries of block_indices (B, Hp, S, K), from one
     stable sort: {(p0, s0): (plan, ...)} with one plan per (tile_queries, tiles_per_item) in cuts, each equal
     field for field (items up to its W) to sparse_plan(block_indices[:, p0:p0 + heads, s0:s1], block_size,
@@ -222,9 +222,11 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     wherever the last lists' remainders fall (longest-processing-time-first for the grid's tail); or "query": the
     items of each (b, p) by the query bin (tuning.plan's query_bin queries) of their first entry, list order inside
     a bin, so the CTAs resident at once gather and reduce into the rows of a few bins (the backward's fp32 dq
-    reductions, 10x the L2 in list order, mostly miss it). arch: the tuning policy's (tuning.plan). An item's
-    entries are sorted by query, so
-    its rows span a contiguous query range either way; the items themselves are the same in every order.
+    reductions, 10x the L2 in list order, mostly miss it); or "bins": each list cut at every multiple of
+    bin_queries queries of its chunk before its cut into items, and the items ordered by (bp, bin, j), so an item's
+    rows lie in one bin and the CTAs resident at once reduce into one bin's dq rows (more, shorter items; the other
+    orders' items are the same items reordered). arch: the tuning policy's (tuning.plan). An item's entries are
+    sorted by query, so its rows span a contiguous query range in every order.
     key_offset: keys longer than the queries (sparse_plan's); such plans sort with torch (the plan_lists kernels'
     bitmaps are laid out for query rows that are key positions).
     keep_lists, take_lists: the plan_lists kernels' sorted lists are left on block_indices for a later plan of
@@ -241,6 +243,8 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     B, Hp, S, K = block_indices.shape
     if order not in ORDERS:
         raise ValueError(f"chunk_plans: order = {order!r}; supported: {', '.join(map(repr, ORDERS))}")
+    if order == "bins":
+        _positive_int("chunk_plans", "bin_queries", bin_queries)
     if Hp % heads or queries % block_size and queries < S:
         raise ValueError(f"chunk_plans: heads = {heads} must divide Hp = {Hp} and queries = {queries} be a multiple "
                          f"of block_size = {block_size} (or cover S = {S})")
@@ -248,12 +252,13 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     ck = lists_on_device(block_indices, block_size, group, heads, queries) if not key_offset else None
     if ck is not None:
         return _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, ck=ck,
-                             keep_lists=keep_lists, take_lists=take_lists)
+                             keep_lists=keep_lists, take_lists=take_lists, bin_queries=bin_queries)
     group_ck = lists_on_device(block_indices[:, :heads], block_size, group, heads, queries) \
         if heads < Hp and not key_offset else None
     if group_ck is not None:
-        return _head_group_plans(block_indices, block_size, group, heads, queries, cuts, order, group_ck)
-    if heads == Hp and queries >= S:  # one chunk: sparse_plan's sort (fewer torch ops), every cut in one pass
+        return _head_group_plans(block_indices, block_size, group, heads, queries, cuts, order, group_ck,
+                                 bin_queries)
+    if heads == Hp and queries >= S and order != "bins":  # one chunk: sparse_plan's sort (fewer torch ops), every cut in one pass
         entry_query, entry_dest, bounds, NB = _sorted_lists(block_indices, block_size, 0, key_offset)
         E, L, dev = B * Hp * S * K, bounds.shape[0] - 1, bounds.device
         counts = (bounds[1:] - bounds[:-1]).view(1, L)
@@ -272,11 +277,13 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     plans = {}
     for r0 in range(0, S, per_batch):
         batch = block_indices[:, :, r0:min(S, r0 + per_batch)]
-        plans.update(_batch_plans(batch, r0, block_size, group, heads, queries, cuts, order, key_offset))
+        plans.update(_batch_plans(batch, r0, block_size, group, heads, queries, cuts, order, key_offset,
+                                  bin_queries))
     return plans
 
 
-def _batch_plans(block_indices, query_offset, block_size, group, heads, queries, cuts, item_order, key_offset=0):
+def _batch_plans(block_indices, query_offset, block_size, group, heads, queries, cuts, item_order, key_offset=0,
+                 bin_queries=2048):
     """chunk_plans of the query rows [query_offset, + block_indices.shape[2]) (the chunks start at query_offset;
     row i at key position key_offset + i)."""
     B, Hp, S, K = block_indices.shape
@@ -341,7 +348,12 @@ def _batch_plans(block_indices, query_offset, block_size, group, heads, queries,
     starts = bounds[index] - off_t.view(-1, 1)  # (n_ch, L_max + 1): list starts, then the dead list's
     valid = col[:, :L_max] < L_t.view(-1, 1)
     counts = torch.where(valid, starts[:, 1:] - starts[:, :-1], torch.zeros((), dtype=i64, device=dev))
-    cut = _cut_batched(starts[:, :-1], counts, NB_t, cuts, E, L, item_order == "size")
+    if item_order == "bins":
+        end_t = off_t + E_t
+        cut = _cut_in_bins(entry_query, starts, counts, off_t, end_t, lo_t, NB_t, cuts, ck, B * c, Bs, key_offset,
+                           bin_queries)
+    else:
+        cut = _cut_batched(starts[:, :-1], counts, NB_t, cuts, E, L, item_order == "size")
     return _chunk_plan_dict(entry_query, entry_dest, starts, cut, off_t, q_lo, q_hi, NB, L, E, B, K, c, n_q, Bs,
                             group, cuts, item_order, key_offset)
 
@@ -489,7 +501,7 @@ def sorted_lists_on_device(block_indices: torch.Tensor, block_size: int, heads: 
     return entry_query, entry_dest, lists, ck
 
 
-def _head_group_plans(block_indices, block_size, group, heads, queries, cuts, order, ck):
+def _head_group_plans(block_indices, block_size, group, heads, queries, cuts, order, ck, bin_queries=2048):
     """chunk_plans on the plan_lists kernels, one sort per group of `heads` proxy heads (a head-sliced view, whose
     chunks' plans are the whole selection's: a chunk's plan is its own slice's either way), for selections whose
     count matrices of all chunks at once would pass tuning.plan's max_cells: at (b) S = 1M, B = 1 one head's are
@@ -497,13 +509,14 @@ def _head_group_plans(block_indices, block_size, group, heads, queries, cuts, or
     a view's attribute would not outlive the call, and such selections pass keep_lists_entries anyway."""
     plans = {}
     for p0 in range(0, block_indices.shape[1], heads):
-        part = _kernel_plans(block_indices[:, p0:p0 + heads], block_size, group, heads, queries, cuts, order, ck=ck)
+        part = _kernel_plans(block_indices[:, p0:p0 + heads], block_size, group, heads, queries, cuts, order, ck=ck,
+                             bin_queries=bin_queries)
         plans.update({(p0 + p, s0): plan for (p, s0), plan in part.items()})
     return plans
 
 
 def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order, kernels=None, ck=None,
-                  keep_lists: bool = False, take_lists: bool = False):
+                  keep_lists: bool = False, take_lists: bool = False, bin_queries: int = 2048):
     """chunk_plans on the plan_lists kernels (kernels, ck: as sorted_lists_on_device's): the same plans, field for
     field, as the torch sort's. keep_lists, take_lists: as chunk_plans' (with the built kernels only)."""
     B, Hp, S, K = block_indices.shape
@@ -516,7 +529,16 @@ def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order,
             and _KEEP_ACROSS_OPS.get():
         setattr(block_indices, _KEPT_LISTS, (key, sorted_lists))
     dev, n_ch = block_indices.device, len(ck.E)
-    if len(cuts) <= ITEM_CUTS:
+    if order == "bins":
+        off_t = _chunk_offsets(ck, dev)
+        qc = torch.arange(n_ch, device=dev, dtype=torch.int64).remainder(ck.n_q)
+        lo_t = qc * ck.queries
+        hi_t = torch.clamp(lo_t + ck.queries, max=S)
+        NB_t = torch.div(hi_t + (block_size - 1), block_size, rounding_mode="floor")
+        end_t = off_t + B * heads * (hi_t - lo_t) * K
+        cut = _cut_in_bins(entry_query, lists[:, 0], lists[:, 1, :-1], off_t, end_t, lo_t, NB_t, cuts, ck, B * heads,
+                           block_size, 0, bin_queries)
+    elif len(cuts) <= ITEM_CUTS:
         cut = _cut_on_device(kernels[2], lists, ck, B * heads, cuts)
         if order == "size":
             cut = (_longest_first(cut[0]), *cut[1:])
@@ -630,6 +652,55 @@ def _cut_batched(list_start, counts, NB_t, cuts, E: list[int], L: list[int], by_
     if by_size:
         items = _longest_first(items)
     return items, chunk_end[..., -1].to(torch.int32), W
+
+
+def _cut_in_bins(entry_query, starts, counts, off_t, end_t, lo_t, NB_t, cuts, ck: ChunkKeys, bc: int, Bs: int,
+                 key_offset: int, Q: int):
+    """_cut_batched's (items, item_count, W) for item order "bins": each list (bp, j) of a chunk cut at the chunk's
+    query bins [lo + m Q, lo + (m + 1) Q) into sub-lists, which are cut into items in (bp, m, j) order.
+    entry_query (E_total,) every chunk's sorted entries; starts (n_ch, L_max + 1) relative list starts (column
+    L[n]: the dead entries'), counts (n_ch, L_max) (0 past L[n]); off_t, end_t, lo_t, NB_t (n_ch,) on the device:
+    each chunk's first and past-last entry, first query and blocks; ck: the chunks' host sizes; bc = B * heads.
+    Capturable: the bins' bounds come from one searchsorted over a key that is monotone in sorted order
+    (list-major, then bin), and W from shapes alone."""
+    i32, i64, dev = torch.int32, torch.int64, entry_query.device
+    n_ch, L_max = counts.shape
+    nbins = max(-(-(hi - lo) // Q) for lo, hi in zip(ck.q_lo, ck.q_hi))
+    L_t = bc * NB_t
+    col = torch.arange(L_max + 1, device=dev, dtype=i64).view(1, -1)
+    # Each entry's (chunk, list column): the last list start at or before it, over starts made monotone (the
+    # padding columns past a chunk's dead list start where the chunk ends).
+    gstart = torch.where(col <= L_t.view(-1, 1), starts + off_t.view(-1, 1), end_t.view(-1, 1)).reshape(-1)
+    e = torch.arange(entry_query.shape[0], device=dev, dtype=i64)
+    flat = torch.searchsorted(gstart, e, right=True) - 1
+    chunk = torch.div(flat, L_max + 1, rounding_mode="floor")
+    live = flat - chunk * (L_max + 1) < L_t[chunk]
+    # The bin of a live entry (queries ascend inside a list); the dead list's entries all in bin 0.
+    m = torch.where(live, torch.div(entry_query - lo_t[chunk], Q, rounding_mode="floor"), 0).clamp_(0, nbins - 1)
+    key = flat * nbins + m
+    del e, chunk, live, m
+    n_sub = n_ch * (L_max + 1) * nbins
+    bounds = torch.searchsorted(key, torch.arange(n_sub + 1, device=dev, dtype=i64))
+    del key, flat
+    sub_start = bounds[:-1].view(n_ch, L_max + 1, nbins)
+    sub_count = (bounds[1:] - bounds[:-1]).view(n_ch, L_max + 1, nbins)
+    # Reordered to (bp, m, j) per chunk: position t holds list column bp NB + j, bin m.
+    t = torch.arange(L_max * nbins, device=dev, dtype=i64).view(1, -1)
+    per_bp = (nbins * NB_t).view(-1, 1)
+    bp = torch.div(t, per_bp, rounding_mode="floor")
+    rest = t - bp * per_bp
+    mb = torch.div(rest, NB_t.view(-1, 1), rounding_mode="floor")
+    src_col = bp * NB_t.view(-1, 1) + rest - mb * NB_t.view(-1, 1)
+    valid = src_col < L_t.view(-1, 1)
+    src = (src_col.clamp(max=L_max) * nbins + mb).clamp(max=(L_max + 1) * nbins - 1)
+    sub_start = sub_start.reshape(n_ch, -1).gather(1, src) - off_t.view(-1, 1)
+    sub_count = torch.where(valid, sub_count.reshape(n_ch, -1).gather(1, src), 0)
+    # Sub-lists that can hold entries: block j has a causal key for bin m's last query.
+    Lb = [bc * sum(min(nb, (key_offset + min(lo + (k + 1) * Q, hi) - 1) // Bs + 1) for k in range(-(-(hi - lo) // Q)))
+          for lo, hi, nb in zip(ck.q_lo, ck.q_hi, ck.NB)]
+    items, item_count, W = _cut_batched(sub_start, sub_count, nbins * NB_t, cuts, ck.E, Lb)
+    j = items[..., 1].to(i64).remainder(NB_t.view(1, -1, 1)).to(i32)  # column m NB + j -> j
+    return torch.cat([items[..., :1], j.unsqueeze(-1), items[..., 2:]], dim=-1), item_count, W
 
 
 def _longest_first(items: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ class SparseBwdTuning:
     tiles_per_item: int  # main kernel: tiles of TILE_M // G queries per work item
     proxy_tiles_per_item: int  # proxy kernel: tiles of 64 queries x G heads per work item
     item_order: str  # chunk_plans' order of the items (the deterministic kernels always take "list")
+    bin_queries: int  # item order "bins": queries per bin, so that one bin's fp32 dq rows fit the L2 with room
     tau_budget: int  # bytes of tau rows per chunk of the tau path
     accumulator_budget: int  # bytes of fp32 query-gradient accumulators (dq, dq_proxy) per chunk of the tau path
     deterministic_budget: int  # bytes of tau and partial dq rows per chunk of the deterministic tau path
@@ -91,6 +92,9 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseBwdTuning:
         # B = 1, 64K, whole fwd + bwd 122.9 -> 117.3 ms (sweep_small, H100, c422079).
         item_order=o.get("item_order", "query" if G >= 16 or p.proxy_rows >= QUERY_BIN_ROWS or wide(p.head_dim)
                          else "list"),
+        # Item order "bins" (sparse_plan.chunk_plans): one bin's fp32 dq rows, G D 4 bytes per query, about 8 MiB,
+        # so that the CTAs resident at once, spread over a bin or two of a head, reduce into rows the L2 holds.
+        bin_queries=o.get("bin_queries", max(1024, (8 << 20) // (G * p.head_dim * 4))),
         # 1 GiB floor and cap: at (a) B = 1, S = 64K 4 chunks took 12.3-13.0 ms, 1 chunk 11.0.
         tau_budget=o.get("tau_budget", max(1 << 30, min(1 << 30, p.dq_bytes // 2))),
         # The fp32 accumulators live for their head chunk only (sparse_bwd._ChunkGradients), so this bounds the
