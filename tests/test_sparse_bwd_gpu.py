@@ -124,6 +124,23 @@ def test_main_backward_with_and_without_producer(G, producer, tuned):
     _check_backward(qp, kp, q, k, v, _selection(qp, kp, 7, scale), scale)
 
 
+@pytest.mark.parametrize("order,bin_queries", [("list", 0), ("size", 0), ("query", 0), ("bins", 256), ("bins", 1000)])
+@pytest.mark.parametrize("G", [1, 4, 16])
+def test_backward_in_every_item_order(G, order, bin_queries, tuned):
+    """The backward's items in each order chunk_plans makes (the same entries, other items and CTAs' order; "bins"
+    cuts the lists at query bins, here several per sequence and one not a multiple of the block) give the
+    reference's gradients, in head and query chunks as well."""
+    from flash_msa_rt.ops import sparse_bwd
+
+    tuned(sparse_bwd={"item_order": order, **({"bin_queries": bin_queries} if bin_queries else {}),
+                      "tau_budget": 1 << 22})
+    assert sparse_bwd.choice("sm90a", G).item_order == order
+    H = 16
+    qp, kp, q, k, v = _inputs(2, 2500, H, 2, H // G, 1, torch.bfloat16, seed=G + 90)
+    scale = 128 ** -0.5
+    _check_backward(qp, kp, q, k, v, _selection(qp, kp, 6, scale), scale)
+
+
 @pytest.mark.parametrize("heads_per_chunk", [0, 2])
 @pytest.mark.parametrize("G", [1, 4, 16])
 def test_tau_path_in_chunks(G, heads_per_chunk, tuned):
