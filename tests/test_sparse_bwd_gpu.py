@@ -132,8 +132,9 @@ def test_backward_in_every_item_order(G, order, bin_queries, tuned):
     reference's gradients, in head and query chunks as well."""
     from flash_msa_rt.ops import sparse_bwd
 
-    tuned(sparse_bwd={"item_order": order, **({"bin_queries": bin_queries} if bin_queries else {}),
-                      "tau_budget": 1 << 22})
+    bins = {"bin_queries": bin_queries} if bin_queries else {}
+    tuned(sparse_bwd={"item_order": order, **bins, "tau_budget": 1 << 22},
+          sparse_fwd={"item_order": order, **bins})  # the forward's lse, which the gradients need, as well
     assert sparse_bwd.choice("sm90a", G).item_order == order
     H = 16
     qp, kp, q, k, v = _inputs(2, 2500, H, 2, H // G, 1, torch.bfloat16, seed=G + 90)

@@ -268,7 +268,7 @@ def msa_forward_cuda(q_proxy, k_proxy, q, k, v, block_indices, block_size, scale
     # add to the peak.
     cuts = ((TILE_M // G, t.tiles_per_item),) + (((KL_TILE, t.kl_tiles_per_item),) if proxy else ())
     plans = chunk_plans(block_indices, block_size, G, c, chunk, cuts, t.item_order, arch=arch, key_offset=key_offset,
-                        keep_lists=keep_lists)
+                        keep_lists=keep_lists, bin_queries=t.bin_queries)
     E_max = B * c * min(chunk, S) * K
     o_buf = torch.empty((E_max, G, D), dtype=q.dtype, device=dev)
     lse_buf = torch.empty((E_max, G), dtype=torch.float32, device=dev)
@@ -373,7 +373,8 @@ def msa_kl_cuda(q_proxy, k_proxy, q, k, lse, block_indices, block_size, scale, a
         if not key_offset:
             c = sorted_heads(block_indices, block_size, G, chunk, k.shape[2], k_proxy.shape[2])
         plans = chunk_plans(block_indices, block_size, G, c, chunk, ((KL_TILE, t.kl_tiles_per_item),), t.item_order,
-                            arch=arch, key_offset=key_offset, keep_lists=True, take_lists=True)
+                            arch=arch, key_offset=key_offset, keep_lists=True, take_lists=True,
+                            bin_queries=t.bin_queries)
     kl_buf = torch.empty((B * c * min(chunk, S) * K, 3 * groups), dtype=torch.float32, device=dev)
     for hc in head_chunks(Hp, k.shape[2], k_proxy.shape[2], G, c):
         # a chunk of heads is the same problem on head-sliced views (the kernels and merges take any strides)

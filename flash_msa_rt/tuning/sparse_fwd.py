@@ -33,6 +33,7 @@ class SparseFwdTuning:
     kl_tiles_per_item: int  # KL pass: tiles of 64 queries x G heads per work item
     chunks: str  # a problem past the budget is cut into chunks of "heads" first, or of "queries"
     item_order: str  # chunk_plans' order of the items
+    bin_queries: int  # item order "bins": queries per bin (one bin's gathered q rows about 8 MiB)
     partials_budget: int  # bytes of per-slot partials one chunk may hold
     kl_partials_budget: int  # bytes of (A, T, L) partials per chunk of the KL pass alone (warmup)
 
@@ -86,6 +87,7 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseFwdTuning:
         # S = 8K issues a step in 2.35 ms against 2.88 (exact) on the H200's host, and at 16K, device-bound, the
         # step takes 4.11 ms against 4.09 (host_time.json, cb2af22, interleaved).
         item_order=o.get("item_order", "size" if p.proxy_rows > HOST_BOUND_ROWS else "list"),
+        bin_queries=o.get("bin_queries", max(1024, (8 << 20) // (p.group * p.head_dim * 2))),
         # At least 2 GiB (at (a) B = 1, S = 64K: 4 chunks 9.9-10.4 ms, 1 chunk 8.4-8.5), or dq_bytes = 4 B S H D:
         # (b) 64K B = 2 66.9 ms in 18 chunks of 1 GiB, 56.9 in 5 of 4 GiB. The backward adds at least dq_bytes
         # anyway (dq in the input dtype and the upstream dO, 2 B S H D each), so the forward's peak stays under
