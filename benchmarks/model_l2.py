@@ -120,7 +120,8 @@ def main(argv=None):
     G, Bs, D = H // Hp, a.block_size, a.head_dim
     sel = random_selection(a.batch, Hp, a.seqlen, a.top_k // Bs, Bs)
     result = dict(model="benchmarks/model_l2.py (an LRU model of the L2, not a measurement)", commit=commit(),
-                  command="python benchmarks/model_l2.py " + " ".join(sys.argv[1:] if argv is None else argv), cfg=a.cfg,
+                  command="python benchmarks/model_l2.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  cfg=a.cfg,
                   seqlen=a.seqlen, batch=a.batch, head_dim=D, block_size=Bs, l2_mb=a.l2_mb, slots=a.slots,
                   orders={})
     print(f"({a.cfg}) S = {a.seqlen}, B = {a.batch}, D = {D}, Bs = {Bs}, G = {G}; LRU of {a.l2_mb:g} MB, "

@@ -258,7 +258,8 @@ def chunk_plans(block_indices: torch.Tensor, block_size: int, group: int, heads:
     if group_ck is not None:
         return _head_group_plans(block_indices, block_size, group, heads, queries, cuts, order, group_ck,
                                  bin_queries)
-    if heads == Hp and queries >= S and order != "bins":  # one chunk: sparse_plan's sort (fewer torch ops), every cut in one pass
+    # One chunk: sparse_plan's sort (fewer torch ops), every cut in one pass ("bins" cuts in _batch_plans).
+    if heads == Hp and queries >= S and order != "bins":
         entry_query, entry_dest, bounds, NB = _sorted_lists(block_indices, block_size, 0, key_offset)
         E, L, dev = B * Hp * S * K, bounds.shape[0] - 1, bounds.device
         counts = (bounds[1:] - bounds[:-1]).view(1, L)
