@@ -3,11 +3,12 @@
 # set (python -m build_tools build --arch sm90a --set all, on the CPU machine: the GPU tests and sanitizers also
 # run the opt-in alternates, through flash_msa_rt.tuning.override). This script builds nothing:
 #   FLASH_MSA_COMMIT=<the hash, written out here: git on the GPU machine holds an older HEAD> \
-#     bash benchmarks/run_gpu.sh [tests|bench|core|producer|long|dp64|cp|warmup|all]
+#     bash benchmarks/run_gpu.sh [tests|bench|core|producer|orders|long|dp64|cp|warmup|all]
 # tests: environment, every GPU test, compute-sanitizer on every kernel family and every matrix point (~220 s on
 # the H200 before the matrix points were added); bench: the benchmarks;
 # core: only the whole-op benchmarks against cuDNN (B * S = 128K tokens, and B = 1 in (a)), which fit one
 # 10-minute device call (~160 s); producer: the warp-specialised main backward's checks, on and off (~150 s);
+# orders: the backward's item orders, lists cut at query bins against the defaults (not part of all);
 # long: bf16 against fp8 selection, at 128K tokens per step and at B = 1 up to 1M tokens; dp64: (b) with a proxy
 # head dim of 64 beside 128 (config b64), at the same shapes (not part of all); cp: context parallelism's per-rank
 # compute at 1M over 2, 4, 8 simulated ranks (not part of all); warmup: warmup mode's whole op in exact and
@@ -202,6 +203,17 @@ if [[ $mode == producer ]]; then
       python3 benchmarks/sanitize_bwd.py 2>&1 | grep -v "^=========     at " | awk 'NR <= 20' | sed "s/^/[$tool] /" \
       | tee -a "$out/sanitizer_producer.log" || status=1
   done
+fi
+
+if [[ $mode == orders ]]; then
+  # The backward's item orders (issue 55; kernels_src/sparse_bwd/NOTES.md, "Lists cut at query bins"): every order
+  # against the reference, then the whole graphed deferred-KL step with lists cut at query bins against the
+  # defaults and cuDNN dense, at (b) D 128 blocks of 128 and 64, (a), and (b) D 256 (B = 1, 64K).
+  gpu_pytest gpu_tests_orders tests/test_sparse_bwd_gpu.py -k every_item_order || status=1
+  python3 benchmarks/sweep_small.py b:65536:1 b:65536:1:128:64 a:65536:1 b:65536:1:256 --rounds 3 --reps 4 \
+    --settings '[{"sparse_bwd": {"item_order": "bins"}}, {"sparse_bwd": {"item_order": "bins", "bin_queries": 8192}},
+                 {"sparse_fwd": {"item_order": "bins"}, "sparse_bwd": {"item_order": "bins"}}]' \
+    --out "$out/sweep_orders.json" 2>&1 | tee "$out/sweep_orders.log" || status=1
 fi
 
 if [[ $mode == core ]]; then
