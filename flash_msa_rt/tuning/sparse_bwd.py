@@ -83,7 +83,9 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseBwdTuning:
         tiles_per_item=o.get("tiles_per_item", max(1, min(16 if small_step(p) else 64,
                                                            ITEM_ENTRIES // max(1, TILE_M // G)))),
         # sweep at (b) 64K: sparse_bwd_proxy 20.13 / 19.52 / 19.30 ms at 8 / 16 / 32 tiles per item; small steps
-        # a quarter (as tiles_per_item).
+        # a quarter (as tiles_per_item). The plans that recompute tau only: the tau path (the default with both
+        # gradients) cuts its proxy items at a fixed 32 tiles of one head (ops.sparse_bwd._backward_with_tau), so
+        # the sweep's "proxy backward 8 / 16" rows (docs/compile.md) ran that path's default cut.
         proxy_tiles_per_item=o.get("proxy_tiles_per_item", per_group_tiles(32 if small_step(p) else 128, G)),
         # Query bins of 2048 against list order: (c) 64K (G = 16) 76.48 -> 73.57 ms; (a) 64K (G = 4) 2.5-5 % slower;
         # from 2M proxy rows B Hp S (the fp32 dq rows of a head chunk far past the L2) faster again: (b) B = 1
