@@ -99,6 +99,7 @@ def dram_bytes(plan, G: int, D: int, Bs: int, l2_bytes: int, slots: int, prologu
 
 
 def main(argv=None):
+    from flash_msa_rt.ops.block_split import split_blocks
     from flash_msa_rt.ops.sparse_plan import chunk_plans
     from flash_msa_rt.tuning.sparse_bwd import TILE_M
 
@@ -111,6 +112,8 @@ def main(argv=None):
     ap.add_argument("--top-k", type=int, default=2048)
     ap.add_argument("--tiles-per-item", type=int, default=64)
     ap.add_argument("--orders", default="list,query,bins:4096,bins:8192")
+    ap.add_argument("--halves", action="store_true",
+                    help="select blocks of 2 Bs and run their halves (D 256's kernels on blocks of 128)")
     ap.add_argument("--l2-mb", type=float, default=50.0)
     ap.add_argument("--slots", type=int, default=132, help="CTAs resident at once (one per SM)")
     ap.add_argument("--prologue", type=float, default=2.0, help="an item's set-up, in tiles")
@@ -118,11 +121,15 @@ def main(argv=None):
     a = ap.parse_args(argv)
     H, Hk, Hp, Hpk = CONFIGS[a.cfg]
     G, Bs, D = H // Hp, a.block_size, a.head_dim
-    sel = random_selection(a.batch, Hp, a.seqlen, a.top_k // Bs, Bs)
+    if a.halves:
+        sel = split_blocks(random_selection(a.batch, Hp, a.seqlen, a.top_k // (2 * Bs), 2 * Bs), 2, Bs, a.seqlen)
+    else:
+        sel = random_selection(a.batch, Hp, a.seqlen, a.top_k // Bs, Bs)
     result = dict(model="benchmarks/model_l2.py (an LRU model of the L2, not a measurement)", commit=commit(),
                   command="python benchmarks/model_l2.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   cfg=a.cfg,
-                  seqlen=a.seqlen, batch=a.batch, head_dim=D, block_size=Bs, l2_mb=a.l2_mb, slots=a.slots,
+                  seqlen=a.seqlen, batch=a.batch, head_dim=D, block_size=Bs, halves=a.halves, l2_mb=a.l2_mb,
+                  slots=a.slots,
                   orders={})
     print(f"({a.cfg}) S = {a.seqlen}, B = {a.batch}, D = {D}, Bs = {Bs}, G = {G}; LRU of {a.l2_mb:g} MB, "
           f"{a.slots} CTA slots")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.model_l2 import dram_bytes, random_selection
+from benchmarks.model_l2 import dram_bytes, main, random_selection
 
 
 def _plan(order, sel, Bs=16, G=4, bins=40):
@@ -42,3 +42,16 @@ def test_model_bytes(order):
     assert whole["read_gb"]["key blocks"] * 1e9 == pytest.approx(len(blocks) * 4 * Bs * D)
     small = dram_bytes(plan, G, D, Bs, 20 * 4 * G * D, 8, 2.0)
     assert small["total_gb"] > whole["total_gb"]
+
+
+
+def test_model_runs_on_block_halves(tmp_path, capsys):
+    """--halves: the selection of blocks of 2 Bs reaches the plan as D 256's kernels take it (split_blocks)."""
+    import json
+
+    main(["--cfg", "a", "--seqlen", "512", "--block-size", "16", "--top-k", "64", "--halves", "--orders",
+          "list,bins:128", "--out", str(tmp_path / "m.json")])
+    r = json.loads((tmp_path / "m.json").read_text())
+    assert r["halves"] and set(r["orders"]) == {"list", "bins:128"}
+    assert r["orders"]["bins:128"]["items"] >= r["orders"]["list"]["items"] > 0
+    assert "list:" in capsys.readouterr().out
