@@ -663,7 +663,8 @@ def _cut_in_bins(entry_query, starts, counts, off_t, end_t, lo_t, NB_t, cuts, ck
     L[n]: the dead entries'), counts (n_ch, L_max) (0 past L[n]); off_t, end_t, lo_t, NB_t (n_ch,) on the device:
     each chunk's first and past-last entry, first query and blocks; ck: the chunks' host sizes; bc = B * heads.
     Capturable: the bins' bounds come from one searchsorted over a key that is monotone in sorted order
-    (list-major, then bin), and W from shapes alone."""
+    (list-major, then bin), and W from shapes alone. Memory: a few int64 temporaries per entry and five per
+    (list, bin) and cut, e.g. ~0.5 GB at (b) 64K, B = 2 with bins of 4096, several GB at 1M tokens."""
     i32, i64, dev = torch.int32, torch.int64, entry_query.device
     n_ch, L_max = counts.shape
     nbins = max(-(-(hi - lo) // Q) for lo, hi in zip(ck.q_lo, ck.q_hi))
