@@ -532,10 +532,7 @@ def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order,
     dev, n_ch = block_indices.device, len(ck.E)
     if order == "bins":
         off_t = _chunk_offsets(ck, dev)
-        qc = torch.arange(n_ch, device=dev, dtype=torch.int64).remainder(ck.n_q)
-        lo_t = qc * ck.queries
-        hi_t = torch.clamp(lo_t + ck.queries, max=S)
-        NB_t = torch.div(hi_t + (block_size - 1), block_size, rounding_mode="floor")
+        lo_t, hi_t, NB_t = _chunk_ranges(ck, S, block_size, dev)
         end_t = off_t + B * heads * (hi_t - lo_t) * K
         cut = _cut_in_bins(entry_query, lists[:, 0], lists[:, 1, :-1], off_t, end_t, lo_t, NB_t, cuts, ck, B * heads,
                            block_size, 0, bin_queries)
@@ -544,13 +541,8 @@ def _kernel_plans(block_indices, block_size, group, heads, queries, cuts, order,
         if order == "size":
             cut = (_longest_first(cut[0]), *cut[1:])
     else:  # more cuts than one launch makes (tests): the torch cut of the same lists
-        if len(set(ck.NB)) == 1:
-            NB_t = torch.full((n_ch,), ck.NB[0], dtype=torch.int64, device=dev)
-        else:  # query chunks: NB of chunk n from its query range, made on the device (no host-to-device copy)
-            qc = torch.arange(n_ch, device=dev, dtype=torch.int64).remainder(ck.n_q)
-            NB_t = torch.div(torch.clamp((qc + 1) * ck.queries, max=S) + (block_size - 1), block_size,
-                             rounding_mode="floor")
-        cut = _cut_batched(lists[:, 0, :-1], lists[:, 1, :-1], NB_t, cuts, ck.E, ck.L, order == "size")
+        cut = _cut_batched(lists[:, 0, :-1], lists[:, 1, :-1], _chunk_ranges(ck, S, block_size, dev)[2], cuts, ck.E,
+                           ck.L, order == "size")
     off_t = _chunk_offsets(ck, dev) if order == "query" else None
     return _chunk_plan_dict(entry_query, entry_dest, lists[:, 0], cut, off_t, ck.q_lo, ck.q_hi, ck.NB, ck.L, ck.E, B,
                             K, heads, ck.n_q, block_size, group, cuts, order)
@@ -613,6 +605,15 @@ def _cut_on_device(items_kernel, lists: torch.Tensor, ck: ChunkKeys, lists_per_b
     items_kernel(lists=lists, items=items, item_count=item_count, seqlen=ck.q_hi[-1], queries=ck.queries,
                  lists_per_block=lists_per_block, entries0=sizes[0], entries1=sizes[-1])
     return items, item_count, W
+
+
+def _chunk_ranges(ck: ChunkKeys, S: int, block_size: int, device):
+    """(lo, hi, NB) (n_ch,) int64 on the device: each chunk's query range and key blocks, made from an arange (no
+    host-to-device copy: capturable)."""
+    qc = torch.arange(len(ck.E), device=device, dtype=torch.int64).remainder(ck.n_q)
+    lo = qc * ck.queries
+    hi = torch.clamp(lo + ck.queries, max=S)
+    return lo, hi, torch.div(hi + (block_size - 1), block_size, rounding_mode="floor")
 
 
 def _chunk_offsets(ck: ChunkKeys, device) -> torch.Tensor:
