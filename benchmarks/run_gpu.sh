@@ -3,12 +3,14 @@
 # set (python -m build_tools build --arch sm90a --set all, on the CPU machine: the GPU tests and sanitizers also
 # run the opt-in alternates, through flash_msa_rt.tuning.override). This script builds nothing:
 #   FLASH_MSA_COMMIT=<the hash, written out here: git on the GPU machine holds an older HEAD> \
-#     bash benchmarks/run_gpu.sh [tests|bench|core|producer|orders|long|dp64|cp|warmup|all]
+#     bash benchmarks/run_gpu.sh [tests|bench|core|producer|orders|sync256|pending|long|dp64|cp|warmup|all]
 # tests: environment, every GPU test, compute-sanitizer on every kernel family and every matrix point (~220 s on
 # the H200 before the matrix points were added); bench: the benchmarks;
 # core: only the whole-op benchmarks against cuDNN (B * S = 128K tokens, and B = 1 in (a)), which fit one
 # 10-minute device call (~160 s); producer: the warp-specialised main backward's checks, on and off (~150 s);
 # orders: the backward's item orders, lists cut at query bins against the defaults (not part of all);
+# sync256: the mma.sync kernels at D 256 (sm100a's), their matrix test and two sanitizers (not part of all);
+# pending: what the tree has built and not yet run on a GPU, in one ~8-minute call: sync256, then orders;
 # long: bf16 against fp8 selection, at 128K tokens per step and at B = 1 up to 1M tokens; dp64: (b) with a proxy
 # head dim of 64 beside 128 (config b64), at the same shapes (not part of all); cp: context parallelism's per-rank
 # compute at 1M over 2, 4, 8 simulated ranks (not part of all); warmup: warmup mode's whole op in exact and
@@ -190,6 +192,10 @@ torch.cuda.synchronize()
       timeout 200 compute-sanitizer --tool "$tool" --report-api-errors no --kernel-name-exclude kns=cudnn \
         --error-exitcode 9 python3 benchmarks/sanitize_matrix.py "${extra[@]}" 2>&1 | tail -2 \
         | sed "s/^/[$tool matrix] /" | tee -a "$out/sanitizer.log" || status=1
+      # sm100a's mma.sync kernels at D 256 (dQ and O in column pieces), from the hopper_sync_check set
+      timeout 200 compute-sanitizer --tool "$tool" --report-api-errors no --kernel-name-exclude kns=cudnn \
+        --error-exitcode 9 python3 benchmarks/sanitize_matrix.py --mma sync --points 256:128:64,256:128:128 2>&1 \
+        | tail -2 | sed "s/^/[$tool sync D 256] /" | tee -a "$out/sanitizer.log" || status=1
     done
   fi
 fi
@@ -205,7 +211,18 @@ if [[ $mode == producer ]]; then
   done
 fi
 
-if [[ $mode == orders ]]; then
+if [[ $mode == sync256 || $mode == pending ]]; then
+  # sm100a's mma.sync kernels at D 256 (dQ, dq_p and O in column pieces), from the hopper_sync_check set: the
+  # matrix test against the reference at G 4, 8, 16, then memcheck and racecheck over the public API.
+  gpu_pytest gpu_tests_sync256 tests/test_matrix_gpu.py -k "sm100a_runs and D256" || status=1
+  for tool in memcheck racecheck; do
+    timeout 150 compute-sanitizer --tool "$tool" --report-api-errors no --kernel-name-exclude kns=cudnn \
+      --error-exitcode 9 python3 benchmarks/sanitize_matrix.py --mma sync --points 256:128:64,256:128:128 2>&1 \
+      | tail -2 | sed "s/^/[$tool sync D 256] /" | tee -a "$out/sanitizer_sync256.log" || status=1
+  done
+fi
+
+if [[ $mode == orders || $mode == pending ]]; then
   # The backward's item orders (issue 55; kernels_src/sparse_bwd/NOTES.md, "Lists cut at query bins"): every order
   # against the reference, then the whole graphed deferred-KL step with lists cut at query bins against the
   # defaults and cuDNN dense, at (b) D 128 blocks of 128 and 64, (a), and (b) D 256 (B = 1, 64K).

@@ -7,12 +7,15 @@ must run on the kernels (it exits 1 otherwise).
     compute-sanitizer --tool racecheck --kernel-name-exclude kns=cudnn python benchmarks/sanitize_matrix.py
     compute-sanitizer --tool initcheck python benchmarks/sanitize_matrix.py --no-warmup
     ... sanitize_matrix.py --points 256:128:64,256:128:128     (a subset of POINTS, D:Dp:Bs)
+    ... sanitize_matrix.py --mma sync    (the mma.sync kernels sm100a runs, from the hopper_sync_check set; without
+                                          the deterministic backward and warmup, which are wgmma's)
 
 Warmup's main attention is cuDNN's: racecheck and synccheck report hazards inside cuDNN's own sm90 flash kernels
 (not ours: exclude them by name), and initcheck cannot see its TMA stores, so the copy of its output reads as
 uninitialised (run initcheck with --no-warmup; the warmup proxy kernels run under the other three tools).
 """
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -31,9 +34,16 @@ def _leaves(B, S, H, Hk, Hp, Hpk, D, Dp, dtype):
 
 
 def main():
+    from flash_msa_rt import tuning
+
+    sync = "--mma" in sys.argv[1:] and sys.argv[sys.argv.index("--mma") + 1] == "sync"
+    with tuning.override(**tuning.every_mma("sync")) if sync else contextlib.nullcontext():
+        run(warmup="--no-warmup" not in sys.argv[1:] and not sync, deterministic=not sync)
+
+
+def run(warmup: bool, deterministic: bool):
     import flash_msa_rt as F
 
-    warmup = "--no-warmup" not in sys.argv[1:]
     points = POINTS
     if "--points" in sys.argv[1:]:  # e.g. --points 256:128:64,256:128:128 (a subset, for a short device call)
         text = sys.argv[sys.argv.index("--points") + 1]
@@ -58,10 +68,11 @@ def main():
         for kl_value in ("exact", "deferred"):                                   # scale_rows variants
             out, kl = F.flash_msa_func(*leaves, 2 * Bs, block_size=Bs, kl_value=kl_value, sinks=sinks)
             (out.float().square().mean() + kl).backward()
-        torch.use_deterministic_algorithms(True)
-        out, kl = F.flash_msa_func(*leaves, 2 * Bs, block_size=Bs)
-        (out.float().square().mean() + kl).backward()
-        torch.use_deterministic_algorithms(False)
+        if deterministic:
+            torch.use_deterministic_algorithms(True)
+            out, kl = F.flash_msa_func(*leaves, 2 * Bs, block_size=Bs)
+            (out.float().square().mean() + kl).backward()
+            torch.use_deterministic_algorithms(False)
         cu = torch.tensor([0, Bs + 17, 333], dtype=torch.int32, device="cuda")
         out, kl = F.flash_msa_func(*leaves, 2 * Bs, block_size=Bs, cu_seqlens=cu)
         (out.float().square().mean() + kl).backward()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from flash_msa_rt.tuning.head_dim import (forward_stages, gather_stages, kernel_block_size,  # noqa: F401
-                                           sync_refusal, wide)  # (the families' rules)
+                                           wide)  # (the families' rules)
 
 HEAD_DIMS = (64, 128, 256)  # D of the main heads (and of the proxy in the kernels that take both at one width)
 PROXY_HEAD_DIMS = (64, 128)  # Dp

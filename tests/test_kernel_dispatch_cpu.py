@@ -816,6 +816,10 @@ def test_d256_runs_on_the_kernels_its_build_makes(bs, catalogue_artifacts):
     catalogue_artifacts("sm90a")  # the default build: D 64 and 128
     reason = verdicts()[("msa_forward", None)]
     assert reason and f"--arch sm90a --dtype bf16 --head-dim 256 --block-size {bs}" in reason, reason
-    catalogue_artifacts("sm100a")  # mma.sync: no D 256 build; the reason is the measured spill, not a command
+    catalogue_artifacts("sm100a")  # the default build on mma.sync: D 256 is built on request there too
     reason = verdicts()[("msa_forward", None)]
-    assert reason and "spill at D 256" in reason and "build_tools build" not in reason, reason
+    assert reason and f"--arch sm100a --dtype bf16 --head-dim 256 --block-size {bs}" in reason, reason
+    catalogue_artifacts("sm100a", head_dims=(256,), block_sizes=(bs,))  # then everything but the deterministic
+    got = verdicts()  # backward (its kernels are the wgmma tau path's, sm90a only) runs on the mma.sync kernels
+    assert all(v is None for k, v in got.items() if k != ("msa_backward", True)), got
+    assert got[("msa_backward", True)], got

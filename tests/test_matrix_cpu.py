@@ -16,16 +16,12 @@ def test_default_build_serves_d64_and_d128_at_blocks_of_128_in_both_dtypes():
 
 @pytest.mark.parametrize("d, bs", [(d, bs) for d in matrix.HEAD_DIMS for bs in matrix.BLOCK_SIZES])
 def test_every_main_family_builds_every_point_of_the_matrix(d, bs):
-    """On sm90a every point; on sm100a (mma.sync) D 64 and 128, and D 256 is refused with ptxas' spills."""
-    from flash_msa_rt.tuning.head_dim import SYNC_AT_WIDE
-
+    """Every point on both archs: sm90a on wgmma, sm100a on mma.sync (at D 256 with dQ and O formed in column
+    pieces, kernels_src/sparse_bwd/kernel.py dq_pieces, sparse_fwd/kernel.py o_pieces)."""
     for arch in ("sm90a", "sm100a"):
         for name in coverage.MAIN_FAMILIES:
             ok, why = coverage.buildable(name, arch, d, bs, "bf16")
-            if arch == "sm100a" and d == 256 and name in ("sparse_fwd", "sparse_kl", "sparse_bwd", "sparse_bwd_proxy"):
-                assert not ok and SYNC_AT_WIDE in why, (name, why)
-            else:
-                assert ok, (arch, name, d, bs, why)
+            assert ok, (arch, name, d, bs, why)
 
 
 def test_unreachable_head_dims_agree_with_the_catalogue():
@@ -71,7 +67,7 @@ def test_runtime_message_names_the_build_command_or_the_limit():
     cmd = _how_to_get("sm90a", "bf16", 64, 64, 64)
     assert "python -m build_tools build --arch sm90a --dtype bf16 --head-dim 64 --block-size 64" in cmd
     assert "--head-dim 256 --block-size 128" in _how_to_get("sm90a", "bf16", 256, 128, 128)
-    assert "spill at D 256" in _how_to_get("sm100a", "bf16", 256, 128, 128)
+    assert "--arch sm100a --dtype bf16 --head-dim 256 --block-size 128" in _how_to_get("sm100a", "bf16", 256, 128, 128)
     assert "Dp 128 > D 64" in _how_to_get("sm90a", "bf16", 64, 128, 128)
 
 

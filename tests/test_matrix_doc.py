@@ -18,12 +18,11 @@ def test_committed_matrix_matches_the_catalogue(rel):
 
 
 def test_matrix_marks_what_each_arch_runs():
-    """D 256 runs every op on sm90a's kernels and only the selection on sm100a's (mma.sync spills there); the
-    build command it names builds for sm90a."""
+    """Every point runs every op on both archs' kernels (sm100a's mma.sync at D 256 with dQ and O in column
+    pieces); a point outside the wheel names the build command."""
     table = coverage.matrix_table()
     rows = {tuple(r.split(" | ")[:2]): r for r in table.splitlines()[2:]}
     assert "yes" in rows[("| 128", "128")]
-    assert rows[("| 128", "128")].count("kernels / kernels") == len(coverage.MATRIX_OPS)
-    wide = rows[("| 256", "128")]
-    assert "`--arch sm90a --head-dim 256 --block-size 128` (sm100a: refused)" in wide
-    assert wide.count("kernels / reference") == len(coverage.MATRIX_OPS) - 1 and "kernels / kernels" in wide
+    for point in (("| 128", "128"), ("| 256", "128"), ("| 64", "64")):
+        assert rows[point].count("kernels / kernels") == len(coverage.MATRIX_OPS), rows[point]
+    assert "build `--head-dim 256 --block-size 128`" in rows[("| 256", "128")]

@@ -279,15 +279,19 @@ def test_unserved_points_are_declined_with_the_reason(D, Dp):
     assert reason and f"D {D}" in reason and f"Dp {Dp}" in reason, reason
 
 
-@pytest.mark.parametrize("point", [p for p in POINTS if p != (128, 128, 128) and p[0] != 256], ids=_pid)
-def test_mma_sync_kernels_sm100a_runs(point, force_mma, launched_kernels):
-    """The mma.sync builds (what sm100a launches; hopper_sync_check on sm90a) at every new point but D 256 (mma.sync
-    spills there: tuning.head_dim.SYNC_AT_WIDE): forward, KL pass and backward against the reference, and no wgmma
-    variant launched."""
+SYNC_CASES = [(p, SHAPES[0]) for p in POINTS if p != (128, 128, 128)] + [
+    ((256, 128, 128), (1, 333, 16, 2, 2, 1, 3)), ((256, 128, 128), (1, 333, 16, 1, 1, 1, 3))]  # D 256 at G 8, 16
+
+
+@pytest.mark.parametrize("point, shape", SYNC_CASES, ids=[f"{_pid(p)}-{_sid(s)}" for p, s in SYNC_CASES])
+def test_mma_sync_kernels_sm100a_runs(point, shape, force_mma, launched_kernels):
+    """The mma.sync builds (what sm100a launches; hopper_sync_check on sm90a) at every new point, D 256 (dQ and O in
+    column pieces) at G 4, 8 and 16 too: forward, KL pass and backward against the reference, and no wgmma variant
+    launched."""
     force_mma("sync")
     D, Dp, Bs = point
     dtype = torch.bfloat16
-    ins, sel, scale, go, klg = _selected(point, SHAPES[0], dtype, 31 + D + Bs, 32)
+    ins, sel, scale, go, klg = _selected(point, shape, dtype, 31 + D + Bs, 32)
     fwd, bwd = _msa_step(ins, sel, Bs, scale, go, klg)
     torch.cuda.synchronize()
     main_kernels = [n for n in launched_kernels if n.startswith(("sparse_fwd", "sparse_kl", "sparse_bwd"))]

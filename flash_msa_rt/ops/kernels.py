@@ -30,8 +30,7 @@ from flash_msa_rt.ops.device import arch_of
 from flash_msa_rt.ops.grad_cast import cast_like
 from flash_msa_rt.tuning import packed as tuning_packed
 from flash_msa_rt.tuning import warmup as tuning_warmup
-from flash_msa_rt.tuning.head_dim import kernel_block_size, sync_refusal
-from flash_msa_rt.tuning.mma import default_mma
+from flash_msa_rt.tuning.head_dim import kernel_block_size
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _SEPARATE_KEYS = ("separate key offsets (cu_seqlens_k, seqused_k): tuning.packed's separate_keys is "
@@ -141,9 +140,6 @@ def _how_to_get(arch: str, dt: str, d: int, bs: int, dp: int | None) -> str:
     """The command that builds a configuration's kernels, or why none can."""
     if d in UNREACHABLE_HEAD_DIMS:
         return UNREACHABLE_HEAD_DIMS[d]
-    spills = sync_refusal(d, default_mma(arch))
-    if spills:
-        return f"{spills}; the nearest point {arch} runs is D 128"
     if dp is not None and dp > d:
         return (f"a proxy wider than the heads (Dp {dp} > D {d}) is not built: the KL pass takes the proxy at D; "
                 f"use Dp <= D")

@@ -34,18 +34,6 @@ def row_threads(head_dim: int, group: int) -> int | None:
     return 8 if group <= 4 or wide(head_dim) else None
 
 
-# The mma.sync kernels (sm100a's, and sm90a's hopper_sync_check set) at D 256 spill: ptxas gives sparse_fwd 8-96
-# bytes of local memory per thread at G >= 2, sparse_bwd_proxy 24 and sparse_bwd 88 at G = 16 (64-key blocks, one
-# gather stage). D 256 therefore runs on the wgmma kernels, sm90a only.
-SYNC_AT_WIDE = ("mma.sync kernels spill at D 256 (ptxas: 8-96 bytes of local memory per thread in sparse_fwd, 24 in "
-                "sparse_bwd_proxy, 88 in sparse_bwd at G = 16); D 256 runs on the wgmma kernels, sm90a only")
-
-
-def sync_refusal(head_dim: int, mma: str) -> str | None:
-    """Why a main kernel on `mma` is not built at head_dim, or None."""
-    return SYNC_AT_WIDE if wide(head_dim) and mma == "sync" else None
-
-
 def forward_stages(head_dim: int, group: int) -> int:
     """q tile buffers of the ping-pong forward: one at G >= 2 (two CTAs per SM; measured in tuning.sparse_fwd), two
     at G = 1 and at D 256, where one buffer's kernel needs 158 registers against the 128 two CTAs allow (ptxas

@@ -156,8 +156,7 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     producer = hasattr(c, "tau_out")  # sparse_bwd's own configs (sparse_bwd_proxy and sparse_kl check theirs)
     reason = refusal(c, arch, dtype=DTYPES, head_dim=matrix.HEAD_DIMS, block_size=matrix.BLOCK_SIZES, group=GROUPS, tile_m=(64,),
                      tile_n=(64, 128), threads=(256, PRODUCER_THREADS) if producer else (256,),
-                     stages=(1, 2)) or mma_refusal(c, arch) \
-        or matrix.sync_refusal(c.head_dim, getattr(c, "mma", "sync"))
+                     stages=(1, 2)) or mma_refusal(c, arch)
     tau_out, det = getattr(c, "tau_out", 0), getattr(c, "deterministic", 0)
     if not reason and c.threads == PRODUCER_THREADS and not (tau_out and not det and c.group in PRODUCER_GROUPS):
         reason = (f"threads {PRODUCER_THREADS} (the producer warp) is built with tau_out 1, deterministic 0 at group "

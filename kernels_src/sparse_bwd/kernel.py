@@ -70,7 +70,13 @@ class SparseBackward:
     ROW_THREADS = None
 
     def _gmem_copy(self):
-        return cp_async_rows(self.dtype, self.head_dim, self.threads, self.ROW_THREADS)
+        return cp_async_rows(self.dtype, self.head_dim, self.threads, self.gather_row_threads())
+
+    def gather_row_threads(self) -> int | None:
+        """Threads per gathered row of the mma.sync kernels: ROW_THREADS, and at D 256 8 (2 rows a thread, as the
+        wgmma kernels take there): with a 16-byte chunk each (8 rows a thread) sparse_bwd spilled 32 bytes at
+        G = 16 (ptxas)."""
+        return 8 if self.ROW_THREADS is None and self.head_dim > 128 else self.ROW_THREADS
 
     def occupancy(self) -> dict:
         """Launch bounds beyond the block size: with a producer (setmaxnreg), one CTA per SM, so that ptxas knows
@@ -99,6 +105,12 @@ class SparseBackward:
         the MMAs read them: nothing for ldmatrix (generic proxy); the wgmma subclasses fence them into the async
         proxy."""
         pass
+
+    def dq_pieces(self) -> int:
+        """Column pieces of the dQ (dq_p) product, formed and staged one after another: at D 256 two, so that the
+        mma.sync kernels hold 64 rather than 128 registers of it beside dK and dV (at 128 they spilled: sparse_bwd
+        96 bytes at G = 16, sparse_bwd_proxy 48 at G >= 2, ptxas). The wgmma kernels take it whole."""
+        return 2 if self.head_dim > 128 else 1
 
     @cute.jit
     def wait_products(self, pending: cutlass.Constexpr):
@@ -313,9 +325,10 @@ class SparseBackward:
         acc_dp = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32)
         s_mn, dp_mn = self.rows_cols(acc_s), self.rows_cols(acc_dp)
         coord_s = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-        acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
+        dq_cols = self.head_dim // self.dq_pieces()
+        acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, dq_cols)), cutlass.Float32)
         dq_mn = self.rows_cols(acc_dq)
-        coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, dq_cols))))
         scale_log2 = scale * LOG2E
         q_t0 = t0 - (seqlen - q.shape[1])  # the CTA's first key in query rows (the causal mask's unit)
         n_rows = cute.size(s_mn, mode=[0])
@@ -380,13 +393,22 @@ class SparseBackward:
 
             # dQ = dS K (rows x D) first, so that its staging runs under dV += P^T dO and dK += dS^T Q (keys x
             # D, accumulated across the item).
-            self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_k), tidx, False, True, wait=False)
+            if cutlass.const_expr(self.dq_pieces() == 1):
+                self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_k), tidx, False, True, wait=False)
+            else:
+                for h in cutlass.range_constexpr(self.dq_pieces()):
+                    self.gemm(mma_s, thr_s, acc_dq, s_ds, cute.local_tile(transposed(s_k), (dq_cols, self.tile_n),
+                                                                          (h, 0)), tidx, False, True)
+                    self.stage_rows(s_dq, dq_mn, self.rows_cols(thr_s.partition_C(cute.local_tile(
+                        cute.make_identity_tensor((self.tile_m, self.head_dim)), (self.tile_m, dq_cols), (0, h)))),
+                        scale)
             self.gemm(mma_kv, thr_kv, acc_dv, transposed(s_p), transposed(s_do), tidx, True, True, accumulate=True,
                       wait=False)
             self.gemm(mma_kv, thr_kv, acc_dk, transposed(s_ds), transposed(s_q), tidx, True, True,
                       accumulate=True, wait=False)
             self.wait_products(2)
-            self.stage_rows(s_dq, dq_mn, coord_dq, scale)
+            if cutlass.const_expr(self.dq_pieces() == 1):
+                self.stage_rows(s_dq, dq_mn, coord_dq, scale)
             if cutlass.const_expr(tau is not None):
                 self.export_tau(tau, s_p, start + tile * self.tile_queries, n_q, tidx)
             self.wait_products(0)

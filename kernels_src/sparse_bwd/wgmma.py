@@ -37,6 +37,14 @@ class WarpgroupTiles:
             raise ValueError(f"{family} wgmma: tile_m {self.tile_m}, tile_n {self.tile_n}, threads {self.threads}; "
                              f"tile_m 64, tile_n 64 or 128, threads 256 only (two warpgroups)")
 
+    def dq_pieces(self) -> int:
+        """The whole dQ product at once (the wgmma kernels build at D 256 without spilling)."""
+        return 1
+
+    def gather_row_threads(self) -> int | None:
+        """Each wgmma class's own ROW_THREADS, measured per kernel (SparseBackwardWG: tuning.head_dim.row_threads)."""
+        return self.ROW_THREADS
+
     def _wg_mma(self, a_major, b_major, n: int):
         warpgroups = self.threads // 128
         return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, a_major, b_major, cutlass.Float32,

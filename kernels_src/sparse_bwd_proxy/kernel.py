@@ -50,9 +50,10 @@ class SparseProxyBackward(SparseBackward):
     def proxy_gradients(self, thr_s, thr_kv):
         """Trace time: this thread's dq_p accumulator (rows x D, in the score MMA's partition) with its rows x
         columns view and coordinates, and the zeroed dk_p accumulator (keys x D) kept across the item."""
-        acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
+        cols = self.head_dim // self.dq_pieces()
+        acc_dq = cute.make_rmem_tensor(thr_s.partition_shape_C((self.tile_m, cols)), cutlass.Float32)
         dq_mn = self.rows_cols(acc_dq)
-        coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        coord_dq = self.rows_cols(thr_s.partition_C(cute.make_identity_tensor((self.tile_m, cols))))
         acc_dkp = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.head_dim)), cutlass.Float32)
         acc_dkp.fill(0.0)
         return acc_dq, dq_mn, coord_dq, acc_dkp
@@ -62,12 +63,20 @@ class SparseProxyBackward(SparseBackward):
                        scale, tidx):
         """dq_p = scale * dS_p K_p (this CTA's keys; scale: the proxy scale), staged in s_dq while
         dk_p += dS_p^T Q_p finishes."""
-        self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_kp), tidx, False, True, wait=False)
-        self.gemm(mma_kv, thr_kv, acc_dkp, transposed(s_ds), transposed(s_qp), tidx, True, True, accumulate=True,
-                  wait=False)
-        self.wait_products(1)
-        self.stage_rows(s_dq, dq_mn, coord_dq, scale)
-        self.wait_products(0)
+        if cutlass.const_expr(self.dq_pieces() == 1):
+            self.gemm(mma_s, thr_s, acc_dq, s_ds, transposed(s_kp), tidx, False, True, wait=False)
+            self.gemm(mma_kv, thr_kv, acc_dkp, transposed(s_ds), transposed(s_qp), tidx, True, True,
+                      accumulate=True, wait=False)
+            self.wait_products(1)
+            self.stage_rows(s_dq, dq_mn, coord_dq, scale)
+            self.wait_products(0)
+        else:
+            cols = self.head_dim // self.dq_pieces()
+            for h in cutlass.range_constexpr(self.dq_pieces()):
+                self.gemm(mma_s, thr_s, acc_dq, s_ds, cute.local_tile(transposed(s_kp), (cols, self.tile_n), (h, 0)),
+                          tidx, False, True)
+                self.stage_rows(cute.local_tile(s_dq, (self.tile_m, cols), (0, h)), dq_mn, coord_dq, scale)
+            self.gemm(mma_kv, thr_kv, acc_dkp, transposed(s_ds), transposed(s_qp), tidx, True, True, accumulate=True)
 
     def key_tiles(self, storage, l_kv, gcopy, k, k_proxy, b, kvh, pkh, t0, seqlen, tidx):
         """Trace time: the item's K (kv head kvh) and K_p (proxy key head pkh) tiles in shared memory, their

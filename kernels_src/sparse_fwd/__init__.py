@@ -88,7 +88,6 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     if reason is None and c.stages != matrix.forward_stages(c.head_dim, c.group) and matrix.wide(c.head_dim):
         reason = ("stages 1 at D 256: one q buffer's kernel needs 158 registers against the 128 of two CTAs per SM "
                   "(ptxas C7602); stages 2 builds")
-    reason = reason or matrix.sync_refusal(c.head_dim, c.mma)
     if reason is None and c.schedule not in SCHEDULES[c.mma]:
         reason = (f"schedule {c.schedule!r} not supported with mma {c.mma!r}; supported: "
                   f"{', '.join(map(repr, SCHEDULES[c.mma]))} (ping-pong takes turns between warpgroup MMAs)")

@@ -78,6 +78,11 @@ class SparseAttention:
         ).launch(grid=(items.shape[0], 1, 1), block=(self.threads, 1, 1), smem=self.traced["smem_bytes"],
                  stream=stream, **self.occupancy())
 
+    def o_pieces(self) -> int:
+        """Column pieces of O = P V, formed and stored one after another: at D 256 two, so that the mma.sync kernel
+        holds 64 rather than 128 registers of O (at 128 it spilled at G = 16, ptxas)."""
+        return 2 if self.head_dim > 128 else 1
+
     def occupancy(self) -> dict:
         """Launch bounds: none here (one CTA per SM, shared memory bound)."""
         return {}
@@ -126,10 +131,19 @@ class SparseAttention:
                 lse_rows = cute.make_rmem_tensor((2,), cutlass.Float32)
                 inv_l = cute.make_rmem_tensor((2,), cutlass.Float32)
                 self.tile_softmax(acc_mn, coord_mn, entry_query, e0, n_q, q_t0, scale_log2, lse_rows, inv_l)
-                self.pv(tiled_mma_pv, thr_pv, acc, acc_o, s_vt, tidx)
-
-                self.store_tile(acc_o_mn, coord_mn, coord_o, lse_rows, inv_l, entry_dest, o_part, lse_part, e0, n_q,
-                                quad_lane)
+                if cutlass.const_expr(self.o_pieces() == 1):
+                    self.pv(tiled_mma_pv, thr_pv, acc, acc_o, s_vt, tidx)
+                    self.store_tile(acc_o_mn, coord_mn, coord_o, lse_rows, inv_l, entry_dest, o_part, lse_part, e0,
+                                    n_q, quad_lane)
+                else:
+                    cols = self.head_dim // self.o_pieces()
+                    for h in cutlass.range_constexpr(self.o_pieces()):
+                        self.pv(tiled_mma_pv, thr_pv, acc, acc_o, cute.local_tile(s_vt, (cols, self.block_size), (h, 0)),
+                                tidx)
+                        coord_h = self.rows_cols(thr_pv.partition_C(cute.local_tile(
+                            cute.make_identity_tensor((self.tile_m, self.head_dim)), (self.tile_m, cols), (0, h))))
+                        self.store_tile(acc_o_mn, coord_mn, coord_h, lse_rows, inv_l, entry_dest, o_part, lse_part,
+                                        e0, n_q, quad_lane)
                 # Every warp is past its reads of this buffer before the gather of tile + 2 overwrites it.
                 cute.arch.sync_threads()
 
@@ -243,9 +257,10 @@ class SparseAttention:
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.block_size)), cutlass.Float32)
         acc_mn = self.rows_cols(acc)
         coord_mn = self.rows_cols(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.block_size))))
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), cutlass.Float32)
+        cols = self.head_dim // self.o_pieces()
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, cols)), cutlass.Float32)
         acc_o_mn = self.rows_cols(acc_o)
-        coord_o = self.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        coord_o = self.rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, cols))))
         return tiled_mma, tiled_mma_pv, thr_mma, thr_pv, acc, acc_mn, coord_mn, acc_o, acc_o_mn, coord_o
 
     @cute.jit

@@ -35,6 +35,10 @@ class SparseAttentionWG(SparseAttention):
         if self.tile_m != 2 * WARPGROUP_ROWS or self.threads != 256:
             raise ValueError(f"sparse_fwd wgmma: tile_m {self.tile_m}, threads {self.threads}; 128 and 256 only")
 
+    def o_pieces(self) -> int:
+        """The whole O at once (the wgmma kernels build at D 256 without spilling)."""
+        return 1
+
     def _tiled_mma(self):
         return sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, cutlass.Float32,
