@@ -213,8 +213,10 @@ fi
 
 if [[ $mode == sync256 || $mode == pending ]]; then
   # sm100a's mma.sync kernels at D 256 (dQ, dq_p and O in column pieces), from the hopper_sync_check set: the
-  # matrix test against the reference at G 4, 8, 16, then memcheck and racecheck over the public API.
-  gpu_pytest gpu_tests_sync256 tests/test_matrix_gpu.py -k "sm100a_runs and D256" || status=1
+  # matrix tests against the reference (MSA at G 4, 8, 16; block-sparse), then memcheck and racecheck over the
+  # public API.
+  gpu_pytest gpu_tests_sync256 tests/test_matrix_gpu.py -k "(sm100a_runs and D256) or (block_sparse and sync)" \
+    || status=1
   for tool in memcheck racecheck; do
     timeout 150 compute-sanitizer --tool "$tool" --report-api-errors no --kernel-name-exclude kns=cudnn \
       --error-exitcode 9 python3 benchmarks/sanitize_matrix.py --mma sync --points 256:128:64,256:128:128 2>&1 \

@@ -197,12 +197,18 @@ def test_public_api_exact_deferred_packed(point):
         torch.testing.assert_close(out_p[:, s0:s1].float(), out_1.float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("point", [(64, 64, 64), (128, 128, 64), (64, 64, 128), (256, 256, 64), (256, 256, 128)],
-                         ids=_pid)
-def test_block_sparse_attention(point):
+BLOCK_SPARSE_CASES = [(p, None) for p in [(64, 64, 64), (128, 128, 64), (64, 64, 128), (256, 256, 64),
+                                           (256, 256, 128)]] + [((256, 256, 64), "sync"), ((256, 256, 128), "sync")]
+
+
+@pytest.mark.parametrize("point, mma", BLOCK_SPARSE_CASES,
+                         ids=[_pid(p) + (f"-{m}" if m else "") for p, m in BLOCK_SPARSE_CASES])
+def test_block_sparse_attention(point, mma, force_mma, launched_kernels):
     """block_sparse_attention over given indices (NSA's selected attention: 16 query heads, 2 KV groups), forward
-    and backward, against the reference."""
+    and backward, against the reference; at D 256 also on the mma.sync kernels (sm100a's)."""
     import flash_msa_rt as F
+    if mma:
+        force_mma(mma)
     D, _, Bs = point
     B, H, Hk, S, K = 1, 16, 2, 901, 5
     g = torch.Generator(device="cuda").manual_seed(D + Bs)
@@ -223,6 +229,9 @@ def test_block_sparse_attention(point):
     with resolved_backends() as seen:
         got = run(torch.bfloat16, "cuda")
     assert on_kernels(seen, ("block_sparse_forward", "block_sparse_backward")) is None, seen
+    if mma:
+        main_kernels = [n for n in launched_kernels if n.startswith(("sparse_fwd", "sparse_bwd"))]
+        assert main_kernels and all(f"mma{mma}" in n for n in main_kernels), main_kernels
     want, base = run(torch.float64, "cpu"), run(torch.float32, "cpu")  # the reference
     _check(got, want, base, torch.bfloat16, names=("out", "dq", "dk", "dv"))
 
