@@ -135,8 +135,9 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
     [0, ceil(S / block_size)) raise. Returns out in q's layout and dtype, and with return_lse also lse (B, H, S)
     float32 (not differentiable).
 
-    On the GPU this runs the MSA sparse kernels (bfloat16 / float16, D = 128, block_size 128, H / lcm(Hi, Hk) in
-    {1, 2, 4, 8, 16}; anything else runs on the reference and says why once). Checking the index range reads one
+    On the GPU this runs the MSA sparse kernels (bfloat16 / float16, D in {64, 128, 256}, block_size in {64, 128},
+    H / lcm(Hi, Hk) in {1, 2, 4, 8, 16}, where the installed artifacts hold that configuration: docs/matrix.md;
+    anything else runs on the reference and says why once, naming the build command where one would serve). Checking the index range reads one
     flag on the host (a synchronisation); under CUDA graph capture that read is skipped and an out-of-range index
     makes the output NaN instead of raising.
 
