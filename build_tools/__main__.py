@@ -30,6 +30,7 @@ from build_tools.build import REPO, BuildError, build, build_fingerprint, common
 from build_tools.build import variant_fingerprint
 from build_tools import coverage
 from kernels_src.catalogue import CatalogueError, parse_sets, variants
+from kernels_src import matrix
 from kernels_src.spec import ARCHS, DEFAULT_ARCHS, DEFAULT_SETS
 
 DEFAULT_OUT = REPO / "artifacts"
@@ -46,6 +47,10 @@ def _csv(kind):
     return parse
 
 
+def _join(values) -> str:
+    return ",".join(str(v) for v in values)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m build_tools", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,9 +64,16 @@ def parser() -> argparse.ArgumentParser:
                             f"{','.join(DEFAULT_SETS)})")
         s.add_argument("--only", action="append", default=None, metavar="PATTERN",
                        help="glob over variant names; repeatable (default: all)")
-        s.add_argument("--head-dim", type=_csv(int), default=None, help="head dims to build, e.g. 64,128")
-        s.add_argument("--block-size", type=_csv(int), default=None, help="key block sizes, e.g. 64,128")
-        s.add_argument("--dtype", type=_csv(str), default=None, help="dtypes, e.g. bf16")
+        s.add_argument("--head-dim", type=_csv(int), default=None,
+                       help=f"head dims D, any of {_join(matrix.HEAD_DIMS)} (default: "
+                            f"{_join(matrix.DEFAULT_HEAD_DIMS)}); the proxy's Dp of {_join(matrix.PROXY_HEAD_DIMS)} "
+                            f"up to D come with them")
+        s.add_argument("--block-size", type=_csv(int), default=None,
+                       help=f"key block sizes Bs, any of {_join(matrix.BLOCK_SIZES)} (default: "
+                            f"{_join(matrix.DEFAULT_BLOCK_SIZES)})")
+        s.add_argument("--dtype", type=_csv(str), default=None,
+                       help="dtypes of q, k, v: bf16, f16 (default: both; the fp8 selection's e4m3 variants come with "
+                            "them); `list` prints what each family implements")
         s.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"artifact root (default: {DEFAULT_OUT})")
         s.add_argument("--into-installed", action="store_true",
                        help="build into the installed flash-msa-rt's own artifacts (pip-installed runtime picks them "

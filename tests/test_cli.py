@@ -151,6 +151,20 @@ def test_build_refuses_a_config_nothing_implements():
     assert r.returncode == 2 and "head_dim 96 not supported" in r.stderr and "pure-PyTorch reference" in r.stderr
 
 
+def test_build_help_names_the_matrix():
+    """`build --help` names the head dims and key blocks the kernels are written for, and the default build's."""
+    from kernels_src import matrix
+
+    r = run("build_tools", "build", "--help")
+    text = " ".join(r.stdout.split())  # argparse wraps the help text
+    assert r.returncode == 0, r.stderr
+    join = lambda values: ",".join(map(str, values))  # noqa: E731
+    for phrase in (f"any of {join(matrix.HEAD_DIMS)} (default: {join(matrix.DEFAULT_HEAD_DIMS)})",
+                   f"any of {join(matrix.BLOCK_SIZES)} (default: {join(matrix.DEFAULT_BLOCK_SIZES)})",
+                   "bf16, f16"):
+        assert phrase in text, (phrase, r.stdout)
+
+
 def test_build_tools_names_the_pinned_cutlass_dsl_when_it_is_missing(monkeypatch):
     """Issue 39: without CuTeDSL the build named no version ("the version pinned in pyproject.toml")."""
     import importlib.metadata as md
