@@ -18,7 +18,7 @@ it with its own "not a supported wheel on this platform" / "no matching distribu
 
 Needs the PyPA `build` frontend (`pip install build`, or `pip install -e ".[test]"`, which brings it);
 --no-isolation builds in this environment instead of downloading the build requirements (scikit-build-core, and
-nvidia-cutlass-dsl for the per-arch wheels). The whole catalogue for sm90a, sm100a and sm100f compiles in about 13
+nvidia-cutlass-dsl for the per-arch wheels). The whole catalogue for sm90a, sm100a and sm100f compiles in about 16
 minutes on 2 CPU cores (a warm .kernel-cache/ makes a second release mostly packaging). The kernel cache lives in
 .kernel-cache/ and per-arch sources unpack in .release-work/, so no build/ folder of the checkout can shadow the
 frontend.
