@@ -390,7 +390,6 @@ def _chunk_plan_dict(entry_query, entry_dest, starts, cut, off_t, q_lo, q_hi, NB
 
 # --- the sorted lists by the plan_lists kernels (kernels_src/plan_lists) -------------------------------------------
 
-LIST_BLOCK_SIZES = (128,)  # the plan_lists variants the build makes
 # The kernels' (key, tile) count matrix holds ~B Hp S^2 / (Bs 128) int32 cells (twice: counts and their cumsum);
 # past tuning.plan's max_cells chunk_plans sorts one head group at a time, and past it for one group the torch
 # sort, batched, takes less memory.
@@ -441,7 +440,7 @@ def lists_on_device(block_indices: torch.Tensor, block_size: int, group: int, he
     block size, query chunks of whole kernel tiles, K within the widest variant's registers, and int32 positions
     and cells. Otherwise the torch sort runs (and raises where a chunk's partial rows pass int32)."""
     t = tuning_plan.choose("")
-    if not (t.lists_on_device and block_indices.is_cuda and block_size in LIST_BLOCK_SIZES):
+    if not (t.lists_on_device and block_indices.is_cuda and block_size in t.list_block_sizes):
         return None
     B, Hp, S, K = block_indices.shape
     if queries < S and queries % t.tile_rows or not 1 <= K <= LIST_MAX_KS[-1] or B * Hp * S == 0:
