@@ -150,6 +150,39 @@ def test_msa_check_rows_on_a_stand_in_backend(stand_in_backend):
     assert [(r.op, r.quantity) for r in bad] == [("sparse_bwd", "dq")] and "max error" in bad[0].detail
 
 
+@pytest.mark.parametrize("D, Bs", [(64, 64), (256, 128)])
+def test_every_check_runs_at_other_head_dims_and_blocks(stand_in_backend, D, Bs):
+    """The checks at another point of the matrix: inputs at D (the proxy at min(D, 128)), blocks of Bs in the API
+    calls and in the reference they are compared with."""
+    p = st.Problem(1, 300, 4, 2, 2, 1, 3, D=D, Bs=Bs)
+    assert f"D{D} Bs{Bs}" in p.label()
+    for check in (st.check_select, st.check_msa, st.check_warmup, st.check_block_sparse):
+        rows = check(p, torch.device("cpu"), seed=5)
+        assert rows and all(r.status == "ok" and r.backend == "kernels-stand-in" for r in rows), \
+            [st.format_row(r) for r in rows]
+
+
+def test_selftest_checks_every_configuration_the_artifacts_carry(monkeypatch):
+    """The run covers each (D, Bs) whose sparse forward (at its kernel block) and selection (at Dp) are built."""
+    from flash_msa_rt import loader
+    from kernels_src import matrix
+
+    assert (st.HEAD_DIMS, st.BLOCK_SIZES) == (matrix.HEAD_DIMS, matrix.BLOCK_SIZES)
+    built = {("sparse_fwd", 64): (128,), ("sparse_fwd", 128): (64, 128), ("sparse_fwd", 256): (64,),
+             ("select", 64): (128,), ("select", 128): (64, 128)}
+    monkeypatch.setattr(loader, "built_values", lambda op, field, arch, head_dim, dtype: built.get((op, head_dim), ()))
+    configs = st.carried_configs("sm90a")
+    assert configs == [(64, 128), (128, 64), (128, 128), (256, 64), (256, 128)]
+    quick = st.matrix_problems(st.PROBLEMS[:1], configs, quick=True)
+    assert quick[0] == st.PROBLEMS[0] and [(p.D, p.Bs) for p in quick[1:]] == [(64, 128), (128, 64), (256, 64),
+                                                                              (256, 128)]
+    full = st.matrix_problems(st.PROBLEMS, configs, quick=False)
+    assert full[:len(st.PROBLEMS)] == st.PROBLEMS and len(full) == len(st.PROBLEMS) + 2 * 4
+    assert {p.dtype for p in full[len(st.PROBLEMS):]} == {torch.bfloat16, torch.float16}
+    built.pop(("select", 64))
+    assert st.carried_configs("sm90a") == [(128, 64), (128, 128), (256, 64), (256, 128)]
+
+
 def test_run_without_gpu_raises_no_gpu(monkeypatch):
     from flash_msa_rt.errors import NoGPUError
 

@@ -7,11 +7,15 @@ what the input dtype costs, NaN / inf positions first). A check also fails when 
 reference instead of a kernel: the point is to prove the cubins this machine loads, not the fallback.
 
 --quick: one bfloat16 problem per family (the first problem of PROBLEMS); the full run adds float16 and every
-G = H / Hp the kernels ship (1, 2, 4, 8, 16) with odd lengths and partial blocks.
+G = H / Hp the kernels ship (1, 2, 4, 8, 16) with odd lengths and partial blocks. Both run at D 128 with blocks of
+128, then at every other (D, Bs) of the matrix whose kernels the installed artifacts carry for this arch
+(`carried_configs`: the wheel's D 64, and whatever `python -m build_tools build --head-dim ... --block-size ...`
+added): there the first problem (quick), or the first two (bf16 and f16).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -28,7 +32,7 @@ from flash_msa_rt.selftest.report import HEADER, Report, Row, format_row, summar
 
 __all__ = ["run", "device_arch", "Problem", "PROBLEMS", "Report", "Row", "HEADER", "format_row", "summary",
            "write_json", "resolved_backends", "on_kernels", "selection_comparison", "block_sparse_indices",
-           "CHECKS", "BLOCK"]
+           "CHECKS", "BLOCK", "carried_configs", "matrix_problems"]
 
 
 # (family, check, the archs that have its kernels: None = every arch the runtime supports)
@@ -60,12 +64,39 @@ def run(quick: bool = False, problems: tuple[Problem, ...] | None = None, echo: 
     raises becomes a FAIL row naming the exception). Raises NoGPUError without a GPU."""
     name, arch = device_arch()
     device = torch.device("cuda", torch.cuda.current_device())
-    problems = problems or (PROBLEMS[:1] if quick else PROBLEMS)
+    problems = problems or matrix_problems(PROBLEMS[:1] if quick else PROBLEMS, carried_configs(arch), quick)
     report = Report(device=name, arch=arch, quick=quick)
     with guard.suspended():  # the checks prove every family themselves, with the numbers the guard would hide
         _run_checks(report, arch, device, problems, echo, checks)
     report.kernels_loaded = loaded_kernels()
     return report
+
+
+# The contract's matrix (docs/msa-semantics.md): head dims D and key blocks Bs.
+HEAD_DIMS, BLOCK_SIZES = (64, 128, 256), (64, 128)
+
+
+def carried_configs(arch: str) -> list[tuple[int, int]]:
+    """(D, Bs) of the matrix whose MSA kernels this arch's artifacts carry in bf16: the sparse forward at D on the
+    key blocks it runs (D 256: 64-key halves, tuning.head_dim) and the selection at Dp = min(D, 128) on blocks of
+    Bs. Read from the manifest (the loader's index), so a configuration built later is checked too."""
+    from flash_msa_rt import loader
+    from flash_msa_rt.tuning.head_dim import kernel_block_size
+
+    found = []
+    for d in HEAD_DIMS:
+        main = loader.built_values("sparse_fwd", "block_size", arch, head_dim=d, dtype="bf16")
+        select = loader.built_values("select", "block_size", arch, head_dim=min(d, 128), dtype="bf16")
+        found += [(d, bs) for bs in BLOCK_SIZES if kernel_block_size(d, bs) in main and bs in select]
+    return found
+
+
+def matrix_problems(problems: tuple[Problem, ...], configs: list[tuple[int, int]],
+                    quick: bool) -> tuple[Problem, ...]:
+    """problems at D 128 / Bs 128, then the first one (quick) or two of them at each other configuration."""
+    others = [(d, bs) for d, bs in configs if (d, bs) != (BLOCK, BLOCK)]
+    return tuple(problems) + tuple(dataclasses.replace(p, D=d, Bs=bs) for d, bs in others
+                                   for p in problems[:1 if quick else 2])
 
 
 def _run_checks(report: Report, arch: str, device, problems, echo, checks) -> None:

@@ -9,7 +9,7 @@ from flash_msa_rt import tolerances
 from flash_msa_rt.selftest.backends import backend_text as _backend_text
 from flash_msa_rt.selftest.backends import on_kernels, resolved_backends
 from flash_msa_rt.selftest.problems import (  # noqa: F401 - PROBLEMS and check_plan: the self-test's table
-    BLOCK, D, PROBLEMS, Problem, _deterministic, _inputs, _rows, _timed, block_sparse_comparisons,
+    BLOCK, PROBLEMS, Problem, _deterministic, _inputs, _rows, _timed, block_sparse_comparisons,
     block_sparse_indices, check_plan, selection_comparison)
 from flash_msa_rt.selftest.report import Row
 
@@ -19,12 +19,13 @@ def check_select(p: Problem, device, seed: int) -> list[Row]:
     from flash_msa_rt import api, reference
 
     x, _, _ = _inputs(p, device, seed)
-    scale = D ** -0.5
+    scale = p.D ** -0.5
     with resolved_backends() as seen:
-        sel, t = _timed(lambda: api.select_blocks(x["q_proxy"], x["k_proxy"], p.K * BLOCK, scale, layout="bshd"))
-    scores = reference.proxy_block_scores(x["q_proxy"].double(), x["k_proxy"].double(), BLOCK, scale).double()
+        sel, t = _timed(lambda: api.select_blocks(x["q_proxy"], x["k_proxy"], p.K * p.Bs, scale, layout="bshd",
+                                                  block_size=p.Bs))
+    scores = reference.proxy_block_scores(x["q_proxy"].double(), x["k_proxy"].double(), p.Bs, scale).double()
     return _rows("select", p, [selection_comparison(sel, scores, p.K, tolerances.selection_epsilon(
-        x["q_proxy"], x["k_proxy"], scale))], _backend_text(seen, ("select_blocks",)), t,
+        x["q_proxy"], x["k_proxy"], scale), p.Bs)], _backend_text(seen, ("select_blocks",)), t,
                  on_kernels(seen, ("select_blocks",)))
 
 
@@ -35,12 +36,13 @@ def check_msa(p: Problem, device, seed: int, deterministic: bool = False) -> lis
     from flash_msa_rt import api, reference
 
     x, dout, _ = _inputs(p, device, seed)
-    scale = D ** -0.5
-    sel = api.select_blocks(x["q_proxy"], x["k_proxy"], p.K * BLOCK, scale, layout="bshd")
+    scale = p.D ** -0.5
+    sel = api.select_blocks(x["q_proxy"], x["k_proxy"], p.K * p.Bs, scale, layout="bshd", block_size=p.Bs)
     kl_coef = float(p.B * p.Hp * p.S)  # d loss / d KL_p(i) = 1 for every row
     leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
     with resolved_backends() as seen:
-        (out, kl), t_fwd = _timed(lambda: api.flash_msa_func(*leaves.values(), p.K * BLOCK, scale, layout="bshd"))
+        (out, kl), t_fwd = _timed(lambda: api.flash_msa_func(*leaves.values(), p.K * p.Bs, scale, layout="bshd",
+                                                                 block_size=p.Bs))
         loss = (out.reshape(dout.shape).float() * dout.float()).sum() + kl_coef * kl
         if deterministic:
             with _deterministic():
@@ -51,8 +53,8 @@ def check_msa(p: Problem, device, seed: int, deterministic: bool = False) -> lis
 
     def ref(dt):
         ins = [t.to(dt) for t in x.values()]
-        o, lse, lse_p, kl_rows = reference.msa_forward(*ins, sel, BLOCK, scale)
-        g = reference.msa_backward(*ins, o, lse, lse_p, sel, BLOCK, scale, dout.to(dt),
+        o, lse, lse_p, kl_rows = reference.msa_forward(*ins, sel, p.Bs, scale)
+        g = reference.msa_backward(*ins, o, lse, lse_p, sel, p.Bs, scale, dout.to(dt),
                                    torch.ones((), dtype=dt, device=device))
         return o, kl_rows.mean(), dict(zip(x, g))
 
@@ -83,13 +85,13 @@ def check_warmup(p: Problem, device, seed: int) -> list[Row]:
     from flash_msa_rt import api, reference
 
     x, dout, _ = _inputs(p, device, seed)
-    scale = D ** -0.5
+    scale = p.D ** -0.5
     kl_coef = float(p.B * p.Hp * p.S)
     leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
     ops = ("warmup_forward", "warmup_backward")
     with resolved_backends() as seen:
-        (out, kl), t_fwd = _timed(lambda: api.flash_msa_warmup_func(*leaves.values(), p.K * BLOCK, scale,
-                                                                    layout="bshd"))
+        (out, kl), t_fwd = _timed(lambda: api.flash_msa_warmup_func(*leaves.values(), p.K * p.Bs, scale,
+                                                                    layout="bshd", block_size=p.Bs))
         loss = (out.reshape(dout.shape).float() * dout.float()).sum() + kl_coef * kl
         grads, t_bwd = _timed(lambda: torch.autograd.grad(loss, list(leaves.values())))
 
@@ -112,16 +114,16 @@ def check_block_sparse(p: Problem, device, seed: int) -> list[Row]:
     from flash_msa_rt import api
 
     x, dout, g = _inputs(p, device, seed)
-    idx = block_sparse_indices(p.B, p.Hk, p.S, p.K, g, device)
-    scale = D ** -0.5
+    idx = block_sparse_indices(p.B, p.Hk, p.S, p.K, g, device, p.Bs)
+    scale = p.D ** -0.5
     leaves = [x[n].detach().requires_grad_() for n in ("q", "k", "v")]
     ops = ("block_sparse_forward", "block_sparse_backward")
     with resolved_backends() as seen:
-        (out, lse), t_fwd = _timed(lambda: api.block_sparse_attention(*leaves, idx, BLOCK, scale, layout="bshd",
+        (out, lse), t_fwd = _timed(lambda: api.block_sparse_attention(*leaves, idx, p.Bs, scale, layout="bshd",
                                                                       return_lse=True))
         grads, t_bwd = _timed(lambda: torch.autograd.grad((out * dout).sum(), leaves))
 
-    comps = block_sparse_comparisons(*leaves, idx, scale, dout, out, lse, grads)
+    comps = block_sparse_comparisons(*leaves, idx, scale, dout, out, lse, grads, p.Bs)
     return _rows("block_sparse", p, comps, _backend_text(seen, ops), t_fwd + t_bwd, on_kernels(seen, ops))
 
 
@@ -133,8 +135,8 @@ def check_block_scores(p: Problem, device, seed: int) -> list[Row]:
         return [Row("block_scores", p.label(), "scores", "kernel", None, None, 0.0, "skip",
                     "the block_scores kernel ships for bfloat16 only")]
     x, _, _ = _inputs(p, device, seed)
-    scale = D ** -0.5
-    got, t = _timed(lambda: proxy_block_scores(x["q_proxy"], x["k_proxy"], BLOCK, scale))
-    want = reference.proxy_block_scores(x["q_proxy"].double(), x["k_proxy"].double(), BLOCK, scale).double()
-    base = reference.proxy_block_scores(x["q_proxy"].float(), x["k_proxy"].float(), BLOCK, scale)
+    scale = p.D ** -0.5
+    got, t = _timed(lambda: proxy_block_scores(x["q_proxy"], x["k_proxy"], p.Bs, scale))
+    want = reference.proxy_block_scores(x["q_proxy"].double(), x["k_proxy"].double(), p.Bs, scale).double()
+    base = reference.proxy_block_scores(x["q_proxy"].float(), x["k_proxy"].float(), p.Bs, scale)
     return _rows("block_scores", p, [tolerances.check("scores", got, want, base)], "kernel", t)

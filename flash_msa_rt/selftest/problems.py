@@ -18,9 +18,14 @@ from flash_msa_rt.selftest.report import Row
 DETERMINISTIC_ARCHS = ("sm90a",)  # README: the deterministic backward kernels exist on sm90a only
 
 
+BLOCK = 128  # the default configuration's key block and head dim (the guard's slices run at it)
+D = 128
+
+
 @dataclass(frozen=True)
 class Problem:
-    """An MSA problem: (B, S, H, Hk, Hp, Hpk, K blocks of 128), head dims 128 (the shipped kernels')."""
+    """An MSA problem: (B, S, H, Hk, Hp, Hpk, K blocks of Bs tokens), head dim D, the proxy's Dp = min(D, 128)
+    (the matrix's rule: docs/matrix.md)."""
 
     B: int
     S: int
@@ -30,14 +35,18 @@ class Problem:
     Hpk: int
     K: int
     dtype: torch.dtype = torch.bfloat16
+    D: int = D
+    Bs: int = BLOCK
+
+    @property
+    def Dp(self) -> int:
+        return min(self.D, 128)
 
     def label(self) -> str:
         dt = {torch.bfloat16: "bf16", torch.float16: "f16"}[self.dtype]
-        return f"{dt} B{self.B} S{self.S} H{self.H}/{self.Hk} Hp{self.Hp}/{self.Hpk} G{self.H // self.Hp} K{self.K}"
-
-
-BLOCK = 128
-D = 128
+        at = "" if (self.D, self.Bs) == (D, BLOCK) else f" D{self.D} Bs{self.Bs}"
+        return (f"{dt} B{self.B} S{self.S} H{self.H}/{self.Hk} Hp{self.Hp}/{self.Hpk} G{self.H // self.Hp} "
+                f"K{self.K}{at}")
 # Odd lengths (partial last blocks), every G, Hp = Hk and Hp > Hk, Hpk > 1, K past the block count.
 PROBLEMS = (
     Problem(1, 700, 8, 2, 2, 1, 3),
@@ -79,11 +88,12 @@ def _inputs(p: Problem, device, seed: int):
         return torch.randn(*shape, device=device, generator=g).to(p.dtype)
 
     names = ("q_proxy", "k_proxy", "q", "k", "v")
-    heads = (p.Hp, p.Hpk, p.H, p.Hk, p.Hk)
-    return dict(zip(names, (rnd(p.B, p.S, h, D) for h in heads))), rnd(p.B, p.S, p.H, D), g
+    shapes = ((p.Hp, p.Dp), (p.Hpk, p.Dp), (p.H, p.D), (p.Hk, p.D), (p.Hk, p.D))
+    return dict(zip(names, (rnd(p.B, p.S, h, d) for h, d in shapes))), rnd(p.B, p.S, p.H, p.D), g
 
 
-def selection_comparison(sel: torch.Tensor, scores: torch.Tensor, K: int, eps: float) -> tolerances.Comparison:
+def selection_comparison(sel: torch.Tensor, scores: torch.Tensor, K: int, eps: float,
+                         block_size: int = BLOCK) -> tolerances.Comparison:
     """The contract's selection on (B, Hp, S, NB) float64 block scores: every row holds its local block, no block
     after it, no repeat, -1 only in its trailing empty slots; max_error is the largest shortfall of a kept block's
     score below the row's K-1-th best earlier score (the near-tie rule allows eps)."""
@@ -92,7 +102,7 @@ def selection_comparison(sel: torch.Tensor, scores: torch.Tensor, K: int, eps: f
     if tuple(sel.shape) != (B, Hp, S, K):
         return tolerances.Comparison(name, float("inf"), eps, f"shape {tuple(sel.shape)} != {(B, Hp, S, K)}")
     i = torch.arange(S, device=sel.device)
-    local = (i // BLOCK).view(1, 1, S, 1)
+    local = (i // block_size).view(1, 1, S, 1)
     s = sel.long()
     live = s >= 0
     n_live = live.sum(-1)
@@ -131,12 +141,13 @@ def _deterministic():
         torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
-def block_sparse_indices(B: int, Hi: int, S: int, K: int, g: torch.Generator, device) -> torch.Tensor:
+def block_sparse_indices(B: int, Hi: int, S: int, K: int, g: torch.Generator, device,
+                         block_size: int = BLOCK) -> torch.Tensor:
     """Random (B, Hi, S, K) int32 indices: the local block in slot 0, random earlier and later blocks, -1 slots, a
     repeat, and one row with no allowed key (out 0, lse -inf)."""
-    nb = -(-S // BLOCK)
+    nb = -(-S // block_size)
     idx = torch.randint(-1, nb, (B, Hi, S, K), generator=g, dtype=torch.int32, device=device)
-    idx[..., 0] = (torch.arange(S, device=device, dtype=torch.int32) // BLOCK).view(1, 1, S)
+    idx[..., 0] = (torch.arange(S, device=device, dtype=torch.int32) // block_size).view(1, 1, S)
     idx[0, 0, S // 2] = -1
     if K > 1:
         idx[-1, -1, -1, 1] = idx[-1, -1, -1, 0]
@@ -148,18 +159,21 @@ def check_plan(p: Problem, device, seed: int) -> list[Row]:
     from flash_msa_rt import tuning
     from flash_msa_rt.ops import sparse_plan as sp
 
+    if p.Bs not in tuning.plan.choose("").list_block_sizes:
+        return [Row("plan_lists/plan_items", p.label(), "plans", "-", None, None, 0.0, "skip",
+                    f"plans at key blocks of {p.Bs} sort with torch (flash_msa_rt.tuning.plan.list_block_sizes)")]
     g = torch.Generator(device=device).manual_seed(seed)
-    nb = -(-p.S // BLOCK)
+    nb = -(-p.S // p.Bs)
     perm = torch.rand((p.B, p.Hp, p.S, nb), generator=g, device=device).argsort(dim=-1).to(torch.int32)
     idx = torch.full((p.B, p.Hp, p.S, p.K), -1, dtype=torch.int32, device=device)
     idx[..., :min(p.K, nb)] = perm[..., :p.K]
     G = p.H // p.Hp
     cuts = ((32, 64), (64, 32))
     with tuning.override(plan={"lists_on_device": True}):
-        ran = sp.lists_on_device(idx, BLOCK, G, p.Hp, p.S) is not None
-        got, t = _timed(lambda: sp.chunk_plans(idx, BLOCK, G, p.Hp, p.S, cuts, "list"))
+        ran = sp.lists_on_device(idx, p.Bs, G, p.Hp, p.S) is not None
+        got, t = _timed(lambda: sp.chunk_plans(idx, p.Bs, G, p.Hp, p.S, cuts, "list"))
     with tuning.override(plan={"lists_on_device": False}):  # torch's stable sort
-        want = sp.chunk_plans(idx, BLOCK, G, p.Hp, p.S, cuts, "list")
+        want = sp.chunk_plans(idx, p.Bs, G, p.Hp, p.S, cuts, "list")
     differ = [f"{key}.{f}" for key in want for gp, wp in zip(got.get(key, ()), want[key])
               for f in ("entry_query", "entry_dest", "items", "item_count", "list_bounds")
               if not torch.equal(getattr(gp, f), getattr(wp, f))]
@@ -171,15 +185,16 @@ def check_plan(p: Problem, device, seed: int) -> list[Row]:
                  None if ran else "the plan kernels were not used for this problem")
 
 
-def block_sparse_comparisons(q, k, v, idx, scale: float, dout, out, lse, grads) -> list[tolerances.Comparison]:
+def block_sparse_comparisons(q, k, v, idx, scale: float, dout, out, lse, grads,
+                             block_size: int = BLOCK) -> list[tolerances.Comparison]:
     """block_sparse_forward / _backward results (out, lse, dq, dk, dv) against the reference in float64, with the
     float32 reference as the dtype baseline."""
     from flash_msa_rt import reference
 
     def ref(dt):
         ins = [t.detach().to(dt) for t in (q, k, v)]
-        o, r_lse = reference.block_sparse_forward(*ins, idx, BLOCK, scale)
-        return (o, r_lse, *reference.block_sparse_backward(*ins, o, r_lse, idx, BLOCK, scale, dout.to(dt)))
+        o, r_lse = reference.block_sparse_forward(*ins, idx, block_size, scale)
+        return (o, r_lse, *reference.block_sparse_backward(*ins, o, r_lse, idx, block_size, scale, dout.to(dt)))
 
     want, base = ref(torch.float64), ref(torch.float32)
     comps = [tolerances.check("out", out, want[0], base[0]),
