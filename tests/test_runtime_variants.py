@@ -291,6 +291,9 @@ def test_items_by_problem_size():
     assert (bwd(1, 65536, G=1).tiles_per_item, bwd(1, 2048, G=1).tiles_per_item) == (32, 16)
     assert bwd(1, 65536).item_order == "list" and bwd(1, 65536, D=256).item_order == "query"
     assert bwd(1, 8192, D=256).item_order == "query" and bwd(1, 8192, G=16).item_order == "query"
+    # lists cut at query bins at key blocks of 64 below D 256 (sweep_bins.json)
+    assert rt_bwd.choice("sm90a", 4, 128, 64, 1, 65536, 16).item_order == "bins"
+    assert rt_bwd.choice("sm90a", 4, 256, 64, 1, 65536, 16).item_order == "query"
     with tuning.override(sparse_fwd={"tiles_per_item": 64}, sparse_bwd={"item_order": "list"}):
         assert fwd(1, 8192).tiles_per_item == 64 and bwd(1, 8192, D=256).item_order == "list"
 

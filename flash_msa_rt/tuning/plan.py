@@ -35,11 +35,10 @@ def _choose(arch: str, overrides: Overrides) -> PlanTuning:
         # ~8 torch ops per plan instead of ~35 at ~15 us each of host time: (a) S = 64K, B = 2 enqueued its plans
         # and launches in 4.3-5.4 ms instead of 11-13.
         lists_on_device=o.get("lists_on_device", True),
-        # Blocks of 128 only: the build also makes the plan_lists variants for blocks of 64 (Bs 64, and D 256's
-        # 64-key halves), but they have not yet run on a GPU (tests/test_sparse_plan_gpu.py holds their check
-        # against the torch sort, `plan={"list_block_sizes": (64, 128)}`); until it passes, those plans sort
-        # with torch, as before.
-        list_block_sizes=tuple(o.get("list_block_sizes", (128,))),
+        # Blocks of 64 too (Bs 64, and D 256's 64-key halves): their plans equal the torch sort's field for field
+        # on the H100 (tests/test_sparse_plan_gpu.py, 135 passed at 5ebc287), and at blocks of 128 the kernels
+        # took 0.36 ms per (b) 64K plan against ~1.2-1.4 for the sort (kernels_src/plan_lists/NOTES.md).
+        list_block_sizes=tuple(o.get("list_block_sizes", (64, 128))),
         scatter_threads=o.get("scatter_threads", 512),  # 512 rows give each list ~4x longer runs of stores
         # Past 2^27 cells (8 bytes each: the counts and their cumsum, 1 GiB) the batched torch sort's temporaries
         # (batch_entries, ~16 bytes each) take less memory. Per head group (chunk_plans sorts one group at a time

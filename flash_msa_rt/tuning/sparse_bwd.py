@@ -61,6 +61,12 @@ def per_group_tiles(main_tiles: int, group: int) -> int:
     return max(1, min(32, main_tiles // group))
 
 
+def _item_order(p: Problem) -> str:
+    if p.block_size == 64 and not wide(p.head_dim):
+        return "bins"
+    return "query" if p.group >= 16 or p.proxy_rows >= QUERY_BIN_ROWS or wide(p.head_dim) else "list"
+
+
 @functools.lru_cache(maxsize=256)
 def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseBwdTuning:
     o = overrides.fields("sparse_bwd")
@@ -92,8 +98,11 @@ def _choose(arch: str, p: Problem, overrides: Overrides) -> SparseBwdTuning:
         # 256K 89.2-91.9 -> 86.1-87.6 ms, 1M 394.5-398.8 -> 388.7-391.0 (msa_backward_cuda, interleaved, cf5c1b0).
         # At D 256 (two 64-key items per block of 128, each reducing the same dq rows) at every size: (b) D 256,
         # B = 1, 64K, whole fwd + bwd 122.9 -> 117.3 ms (sweep_small, H100, c422079).
-        item_order=o.get("item_order", "query" if G >= 16 or p.proxy_rows >= QUERY_BIN_ROWS or wide(p.head_dim)
-                         else "list"),
+        # Lists cut at query bins ("bins") at key blocks of 64 (D <= 128), where twice the (query, block) entries
+        # reduce into the same dq rows: (b) B = 1, 64K, D 128, Bs 64, whole graphed fwd + bwd 73.21 -> 67.67 ms
+        # (3.10x -> 3.36x cuDNN dense); at blocks of 128 it lost: D 128 41.44 -> 45.83, D 256 (64-key halves,
+        # query bins) 117.33 -> 125.61 (benchmarks/results/sweep_bins.json, H100, 5ebc287).
+        item_order=o.get("item_order", _item_order(p)),
         # Item order "bins" (sparse_plan.chunk_plans): one bin's fp32 dq rows, G D 4 bytes per query, about 8 MiB,
         # so that the CTAs resident at once, spread over a bin or two of a head, reduce into rows the L2 holds.
         bin_queries=o.get("bin_queries", max(1024, (8 << 20) // (G * p.head_dim * 4))),
