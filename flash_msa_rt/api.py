@@ -137,9 +137,9 @@ def block_sparse_attention(q, k, v, block_indices, block_size=128, scale=None, *
 
     On the GPU this runs the MSA sparse kernels (bfloat16 / float16, D in {64, 128, 256}, block_size in {64, 128},
     H / lcm(Hi, Hk) in {1, 2, 4, 8, 16}, where the installed artifacts hold that configuration: docs/matrix.md;
-    anything else runs on the reference and says why once, naming the build command where one would serve). Checking the index range reads one
-    flag on the host (a synchronisation); under CUDA graph capture that read is skipped and an out-of-range index
-    makes the output NaN instead of raising.
+    anything else runs on the reference and says why once, naming the build command where one would serve).
+    Checking the index range reads one flag on the host (a synchronisation); under CUDA graph capture that read is
+    skipped and an out-of-range index makes the output NaN instead of raising.
 
     cu_seqlens: optional int32 (num_seqs + 1,) offsets of packed sequences along S of a batch of one row (B = 1;
     0, ..., S, non-decreasing): each sequence is causal within itself and an index j of one of its queries names
