@@ -232,12 +232,13 @@ fi
 
 if [[ $mode == orders || $mode == pending ]]; then
   # The backward's item orders (issue 55; kernels_src/sparse_bwd/NOTES.md, "Lists cut at query bins"): every order
-  # against the reference, then the whole graphed deferred-KL step with lists cut at query bins against the
-  # defaults and cuDNN dense, at (b) D 128 blocks of 128 and 64, (a), and (b) D 256 (B = 1, 64K).
+  # against the reference, then the whole graphed deferred-KL step at key blocks of 64 (where "bins" is the
+  # backward's default; it lost at blocks of 128 and at D 256, sweep_bins.json) with bins of 8192 and 2048
+  # queries against the default 4096, and the forward's lists cut at bins too, at (b) and (a) (B = 1, 64K).
   gpu_pytest gpu_tests_orders tests/test_sparse_bwd_gpu.py -k every_item_order || status=1
-  python3 benchmarks/sweep_small.py b:65536:1 b:65536:1:128:64 a:65536:1 b:65536:1:256 --rounds 3 --reps 4 \
-    --settings '[{"sparse_bwd": {"item_order": "bins"}}, {"sparse_bwd": {"item_order": "bins", "bin_queries": 8192}},
-                 {"sparse_fwd": {"item_order": "bins"}, "sparse_bwd": {"item_order": "bins"}}]' \
+  python3 benchmarks/sweep_small.py b:65536:1:128:64 a:65536:1:128:64 --rounds 3 --reps 4 \
+    --settings '[{"sparse_bwd": {"bin_queries": 8192}}, {"sparse_bwd": {"bin_queries": 2048}},
+                 {"sparse_fwd": {"item_order": "bins"}}]' \
     --out "$out/sweep_orders.json" 2>&1 | tee "$out/sweep_orders.log" || status=1
 fi
 

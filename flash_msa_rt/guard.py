@@ -3,12 +3,14 @@
 Each manifest records whether its arch's cubins have run the self-test on real hardware (hardware_verified, written
 by the build from build_tools.build.HARDWARE_VERIFIED_ARCHS: sm90a yes, sm100a / sm100f not yet). On an unverified
 arch, the first time dispatch resolves an op of a family (select, msa, msa_deterministic, warmup, block_sparse) in a
-dtype on a device, this module runs that family's slice (flash_msa_rt.selftest.slices: one small problem against
-the float64 reference) before the op's work is enqueued. It synchronises with the device: the one documented
-exception to "no host sync inside forward or backward", once per process, family and dtype. A pass is remembered
-on disk per (driver version, device name and UUID, arch, manifest sha256), so later processes skip the slice; a
-failure sends that family to the pure-PyTorch reference for the rest of the process with one warning naming the
-failure and `python -m flash_msa_rt selftest`.
+dtype and shape on a device, this module runs that family's slice (flash_msa_rt.selftest.slices: one small problem
+against the float64 reference) at that shape before the op's work is enqueued. The shape is the head dims and key
+block (slices.Shape): a model at D 64 or with blocks of 64 launches other cubins than the default D 128 / Bs 128, so
+those prove themselves. It synchronises with the device: the one documented exception to "no host sync inside forward
+or backward", once per process, family, dtype and shape. A pass is remembered on disk per (driver version, device
+name and UUID, arch, manifest sha256), so later processes skip the slice; a failure sends that family (at that
+shape) to the pure-PyTorch reference for the rest of the process with one warning naming the failure and
+`python -m flash_msa_rt selftest`.
 
     FLASH_MSA_GUARD=warn    (default) a failing family falls back to the reference, with one warning
     FLASH_MSA_GUARD=raise   a failing family raises GuardFailure
@@ -112,12 +114,44 @@ def family(op: str, config) -> str | None:
     return None
 
 
-def units(arch: str, dtype_name: str = "bf16") -> list[str]:
-    """Every guard unit of an arch in a dtype (the deterministic family where the arch has those kernels)."""
+def shape_of(op: str, config):
+    """The slice shape (flash_msa_rt.selftest.slices.Shape) whose cubins the op's config launches: selection
+    depends on the proxy's Dp and the key block only, warmup on the head dims only, block-sparse attention on D
+    and the key block; the others are canonical so that one unit covers each set of cubins."""
+    from flash_msa_rt.selftest.slices import Shape
+
+    d = config.get("head_dim") or config.get("proxy_head_dim") or Shape.D
+    dp = config.get("proxy_head_dim") or min(d, Shape.Dp)
+    bs = config.get("block_size") or Shape.Bs
+    if op == "select_blocks":
+        return Shape(dp, dp, bs)
+    if op.startswith("warmup_"):
+        return Shape(d, dp, Shape.Bs)
+    if op.startswith("block_sparse_"):
+        return Shape(d, min(d, Shape.Dp), bs)
+    return Shape(d, dp, bs)
+
+
+def unit_name(fam: str, dtype_name: str, shape=None) -> str:
+    """"family/dtype", then the shape where it is not the default (flash_msa_rt.selftest.slices.Shape.suffix)."""
+    return f"{fam}/{dtype_name}" + (shape.suffix() if shape is not None else "")
+
+
+def split_unit(unit: str):
+    """(family, dtype name, Shape) of a unit name."""
+    from flash_msa_rt.selftest.slices import Shape
+
+    fam, dt, *rest = unit.split("/", 2)
+    return fam, dt, Shape.parse(rest[0] if rest else "")
+
+
+def units(arch: str, dtype_name: str = "bf16", shape=None) -> list[str]:
+    """Every guard unit of an arch in a dtype at a shape (default: D 128 / Dp 128 / Bs 128), the deterministic
+    family where the arch has those kernels."""
     from flash_msa_rt.selftest.problems import DETERMINISTIC_ARCHS
     from flash_msa_rt.selftest.slices import SLICES
 
-    return [f"{f}/{dtype_name}" for f in SLICES if f != "msa_deterministic" or arch in DETERMINISTIC_ARCHS]
+    return [unit_name(f, dtype_name, shape) for f in SLICES if f != "msa_deterministic" or arch in DETERMINISTIC_ARCHS]
 
 
 def admit(problem) -> str | None:
@@ -130,12 +164,12 @@ def admit(problem) -> str | None:
     if fam is None or dt is None:
         return None
     index = problem.device.index if problem.device.index is not None else _current_device()
-    return check_unit(index, f"{fam}/{dt}")
+    return check_unit(index, unit_name(fam, dt, shape_of(problem.op, problem.config)))
 
 
 def check_unit(index: int, unit: str) -> str | None:
-    """The verdict for unit ("family/dtype") on device `index`: decided once per process (a slice runs unless the
-    arch is verified or a pass is on disk)."""
+    """The verdict for unit ("family/dtype[/shape]") on device `index`: decided once per process (a slice runs
+    unless the arch is verified or a pass is on disk)."""
     key = (index, unit)
     if key in _verdicts:
         return _verdicts[key]
@@ -161,7 +195,8 @@ def check_unit(index: int, unit: str) -> str | None:
             record_pass(identity, unit, seconds)
             _verdicts[key] = None
             return None
-        fam, dt = unit.split("/")
+        fam, dt, shape = split_unit(unit)
+        dt = dt + shape.suffix().replace("/", ", ")
         message = (f"flash_msa: the {arch} {fam} kernels ({dt}) failed their first-use check on {identity.device} "
                    f"(cuda:{index}; cubins never verified on {arch} hardware): {failure}. ")
         if mode() == "raise":
@@ -183,14 +218,14 @@ def run_slice(index: int, unit: str) -> tuple[str | None, float]:
     from flash_msa_rt.ops import kernels
     from flash_msa_rt.selftest.slices import SLICES
 
-    fam, dt = unit.split("/")
+    fam, dt, shape = split_unit(unit)
     fn = SLICES[fam][0]
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[dt]
     device = torch.device("cuda", index)
     t0 = time.perf_counter()
     try:
         with _on_device(index):
-            comps = fn(kernels.KERNELS.ops, dtype, device)
+            comps = fn(kernels.KERNELS.ops, dtype, device, shape)
         bad = [c for c in comps if not c.ok]
         failure = "; ".join(f"{c.name}: {c.problem}" for c in bad[:3]) if bad else None
     except Exception as e:  # noqa: BLE001 - a crash is a failure of the family, reported by name

@@ -37,10 +37,10 @@ class FakeGpu:
         monkeypatch.setattr(slices, "SLICES", fakes)
 
     def _slice(self, family):
-        def run(ops, dtype, device):
+        def run(ops, dtype, device, shape=slices.Shape()):
             assert ops is kernels.KERNELS.ops and device == CUDA
-            self.runs.append((family, dtype))
-            return self.verdicts[family]
+            self.runs.append((family, dtype) if shape == slices.Shape() else (family, dtype, shape))
+            return self.verdicts.get((family, shape), self.verdicts[family])
         return run
 
 
@@ -124,7 +124,7 @@ def test_one_family_failing_leaves_the_others_on_the_kernels(gpu):
 
 
 def test_a_crashing_slice_is_a_failure_naming_the_exception(gpu):
-    def crash(ops, dtype, device):
+    def crash(ops, dtype, device, shape):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     gpu.monkeypatch.setitem(slices.SLICES, "msa", (crash, ("msa_forward", "msa_backward")))
@@ -257,13 +257,53 @@ def test_families_and_units():
     assert "msa_deterministic/f16" not in guard.units("sm100a", "f16")
 
 
+def test_each_shape_proves_its_own_cubins(gpu, tmp_path, catalogue_artifacts):
+    """A model at D 64 with blocks of 64 launches other cubins than D 128 / Bs 128: its first call runs the slice at
+    its own shape, and a failure there sends that shape alone to the reference."""
+    catalogue_artifacts("sm100a", (64, 128), (64, 128))
+    _mark(tmp_path, "sm100a", False)
+    small = slices.Shape(64, 64, 64)
+    gpu.verdicts[("msa", small)] = FAIL
+    assert _resolve() is kernels.KERNELS.ops["msa_forward"]
+    with pytest.warns(RuntimeWarning, match=r"msa kernels \(bf16, D64-Dp64-Bs64\) failed"):
+        assert _resolve(head_dim=64, proxy_head_dim=64, block_size=64) is dispatch.reference_impl("msa_forward")
+    assert _resolve(head_dim=128, proxy_head_dim=64) is kernels.KERNELS.ops["msa_forward"]
+    assert gpu.runs == [("msa", torch.bfloat16), ("msa", torch.bfloat16, small),
+                        ("msa", torch.bfloat16, slices.Shape(128, 64, 128))]
+    _new_process()  # the passes are on disk under their own names; the failure is not
+    assert _resolve() is kernels.KERNELS.ops["msa_forward"]
+    assert _resolve(head_dim=128, proxy_head_dim=64) is kernels.KERNELS.ops["msa_forward"]
+    assert len(gpu.runs) == 3
+    passed = json.loads(next((tmp_path / "cache" / "flash-msa" / "guard").glob("*.json")).read_text())["passed"]
+    assert sorted(passed) == ["msa/bf16", "msa/bf16/D128-Dp64-Bs128"]
+
+
+def test_a_units_shape_is_what_its_cubins_depend_on():
+    S = slices.Shape
+    msa = dict(MSA, head_dim=256, proxy_head_dim=128, block_size=64)
+    assert guard.shape_of("msa_forward", msa) == S(256, 128, 64)
+    assert guard.shape_of("select_blocks", {"proxy_head_dim": 64, "block_size": 64}) == S(64, 64, 64)
+    assert guard.shape_of("warmup_forward", dict(msa, block_size=None)) == S(256, 128, 128)
+    assert guard.shape_of("block_sparse_forward", {"head_dim": 64, "block_size": 64}) == S(64, 64, 64)
+    assert guard.shape_of("block_sparse_forward", {"head_dim": 256, "block_size": 128}) == S(256, 128, 128)
+    assert guard.unit_name("msa", "bf16", S()) == "msa/bf16"  # the default keeps the name passes were saved under
+    assert guard.unit_name("msa", "f16", S(256, 128, 64)) == "msa/f16/D256-Dp128-Bs64"
+    assert guard.split_unit("msa/f16/D256-Dp128-Bs64") == ("msa", "f16", S(256, 128, 64))
+    assert guard.split_unit("select/bf16") == ("select", "bf16", S())
+    assert guard.units("sm90a", "bf16", S(64, 64, 64))[0] == "select/bf16/D64-Dp64-Bs64"
+    with pytest.raises(ValueError, match="'D64-Bs64': expected D<d>-Dp<dp>-Bs<bs>"):
+        S.parse("D64-Bs64")
+
+
 # --- the real slices, on the reference's ops (CPU): they pass it, and catch a wrong kernel -----------------------
 
+@pytest.mark.parametrize("shape", [slices.Shape(), slices.Shape(64, 64, 64), slices.Shape(256, 128, 128),
+                                   slices.Shape(128, 64, 64)], ids=lambda s: s.suffix() or "default")
 @pytest.mark.parametrize("family", ["select", "msa", "warmup", "block_sparse"])
-def test_the_slices_pass_the_reference(family):
+def test_the_slices_pass_the_reference(family, shape):
     ops = dispatch.backends()[-1].ops  # the reference backend
     fn = slices.SLICES[family][0]
-    comps = fn(ops, torch.bfloat16, torch.device("cpu"))
+    comps = fn(ops, torch.bfloat16, torch.device("cpu"), shape)
     assert comps and all(c.ok for c in comps), [str(c) for c in comps]
     if family != "select":  # the reference in bfloat16 is not exact: the bounds are live, not vacuous
         assert any(c.max_error > 0 for c in comps)
@@ -285,8 +325,9 @@ def test_the_slices_catch_a_wrong_kernel(family, op, output):
         return tuple(outs)
 
     ops[op] = wrong
-    comps = slices.SLICES[family][0](ops, torch.bfloat16, torch.device("cpu"))
-    assert any(not c.ok for c in comps), [str(c) for c in comps]
+    for shape in (slices.Shape(), slices.Shape(64, 64, 64)):
+        comps = slices.SLICES[family][0](ops, torch.bfloat16, torch.device("cpu"), shape)
+        assert any(not c.ok for c in comps), [str(c) for c in comps]
 
 
 def test_a_wrong_selection_fails_the_select_slice():

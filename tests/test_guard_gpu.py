@@ -101,3 +101,22 @@ def test_first_use_through_the_api_runs_the_slices_once_then_reads_the_disk(unve
     rows = check_msa(PROBLEMS[0], device, 3)
     assert all(r.status == "ok" for r in rows), rows
     assert guard.slices_run[before:] == []
+
+
+def test_every_carried_shape_passes_its_slices(unverified_here):
+    """Each (D, Bs) the artifacts carry, at Dp = min(D, 128) and at Dp 64 below D 128, runs every family's slice on
+    its own cubins (a D 64 or Bs 64 model's first call proves those, not the D 128 / Bs 128 ones)."""
+    from flash_msa_rt.selftest import carried_configs
+    from flash_msa_rt.selftest.slices import Shape
+
+    index = torch.cuda.current_device()
+    shapes = {Shape(d, min(d, 128), bs) for d, bs in carried_configs(unverified_here)} | {Shape(128, 64, 128)}
+    shapes.discard(Shape())
+    assert shapes, "the artifacts carry no configuration beside D 128 / Bs 128"
+    failed = {}
+    for shape in sorted(shapes, key=lambda s: (s.D, s.Dp, s.Bs)):
+        for unit in guard.units(unverified_here, "bf16", shape):
+            failure, _ = guard.run_slice(index, unit)
+            if failure is not None:
+                failed[unit] = failure
+    assert not failed, failed

@@ -18,14 +18,14 @@ from flash_msa_rt.selftest.report import Row
 DETERMINISTIC_ARCHS = ("sm90a",)  # README: the deterministic backward kernels exist on sm90a only
 
 
-BLOCK = 128  # the default configuration's key block and head dim (the guard's slices run at it)
+BLOCK = 128  # the default configuration's key block and head dim
 D = 128
 
 
 @dataclass(frozen=True)
 class Problem:
     """An MSA problem: (B, S, H, Hk, Hp, Hpk, K blocks of Bs tokens), head dim D, the proxy's Dp = min(D, 128)
-    (the matrix's rule: docs/matrix.md)."""
+    (the matrix's rule: docs/matrix.md) unless proxy_dim names another."""
 
     B: int
     S: int
@@ -37,14 +37,16 @@ class Problem:
     dtype: torch.dtype = torch.bfloat16
     D: int = D
     Bs: int = BLOCK
+    proxy_dim: int | None = None  # Dp where it is not the matrix's min(D, 128) (the guard's slice of a model's Dp)
 
     @property
     def Dp(self) -> int:
-        return min(self.D, 128)
+        return self.proxy_dim or min(self.D, 128)
 
     def label(self) -> str:
         dt = {torch.bfloat16: "bf16", torch.float16: "f16"}[self.dtype]
         at = "" if (self.D, self.Bs) == (D, BLOCK) else f" D{self.D} Bs{self.Bs}"
+        at += "" if self.proxy_dim in (None, min(self.D, 128)) else f" Dp{self.Dp}"
         return (f"{dt} B{self.B} S{self.S} H{self.H}/{self.Hk} Hp{self.Hp}/{self.Hpk} G{self.H // self.Hp} "
                 f"K{self.K}{at}")
 # Odd lengths (partial last blocks), every G, Hp = Hk and Hp > Hk, Hpk > 1, K past the block count.

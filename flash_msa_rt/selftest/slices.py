@@ -14,29 +14,66 @@ from typing import Callable, Mapping
 
 import torch
 
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping
+
+import torch
+
 from flash_msa_rt import tolerances
 from flash_msa_rt.selftest.problems import (BLOCK, D, Problem, _deterministic, _inputs, block_sparse_comparisons,
                                             block_sparse_indices, check_plan, selection_comparison)
 
-# S = 300: three key blocks, the last partial; G = H / Hp = 4 (the default config's); Hp = Hk = 2; K = 2 of 3.
+# S = 300: three key blocks of 128, the last partial (five of 64); G = H / Hp = 4 (the default config's);
+# Hp = Hk = 2; K = 2.
 SLICE_PROBLEM = Problem(1, 300, 8, 2, 2, 1, 2)
-_SCALE = D ** -0.5
 
 
-def problem_for(dtype: torch.dtype) -> Problem:
-    return Problem(*(getattr(SLICE_PROBLEM, f) for f in ("B", "S", "H", "Hk", "Hp", "Hpk", "K")), dtype=dtype)
+@dataclass(frozen=True)
+class Shape:
+    """The head dims and key block a slice runs at: the cubins a family launches differ by them (sm90a's D 256
+    kernels, a proxy of Dp 64, blocks of 64), so each one a process uses proves itself. Written into the guard's
+    unit name after the family and dtype, except at the default D 128 / Dp 128 / Bs 128 (units named before shapes
+    existed keep their names, and their passes on disk stay valid)."""
+
+    D: int = D
+    Dp: int = D
+    Bs: int = BLOCK
+
+    def suffix(self) -> str:
+        return "" if self == Shape() else f"/D{self.D}-Dp{self.Dp}-Bs{self.Bs}"
+
+    @classmethod
+    def parse(cls, suffix: str) -> "Shape":
+        """The inverse of suffix(): "" or "D64-Dp64-Bs64"."""
+        if not suffix:
+            return cls()
+        try:
+            d, dp, bs = suffix.split("-")
+            assert d[0] == "D" and dp[:2] == "Dp" and bs[:2] == "Bs"
+            return cls(int(d[1:]), int(dp[2:]), int(bs[2:]))
+        except (ValueError, AssertionError, IndexError):
+            raise ValueError(f"slice shape {suffix!r}: expected D<d>-Dp<dp>-Bs<bs>, e.g. D64-Dp64-Bs64") from None
 
 
-def select_slice(ops: Mapping[str, Callable], dtype: torch.dtype, device) -> list[tolerances.Comparison]:
+def problem_for(dtype: torch.dtype, shape: Shape = Shape()) -> Problem:
+    return replace(SLICE_PROBLEM, dtype=dtype, D=shape.D, Bs=shape.Bs, proxy_dim=shape.Dp)
+
+
+def _scale(p: Problem) -> float:
+    return p.D ** -0.5
+
+
+def select_slice(ops: Mapping[str, Callable], dtype: torch.dtype, device,
+                 shape: Shape = Shape()) -> list[tolerances.Comparison]:
     """select_blocks: the contract's selection against the float64 block scores (near ties within eps)."""
     from flash_msa_rt import reference
 
-    p = problem_for(dtype)
+    p = problem_for(dtype, shape)
     x, _, _ = _inputs(p, device, seed=11)
-    sel = ops["select_blocks"](x["q_proxy"], x["k_proxy"], p.K, BLOCK, _SCALE, None)
-    scores = reference.proxy_block_scores(x["q_proxy"].double(), x["k_proxy"].double(), BLOCK, _SCALE).double()
-    eps = tolerances.selection_epsilon(x["q_proxy"], x["k_proxy"], _SCALE)
-    return [selection_comparison(sel.to(torch.int32), scores, p.K, eps)]
+    sel = ops["select_blocks"](x["q_proxy"], x["k_proxy"], p.K, p.Bs, _scale(p), None)
+    scores = reference.proxy_block_scores(x["q_proxy"].double(), x["k_proxy"].double(), p.Bs, _scale(p)).double()
+    eps = tolerances.selection_epsilon(x["q_proxy"], x["k_proxy"], _scale(p))
+    return [selection_comparison(sel.to(torch.int32), scores, p.K, eps, p.Bs)]
 
 
 def _kl_weights(p: Problem, device) -> torch.Tensor:
@@ -50,21 +87,22 @@ def _proxied(ops, fwd: str, bwd: str, ref_fwd, ref_bwd, sel_args: tuple, p: Prob
     x, dout, _ = _inputs(p, device, seed=12)
     ins = list(x.values())
     kl_grad = _kl_weights(p, device)
-    out, lse, lse_p, kl_rows = ops[fwd](*ins, *sel_args, _SCALE, None)
+    scale = _scale(p)
+    out, lse, lse_p, kl_rows = ops[fwd](*ins, *sel_args, scale, None)
     # what the torch.library op saves for its backward (flash_msa_rt.ops.library._stats)
     out, lse, lse_p = out.contiguous(), lse.float().contiguous(), lse_p.float().contiguous()
-    kl_alone = ops[fwd.replace("forward", "kl")](*ins[:4], ins[4], lse, *sel_args, _SCALE, None)[1]
+    kl_alone = ops[fwd.replace("forward", "kl")](*ins[:4], ins[4], lse, *sel_args, scale, None)[1]
     if repeat_deterministic:
         with _deterministic():
-            grads = ops[bwd](*ins, out, lse, lse_p, *sel_args, _SCALE, dout, kl_grad, None)
-            again = ops[bwd](*ins, out, lse, lse_p, *sel_args, _SCALE, dout, kl_grad, None)
+            grads = ops[bwd](*ins, out, lse, lse_p, *sel_args, scale, dout, kl_grad, None)
+            again = ops[bwd](*ins, out, lse, lse_p, *sel_args, scale, dout, kl_grad, None)
     else:
-        grads = ops[bwd](*ins, out, lse, lse_p, *sel_args, _SCALE, dout, kl_grad, None)
+        grads = ops[bwd](*ins, out, lse, lse_p, *sel_args, scale, dout, kl_grad, None)
 
     def ref(dt):
         r_ins = [t.to(dt) for t in ins]
-        o, r_lse, r_lse_p, r_kl = ref_fwd(*r_ins, *sel_args, _SCALE)
-        g = ref_bwd(*r_ins, o, r_lse, r_lse_p, *sel_args, _SCALE, dout.to(dt), kl_grad.to(dt))
+        o, r_lse, r_lse_p, r_kl = ref_fwd(*r_ins, *sel_args, scale)
+        g = ref_bwd(*r_ins, o, r_lse, r_lse_p, *sel_args, scale, dout.to(dt), kl_grad.to(dt))
         return o, r_kl.mean(), g
 
     want, base = ref(torch.float64), ref(torch.float32)
@@ -82,20 +120,20 @@ def _proxied(ops, fwd: str, bwd: str, ref_fwd, ref_bwd, sel_args: tuple, p: Prob
 def _msa_selection(x: dict, p: Problem) -> torch.Tensor:
     from flash_msa_rt import reference
 
-    return reference.select_blocks(x["q_proxy"], x["k_proxy"], p.K, BLOCK, _SCALE).to(torch.int32).contiguous()
+    return reference.select_blocks(x["q_proxy"], x["k_proxy"], p.K, p.Bs, _scale(p)).to(torch.int32).contiguous()
 
 
-def msa_slice(ops: Mapping[str, Callable], dtype: torch.dtype, device,
+def msa_slice(ops: Mapping[str, Callable], dtype: torch.dtype, device, shape: Shape = Shape(),
               deterministic: bool = False) -> list[tolerances.Comparison]:
     """msa_forward and msa_backward (sparse_fwd, combine, sparse_kl, sparse_bwd, sparse_bwd_proxy) on the
     reference's selection; on CUDA also the plan kernels the sparse launchers plan with."""
     from flash_msa_rt import reference
 
-    p = problem_for(dtype)
+    p = problem_for(dtype, shape)
     x, _, _ = _inputs(p, device, seed=12)  # the inputs _proxied draws (same seed)
     sel = _msa_selection(x, p)
     comps = _proxied(ops, "msa_forward", "msa_backward", reference.msa_forward, reference.msa_backward,
-                     (sel, BLOCK), p, device, repeat_deterministic=deterministic)
+                     (sel, p.Bs), p, device, repeat_deterministic=deterministic)
     if torch.device(device).type == "cuda" and not deterministic:
         for row in check_plan(p, device, 13):
             if row.status == "FAIL":
@@ -103,31 +141,34 @@ def msa_slice(ops: Mapping[str, Callable], dtype: torch.dtype, device,
     return comps
 
 
-def deterministic_slice(ops, dtype, device) -> list[tolerances.Comparison]:
+def deterministic_slice(ops, dtype, device, shape: Shape = Shape()) -> list[tolerances.Comparison]:
     """msa_backward under torch.use_deterministic_algorithms: within tolerance and bitwise repeatable."""
-    return msa_slice(ops, dtype, device, deterministic=True)
+    return msa_slice(ops, dtype, device, shape, deterministic=True)
 
 
-def warmup_slice(ops: Mapping[str, Callable], dtype: torch.dtype, device) -> list[tolerances.Comparison]:
+def warmup_slice(ops: Mapping[str, Callable], dtype: torch.dtype, device,
+                 shape: Shape = Shape()) -> list[tolerances.Comparison]:
     """warmup_forward and warmup_backward (cuDNN's dense main attention where used, the proxy's KL pass and
     backward kernels)."""
     from flash_msa_rt import reference
 
     return _proxied(ops, "warmup_forward", "warmup_backward", reference.warmup_forward, reference.warmup_backward,
-                    (), problem_for(dtype), device)
+                    (), problem_for(dtype, shape), device)
 
 
-def block_sparse_slice(ops: Mapping[str, Callable], dtype: torch.dtype, device) -> list[tolerances.Comparison]:
+def block_sparse_slice(ops: Mapping[str, Callable], dtype: torch.dtype, device,
+                       shape: Shape = Shape()) -> list[tolerances.Comparison]:
     """block_sparse_forward and block_sparse_backward over random indices (-1 slots, a repeat, an empty row)."""
-    p = problem_for(dtype)
+    p = problem_for(dtype, shape)
     x, dout, g = _inputs(p, device, seed=14)
-    idx = block_sparse_indices(p.B, p.Hk, p.S, p.K, g, device)
+    idx = block_sparse_indices(p.B, p.Hk, p.S, p.K, g, device, p.Bs)
     q, k, v = x["q"], x["k"], x["v"]
-    out, lse = ops["block_sparse_forward"](q, k, v, idx, BLOCK, _SCALE, None)
+    scale = _scale(p)
+    out, lse = ops["block_sparse_forward"](q, k, v, idx, p.Bs, scale, None)
     out, lse = out.contiguous(), lse.float().contiguous()
-    grads = ops["block_sparse_backward"](q, k, v, out, lse, idx, BLOCK, _SCALE, dout, None)
+    grads = ops["block_sparse_backward"](q, k, v, out, lse, idx, p.Bs, scale, dout, None)
 
-    return block_sparse_comparisons(q, k, v, idx, _SCALE, dout, out, lse, grads)
+    return block_sparse_comparisons(q, k, v, idx, scale, dout, out, lse, grads, p.Bs)
 
 
 # family -> (its slice, the dispatch ops it proves)
