@@ -234,11 +234,12 @@ if [[ $mode == orders || $mode == pending ]]; then
   # The backward's item orders (issue 55; kernels_src/sparse_bwd/NOTES.md, "Lists cut at query bins"): every order
   # against the reference, then the whole graphed deferred-KL step at key blocks of 64 (where "bins" is the
   # backward's default; it lost at blocks of 128 and at D 256, sweep_bins.json) with bins of 8192 and 2048
-  # queries against the default 4096, and the forward's lists cut at bins too, at (b) and (a) (B = 1, 64K).
+  # queries against the default 4096, the forward's lists cut at bins too, and the forward's partials in 8 GiB
+  # chunks (twice the partials of blocks of 128 cut into twice the chunks), at (b) and (a) (B = 1, 64K).
   gpu_pytest gpu_tests_orders tests/test_sparse_bwd_gpu.py -k every_item_order || status=1
   python3 benchmarks/sweep_small.py b:65536:1:128:64 a:65536:1:128:64 --rounds 3 --reps 4 \
     --settings '[{"sparse_bwd": {"bin_queries": 8192}}, {"sparse_bwd": {"bin_queries": 2048}},
-                 {"sparse_fwd": {"item_order": "bins"}}]' \
+                 {"sparse_fwd": {"item_order": "bins"}}, {"sparse_fwd": {"partials_budget": 8589934592}}]' \
     --out "$out/sweep_orders.json" 2>&1 | tee "$out/sweep_orders.log" || status=1
 fi
 
