@@ -10,8 +10,8 @@
 # 10-minute device call (~160 s); producer: the warp-specialised main backward's checks, on and off (~150 s);
 # orders: the backward's item orders, lists cut at query bins against the defaults (not part of all);
 # sync256: the mma.sync kernels at D 256 (sm100a's), their matrix test and two sanitizers (not part of all);
-# pending: what the tree has built and not fully run on a GPU, in one ~9-minute call: the plan kernels, sync256
-# (its sanitizers have not run), then orders;
+# pending: what the tree has built and not fully run on a GPU, in one ~9-minute call: the plan kernels and the
+# guard's slices per shape, sync256 (its sanitizers have not run), then orders;
 # long: bf16 against fp8 selection, at 128K tokens per step and at B = 1 up to 1M tokens; dp64: (b) with a proxy
 # head dim of 64 beside 128 (config b64), at the same shapes (not part of all); cp: context parallelism's per-rank
 # compute at 1M over 2, 4, 8 simulated ranks (not part of all); warmup: warmup mode's whole op in exact and
@@ -213,8 +213,9 @@ if [[ $mode == producer ]]; then
 fi
 
 if [[ $mode == pending ]]; then
-  # The plan_lists kernels at key blocks of 64 and 128: their plans against the torch sort.
-  gpu_pytest gpu_tests_plans tests/test_sparse_plan_gpu.py || status=1
+  # The plan_lists kernels at key blocks of 64 and 128: their plans against the torch sort; the first-use guard's
+  # slices at every shape the artifacts carry.
+  gpu_pytest gpu_tests_plans tests/test_sparse_plan_gpu.py tests/test_guard_gpu.py || status=1
 fi
 
 if [[ $mode == sync256 || $mode == pending ]]; then
