@@ -84,7 +84,8 @@ def run(cfg: str, S: int, tokens: int, mma: str = "auto"):
     from flash_msa_rt.ops.device import arch_of
     from flash_msa_rt.ops.select import select_blocks_cuda
     from flash_msa_rt.ops.sparse_bwd import msa_backward_cuda
-    from flash_msa_rt.ops.sparse_plan import combine_kl_lse, sparse_plan
+    from flash_msa_rt.ops.partials import combine_kl_lse
+    from flash_msa_rt.ops.sparse_plan import sparse_plan
 
     x = random_problem(cfg, S, tokens)
     B, H, Hk, Hp, Hpk, D, G, scale = (x[n] for n in ("B", "H", "Hk", "Hp", "Hpk", "D", "G", "scale"))

@@ -27,7 +27,8 @@ import math
 
 import torch
 
-from flash_msa_rt.ops.sparse_plan import SparsePlan, empty_forward_partials, kl_groups, partial_shapes
+from flash_msa_rt.ops.partials import empty_forward_partials, kl_groups, partial_shapes
+from flash_msa_rt.ops.sparse_plan import SparsePlan
 from flash_msa_rt.reference.numerics import _ieee_fp32_matmul, compute_dtype, finite_or_zero
 
 

@@ -42,7 +42,7 @@ def test_forward_on_emulated_kernels_matches_the_reference(H, Hk, Hi, budget_hea
     (tests/sparse_emulate.py) on the views they are given, in one chunk or in chunks of kernel heads:
     out and lse are the reference's (float64 inputs; the launcher keeps the statistics in float32)."""
     from flash_msa_rt import reference
-    from flash_msa_rt.ops import sparse_fwd
+    from flash_msa_rt.ops import partials, sparse_fwd
     from flash_msa_rt.ops import sparse_plan as sp
     from tests.sparse_emulate import emulate_forward
 
@@ -69,7 +69,7 @@ def test_forward_on_emulated_kernels_matches_the_reference(H, Hk, Hi, budget_hea
             o_part[:], lse_part[:] = emulate_forward(plan, q, k, v, zeros, zeros[:, :, :1], scale)
 
         def combine(block_indices, o_part, lse_part, out, lse, query_offset):
-            out[:], lse[:] = sp.combine_forward(last["fwd"], block_indices, o_part, lse_part)
+            out[:], lse[:] = partials.combine_forward(last["fwd"], block_indices, o_part, lse_part)
 
         return {"sparse_fwd": fwd, "sparse_combine": combine}[op]
 
@@ -78,7 +78,7 @@ def test_forward_on_emulated_kernels_matches_the_reference(H, Hk, Hi, budget_hea
     L, G = block_sparse.kernel_heads(H, Hk, Hi), block_sparse.kernel_group(H, Hk, Hi)
     over = {}
     if budget_heads:  # chunks of kernel heads
-        per_head = B * S * K * (G * D * 2 + 4 * (G + 3 * sp.kl_groups(Bs)))
+        per_head = B * S * K * (G * D * 2 + 4 * (G + 3 * partials.kl_groups(Bs)))
         over = {"sparse_fwd": {"partials_budget": int(budget_heads * per_head)}}
         assert sparse_fwd.forward_chunks(B, S, L, Hk, L, K, G, D, Bs, int(budget_heads * per_head))[0] < L
     with tuning.override(**over):

@@ -174,7 +174,7 @@ def test_the_kl_pass_alone_plans_every_chunk_at_once(monkeypatch, tuned):
     forward's (float64)."""
     from flash_msa_rt import reference
     from flash_msa_rt.ops import sparse_fwd
-    from flash_msa_rt.ops.sparse_plan import combine_kl_lse, kl_groups
+    from flash_msa_rt.ops.partials import combine_kl_lse, kl_groups
     from tests.sparse_emulate import emulate_kl
 
     gen = torch.Generator().manual_seed(33)
@@ -220,7 +220,7 @@ def test_the_kl_pass_alone_sorts_one_head_group_at_a_time_past_max_cells(monkeyp
     lse pass); with the plan kernels and the pass emulated, lse_proxy and kl_rows are the reference forward's."""
     from flash_msa_rt import reference
     from flash_msa_rt.ops import sparse_fwd, sparse_plan as sp
-    from flash_msa_rt.ops.sparse_plan import combine_kl_lse, kl_groups
+    from flash_msa_rt.ops.partials import combine_kl_lse, kl_groups
     from tests.sparse_emulate import emulate_kl, plan_lists_kernels
 
     gen = torch.Generator().manual_seed(34)

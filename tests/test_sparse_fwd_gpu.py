@@ -248,7 +248,7 @@ def test_query_chunks_bound_the_partials(chunks, tuned):
 # key groups per slot: the ping-pong KL pass writes 1, the lockstep wgmma one 2, mma.sync 4
 @pytest.mark.parametrize("groups", [1, 2, 4])
 def test_combine_kl_kernel_matches_its_torch_statement(groups):
-    """sparse_combine_kl against sparse_plan.combine_kl_lse in float64 on random (A, T, L) triples, a chunk of
+    """sparse_combine_kl against partials.combine_kl_lse in float64 on random (A, T, L) triples, a chunk of
     queries at an offset: dead slots (-1, blocks after the local one) hold NaN that must be skipped, some groups
     have L = -inf (no causal key in them), some rows have no live slot at all (lse_proxy -inf, KL 0), and the
     outputs are views of longer (B, Hp, S) tensors that must stay untouched outside the chunk."""
@@ -256,7 +256,7 @@ def test_combine_kl_kernel_matches_its_torch_statement(groups):
     from flash_msa_rt.ops.sparse_fwd import combine_kl_config
     from types import SimpleNamespace
 
-    from flash_msa_rt.ops.sparse_plan import combine_kl_lse
+    from flash_msa_rt.ops.partials import combine_kl_lse
 
     g = torch.Generator(device="cuda").manual_seed(groups)
     B, Hp, S_total, K, Bs, s0 = 2, 3, 1300, 37, 128, 384  # K * groups > 32: lanes take several pairs

@@ -15,8 +15,8 @@ import torch
 import oracle
 from flash_msa_rt import tuning
 from tests.sparse_emulate import emulate_forward, emulate_kl
-from flash_msa_rt.ops.sparse_plan import (SparsePlan, combine_forward, combine_kl_lse, kl_groups, live_slots,
-                                          partials_bytes, recut, sparse_plan)
+from flash_msa_rt.ops.partials import combine_forward, combine_kl_lse, kl_groups, partials_bytes
+from flash_msa_rt.ops.sparse_plan import SparsePlan, live_slots, recut, sparse_plan
 from flash_msa_rt.reference.msa import msa_forward
 from flash_msa_rt.reference.selection import select_blocks
 

@@ -14,7 +14,8 @@ import torch
 from flash_msa_rt import reference, tuning
 from flash_msa_rt.ops import sparse_bwd, sparse_fwd
 from flash_msa_rt.ops import sparse_plan as sp
-from flash_msa_rt.ops.sparse_plan import combine_forward, combine_kl_lse, live_slots, recut, sparse_plan
+from flash_msa_rt.ops.partials import combine_forward, combine_kl_lse, kl_groups
+from flash_msa_rt.ops.sparse_plan import live_slots, recut, sparse_plan
 from flash_msa_rt.reference.selection import select_blocks
 from tests.sparse_emulate import (emulate_forward, emulate_kl, emulate_main_backward, emulate_proxy_backward,
                                    emulate_proxy_backward_launches)
@@ -164,7 +165,7 @@ def test_forward_launcher_on_a_chunk_matches_the_reference(name, query_chunks, m
     budget = 1 << 40
     if query_chunks:  # two or more query chunks of whole blocks
         G = H // Hp
-        budget = B * Hp * K * Bs * (G * D * 2 + 4 * (G + 3 * sp.kl_groups(Bs)))
+        budget = B * Hp * K * Bs * (G * D * 2 + 4 * (G + 3 * kl_groups(Bs)))
     with tuning.override(sparse_fwd={"chunks": "queries", "partials_budget": budget}):
         got = sparse_fwd.msa_forward_cuda(*_chunk(x, S), idx, Bs, scale, arch="sm90a")
         lse_p, kl = sparse_fwd.msa_kl_cuda(*_chunk(x, S)[:4], got[1], idx, Bs, scale, arch="sm90a")

@@ -9,7 +9,7 @@ Steps, all on the device with no host synchronisation:
   4. sparse_kl kernel (its own plan: tiles of 64 distinct queries): with the final lse, each entry's (A, T, L)
      shares of the KL and of the proxy lse per key group;
   5. sparse_combine_kl kernel: lse_proxy and kl_rows (KL = ln 2 * sum A + lse_proxy * sum T; its torch statement
-     is sparse_plan.combine_kl_lse).
+     is partials.combine_kl_lse).
 Internal layout (B, S, heads, D); the public API validates user input and routes here through dispatch.
 """
 
@@ -23,7 +23,8 @@ import torch
 from flash_msa_rt.errors import FlashMsaError
 from flash_msa_rt.loader import get_kernel
 from flash_msa_rt.ops.device import arch_of
-from flash_msa_rt.ops.sparse_plan import chunk_plans, kl_groups, list_kernel_configs, lists_on_device, sparse_plan
+from flash_msa_rt.ops.partials import kl_groups
+from flash_msa_rt.ops.sparse_plan import chunk_plans, list_kernel_configs, lists_on_device, sparse_plan
 from flash_msa_rt.tuning import sparse_fwd as tuning_fwd
 from flash_msa_rt.tuning.problem import Problem
 from flash_msa_rt.tuning.sparse_fwd import SparseFwdTuning

@@ -6,7 +6,7 @@ L = log2 sum_t 2^(s_p log2 e) (kernels_src.sparse_kl). Over the live slots (0 <=
 <= i // Bs) and all their groups:
   lse_proxy[b, p, i] = ln 2 * log2-sum-exp2 of L,
   kl_rows[b, p, i]   = ln 2 * sum A + lse_proxy * sum T    (ln pi = s_p - lse_p), 0 where sum T = 0,
-and a row without a live slot gets lse_proxy = -inf, KL = 0: flash_msa_rt.ops.sparse_plan.combine_kl_lse is the
+and a row without a live slot gets lse_proxy = -inf, KL = 0: flash_msa_rt.ops.partials.combine_kl_lse is the
 torch statement of the same merge. Row r of the tensors is query query_offset + r (the forward's query chunks).
 LANES_PER_ROW lanes per row (four rows per warp), each over the row's (slot, group) pairs l, l + 8, ..., then
 butterfly reductions within the row's lanes: one launch in place of ~20 torch ops per chunk ((b) S = 64K: 0.34 ms

@@ -4,7 +4,7 @@ Runs after the forward pass and its combine, over work items of 64 distinct quer
 tiles: kernels_src.sparse_bwd_proxy), with the final lse of every main head. For the entry d of (b, p, i, slot)
 and each key group of the slot's block it writes (A, T, L) to kl_part[d, group] (kernel.py says what they are):
 the groups are the key slices x key warps (or warpgroups) in lockstep, one whole block in ping-pong (key_groups);
-kernels_src.sparse_combine_kl (its torch statement: flash_msa_rt.ops.sparse_plan.combine_kl_lse) turns them into
+kernels_src.sparse_combine_kl (its torch statement: flash_msa_rt.ops.partials.combine_kl_lse) turns them into
 lse_proxy and kl_rows. Configs: sparse_bwd's tiles plus the schedule. This module does not import cutlass.
 """
 
