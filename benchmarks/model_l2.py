@@ -10,6 +10,10 @@ model reads from and writes to DRAM for each order, to compare with Nsight Compu
 
     python benchmarks/model_l2.py [--cfg b] [--seqlen 65536] [--orders list,query,bins:4096,bins:8192] [--l2-mb 50]
 
+--forward models sparse_fwd instead: per tile query its gathered q rows (2 G D bytes, read) and per entry its
+partial rows (2 G D + 4 G bytes, written whole: allocated in the cache, written back on eviction, never read), on
+its tiles of 128 rows; the combine's read of the partials is the same in every order and not counted.
+
 The selection is random: top-K distinct blocks of each query's causal prefix, its own block always among them
 (what the benchmarks' random inputs select).
 """
@@ -60,12 +64,16 @@ def tile_events(plan, slots: int, prologue: float):
     return items, events
 
 
-def dram_bytes(plan, G: int, D: int, Bs: int, l2_bytes: int, slots: int, prologue: float) -> dict:
-    """Bytes the LRU model reads and writes back, by kind."""
+def dram_bytes(plan, G: int, D: int, Bs: int, l2_bytes: int, slots: int, prologue: float,
+               forward: bool = False) -> dict:
+    """Bytes the LRU model reads and writes back, by kind. forward: sparse_fwd's traffic instead (q rows read,
+    each entry's partial rows written once, no dq)."""
     items, events = tile_events(plan, slots, prologue)
     query = plan.entry_query.tolist()
     tq = plan.tile_queries
     rows, dq, kv = 4 * G * D, 4 * G * D, 4 * Bs * D  # q + dO rows (bf16), dq rows (fp32), K + V block (bf16)
+    if forward:  # q rows (bf16); the entry's partial rows, G D in bf16 plus G fp32 lse, written
+        rows, part = 2 * G * D, 2 * G * D + 4 * G
     cache: collections.OrderedDict = collections.OrderedDict()
     used = 0
     read = collections.Counter()
@@ -82,7 +90,7 @@ def dram_bytes(plan, G: int, D: int, Bs: int, l2_bytes: int, slots: int, prologu
         while used > l2_bytes:
             old, old_size = cache.popitem(last=False)
             used -= old_size
-            if old[0] == "dq":
+            if old[0] in ("dq", "part"):
                 written += old_size
 
     for _, w, k in events:
@@ -91,9 +99,15 @@ def dram_bytes(plan, G: int, D: int, Bs: int, l2_bytes: int, slots: int, prologu
             touch(("kv", bp, j), kv, "key blocks")
             continue
         for e in range(start + k * tq, start + min(n, (k + 1) * tq)):
+            if forward:
+                touch(("rows", bp, query[e]), rows, "q rows")
+                touch(("part", e), part, "partials (allocated)")
+                continue
             touch(("rows", bp, query[e]), rows, "q, dO rows")
             touch(("dq", bp, query[e]), dq, "dq rows")
-    written += sum(size for key, size in cache.items() if key[0] == "dq")  # the final write-back
+    written += sum(size for key, size in cache.items() if key[0] in ("dq", "part"))  # the final write-back
+    if forward:  # a partial's lines are written whole: never read from DRAM
+        read.pop("partials (allocated)", None)
     return dict(read_gb={kind: v / 1e9 for kind, v in read.items()}, dq_written_gb=written / 1e9,
                 total_gb=(sum(read.values()) + written) / 1e9, items=len(items))
 
@@ -103,6 +117,8 @@ def main(argv=None):
     from flash_msa_rt.ops.sparse_plan import chunk_plans
     from flash_msa_rt.tuning.sparse_bwd import TILE_M
 
+    FORWARD_TILE_ROWS = 128  # kernels_src.sparse_fwd: two warpgroups x 64 rows
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cfg", default="b", choices=sorted(CONFIGS))
     ap.add_argument("--seqlen", type=int, default=65536)
@@ -111,6 +127,8 @@ def main(argv=None):
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=2048)
     ap.add_argument("--tiles-per-item", type=int, default=64)
+    ap.add_argument("--forward", action="store_true",
+                    help="sparse_fwd's traffic (q rows read, partial rows written) on its tiles of 128 rows")
     ap.add_argument("--orders", default="list,query,bins:4096,bins:8192")
     ap.add_argument("--halves", action="store_true",
                     help="select blocks of 2 Bs and run their halves (D 256's kernels on blocks of 128)")
@@ -135,13 +153,14 @@ def main(argv=None):
           f"{a.slots} CTA slots")
     for spec in a.orders.split(","):
         order, _, q = spec.partition(":")
-        (plan,), = chunk_plans(sel, Bs, G, Hp, a.seqlen, ((TILE_M // G, a.tiles_per_item),), order,
+        tile_rows = FORWARD_TILE_ROWS if a.forward else TILE_M
+        (plan,), = chunk_plans(sel, Bs, G, Hp, a.seqlen, ((tile_rows // G, a.tiles_per_item),), order,
                                bin_queries=int(q or 2048)).values()
-        r = dram_bytes(plan, G, D, Bs, int(a.l2_mb * 1e6), a.slots, a.prologue)
+        r = dram_bytes(plan, G, D, Bs, int(a.l2_mb * 1e6), a.slots, a.prologue, a.forward)
         result["orders"][spec] = r
         parts = ", ".join(f"{k} {v:.1f}" for k, v in r["read_gb"].items())
-        print(f"  {spec:>10}: {r['items']} items; DRAM {r['total_gb']:.1f} GB (read: {parts}; dq written back "
-              f"{r['dq_written_gb']:.1f})", flush=True)
+        print(f"  {spec:>10}: {r['items']} items; DRAM {r['total_gb']:.1f} GB (read: {parts}; "
+              f"{'partials' if a.forward else 'dq'} written back {r['dq_written_gb']:.1f})", flush=True)
     if a.out:
         a.out.write_text(json.dumps(result, indent=1))
 
