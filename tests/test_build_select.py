@@ -101,3 +101,47 @@ def test_serialised_wgmma_fails_the_build():
            "to insufficient register resources for the function 'kernel_x'\nptxas info    : Used 128 registers")
     assert ptxas_performance_warnings(log) == ("C7512: Potential Performance Loss: wgmma.mma_async instructions "
                                                "are serialized due to insufficient register resources",)
+
+
+def test_wide_schedule_builds_at_blocks_of_64_only(tmp_path):
+    """Schedule "wide" (blocks of 64 scored two per 128-key step, an opt-in build): K boxes and stages of 128 keys,
+    its ABI, no spills, the declared shared memory; refused at blocks of 128, on mma.sync or with other stages."""
+    from kernels_src.select import build_set
+
+    specs = variants(("sm90a",), sets="all", block_sizes=(64,), only=["select_bf16_d64_b64_k64_*schedwide*",
+                                                                      "select_e4m3_d128_b64_k16_*schedwide*"])
+    assert len(specs) == 2 and all(build_set(s.config_obj, "sm90a") == "opt_in" for s in specs)
+    outcomes = build(specs, tmp_path, jobs=2, progress=False)
+    assert all(o.status == "built" for o in outcomes), outcomes
+    m = Manifest.from_json(__import__("json").loads((tmp_path / "sm90a" / "manifest.json").read_text()))
+    for s in specs:
+        v = m.variants[s.name]
+        assert v.local_bytes == 0 and v.smem_bytes == s.config_obj.smem_bytes()
+        assert {p.box[1] for p in v.params if p.name == "tma_k"} == {128}  # a step's keys, not a block's
+        ptx = (tmp_path / "sm90a" / "ptx" / f"{s.name}.ptx").read_text()
+        assert ptx_facts.single_entry(ptx).params == param_layout(s.params)
+    # The same shared memory as the one-block loop at blocks of 128: two stages of 128 keys.
+    assert Config(block_size=64, max_k=64, mma="wgmma", schedule="wide").smem_bytes() == \
+        Config(block_size=128, max_k=64, mma="wgmma").smem_bytes()
+    for bad, why in ((Config(block_size=128, mma="wgmma", schedule="wide"), "block_size 128"),
+                     (Config(block_size=64, mma="sync", schedule="wide"), "'sync'"),
+                     (Config(block_size=64, mma="wgmma", schedule="wide", stages=3), "stages 3")):
+        ok, reason = can_implement(bad, "sm90a")
+        assert not ok and "schedule 'wide'" in reason and why in reason, reason
+
+
+def test_wide_schedule_reads_its_two_blocks_from_the_accumulator_halves():
+    """The wide kernel takes block 2 js's max from the first half of a thread's accumulator columns and block
+    2 js + 1's from the second: on cute's own partition, for all 128 threads (kernels_src/select/wgmma_check.py)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("from kernels_src.select.wgmma_check import wide_mismatches; e = wide_mismatches(); print(len(e)); "
+            "print(e[:3])")
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines()[0] == "0", run.stdout

@@ -343,3 +343,19 @@ def test_every_matrix_point_launches_what_its_one_command_builds(d, bs):
     missing = sorted(set(_names(launched, "sm90a")) - built)
     assert not missing, missing
     assert (kbs == 64) == (d == 256 and bs == 128) or kbs == bs == 64
+
+
+def test_the_wide_selection_schedule_launches_catalogued_variants_at_blocks_of_64_only():
+    """tuning.select's block64_schedule "wide" (opt-in build) reaches the select variants the catalogue makes with
+    it at key blocks of 64, in every dtype including fp8; blocks of 128 keep their loop; the default is "block"."""
+    built = {s.name for s in variants(("sm90a",), sets="all", block_sizes=(64, 128))}
+    assert rt_select.schedule_for("sm90a", "bf16", 64) == "block"
+    with tuning.override(select={"block64_schedule": "wide"}):
+        assert [rt_select.schedule_for("sm90a", p, bs) for p in ("bf16", "fp8") for bs in (64, 128)] == \
+            ["wide", "block", "wide", "block"]
+        launched = [("select", rt_select.kernel_config(rt_select.variant_dtype(dt, p), dp, 64, k,
+                                                       rt_select.mma_for("sm90a", p),
+                                                       rt_select.schedule_for("sm90a", p, 64)))
+                    for dt in DTYPES for p in ("bf16", "fp8") for dp in (64, 128) for k in (16, 64)]
+    names = _names(launched, "sm90a")
+    assert all("schedwide" in n for n in names) and not [n for n in names if n not in built]

@@ -176,3 +176,30 @@ def test_sparse_op_runs_on_cuda_with_kernel_selection():
     ref_out, _, _, kl_rows = msa_forward_cuda(t(qp), t(kp), t(q), t(k), t(v), sel, 128, D ** -0.5)
     assert torch.equal(out, ref_out.reshape(B, S, H * D))
     torch.testing.assert_close(kl, kl_rows.mean(), rtol=1e-6, atol=1e-8)  # a mean over rows: its order may differ
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("bf16", torch.float16),
+                                              ("fp8", torch.bfloat16)], ids=["bf16", "f16", "fp8"])
+def test_wide_schedule_selects_as_the_one_block_loop(precision, dtype, tuned, launched_kernels):
+    """Blocks of 64 scored two per 128-key step (tuning.select block64_schedule "wide", an opt-in build) against
+    the one-block loop on the same inputs: the same products and the same comparisons in the same block order, so
+    the same selection bit for bit. Odd and even block counts (the last step's second block past the keys), keys
+    longer than queries, K through 16 / 64 slots, several forced blocks; then against the contract."""
+    from flash_msa_rt.ops.select import select_blocks_cuda
+
+    cases = []
+    for S, Sk, K, L in ((4096 + 77, 4096 + 77, 16, 1), (4096 + 130, 4096 + 130, 32, 3), (999, 2048 + 999, 40, 2),
+                        (64 * 33, 64 * 33, 8, 1), (63, 63, 4, 1)):
+        q, _ = make_inputs(2, S, 4, 2, 128, dtype, seed=S + K)
+        _, k = make_inputs(2, Sk, 4, 2, 128, dtype, seed=Sk + 7)
+        cases.append((q, k, K, L))
+    want = [select_blocks_cuda(q, k, K, 64, 0.09, precision, L) for q, k, K, L in cases]
+    tuned(select={"block64_schedule": "wide"})
+    launched_kernels.clear()
+    for (q, k, K, L), w in zip(cases, want):
+        assert torch.equal(select_blocks_cuda(q, k, K, 64, 0.09, precision, L), w), (q.shape, k.shape, K, L)
+    assert launched_kernels and all("schedwide" in n for n in launched_kernels if n.startswith("select_")), \
+        launched_kernels
+    if precision == "bf16":
+        q, k = make_inputs(1, 4173, 2, 1, 64, dtype, seed=5)  # Dp 64
+        check_selection(select_blocks_cuda(q, k, 32, 64, 64 ** -0.5), q, k, 32, 64, 64 ** -0.5)

@@ -75,7 +75,7 @@ def _select_supports(problem: Problem) -> str | None:
                 f"in {dims}, block_size {sizes}, K <= {max(loader.built_values('select', 'max_k', arch), default=0)})")
     precision = c.get("select_precision", "bf16")
     config = select.kernel_config(dt, dp, bs, max_k, select.mma_for(arch, precision),
-                                  select.schedule_for(arch, precision))
+                                  select.schedule_for(arch, precision, bs))
     quantize = select.quantize_variants(_DTYPE_NAMES[problem.dtype], dp, bs, arch, precision)
     return _built(problem, [("select", config), *quantize])
 

@@ -36,9 +36,16 @@ def kernel_config(dtype: str, head_dim: int, block_size: int, max_k: int, mma: s
             "threads": 128, "stages": PAIRS_STAGES if schedule == "pairs" else 2, "mma": mma, "schedule": schedule}
 
 
-def schedule_for(arch: str, precision: str) -> str:
-    """The tuning policy's loop schedule; only fp8 variants are built with "pairs"."""
-    return tuning_select.choose(arch).schedule if precision == "fp8" else "block"
+def schedule_for(arch: str, precision: str, block_size: int = 128) -> str:
+    """The tuning policy's loop schedule: at key blocks of 64 its block64_schedule ("wide": two blocks per step,
+    every dtype), otherwise fp8's schedule ("pairs" is built for e4m3 only) or the one-block loop."""
+    t = tuning_select.choose(arch)
+    if block_size == WIDE_BLOCK and t.block64_schedule == "wide":
+        return "wide"
+    return t.schedule if precision == "fp8" else "block"
+
+
+WIDE_BLOCK = 64  # kernels_src.select's "wide" schedule: blocks of 64 scored two per 128-key step
 
 
 def max_k_for(top_k_blocks: int, arch: str) -> int | None:
@@ -90,7 +97,8 @@ def select_blocks_cuda(q_proxy: torch.Tensor, k_proxy: torch.Tensor, top_k_block
         return out
     arch = arch_of(q_proxy.device)
     config = kernel_config(variant_dtype(DTYPES[q_proxy.dtype], precision), Dp, block_size,
-                           max_k_for(top_k_blocks, arch), mma_for(arch, precision), schedule_for(arch, precision))
+                           max_k_for(top_k_blocks, arch), mma_for(arch, precision),
+                           schedule_for(arch, precision, block_size))
     kernel = get_kernel("select", config, q_proxy.device)
     if precision == "fp8":
         q8, k8, k_scale = quantize(q_proxy, k_proxy, block_size, arch)

@@ -14,6 +14,7 @@ from flash_msa_rt.tuning.problem import Problem
 class SelectTuning:
     mma: str  # the score tiles' MMA: "sync" | "wgmma"
     schedule: str = "block"  # fp8 selection's loop: "block" | "pairs" (two key blocks per step; opt-in build)
+    block64_schedule: str = "block"  # the loop at key blocks of 64: "block" | "wide" (two per 128-key step; opt-in)
 
 
 register("select", SelectTuning)
@@ -29,4 +30,7 @@ def _choose(arch: str, overrides: Overrides) -> SelectTuning:
     # "block": fp8 selection measured 972-1,038 TFLOP/s with it (benchmarks/results/fp8_select.json, 44e5293);
     # "pairs" has not run on a GPU yet (an opt-in build: kernels_src/select/NOTES.md, "Levers left").
     return SelectTuning(mma=o.get("mma", default_mma(arch)),  # default_mma: select 20.07 -> 15.82 ms on wgmma
-                        schedule=o.get("schedule", "block"))
+                        schedule=o.get("schedule", "block"),
+                        # "wide" (blocks of 64 scored as blocks of 128, kernels_src/select/NOTES.md) has not run on
+                        # a GPU yet: an opt-in build until it has, and been measured against "block".
+                        block64_schedule=o.get("block64_schedule", "block"))

@@ -46,7 +46,8 @@ class Config:
     # on shared-memory descriptors, sm90a only: kernels_src/select/wgmma.py)
     mma: str = "sync"
     # "block": one key block per loop step; "pairs" (e4m3 on wgmma, 4 stages): two per step, block j + 1's
-    # products issued while block j's second half is reduced (kernels_src/select/wgmma.py, ProxySelectWGPairs)
+    # products issued while block j's second half is reduced (kernels_src/select/wgmma.py, ProxySelectWGPairs);
+    # "wide" (blocks of 64 on wgmma): two per step scored as one block of 128 (ProxySelectWGWide)
     schedule: str = "block"
 
     def variant_name(self, arch: str) -> str:
@@ -60,8 +61,16 @@ class Config:
         head = _align(head, 4) + self.max_k * self.tile_m * 4
         head = _align(head, 2) + self.max_k * self.tile_m * 2
         s_q = _align(self.tile_m * self.head_dim * e, 1024)
-        s_k = _align(self.stages * self.block_size * self.head_dim * e, 1024)
+        s_k = _align(self.stages * self.step_keys() * self.head_dim * e, 1024)
         return _align(head, 1024) + s_q + s_k
+
+
+    def step_keys(self) -> int:
+        """Keys a loop step loads into one K stage and scores: the block, or two blocks of 64 in "wide"."""
+        return WIDE_STEP_KEYS if self.schedule == "wide" else self.block_size
+
+
+WIDE_STEP_KEYS = 128
 
 
 def _align(x: int, a: int) -> int:
@@ -69,15 +78,15 @@ def _align(x: int, a: int) -> int:
 
 
 MMAS = ("sync", "wgmma")
-SCHEDULES = ("block", "pairs")
+SCHEDULES = ("block", "pairs", "wide")
 PAIRS_STAGES = 4  # the pair in use and the next pair in flight
 
 
 def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     """The default set: bf16 and f16, Dp 128 and 64 (a smaller proxy is the other way to cheapen selection), Bs 128,
     max_k 16 (top_k <= 2048) and 64 (top_k <= 8192), on both MMAs (can_implement keeps wgmma to sm90a); fp8
-    (e4m3) on wgmma. An explicit dtypes choice of bf16 or f16 brings the fp8 variants along: fp8 selection runs on
-    bf16 and f16 inputs alike."""
+    (e4m3) on wgmma; the opt-in schedules ("pairs" for fp8, "wide" at blocks of 64). An explicit dtypes choice of
+    bf16 or f16 brings the fp8 variants along: fp8 selection runs on bf16 and f16 inputs alike."""
     dts = tuple(dtypes) if dtypes else DTYPES
     if dtypes and "e4m3" not in dts:
         dts += ("e4m3",)
@@ -86,7 +95,10 @@ def configs(head_dims=None, block_sizes=None, dtypes=None) -> list[Config]:
     base = [Config(dtype=dt, head_dim=dp, block_size=bs, max_k=k, mma=m)
             for dt in dts for dp in dps for bs in bss for k in (16, 64) for m in MMAS
             if not (dt == "e4m3" and m != "wgmma")]
-    return base + [dataclasses.replace(c, schedule="pairs", stages=PAIRS_STAGES) for c in base if c.dtype == "e4m3"]
+    pairs = [dataclasses.replace(c, schedule="pairs", stages=PAIRS_STAGES) for c in base if c.dtype == "e4m3"]
+    wide = [dataclasses.replace(c, schedule="wide") for c in base
+            if c.mma == "wgmma" and 2 * c.block_size == WIDE_STEP_KEYS]
+    return base + pairs + wide
 
 
 def can_implement(config: Config, arch: str) -> tuple[bool, str]:
@@ -102,6 +114,11 @@ def can_implement(config: Config, arch: str) -> tuple[bool, str]:
     if reason is None and c.schedule == "pairs" and (c.dtype, c.mma, c.stages) != ("e4m3", "wgmma", PAIRS_STAGES):
         reason = (f"schedule 'pairs' is built for dtype 'e4m3' on mma 'wgmma' with {PAIRS_STAGES} stages, not "
                   f"{c.dtype!r} / {c.mma!r} / {c.stages}")
+    half = WIDE_STEP_KEYS // 2
+    if reason is None and c.schedule == "wide" and (c.mma, c.block_size, c.stages) != ("wgmma", half, 2):
+        reason = (f"schedule 'wide' (two blocks of {half} per {WIDE_STEP_KEYS}-key step) is built on mma 'wgmma' "
+                  f"with 2 stages at block_size {half}, not mma {c.mma!r}, stages {c.stages}, "
+                  f"block_size {c.block_size}")
     return verdict(reason or smem_refusal(c.smem_bytes(), arch))
 
 
@@ -115,6 +132,9 @@ def params(config: Config) -> tuple:
     (L, 1 <= L <= K, checked by the op; the kernel clamps it to [1, min(K, max_k)]) is the number of forced blocks
     per row: a runtime scalar, so every L runs on the same variants."""
     o = proxy_operands(config, key_len="Sk")
+    if config.step_keys() != config.block_size:  # "wide": a K box holds a step's keys, two blocks
+        box = o["tma_k"].box
+        o["tma_k"] = dataclasses.replace(o["tma_k"], box=(box[0], config.step_keys(), *box[2:]))
     block_indices = TensorParam("block_indices", "i32", ("B", "Hp", "S", "K"), ("i64", "i64", "i64", 1), align=4)
     k_scale = (TensorParam("k_scale", "f32", ("B", "NB", "Hpk"), ("i64", "i64", 1), align=4),) if is_fp8(config) else ()
     return (o["q_proxy"], o["k_proxy"], block_indices, *k_scale, ScalarParam("scale", "f32"),
@@ -128,8 +148,8 @@ def is_fp8(config: Config) -> bool:
 
 def build_set(config: Config, arch: str) -> str:
     """max_k 16 and 64 are the default paths' (the smallest that holds top_k runs); the MMA decides the rest. The
-    pairs schedule is opt-in until it has run on the GPU (tuning.select's schedule)."""
-    if config.schedule == "pairs":
+    pairs and wide schedules are opt-in until they have run on the GPU (tuning.select)."""
+    if config.schedule in ("pairs", "wide"):
         return OPT_IN
     return mma_set(config.mma, arch)
 

@@ -8,6 +8,8 @@ from kernels_src.spec import Compiled
 def compile(config: Config, arch: str) -> Compiled:  # noqa: A001 - the build_tools entry point name
     if config.schedule == "pairs":
         from kernels_src.select.wgmma import ProxySelectWGPairs as Kernel
+    elif config.schedule == "wide":
+        from kernels_src.select.wgmma import ProxySelectWGWide as Kernel
     elif config.mma == "wgmma":
         from kernels_src.select.wgmma import ProxySelectWG as Kernel
     else:

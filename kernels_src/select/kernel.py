@@ -44,6 +44,9 @@ class ProxySelect(ProxyBlockScores):
     def __init__(self, config: Config):
         super().__init__(config)
         self.max_k = config.max_k
+        # The selection's key block (the blocks ranked, forced and written); block_size is the block a loop step
+        # loads and scores, the same block except where a subclass scores several per step (wgmma.py, "wide").
+        self.select_block = config.block_size
 
     @cute.jit
     def __call__(
@@ -115,8 +118,8 @@ class ProxySelect(ProxyBlockScores):
         query_offset = k_proxy.shape[1] - seqlen
         pos0 = m0 + query_offset
         rows_valid = cutlass.min(self.tile_m, seqlen - m0)
-        n_blocks = cute.ceil_div(pos0 + rows_valid, self.block_size)
-        first_masked = (pos0 + 1) // self.block_size
+        n_blocks = cute.ceil_div(pos0 + rows_valid, self.select_block)
+        first_masked = (pos0 + 1) // self.select_block
         top_k = block_indices.shape[3]
         # L clamped to [1, min(K, max_k)] (the op checks 1 <= L <= K <= max_k): the L forced blocks take the last
         # places, so no write ever leaves the row
@@ -137,7 +140,7 @@ class ProxySelect(ProxyBlockScores):
             if quad_lane == r:
                 row = t.coord_mn[r, 0][0]
         i = m0 + row
-        local_block = (pos0 + row) // self.block_size
+        local_block = (pos0 + row) // self.select_block
         first_forced = local_block - n_forced + 1  # negative near the sequence start: every block is forced
 
         # Empty slots score -inf with block -1: any real (finite) score beats them.
@@ -150,12 +153,16 @@ class ProxySelect(ProxyBlockScores):
 
         heap = RowHeap(slot_score=slot_score, slot_block=slot_block, row=row, n_slots=n_slots,
                        first_forced=first_forced)
-        self.start_loads(t, tidx, warp_idx, n_blocks)
+        self.start_loads(t, tidx, warp_idx, self.load_steps(n_blocks))
         self.scan_blocks(t, tiled_mma, warp_idx, n_blocks, pos0, first_masked, quad_lane, scale, k_scale, b,
                          p // group, heap, worst_score)
 
         if i < seqlen:
             self.write_selection(block_indices, slot_block, b, p, i, row, local_block, first_forced, n_slots, top_k)
+
+    def load_steps(self, n_blocks):
+        """Loop steps, each loading one K stage, for n_blocks selection blocks (trace time): one per block here."""
+        return n_blocks
 
     @cute.jit
     def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, pos0, first_masked, quad_lane, scale, k_scale, b, pk,

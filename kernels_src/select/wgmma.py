@@ -181,3 +181,92 @@ class ProxySelectWGPairs(ProxySelectWG):
             maxes += self.half_row_maxes(t, 1, j, pos0, first_masked)
             score = self.owned(maxes, quad_lane, scale, kb)
         self.offer(heap, score, n_blocks - 1, worst_score)
+
+
+def _tree_max(acc_mn, r, lo: int, hi: int):
+    """max of row r's columns [lo, hi) as a tree (depth log2, not a chain of dependent maxima); plain Python at
+    trace time, so its loops unroll."""
+    vals = [acc_mn[r, c] for c in range(lo, hi)]
+    while len(vals) > 1:
+        vals = [cute.arch.fmax(vals[i], vals[i + 1]) if i + 1 < len(vals) else vals[i] for i in range(0, len(vals), 2)]
+    return vals[0]
+
+
+class ProxySelectWGWide(ProxySelectWG):
+    """Blocks of 64 scored two per loop step (schedule "wide"): a step loads 128 keys, blocks 2 js and 2 js + 1, and
+    scores them as the one-block loop scores a block of 128 (two m64n128 groups, one per 64-row half, half 0
+    reduced while half 1 runs, the previous step's offers under both). A row's two block maxima come from the two
+    column halves of its accumulator: a thread's columns are (pair, n8 tile) with the pair fastest, column
+    8 tile + 2 (lane % 4) + pair, so its first half (tiles 0-7) holds keys 0-63. Per key this halves the steps
+    (stage wait, CTA barrier, refill, wgmma issue and wait) and doubles the products' width; the reductions,
+    butterflies and heap offers per block stay. Shared memory: two stages of 128 keys (the block-of-128 kernel's)."""
+
+    BLOCKS_PER_STEP = 2
+
+    def __init__(self, config):
+        super().__init__(config)
+        if config.block_size * self.BLOCKS_PER_STEP != 128:
+            raise ValueError(f"{type(self).__name__}: block_size {config.block_size}; 64 only (steps of 128 keys)")
+        self.block_size = config.block_size * self.BLOCKS_PER_STEP  # a step's keys: TMA boxes, stages, products
+
+    def load_steps(self, n_blocks):
+        return (n_blocks + 1) // self.BLOCKS_PER_STEP
+
+    @cute.jit
+    def half_pair_maxes(self, t, h: cutlass.Constexpr, js, pos0, first_masked_step):
+        """Step js's two block maxima over their causal keys for each of half h's two rows of this thread's quad,
+        [(block 2 js, block 2 js + 1), ...] (quad butterflies: every lane of the quad holds them)."""
+        acc_mn = t.half_acc_mn[h]
+        if js >= first_masked_step:
+            self.mask_causal(acc_mn, t.half_coord_mn, pos0 + h * WARPGROUP_ROWS, js * self.block_size)
+        n_cols = cute.size(acc_mn, mode=[1])
+        maxes = []
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            pair = []
+            for part in cutlass.range_constexpr(self.BLOCKS_PER_STEP):
+                m = _tree_max(acc_mn, r, part * n_cols // 2, (part + 1) * n_cols // 2)
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
+                pair.append(cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1)))
+            maxes.append(pair)
+        return maxes
+
+    @cute.jit
+    def scan_blocks(self, t, tiled_mma, warp_idx, n_blocks, pos0, first_masked, quad_lane, scale, k_scale, b, pk,
+                    heap, worst_score):
+        """Per step js: both halves issued; step js - 1's two scores offered (ascending) while they run; half 0
+        reduced while half 1 runs; then half 1. A last block 2 js + 1 = n_blocks past the keys is offered with a
+        score of -inf beyond every row's first forced block, so it never enters."""
+        n_steps = self.load_steps(n_blocks)
+        first_masked_step = first_masked // self.BLOCKS_PER_STEP  # steps below it hold no key past the first row
+        score0 = -cutlass.Float32.inf  # step js - 1's scores of the owned row (none before step 0)
+        score1 = -cutlass.Float32.inf
+        for js in cutlass.range(n_steps, unroll=1):
+            j = self.BLOCKS_PER_STEP * js
+            kb0 = self.key_block_scale(k_scale, b, j, pk)  # loaded ahead of the products they scale
+            kb1 = self.key_block_scale(k_scale, b, cutlass.min(j + 1, n_blocks - 1), pk)  # k_scale has NB rows
+            stage = js % self.stages
+            cute.arch.mbarrier_wait(t.k_full + stage, (js // self.stages) % 2)
+            for h in cutlass.range_constexpr(2):
+                self.issue_half(t, js, h)
+            if js > 0:
+                worst_score = self.offer(heap, score0, j - 2, worst_score)
+                worst_score = self.offer(heap, score1, j - 1, worst_score)
+
+            warpgroup.wait_group(1)
+            maxes = self.half_pair_maxes(t, 0, js, pos0, first_masked_step)
+            warpgroup.wait_group(0)
+            cute.arch.sync_threads()  # every warp is past its reads of K stage js: warp 0 refills it
+            if warp_idx == 0:
+                if js + self.stages < n_steps:
+                    self.load_k_block(t.tma_atom_k, t.t_k_g, t.t_k_s, t.k_full, t.k_bytes, js + self.stages, stage)
+            maxes += self.half_pair_maxes(t, 1, js, pos0, first_masked_step)
+
+            score0 = -cutlass.Float32.inf
+            score1 = -cutlass.Float32.inf
+            for r in cutlass.range_constexpr(len(maxes)):
+                if quad_lane == r:
+                    score0 = self.scaled(maxes[r][0], scale, kb0)
+                    score1 = self.scaled(maxes[r][1], scale, kb1)
+        last = self.BLOCKS_PER_STEP * n_steps - 2
+        worst_score = self.offer(heap, score0, last, worst_score)
+        self.offer(heap, score1, last + 1, worst_score)
