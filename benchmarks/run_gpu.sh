@@ -10,8 +10,9 @@
 # 10-minute device call (~160 s); producer: the warp-specialised main backward's checks, on and off (~150 s);
 # orders: the backward's item orders, lists cut at query bins against the defaults (not part of all);
 # sync256: the mma.sync kernels at D 256 (sm100a's), their matrix test and two sanitizers (not part of all);
-# pending: what the tree has built and not fully run on a GPU, in one ~9-minute call: the plan kernels and the
-# guard's slices per shape, sync256 (its sanitizers have not run), then orders;
+# pending: what the tree has built and not fully run on a GPU, in one ~10-minute call: the plan kernels, the
+# guard's slices per shape, selection's "wide" schedule at blocks of 64, sync256 (its sanitizers have not run),
+# then orders;
 # long: bf16 against fp8 selection, at 128K tokens per step and at B = 1 up to 1M tokens; dp64: (b) with a proxy
 # head dim of 64 beside 128 (config b64), at the same shapes (not part of all); cp: context parallelism's per-rank
 # compute at 1M over 2, 4, 8 simulated ranks (not part of all); warmup: warmup mode's whole op in exact and
@@ -216,6 +217,11 @@ if [[ $mode == pending ]]; then
   # The plan_lists kernels at key blocks of 64 and 128: their plans against the torch sort; the first-use guard's
   # slices at every shape the artifacts carry.
   gpu_pytest gpu_tests_plans tests/test_sparse_plan_gpu.py tests/test_guard_gpu.py || status=1
+  # Selection at key blocks of 64 in 128-key steps (schedule "wide", opt-in: artifacts built with --set all
+  # --block-size 64): bit for bit the one-block loop's selection, then both timed at top_k 2048 (K = 32).
+  gpu_pytest gpu_tests_select_wide tests/test_select_gpu.py -k wide_schedule || status=1
+  python3 benchmarks/bench_select.py --block-size 64 --schedules block,wide --proxy-dims 64,128 --k-values 32 \
+    --lengths 16384,65536,131072 2>&1 | tee "$out/bench_select_b64.log" || status=1
 fi
 
 if [[ $mode == sync256 || $mode == pending ]]; then
