@@ -353,6 +353,7 @@ def test_the_wide_selection_schedule_launches_catalogued_variants_at_blocks_of_6
     with tuning.override(select={"block64_schedule": "wide"}):
         assert [rt_select.schedule_for("sm90a", p, bs) for p in ("bf16", "fp8") for bs in (64, 128)] == \
             ["wide", "block", "wide", "block"]
+        assert rt_select.schedule_for("sm100a", "bf16", 64) == "block"  # mma.sync: no wide form
         launched = [("select", rt_select.kernel_config(rt_select.variant_dtype(dt, p), dp, 64, k,
                                                        rt_select.mma_for("sm90a", p),
                                                        rt_select.schedule_for("sm90a", p, 64)))

@@ -28,6 +28,7 @@ def variant_dtype(input_dtype: str, precision: str) -> str:
 
 
 PAIRS_STAGES = 4  # kernels_src.select's: the pair in use and the next one in flight
+WIDE_BLOCK = 64  # kernels_src.select's "wide" schedule: blocks of 64 scored two per 128-key step (wgmma only)
 
 
 def kernel_config(dtype: str, head_dim: int, block_size: int, max_k: int, mma: str, schedule: str = "block") -> dict:
@@ -37,15 +38,12 @@ def kernel_config(dtype: str, head_dim: int, block_size: int, max_k: int, mma: s
 
 
 def schedule_for(arch: str, precision: str, block_size: int = 128) -> str:
-    """The tuning policy's loop schedule: at key blocks of 64 its block64_schedule ("wide": two blocks per step,
-    every dtype), otherwise fp8's schedule ("pairs" is built for e4m3 only) or the one-block loop."""
+    """The tuning policy's loop schedule: at key blocks of 64 on wgmma its block64_schedule ("wide": two blocks per
+    step, every dtype), otherwise fp8's schedule ("pairs" is built for e4m3 only) or the one-block loop."""
     t = tuning_select.choose(arch)
-    if block_size == WIDE_BLOCK and t.block64_schedule == "wide":
+    if block_size == WIDE_BLOCK and t.block64_schedule == "wide" and mma_for(arch, precision) == "wgmma":
         return "wide"
     return t.schedule if precision == "fp8" else "block"
-
-
-WIDE_BLOCK = 64  # kernels_src.select's "wide" schedule: blocks of 64 scored two per 128-key step
 
 
 def max_k_for(top_k_blocks: int, arch: str) -> int | None:
