@@ -184,7 +184,7 @@ def test_wide_schedule_selects_as_the_one_block_loop(precision, dtype, tuned, la
     """Blocks of 64 scored two per 128-key step (tuning.select block64_schedule "wide", an opt-in build) against
     the one-block loop on the same inputs: the same products and the same comparisons in the same block order, so
     the same selection bit for bit. Odd and even block counts (the last step's second block past the keys), keys
-    longer than queries, K through 16 / 64 slots, several forced blocks; then against the contract."""
+    longer than queries, K through 16 / 64 slots, several forced blocks, NaN inputs; then against the contract."""
     from flash_msa_rt.ops.select import select_blocks_cuda
 
     cases = []
@@ -192,6 +192,12 @@ def test_wide_schedule_selects_as_the_one_block_loop(precision, dtype, tuned, la
                         (64 * 33, 64 * 33, 8, 1), (63, 63, 4, 1)):
         q, _ = make_inputs(2, S, 4, 2, 128, dtype, seed=S + K)
         _, k = make_inputs(2, Sk, 4, 2, 128, dtype, seed=Sk + 7)
+        cases.append((q, k, K, L))
+    if precision == "bf16":  # a NaN query row and a NaN key: both schedules rank NaN scores alike (max.NaN)
+        q, k, K, L = cases[0]
+        q, k = q.clone(), k.clone()
+        q[0, 3000, 1, 5] = float("nan")
+        k[1, 700, 0, 9] = float("nan")
         cases.append((q, k, K, L))
     want = [select_blocks_cuda(q, k, K, 64, 0.09, precision, L) for q, k, K, L in cases]
     tuned(select={"block64_schedule": "wide"})

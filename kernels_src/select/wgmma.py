@@ -184,11 +184,13 @@ class ProxySelectWGPairs(ProxySelectWG):
 
 
 def _tree_max(acc_mn, r, lo: int, hi: int):
-    """max of row r's columns [lo, hi) as a tree (depth log2, not a chain of dependent maxima); plain Python at
+    """max of row r's columns [lo, hi) as a tree (depth log2, not a chain of dependent maxima), NaN-propagating as
+    the one-block loop's row reduction is (max.NaN: a NaN score ranks alike in both schedules); plain Python at
     trace time, so its loops unroll."""
     vals = [acc_mn[r, c] for c in range(lo, hi)]
     while len(vals) > 1:
-        vals = [cute.arch.fmax(vals[i], vals[i + 1]) if i + 1 < len(vals) else vals[i] for i in range(0, len(vals), 2)]
+        vals = [cute.arch.fmax(vals[i], vals[i + 1], nan=True) if i + 1 < len(vals) else vals[i]
+                for i in range(0, len(vals), 2)]
     return vals[0]
 
 
